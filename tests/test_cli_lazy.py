@@ -1,0 +1,27 @@
+"""`kvrig --help` and device commands must never import MLX (startup speed, and machines without it)."""
+
+import subprocess
+import sys
+
+CODE = """
+import sys
+from toolchain.cli import main
+try:
+    main(["--help"])
+except SystemExit:
+    pass
+heavy = sorted(m for m in sys.modules if m.split('.')[0] in {'mlx', 'mlx_lm', 'coremltools', 'transformers'})
+print('HEAVY=' + ','.join(heavy))
+"""
+
+
+def test_help_does_not_import_mlx():
+    out = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, check=True).stdout
+    assert "Commands" in out
+    assert "HEAVY=\n" in out or out.rstrip().endswith("HEAVY=")
+
+
+def test_unknown_command_is_usage_error():
+    proc = subprocess.run([sys.executable, "-m", "toolchain", "no-such-command"], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "no-such-command" in proc.stderr

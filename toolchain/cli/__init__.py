@@ -1,0 +1,66 @@
+"""The `kvrig` command. Command groups are imported lazily so `kvrig --help` and the device commands never
+import MLX; errors from the library are mapped to messages and exit codes here, in one place."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+from toolchain import __version__
+from toolchain.exceptions import KvrigError
+
+# command name -> "module:attribute"; the module is imported only when the command runs.
+COMMANDS: dict[str, str] = {
+    "plan": "toolchain.cli.plan:plan",
+    "profiles": "toolchain.cli.profiles:profiles",
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        target = COMMANDS.get(cmd_name)
+        if target is None:
+            return None
+        module_name, attr = target.split(":")
+        return getattr(importlib.import_module(module_name), attr)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        # Help lists each command with its first docstring line without importing its module.
+        rows = [(name, _SHORT_HELP.get(name, "")) for name in self.list_commands(ctx)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+_SHORT_HELP: dict[str, str] = {
+    "plan": "Plan memory for a model on a device: weights, KV cache per scheme, max context.",
+    "profiles": "List and show the device profiles kvrig knows.",
+}
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="kvrig")
+def cli() -> None:
+    """kvrig: the longest context your quantized LLM can hold on an iPhone without being killed."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        cli.main(args=argv, prog_name="kvrig", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("Aborted.", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except KvrigError as exc:
+        click.echo(f"kvrig: error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -1,0 +1,151 @@
+"""Every error kvrig raises on purpose. The CLI maps each class to a message and an exit code.
+
+Exit codes: 1 unexpected, 2 command-line usage (click), then one per family below so scripts and CI can
+tell "your input file is wrong" from "it does not fit" from "the phone went away".
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class KvrigError(Exception):
+    """Root of all kvrig errors."""
+
+    exit_code = 1
+
+
+# --- input files: configs, profiles, schemas (exit 3) ---------------------------------------------------
+
+
+class InputError(KvrigError):
+    """A file we read is wrong: names the file, the field and what was expected."""
+
+    exit_code = 3
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        file: str | Path | None = None,
+        field: str | None = None,
+        expected: str | None = None,
+    ) -> None:
+        self.file = str(file) if file is not None else None
+        self.field = field
+        self.expected = expected
+        parts = []
+        if self.file:
+            parts.append(self.file)
+        if field:
+            parts.append(f"field '{field}'")
+        prefix = ": ".join(parts)
+        text = f"{prefix}: {message}" if prefix else message
+        if expected:
+            text += f" (expected {expected})"
+        super().__init__(text)
+
+
+class ProfileError(InputError):
+    """A device profile is missing, unknown or malformed."""
+
+
+class ModelConfigError(InputError):
+    """A model's config.json or GGUF metadata is missing fields or inconsistent."""
+
+
+class SchemaError(InputError):
+    """A contract file (kvcache.json, manifest.json, soak plan, results) does not match its schema."""
+
+
+# --- models and planning (exit 4, 5) ---------------------------------------------------------------------
+
+
+class UnsupportedArchitectureError(KvrigError):
+    """The model's architecture is not one kvrig knows how to account for."""
+
+    exit_code = 4
+
+    def __init__(self, architecture: str, supported: list[str], *, file: str | Path | None = None) -> None:
+        self.architecture = architecture
+        self.supported = supported
+        where = f"{file}: " if file else ""
+        super().__init__(
+            f"{where}unsupported architecture '{architecture}'; supported: {', '.join(sorted(supported))}"
+        )
+
+
+class QuantizationError(KvrigError):
+    """A quantization setting cannot be applied (e.g. head dim not divisible by the group size)."""
+
+    exit_code = 5
+
+
+class DoesNotFitError(KvrigError):
+    """The plan says this configuration exceeds the device's memory limit."""
+
+    exit_code = 6
+
+
+# --- bundles (exit 7, 8) -----------------------------------------------------------------------------------
+
+
+class BundleError(KvrigError):
+    """A bundle cannot be written or read."""
+
+    exit_code = 7
+
+
+class VerifyError(BundleError):
+    """A bundle file does not match its manifest (missing, truncated, edited)."""
+
+    exit_code = 8
+
+
+# --- platform (exit 9) -------------------------------------------------------------------------------------
+
+
+class PlatformNotSupportedError(KvrigError):
+    """A step needs another platform (xcodebuild needs macOS)."""
+
+    exit_code = 9
+
+
+# --- devices (exit 10-14) ----------------------------------------------------------------------------------
+
+
+class DeviceError(KvrigError):
+    """Talking to a phone (real or virtual) failed."""
+
+    exit_code = 10
+
+
+class DeviceNotFoundError(DeviceError):
+    exit_code = 11
+
+
+class ServiceRefusedError(DeviceError):
+    """The device refused a service (e.g. developer services on iOS 17+ without a tunnel)."""
+
+    exit_code = 12
+
+
+class DeviceLostError(DeviceError):
+    """The device went away mid-operation (unplugged)."""
+
+    exit_code = 13
+
+
+# --- reports and telemetry (exit 20-21) --------------------------------------------------------------------
+
+
+class ReportError(InputError):
+    """A jetsam report or telemetry file cannot be read."""
+
+    exit_code = 20
+
+
+class NotAJetsamReportError(ReportError):
+    """The file is a crash report of another kind, or not a crash report at all."""
+
+    exit_code = 21

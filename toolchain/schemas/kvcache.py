@@ -1,0 +1,58 @@
+"""kvcache.json: the KV-cache configuration and paging parameters the app applies (bundle contract)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from toolchain.schemas import StrictModel
+
+KVCACHE_SCHEMA_VERSION = 1
+
+CacheKind = Literal["full", "sliding", "shared", "linear", "latent"]
+"""full: grows with context; sliding: ring of `window` tokens; shared: reuses `source_layer`'s cache;
+linear: constant recurrent state; latent: MLA compressed latent (+ rope part) that grows with context."""
+
+
+class LayerCache(StrictModel):
+    layer: int = Field(ge=0)
+    kind: CacheKind
+    window: int | None = Field(default=None, ge=1, description="ring size in tokens, sliding layers only")
+    source_layer: int | None = Field(default=None, ge=0, description="shared layers only")
+    key_bits: int | None = Field(default=None, description="null: stored in the activation dtype")
+    value_bits: int | None = None
+
+    @model_validator(mode="after")
+    def _kind_fields(self) -> LayerCache:
+        if self.kind == "sliding" and self.window is None:
+            raise ValueError("sliding layers need 'window'")
+        if self.kind == "shared" and self.source_layer is None:
+            raise ValueError("shared layers need 'source_layer'")
+        return self
+
+
+class PressurePolicy(StrictModel):
+    warning: Literal["evict_oldest_pages", "none"] = "evict_oldest_pages"
+    warning_evict_pages: int = Field(default=1, ge=0, description="pages evicted per warning")
+    critical: Literal["stop_and_save", "evict_oldest_pages", "none"] = "stop_and_save"
+
+
+class KVCacheConfig(StrictModel):
+    schema_version: Literal[1] = Field(default=KVCACHE_SCHEMA_VERSION, alias="schema")
+    scheme: str = Field(description="name such as k8v4, fp16")
+    dtype: Literal["float16", "bfloat16", "float32"] = "float16"
+    key_bits: int | None = Field(description="null: keys unquantized")
+    value_bits: int | None
+    group_size: int = Field(ge=1)
+    quantized_kv_start: int = Field(ge=0, description="context length at which quantization begins")
+    rotation: Literal["none", "hadamard"] = "none"
+    step: int = Field(default=256, ge=1, description="cache growth step in tokens (MLX: 256)")
+    page_tokens: int = Field(ge=1, description="eviction granularity in tokens")
+    max_context: int = Field(ge=1, description="from the plan, with its safety margin")
+    keep_tokens: int = Field(ge=0, description="tokens kept at the start when evicting (attention sink)")
+    prefill_step_size: int = Field(ge=1)
+    buffer_cache_limit_bytes: int = Field(ge=0, description="MLX Memory.cacheLimit")
+    memory_limit_bytes: int = Field(ge=0, description="MLX Memory.memoryLimit, below the jetsam limit")
+    pressure: PressurePolicy = PressurePolicy()
+    layers: list[LayerCache]
