@@ -1,0 +1,75 @@
+"""Telemetry: JSON Lines the app writes into its container (and mirrors to os_log), one record per event.
+
+The app may be killed mid-write, so a torn last line is normal; readers skip it and say so.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from toolchain.schemas import StrictModel
+
+TELEMETRY_SCHEMA_VERSION = 1
+TELEMETRY_FILE = "telemetry.jsonl"
+
+
+class _Event(StrictModel):
+    schema_version: Literal[1] = Field(default=TELEMETRY_SCHEMA_VERSION, alias="schema")
+    run_id: str
+    seq: int = Field(ge=0, description="record number within the run, from 0")
+    t: float = Field(description="seconds since the Unix epoch")
+
+
+class StartEvent(_Event):
+    event: Literal["start"] = "start"
+    model: str
+    scheme: str
+    product_type: str
+    os_version: str
+    limit_bytes: int | None = Field(default=None, description="app memory limit the app believes in")
+    converted: list[str] = Field(
+        default_factory=list,
+        description="fields the virtual iPhone converted to the phone's format (e.g. fp32 host activations)",
+    )
+
+
+class StepEvent(_Event):
+    event: Literal["step"] = "step"
+    context_tokens: int = Field(ge=0)
+    decode_tps: float | None = Field(default=None, ge=0)
+    prefill_tps: float | None = Field(default=None, ge=0)
+    phys_footprint_bytes: int = Field(ge=0)
+    available_bytes: int | None = Field(default=None, ge=0, description="os_proc_available_memory()")
+    mlx_active_bytes: int | None = Field(default=None, ge=0)
+    mlx_cache_bytes: int | None = Field(default=None, ge=0)
+    mlx_peak_bytes: int | None = Field(default=None, ge=0)
+    kv_bytes: int | None = Field(default=None, ge=0)
+    thermal_state: Literal["nominal", "fair", "serious", "critical"] | None = None
+
+
+class MemoryPressureEvent(_Event):
+    event: Literal["memory_pressure"] = "memory_pressure"
+    level: Literal["normal", "warning", "critical"]
+    context_tokens: int = Field(ge=0)
+    phys_footprint_bytes: int | None = Field(default=None, ge=0)
+
+
+class EvictEvent(_Event):
+    event: Literal["evict"] = "evict"
+    tokens_evicted: int = Field(ge=0)
+    context_tokens: int = Field(ge=0, description="context after eviction")
+    kv_bytes: int | None = Field(default=None, ge=0)
+
+
+class EndEvent(_Event):
+    event: Literal["end"] = "end"
+    reason: Literal["completed", "stop_condition", "memory_critical", "allocation_failed", "error"]
+    context_tokens: int = Field(ge=0)
+    message: str | None = None
+
+
+TelemetryEvent = Annotated[
+    StartEvent | StepEvent | MemoryPressureEvent | EvictEvent | EndEvent, Field(discriminator="event")
+]
