@@ -7,12 +7,13 @@ Every number is a sourced value, `{value, basis, source}`, so a plan can say how
 from __future__ import annotations
 
 import difflib
+import functools
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field, StrictInt, ValidationError, model_validator
+from pydantic import ConfigDict, Field, StrictInt, ValidationError, model_validator
 
 from toolchain.exceptions import ProfileError
 from toolchain.schemas import StrictModel, describe_validation_error
@@ -34,26 +35,30 @@ PROFILE_DIRS = (_PACKAGE_DIR / "_data" / "device_profiles", _PACKAGE_DIR.parent 
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml is ~10x faster when present
 
 
-class SourcedInt(StrictModel):
+class _Frozen(StrictModel):
+    model_config = ConfigDict(frozen=True)
+
+
+class SourcedInt(_Frozen):
     value: StrictInt = Field(gt=0)
     basis: Basis
     source: str = Field(min_length=1, description="the evidence or the reasoning behind the value")
 
 
-class SourcedText(StrictModel):
+class SourcedText(_Frozen):
     value: str = Field(min_length=1)
     basis: Basis
     source: str = Field(min_length=1)
 
 
-class AppMemoryLimit(StrictModel):
+class AppMemoryLimit(_Frozen):
     default_bytes: SourcedInt = Field(description="foreground jetsam limit without entitlements")
     entitled_bytes: SourcedInt | None = Field(
         default=None, description="with com.apple.developer.kernel.increased-memory-limit; null: unknown"
     )
 
 
-class DeviceProfile(StrictModel):
+class DeviceProfile(_Frozen):
     schema_version: Literal[1] = Field(alias="schema")
     name: str = Field(pattern=r"^[a-z0-9]+(-[a-z0-9]+)*$", description="kebab-case; the file name")
     marketing_name: str = Field(min_length=1)
@@ -131,19 +136,42 @@ def load_profile_file(path: str | Path) -> DeviceProfile:
     try:
         return DeviceProfile.model_validate(data)
     except ValidationError as exc:
+        raise _profile_error(exc, path) from None
+
+
+def _profile_error(exc: ValidationError, path: Path) -> ProfileError:
+    """Reports a typo'd key as unknown (it also shows up as a missing one), with the likely intended key."""
+    errors = exc.errors()
+    unknown = next((e for e in errors if e["type"] == "extra_forbidden"), None)
+    if unknown is None:
         field, message, expected = describe_validation_error(exc)
-        raise ProfileError(message, file=path, field=field, expected=expected or None) from None
+        return ProfileError(message, file=path, field=field, expected=expected or None)
+    loc = unknown["loc"]
+    missing_siblings = [
+        str(e["loc"][-1]) for e in errors if e["type"] == "missing" and e["loc"][:-1] == loc[:-1]
+    ]
+    close = difflib.get_close_matches(str(loc[-1]), missing_siblings, n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    field = ".".join(str(p) for p in loc)
+    return ProfileError(f"unknown key{hint}", file=path, field=field, expected="one of the documented keys")
 
 
 def list_profiles() -> list[DeviceProfile]:
     """Every shipped profile, iPhones first, then by ProductType (roughly by release)."""
+    paths = sorted(profiles_dir().glob("*.yaml"))
+    return list(_load_shipped(tuple((p, p.stat().st_mtime_ns) for p in paths)))
+
+
+@functools.lru_cache(maxsize=4)
+def _load_shipped(stamped_paths: tuple[tuple[Path, int], ...]) -> tuple[DeviceProfile, ...]:
+    # Keyed on modification times so an edited profile is re-read; the models are frozen, so sharing is safe.
     profiles = []
-    for path in sorted(profiles_dir().glob("*.yaml")):
+    for path, _ in stamped_paths:
         profile = load_profile_file(path)
         if profile.name != path.stem:
             raise ProfileError(f"'{profile.name}' does not match the file name", file=path, field="name")
         profiles.append(profile)
-    return sorted(profiles, key=_release_order)
+    return tuple(sorted(profiles, key=_release_order))
 
 
 def find_profile_by_product_type(product_type: str) -> DeviceProfile | None:
