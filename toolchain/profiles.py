@@ -18,7 +18,6 @@ from pydantic import ConfigDict, Field, StrictInt, ValidationError, model_valida
 from toolchain.exceptions import ProfileError
 from toolchain.schemas import StrictModel, describe_validation_error
 
-PROFILE_SCHEMA_VERSION = 1
 PRODUCT_TYPE_RE = re.compile(r"^(iPhone|iPad)\d+,\d+$")
 ProductType = Annotated[
     str, Field(pattern=PRODUCT_TYPE_RE.pattern, description="hw.machine, e.g. iPhone16,1")
@@ -192,9 +191,9 @@ def load_profile(ref: str | Path) -> DeviceProfile:
         if found is not None:
             return found
     else:
-        path = profiles_dir() / f"{ref.lower()}.yaml"
-        if path.is_file():
-            return load_profile_file(path)
+        found = next((p for p in list_profiles() if p.name == ref.lower()), None)
+        if found is not None:
+            return found
     raise ProfileError(
         _unknown_message(ref), expected="a profile name, a ProductType or a path to a YAML file"
     )
@@ -203,9 +202,9 @@ def load_profile(ref: str | Path) -> DeviceProfile:
 def _unknown_message(ref: str) -> str:
     profiles = list_profiles()
     known = [p.name for p in profiles] + [pt for p in profiles for pt in p.product_types]
-    close = difflib.get_close_matches(ref, known, n=3, cutoff=0.6)
-    close += [k for k in difflib.get_close_matches(ref.lower(), known, n=3, cutoff=0.6) if k not in close]
-    hint = f"; did you mean {', '.join(close[:3])}?" if close else ""
+    by_lower = {k.lower(): k for k in known}
+    close = [by_lower[k] for k in difflib.get_close_matches(ref.lower(), by_lower, n=3, cutoff=0.6)]
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
     return f"unknown device profile '{ref}'{hint} (see `kvrig profiles list`)"
 
 
