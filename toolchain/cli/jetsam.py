@@ -58,11 +58,18 @@ def _process_json(p: JetsamProcess) -> dict[str, Any]:
     return data
 
 
+def _band_name(band: str | None, priority: int | None) -> str:
+    """'AGING_BAND1 (1)' out of 'AGING_BAND1 (1): aging band 1 ...' so the table stays narrow."""
+    if band:
+        return band.split(": ")[0]
+    return str(priority) if priority is not None else ""
+
+
 def _render(report: JetsamReport, v: Verdict | None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=max(120, Console().width))
     device = report.product or "unknown device"
     if report.profile:
         device += f" ({report.profile})"
@@ -95,7 +102,7 @@ def _render(report: JetsamReport, v: Verdict | None) -> None:
                 human_bytes(p.footprint_bytes) if p.footprint_bytes is not None else "?",
                 human_bytes(p.lifetime_peak_bytes) if p.lifetime_peak_bytes is not None else "",
                 ",".join(p.states),
-                p.priority_band or (str(p.priority) if p.priority is not None else ""),
+                _band_name(p.priority_band, p.priority),
                 human_bytes(p.implied_limit_bytes) if p.implied_limit_bytes is not None else "",
             )
         console.print(table)

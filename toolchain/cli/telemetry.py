@@ -66,7 +66,7 @@ def _render(s: RunSummary, log: TelemetryLog, corr: Correlation | None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=max(120, Console().width))
     console.print(
         f"[bold]{s.file}[/bold] run {s.run_id}: {s.model or '?'} · {s.scheme or '?'} · "
         f"{s.product_type or '?'} · {s.os_version or '?'}"
