@@ -163,7 +163,14 @@ def _read_text(path: Path) -> str:
 def _envelope(text: str, path: Path) -> tuple[dict[str, Any], str]:
     """(header, body text). The header comes from pycrashreport; a whole-file JSON object (old exports)
     is its own header."""
-    from pycrashreport.crash_report import get_crash_report_from_buf  # device extra: imported when used
+    try:
+        from pycrashreport.crash_report import get_crash_report_from_buf
+    except ImportError:
+        raise ReportError(
+            "reading crash-report envelopes needs pycrashreport",
+            file=path,
+            expected="pip install 'kvrig[device]'",
+        ) from None
 
     first, _, rest = text.partition("\n")
     try:
