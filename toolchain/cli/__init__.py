@@ -13,8 +13,10 @@ from toolchain.exceptions import KvrigError
 
 # command name -> "module:attribute"; the module is imported only when the command runs.
 COMMANDS: dict[str, str] = {
+    "jetsam": "toolchain.cli.jetsam:jetsam",
     "plan": "toolchain.cli.plan:plan",
     "profiles": "toolchain.cli.profiles:profiles",
+    "telemetry": "toolchain.cli.telemetry:telemetry",
 }
 
 
@@ -37,8 +39,10 @@ class LazyGroup(click.Group):
 
 
 _SHORT_HELP: dict[str, str] = {
+    "jetsam": "Read JetsamEvent reports: memory, killed processes and why, the verdict for our app.",
     "plan": "Plan memory for a model on a device: weights, KV cache per scheme, max context.",
     "profiles": "List and show the device profiles kvrig knows.",
+    "telemetry": "Summarise the app's JSONL telemetry per run; correlate a run with its jetsam report.",
 }
 
 
