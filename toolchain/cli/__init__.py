@@ -13,6 +13,8 @@ from toolchain.exceptions import KvrigError
 
 # command name -> "module:attribute"; the module is imported only when the command runs.
 COMMANDS: dict[str, str] = {
+    "app": "toolchain.cli.app:app",
+    "build": "toolchain.cli.app:build",
     "plan": "toolchain.cli.plan:plan",
     "profiles": "toolchain.cli.profiles:profiles",
 }
@@ -37,6 +39,8 @@ class LazyGroup(click.Group):
 
 
 _SHORT_HELP: dict[str, str] = {
+    "app": "Generate the MLX-Swift iPhone app (Xcode project + Core package) for a bundle.",
+    "build": "Build a generated app into an .ipa with xcodegen and xcodebuild (macOS only).",
     "plan": "Plan memory for a model on a device: weights, KV cache per scheme, max context.",
     "profiles": "List and show the device profiles kvrig knows.",
 }
