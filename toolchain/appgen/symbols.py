@@ -104,7 +104,9 @@ def collect_names(source: bytes) -> Names:
         if parent.type in _TYPE_DECLARATIONS and node.type == "type_identifier":
             names.declared_types.add(name)
         elif parent.type == "function_declaration" or (
-            parent.type == "pattern" and parent.parent is not None and parent.parent.type == "property_declaration"
+            parent.type == "pattern"
+            and parent.parent is not None
+            and parent.parent.type == "property_declaration"
         ):
             declaration = parent if parent.type == "function_declaration" else parent.parent
             if _is_override(declaration):
@@ -118,7 +120,10 @@ def collect_names(source: bytes) -> Names:
             names.declared_members.add(name)
         elif parent.type in _PARAMETERS or parent.type == "pattern":
             names.declared_locals.add(name)
-        elif node.type == "type_identifier":
+        elif node.type == "type_identifier" or (
+            # `Memory.cacheLimit`, `MLXFast.rmsNorm(...)`: a capitalised head of a member access is a type.
+            parent.type == "navigation_expression" and parent.children[0] == node and name[:1].isupper()
+        ):
             names.types.add(name)
         elif parent.type == "navigation_suffix":
             names.members.add(name)

@@ -15,9 +15,13 @@ from toolchain.cli.render import echo_json, json_option
 @click.option("--bundle-id", required=True, help="Bundle identifier, e.g. com.example.myllm.")
 @click.option("--team", default=None, help="Apple development team ID (10 characters) for signing.")
 @click.option(
-    "--extended-virtual-addressing", is_flag=True, help="Also request the extended-virtual-addressing entitlement."
+    "--extended-virtual-addressing",
+    is_flag=True,
+    help="Also request the extended-virtual-addressing entitlement.",
 )
-@click.option("-o", "--output", "output", type=click.Path(path_type=Path), required=True, help="Project folder.")
+@click.option(
+    "-o", "--output", "output", type=click.Path(path_type=Path), required=True, help="Project folder."
+)
 @click.option("--force", is_flag=True, help="Replace the output folder if it holds files.")
 @json_option
 def app(
@@ -38,7 +42,9 @@ def app(
     )
     result = render_app(bundle, output, options, force=force)
     if as_json:
-        echo_json({"project": str(result.project), "files": [str(p.relative_to(output)) for p in result.files]})
+        echo_json(
+            {"project": str(result.project), "files": [str(p.relative_to(output)) for p in result.files]}
+        )
         return
     click.echo(f"wrote {len(result.files)} files to {result.project}")
     click.echo(f"on a Mac: cd {result.project} && xcodegen generate   (or: kvrig build {result.project})")
