@@ -111,6 +111,15 @@ class PlatformNotSupportedError(KvrigError):
     exit_code = 9
 
 
+# --- app generation (exit 15) ------------------------------------------------------------------------------
+
+
+class AppGenError(KvrigError):
+    """The Xcode project cannot be generated or built (output folder in the way, xcodebuild failed)."""
+
+    exit_code = 15
+
+
 # --- devices (exit 10-14) ----------------------------------------------------------------------------------
 
 

@@ -14,6 +14,8 @@ from toolchain.exceptions import KvrigError
 # command name -> "module:attribute"; the module is imported only when the command runs.
 COMMANDS: dict[str, str] = {
     "jetsam": "toolchain.cli.jetsam:jetsam",
+    "app": "toolchain.cli.app:app",
+    "build": "toolchain.cli.app:build",
     "plan": "toolchain.cli.plan:plan",
     "profiles": "toolchain.cli.profiles:profiles",
     "telemetry": "toolchain.cli.telemetry:telemetry",
@@ -40,6 +42,8 @@ class LazyGroup(click.Group):
 
 _SHORT_HELP: dict[str, str] = {
     "jetsam": "Read JetsamEvent reports: memory, killed processes and why, the verdict for our app.",
+    "app": "Generate the MLX-Swift iPhone app (Xcode project + Core package) for a bundle.",
+    "build": "Build a generated app into an .ipa with xcodegen and xcodebuild (macOS only).",
     "plan": "Plan memory for a model on a device: weights, KV cache per scheme, max context.",
     "profiles": "List and show the device profiles kvrig knows.",
     "telemetry": "Summarise the app's JSONL telemetry per run; correlate a run with its jetsam report.",
