@@ -15,6 +15,7 @@ from toolchain.exceptions import KvrigError
 COMMANDS: dict[str, str] = {
     "plan": "toolchain.cli.plan:plan",
     "profiles": "toolchain.cli.profiles:profiles",
+    "virtual": "toolchain.cli.virtual:virtual",
 }
 
 
@@ -39,6 +40,7 @@ class LazyGroup(click.Group):
 _SHORT_HELP: dict[str, str] = {
     "plan": "Plan memory for a model on a device: weights, KV cache per scheme, max context.",
     "profiles": "List and show the device profiles kvrig knows.",
+    "virtual": "Run a virtual USB iPhone that pymobiledevice3 drives (start, stop, status).",
 }
 
 

@@ -221,5 +221,5 @@ class VirtualDevice:
             "limit_bytes": self.identity.limit_bytes,
             "plugged": self.plugged,
             "faults": self.faults.to_json(),
-            "running": self.apps.running(),
+            "running": {str(pid): name for pid, name in self.apps.running().items()},
         }

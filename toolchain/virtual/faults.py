@@ -22,7 +22,8 @@ class FaultPlan:
     slow_link_bytes_per_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
+        """Only the faults that are set (plists have no null)."""
+        data = {k: v for k, v in asdict(self).items() if v is not None}
         data["refuse_services"] = sorted(self.refuse_services)
         return data
 
