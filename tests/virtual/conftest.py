@@ -28,7 +28,9 @@ def make_ipa(path: Path, bundle_id: str = BUNDLE_ID, executable: str = "KVSoak")
             "CFBundleShortVersionString": "1.0",
             "CFBundleVersion": "1",
         }
-        archive.writestr(f"Payload/{executable}.app/Info.plist", plistlib.dumps(info, fmt=plistlib.FMT_BINARY))
+        archive.writestr(
+            f"Payload/{executable}.app/Info.plist", plistlib.dumps(info, fmt=plistlib.FMT_BINARY)
+        )
         archive.writestr(f"Payload/{executable}.app/{executable}", b"\xcf\xfa\xed\xfe" + bytes(60))
     return path
 
@@ -55,7 +57,6 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
     os.environ["USBMUXD_SOCKET_ADDRESS"] = address
     with EmulatorHost(address) as host:
         emulator = Emulator(host, root)
-        emulator.device.state.register_app  # noqa: B018 - touch to fail early if state is broken
         yield emulator
     if previous is None:
         os.environ.pop("USBMUXD_SOCKET_ADDRESS", None)

@@ -21,9 +21,9 @@ from pymobiledevice3.services.installation_proxy import InstallationProxyService
 from pymobiledevice3.services.os_trace import OsTraceService
 from pymobiledevice3.services.syslog import SyslogService
 
+from tests.virtual.conftest import BUNDLE_ID, LIMIT_BYTES, TESTAPP_ARGS, Emulator
 from toolchain.schemas.telemetry import TELEMETRY_FILE, TelemetryEvent
 from toolchain.virtual.footprint import BASELINE_BYTES, Measurement, footprint_bytes
-from tests.virtual.conftest import BUNDLE_ID, LIMIT_BYTES, TESTAPP_ARGS, Emulator
 
 PAGE = 16384
 
@@ -80,7 +80,9 @@ def test_jetsam_kill_at_the_limit_writes_a_real_report(installed: Emulator) -> N
     # telemetry: valid events, KV bytes equal to the cache shapes the app was given (8 layers x K,V x
     # 8 heads x 128 dims x fp16 per token), footprint below the limit while the app lived
     adapter = TypeAdapter(TelemetryEvent)
-    events = [adapter.validate_python(json.loads(line)) for line in telemetry.read_text().splitlines() if line]
+    events = [
+        adapter.validate_python(json.loads(line)) for line in telemetry.read_text().splitlines() if line
+    ]
     steps = [e for e in events if e.event == "step"]
     assert events[0].event == "start" and steps
     for step in steps:
@@ -107,8 +109,10 @@ def test_jetsam_kill_at_the_limit_writes_a_real_report(installed: Emulator) -> N
     assert victim["rpages"] == math.ceil(process.account.current_bytes / PAGE)
     assert process.account.baseline_bytes == BASELINE_BYTES
     # the kernel said so in the log
-    assert any("killing_specific_process" in line.message and str(pid) in line.message
-               for line in device.syslog.history)
+    assert any(
+        "killing_specific_process" in line.message and str(pid) in line.message
+        for line in device.syslog.history
+    )
 
 
 def test_crash_report_services_list_pull_and_flush(installed: Emulator, tmp_path: Path) -> None:

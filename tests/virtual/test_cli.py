@@ -56,8 +56,13 @@ def test_crash_ls_and_pull(emulator: Emulator, tmp_path: Path) -> None:
 
 def test_syslog_live_streams_for_a_few_seconds(emulator: Emulator) -> None:
     env = dict(os.environ, USBMUXD_SOCKET_ADDRESS=emulator.address, PYMOBILEDEVICE3_UDID=emulator.udid)
-    proc = subprocess.Popen([*PYMOBILEDEVICE3, "syslog", "live"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
+    proc = subprocess.Popen(
+        [*PYMOBILEDEVICE3, "syslog", "live"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         out, _ = proc.communicate(timeout=5)
     except subprocess.TimeoutExpired:
@@ -67,16 +72,31 @@ def test_syslog_live_streams_for_a_few_seconds(emulator: Emulator) -> None:
 
 
 def kvrig(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "toolchain", *args], capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "toolchain", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def test_kvrig_virtual_start_detach_status_stop_and_restart(tmp_path: Path) -> None:
     address = f"/tmp/kvrig-cli-{os.getpid()}.sock"
     state = tmp_path / "state"
     try:
-        started = kvrig("virtual", "start", "--socket", address, "--state", str(state), "--limit-mb", "300",
-                        "--detach", "--json")
+        started = kvrig(
+            "virtual",
+            "start",
+            "--socket",
+            address,
+            "--state",
+            str(state),
+            "--limit-mb",
+            "300",
+            "--detach",
+            "--json",
+        )
         assert started.returncode == 0, started.stderr
         first = json.loads(started.stdout)
         assert first["socket"] == address and first["limit_bytes"] == 300 * 1024 * 1024
@@ -84,16 +104,31 @@ def test_kvrig_virtual_start_detach_status_stop_and_restart(tmp_path: Path) -> N
         assert [d["udid"] for d in status["Devices"]] == [first["udid"]]
 
         # a second device joins the same socket
-        second = kvrig("virtual", "start", "--socket", address, "--state", str(tmp_path / "s2"), "--ios", "17.4",
-                       "--json")
+        second = kvrig(
+            "virtual",
+            "start",
+            "--socket",
+            address,
+            "--state",
+            str(tmp_path / "s2"),
+            "--ios",
+            "17.4",
+            "--json",
+        )
         assert second.returncode == 0, second.stderr
         assert json.loads(second.stdout)["ios"] == "17.4"
         assert kvrig("virtual", "stop", "--socket", address, "--state", str(tmp_path / "s2")).returncode == 0
 
         env = dict(os.environ, USBMUXD_SOCKET_ADDRESS=address)
         ipa = make_ipa(tmp_path / "KVSoak.ipa")
-        run = subprocess.run([*PYMOBILEDEVICE3, "apps", "install", str(ipa)], env=env, capture_output=True,
-                             text=True, timeout=60, check=False)
+        run = subprocess.run(
+            [*PYMOBILEDEVICE3, "apps", "install", str(ipa)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         assert run.returncode == 0, run.stderr
         assert kvrig("virtual", "stop", "--socket", address).returncode == 0
         assert kvrig("virtual", "status", "--socket", address).returncode == 11  # DeviceNotFoundError
@@ -101,8 +136,14 @@ def test_kvrig_virtual_start_detach_status_stop_and_restart(tmp_path: Path) -> N
         # restart on the same state: same UDID, the app is still installed
         again = kvrig("virtual", "start", "--socket", address, "--state", str(state), "--detach", "--json")
         assert json.loads(again.stdout)["udid"] == first["udid"]
-        listed = subprocess.run([*PYMOBILEDEVICE3, "apps", "list", "--type", "User"], env=env,
-                                capture_output=True, text=True, timeout=60, check=False)
+        listed = subprocess.run(
+            [*PYMOBILEDEVICE3, "apps", "list", "--type", "User"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         assert BUNDLE_ID in json.loads(listed.stdout)
     finally:
         kvrig("virtual", "stop", "--socket", address)
@@ -116,5 +157,7 @@ def test_kvrig_virtual_status_without_server_is_a_clear_error(tmp_path: Path) ->
 
 @pytest.mark.parametrize("ios", ["15.0"])
 def test_kvrig_virtual_rejects_unknown_ios(tmp_path: Path, ios: str) -> None:
-    result = kvrig("virtual", "start", "--socket", str(tmp_path / "x.sock"), "--state", str(tmp_path), "--ios", ios)
+    result = kvrig(
+        "virtual", "start", "--socket", str(tmp_path / "x.sock"), "--state", str(tmp_path), "--ios", ios
+    )
     assert result.returncode == 2 and "17.4" in result.stderr

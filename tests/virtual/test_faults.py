@@ -8,15 +8,15 @@ import time
 from pathlib import Path
 
 import pytest
+from pycrashreport.crash_report import BugType, get_crash_report_from_buf
 from pymobiledevice3 import usbmux
 from pymobiledevice3.exceptions import InvalidServiceError, PyMobileDevice3Exception
 from pymobiledevice3.lockdown import create_using_usbmux
 from pymobiledevice3.services.afc import AfcService
 from pymobiledevice3.services.installation_proxy import InstallationProxyService
-from pycrashreport.crash_report import BugType, get_crash_report_from_buf
 
-from toolchain.virtual.faults import FaultPlan
 from tests.virtual.conftest import BUNDLE_ID, TESTAPP_ARGS, Emulator
+from toolchain.virtual.faults import FaultPlan
 
 
 @pytest.fixture()
@@ -81,7 +81,7 @@ def test_crash_at_tokens(clean_faults: Emulator, ipa: Path) -> None:
     assert process.outcome == "crash"
     assert process.proc.returncode == -11  # SIGSEGV
     assert process.account.last.context_tokens == 512
-    (report,) = emulator.device.state.crash.glob(f"KVSoak-*.ips")
+    (report,) = emulator.device.state.crash.glob("KVSoak-*.ips")
     assert get_crash_report_from_buf(report.read_text()).bug_type == BugType.Crash_309
     report.unlink()
 

@@ -6,7 +6,12 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from pymobiledevice3.exceptions import AfcException, AfcFileNotFoundError, AppInstallError, AppNotInstalledError
+from pymobiledevice3.exceptions import (
+    AfcException,
+    AfcFileNotFoundError,
+    AppInstallError,
+    AppNotInstalledError,
+)
 from pymobiledevice3.lockdown import create_using_usbmux
 from pymobiledevice3.services.afc import AfcError, AfcService
 from pymobiledevice3.services.house_arrest import HouseArrestService

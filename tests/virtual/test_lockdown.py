@@ -28,7 +28,12 @@ def test_lockdown_session_is_paired_over_tls(emulator: Emulator) -> None:
         lockdown = await create_using_usbmux(serial=emulator.udid)
         try:
             ssl_object = lockdown.service.writer.get_extra_info("ssl_object")
-            return lockdown.paired, ssl_object, lockdown.product_type, await lockdown.get_value(key="ProductVersion")
+            return (
+                lockdown.paired,
+                ssl_object,
+                lockdown.product_type,
+                await lockdown.get_value(key="ProductVersion"),
+            )
         finally:
             await lockdown.close()
 
@@ -121,7 +126,9 @@ def test_garbage_on_the_socket_drops_only_that_client(emulator: Emulator) -> Non
     raw.settimeout(5)
     raw.connect(emulator.address)
     port = socket.htons(62078)
-    raw.sendall(_mux_packet({"MessageType": "Connect", "DeviceID": emulator.device.device_id, "PortNumber": port}))
+    raw.sendall(
+        _mux_packet({"MessageType": "Connect", "DeviceID": emulator.device.device_id, "PortNumber": port})
+    )
     header = raw.recv(16)
     length = struct.unpack("<I", header[:4])[0]
     assert plistlib.loads(raw.recv(length - 16))["Number"] == 0
@@ -138,7 +145,9 @@ def test_connect_to_a_closed_port_is_refused(emulator: Emulator) -> None:
         raw.settimeout(5)
         raw.connect(emulator.address)
         port = socket.htons(50999)
-        raw.sendall(_mux_packet({"MessageType": "Connect", "DeviceID": emulator.device.device_id, "PortNumber": port}))
+        raw.sendall(
+            _mux_packet({"MessageType": "Connect", "DeviceID": emulator.device.device_id, "PortNumber": port})
+        )
         header = raw.recv(16)
         length = struct.unpack("<I", header[:4])[0]
         assert plistlib.loads(raw.recv(length - 16))["Number"] == 3  # CONNREFUSED

@@ -17,7 +17,7 @@ import struct
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
-from typing import BinaryIO
+from typing import IO
 
 from toolchain.virtual.wire import Link, ProtocolViolation
 
@@ -109,7 +109,7 @@ def _kv(pairs: dict[str, object]) -> bytes:
 class AfcSession:
     def __init__(self, root: AfcRoot) -> None:
         self.root = root
-        self.handles: dict[int, BinaryIO] = {}
+        self.handles: dict[int, IO[bytes]] = {}
         self._next_handle = 1
 
     def close(self) -> None:
@@ -141,8 +141,13 @@ class AfcSession:
         root = self.root
         if op == Op.GET_DEVINFO:
             usage = shutil.disk_usage(root.folder)
-            info = {"Model": "iPhone", "FSTotalBytes": usage.total, "FSFreeBytes": usage.free, "FSBlockSize": 4096}
-            return Op.DATA, _kv(info)
+            devinfo: dict[str, object] = {
+                "Model": "iPhone",
+                "FSTotalBytes": usage.total,
+                "FSFreeBytes": usage.free,
+                "FSBlockSize": 4096,
+            }
+            return Op.DATA, _kv(devinfo)
         if op == Op.READ_DIR:
             folder = root.host(_cstrings(payload)[0])
             if not folder.exists():
@@ -210,12 +215,20 @@ class AfcSession:
                 raise AfcFailure(Err.OBJECT_IS_DIR)
             if mode == 2 and not path.exists():
                 path.touch()
-            f = open(path, _OPEN_MODES[mode])  # noqa: SIM115 - the handle outlives this call
+            opened: IO[bytes] = open(path, _OPEN_MODES[mode])  # noqa: SIM115 - the handle outlives this call
             handle = self._next_handle
             self._next_handle += 1
-            self.handles[handle] = f
+            self.handles[handle] = opened
             return Op.FILE_OPEN_RES, struct.pack("<Q", handle)
-        if op in (Op.READ, Op.WRITE, Op.FILE_SEEK, Op.FILE_TELL, Op.FILE_CLOSE, Op.FILE_SET_SIZE, Op.FILE_LOCK):
+        if op in (
+            Op.READ,
+            Op.WRITE,
+            Op.FILE_SEEK,
+            Op.FILE_TELL,
+            Op.FILE_CLOSE,
+            Op.FILE_SET_SIZE,
+            Op.FILE_LOCK,
+        ):
             (handle,) = struct.unpack_from("<Q", payload)
             f = self.handles.get(handle)
             if f is None:

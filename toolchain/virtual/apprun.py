@@ -183,7 +183,8 @@ class AppRunner:
             os.kill(process.pid, signal.SIGKILL)
         self.device.syslog.emit(
             "kernel",
-            f"memorystatus: killing_specific_process pid {process.pid} [{process.name}] (per-process-limit 10) "
+            f"memorystatus: killing_specific_process pid {process.pid} [{process.name}] "
+            "(per-process-limit 10) "
             f"{account.current_bytes // 1024}KB - memorystatus_available_pages: 5000",
         )
         victim = JetsamVictim(

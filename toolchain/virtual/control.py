@@ -102,16 +102,20 @@ def start(
         log = open(state / "emulator.log", "ab")  # noqa: SIM115 - handed to the child process
         command = [sys.executable, "-m", "toolchain.virtual.control", address, plistlib.dumps(options).hex()]
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
-                                                            env.get("PYTHONPATH")]))
-        subprocess.Popen(command, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
-                         env=env)
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH")])
+        )
+        subprocess.Popen(
+            command, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True, env=env
+        )
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if server_alive(address):
                 return status(address)["Devices"][0]
             time.sleep(0.1)
-        raise DeviceError(f"the virtual iPhone did not start within {START_TIMEOUT_S:.0f}s; see {state}/emulator.log")
+        raise DeviceError(
+            f"the virtual iPhone did not start within {START_TIMEOUT_S:.0f}s; see {state}/emulator.log"
+        )
     _serve_foreground(address, options, on_ready)
     return {}
 

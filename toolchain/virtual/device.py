@@ -1,4 +1,4 @@
-"""One virtual iPhone: identity, pairing, state folder, the services lockdownd can start, running apps, faults.
+"""One virtual iPhone: identity, pairing, state folder, the services lockdownd starts, running apps, faults.
 
 A device belongs to one `UsbmuxServer` (several devices may share one). Service handlers take a `Link` and
 run until the client goes away; a handler that meets bad input raises `ProtocolViolation` and only that
@@ -107,7 +107,9 @@ class VirtualDevice:
         if ios not in SUPPORTED_IOS:
             from toolchain.exceptions import InputError
 
-            raise InputError(f"unsupported iOS version '{ios}'", field="ios", expected=" or ".join(SUPPORTED_IOS))
+            raise InputError(
+                f"unsupported iOS version '{ios}'", field="ios", expected=" or ".join(SUPPORTED_IOS)
+            )
         spec = _profile_for(profile)
         self.state, self.identity = DeviceState.open(
             Path(state_dir),
@@ -141,7 +143,9 @@ class VirtualDevice:
         self.server, self.device_id = server, device_id
 
     async def start(self) -> None:
-        self.syslog.emit("kernel", f"virtual {self.identity.product_type} iOS {self.identity.product_version} up")
+        self.syslog.emit(
+            "kernel", f"virtual {self.identity.product_type} iOS {self.identity.product_version} up"
+        )
 
     async def shutdown(self) -> None:
         await self.apps.kill_all()
@@ -198,7 +202,9 @@ class VirtualDevice:
         self._pending[port] = run
         return port, spec.ssl
 
-    async def serve(self, handler: Handler, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def serve(
+        self, handler: Handler, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         link = Link(reader, writer, self)
         self._links.add(link)
         try:

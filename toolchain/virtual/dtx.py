@@ -140,6 +140,12 @@ class DtxConnection:
         self._partial: dict[int, bytearray] = {}
         self.observed: set[int] = set()
         self._listener: Callable[[int, int | None, int | None], None] | None = None
+        self._tasks: set[asyncio.Future[None]] = set()
+
+    def _task_done(self, task: asyncio.Future[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("termination notice not delivered: %s", task.exception())
 
     async def send(
         self, msg_type: int, channel: int, identifier: int, conversation: int, *, payload: Any = None, aux=()
@@ -165,8 +171,8 @@ class DtxConnection:
         """Next whole message: (type, identifier, conversation, channel, flags, aux, payload)."""
         while True:
             header = await self.link.recv_exactly(FRAGMENT.size)
-            magic, header_size, index, count, size, identifier, conversation, channel, flags = FRAGMENT.unpack(
-                header
+            magic, header_size, index, count, size, identifier, conversation, channel, flags = (
+                FRAGMENT.unpack(header)
             )
             if magic != MAGIC or header_size < FRAGMENT.size or size > MAX_MESSAGE:
                 raise ProtocolViolation(f"bad DTX fragment header {header.hex()}")
@@ -251,10 +257,17 @@ class DtxConnection:
     def _watch_terminations(self, code: int) -> None:
         def on_exit(pid: int, exit_code: int | None, crash_signal: int | None) -> None:
             if pid in self.observed:
-                asyncio.ensure_future(
-                    self.notify(code, "processWithPID:terminatedWithExitCode:orCrashingSignal:", pid, exit_code,
-                                crash_signal)
+                task = asyncio.ensure_future(
+                    self.notify(
+                        code,
+                        "processWithPID:terminatedWithExitCode:orCrashingSignal:",
+                        pid,
+                        exit_code,
+                        crash_signal,
+                    )
                 )
+                self._tasks.add(task)
+                task.add_done_callback(self._task_done)
 
         self._listener = on_exit
         self.device.apps.termination_listeners.add(on_exit)
@@ -283,7 +296,9 @@ class DtxConnection:
                 sig, pid = int(args[0]), int(args[1])
             else:
                 pid = int(args[0])
-                sig = {"killPid:": signal.SIGKILL, "suspendPid:": signal.SIGSTOP}.get(selector, signal.SIGCONT)
+                sig = {"killPid:": signal.SIGKILL, "suspendPid:": signal.SIGSTOP}.get(
+                    selector, signal.SIGCONT
+                )
             try:
                 apps.signal(pid, sig)
             except ProcessLookupError:
@@ -308,7 +323,12 @@ class DtxConnection:
         if selector == "runningProcesses":
             rows: list[dict[str, Any]] = [
                 {"pid": 1, "name": "launchd", "realAppName": "/sbin/launchd", "isApplication": False},
-                {"pid": 34, "name": "SpringBoard", "realAppName": "/System/Library/CoreServices/SpringBoard.app/SpringBoard", "isApplication": True},
+                {
+                    "pid": 34,
+                    "name": "SpringBoard",
+                    "realAppName": "/System/Library/CoreServices/SpringBoard.app/SpringBoard",
+                    "isApplication": True,
+                },
             ]
             for pid, process in self.device.apps.processes.items():
                 rows.append(
@@ -328,5 +348,3 @@ class DtxConnection:
 
 async def serve_instruments(link: Link) -> None:
     await DtxConnection(link).run()
-
-

@@ -57,9 +57,9 @@ def control_handler(server_ref: list[UsbmuxServer], stop: asyncio.Event) -> Call
         if kind == "KvrigAddDevice":
             if _find(server, {"State": request["State"]}) is not None:
                 raise ValueError(f"a device with state {request['State']} is already running")
-            device = device_from_options(request)
-            await server.add_device(device)
-            return {"MessageType": "Result", "Number": RESULT_OK, "UDID": device.identity.udid}
+            added = device_from_options(request)
+            await server.add_device(added)
+            return {"MessageType": "Result", "Number": RESULT_OK, "UDID": added.identity.udid}
         if kind == "KvrigShutdown":
             stop.set()
             return {"MessageType": "Result", "Number": RESULT_OK}
@@ -81,7 +81,9 @@ def control_handler(server_ref: list[UsbmuxServer], stop: asyncio.Event) -> Call
     return handle
 
 
-async def serve(address: str, devices: list[VirtualDevice], *, ready: Callable[[], None] | None = None) -> None:
+async def serve(
+    address: str, devices: list[VirtualDevice], *, ready: Callable[[], None] | None = None
+) -> None:
     """Serves until a KvrigShutdown, the last device is removed, or cancellation."""
     stop = asyncio.Event()
     ref: list[UsbmuxServer] = []

@@ -60,7 +60,9 @@ def unpack_ipa(package: Path, into: Path) -> tuple[dict[str, Any], str, Path]:
     try:
         with zipfile.ZipFile(package) as archive:
             names = archive.namelist()
-            apps = {PurePosixPath(n).parts[1] for n in names if n.startswith("Payload/") and n.count("/") >= 2}
+            apps = {
+                PurePosixPath(n).parts[1] for n in names if n.startswith("Payload/") and n.count("/") >= 2
+            }
             apps = {a for a in apps if a.endswith(".app")}
             if len(apps) != 1:
                 raise PackageError("the package must hold exactly one Payload/*.app")
@@ -143,5 +145,3 @@ async def serve_installation_proxy(link: Link) -> None:
             await reply({"LookupResult": True, "Status": "Complete"})
         else:
             await reply({"Error": "UnknownCommand", "ErrorDescription": f"unknown command {command!r}"})
-
-

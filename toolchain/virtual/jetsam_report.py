@@ -153,7 +153,14 @@ def write_report(folder: Path, text: str, t: float | None = None) -> Path:
 
 
 def build_crash_report(
-    *, product_type: str, product_version: str, build_version: str, pid: int, name: str, bundle_id: str, signal: str
+    *,
+    product_type: str,
+    product_version: str,
+    build_version: str,
+    pid: int,
+    name: str,
+    bundle_id: str,
+    signal: str,
 ) -> str:
     """A minimal app crash report (bug_type 309) for the crash fault."""
     t = time.time()

@@ -31,7 +31,9 @@ def _key() -> rsa.RSAPrivateKey:
 
 def _pem_key(key: rsa.RSAPrivateKey) -> bytes:
     return key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption()
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.TraditionalOpenSSL,
+        serialization.NoEncryption(),
     )
 
 
@@ -41,7 +43,7 @@ _ROOT_NAME = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvrig virtual r
 def _cert(subject_key: rsa.RSAPrivateKey, issuer_key: rsa.RSAPrivateKey, *, ca: bool) -> x509.Certificate:
     # Lockdown's host and device certificates carry an empty subject; the root gets a name for readability.
     name = _ROOT_NAME if ca else x509.Name([])
-    now = dt.datetime.now(dt.timezone.utc) - dt.timedelta(days=1)
+    now = dt.datetime.now(dt.UTC) - dt.timedelta(days=1)
     builder = (
         x509.CertificateBuilder()
         .subject_name(name)

@@ -1,12 +1,12 @@
 """What a virtual device keeps across restarts, all inside its state folder:
 
-    device.json            identity (UDID, ProductType, iOS version, limit)
-    pairing/               the pair record and certificates (see `pairing`)
-    media/                 what AFC serves (/var/mobile/Media on a phone)
-    apps.json, apps/<id>/  installed app bundles and their Info.plist attributes
-    containers/<id>/       each app's data container: Documents, Library, tmp
-    crash/                 CrashReporter store served by crashreportcopymobile
-    crash_pending/         reports not yet moved; crashreportmover moves them into crash/
+device.json            identity (UDID, ProductType, iOS version, limit)
+pairing/               the pair record and certificates (see `pairing`)
+media/                 what AFC serves (/var/mobile/Media on a phone)
+apps.json, apps/<id>/  installed app bundles and their Info.plist attributes
+containers/<id>/       each app's data container: Documents, Library, tmp
+crash/                 CrashReporter store served by crashreportcopymobile
+crash_pending/         reports not yet moved; crashreportmover moves them into crash/
 """
 
 from __future__ import annotations

@@ -42,9 +42,17 @@ class SyslogBus:
         self._subscribers: set[asyncio.Queue[LogLine]] = set()
 
     def emit(
-        self, process: str, message: str, *, pid: int | None = None, level: str = "notice", subsystem: str = ""
+        self,
+        process: str,
+        message: str,
+        *,
+        pid: int | None = None,
+        level: str = "notice",
+        subsystem: str = "",
     ) -> None:
-        line = LogLine(process, SYSTEM_PIDS.get(process, 0) if pid is None else pid, message, level, subsystem)
+        line = LogLine(
+            process, SYSTEM_PIDS.get(process, 0) if pid is None else pid, message, level, subsystem
+        )
         self.history.append(line)
         for queue in self._subscribers:
             queue.put_nowait(line)
@@ -61,7 +69,7 @@ class SyslogBus:
         """Next line; a phone is never silent for long, so SpringBoard reports its idle state meanwhile."""
         try:
             return await asyncio.wait_for(queue.get(), heartbeat_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             line = LogLine("SpringBoard", SYSTEM_PIDS["SpringBoard"], "idle timer tick", "info")
             self.history.append(line)
             return line
