@@ -19,6 +19,7 @@ COMMANDS: dict[str, str] = {
     "plan": "toolchain.cli.plan:plan",
     "profiles": "toolchain.cli.profiles:profiles",
     "telemetry": "toolchain.cli.telemetry:telemetry",
+    "virtual": "toolchain.cli.virtual:virtual",
 }
 
 
@@ -47,6 +48,7 @@ _SHORT_HELP: dict[str, str] = {
     "plan": "Plan memory for a model on a device: weights, KV cache per scheme, max context.",
     "profiles": "List and show the device profiles kvrig knows.",
     "telemetry": "Summarise the app's JSONL telemetry per run; correlate a run with its jetsam report.",
+    "virtual": "Run a virtual USB iPhone that pymobiledevice3 drives (start, stop, status).",
 }
 
 
