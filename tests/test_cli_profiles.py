@@ -43,10 +43,7 @@ def test_list_json_has_every_csv_device(capsys):
     fifteen_pro_max = by_pt["iPhone16,2"]
     row = next(r for r in CSV_ROWS if r["product_type"] == "iPhone16,2")
     assert fifteen_pro_max["schema"] == 1
-    assert (
-        fifteen_pro_max["app_memory_limit"]["default_bytes"]["value"]
-        == int(row["app_limit_default_mb"]) * MIB
-    )
+    assert fifteen_pro_max["app_memory_limit"]["default_bytes"]["value"] == int(row["app_limit_default_mb"]) * MIB
     assert fifteen_pro_max["app_memory_limit"]["default_bytes"]["basis"] == "measured"
 
 

@@ -269,9 +269,7 @@ def test_large_valid_report_is_read(tmp_path: Path) -> None:
     header, body = raw(IOS18)
     template = body["processes"][4]
     body["processes"] = [{**template, "pid": i, "rpages": i} for i in range(20_000)]
-    body["processes"].append(
-        {**template, "name": "KvrigSoak", "rpages": 123_456, "reason": "per-process-limit"}
-    )
+    body["processes"].append({**template, "name": "KvrigSoak", "rpages": 123_456, "reason": "per-process-limit"})
     path = tmp_path / "big.ips"
     path.write_text(json.dumps(header) + "\n" + json.dumps(body, indent=2))
     assert path.stat().st_size > 5_000_000
@@ -284,9 +282,7 @@ def test_large_valid_report_is_read(tmp_path: Path) -> None:
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
-    lambda children: (
-        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
-    ),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
     max_leaves=20,
 )
 body_like = st.fixed_dictionaries(
@@ -302,8 +298,7 @@ body_like = st.fixed_dictionaries(
             st.fixed_dictionaries(
                 {},
                 optional={
-                    k: json_values
-                    for k in ("name", "pid", "rpages", "reason", "states", "priority", "lifetimeMax")
+                    k: json_values for k in ("name", "pid", "rpages", "reason", "states", "priority", "lifetimeMax")
                 },
             ),
             max_size=5,
@@ -313,9 +308,7 @@ body_like = st.fixed_dictionaries(
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(
-    header=json_values | st.just({"bug_type": "298"}), body=json_values | body_like, cut=st.integers(0, 400)
-)
+@given(header=json_values | st.just({"bug_type": "298"}), body=json_values | body_like, cut=st.integers(0, 400))
 def test_fuzz_random_json_shapes(tmp_path: Path, header: object, body: object, cut: int) -> None:
     path = tmp_path / "fuzz.ips"
     text = json.dumps(header) + "\n" + json.dumps(body)

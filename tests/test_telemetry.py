@@ -102,9 +102,7 @@ def test_bad_lines_in_the_middle_are_skipped_with_their_numbers(tmp_path: Path) 
 
 def test_two_runs_in_one_file(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
-    path.write_text(
-        "\n".join(run_records("a", [10, 20], end=True) + run_records("b", [30, 40, 50], end=True))
-    )
+    path.write_text("\n".join(run_records("a", [10, 20], end=True) + run_records("b", [30, 40, 50], end=True)))
     summaries = {s.run_id: s for s in summarize(read_telemetry(path))}
     assert summaries["a"].max_context_tokens == 20 and summaries["b"].max_context_tokens == 50
     assert summaries["a"].end_reason == "completed"

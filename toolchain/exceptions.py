@@ -70,9 +70,7 @@ class UnsupportedArchitectureError(KvrigError):
         self.architecture = architecture
         self.supported = supported
         where = f"{file}: " if file else ""
-        super().__init__(
-            f"{where}unsupported architecture '{architecture}'; supported: {', '.join(sorted(supported))}"
-        )
+        super().__init__(f"{where}unsupported architecture '{architecture}'; supported: {', '.join(sorted(supported))}")
 
 
 class QuantizationError(KvrigError):

@@ -475,9 +475,7 @@ def verdict(report: JetsamReport, process: str) -> Verdict:
     entry = killed[0] if killed else max(entries, key=lambda p: p.rpages or 0)
     footprint = _fmt_bytes(entry.footprint_bytes)
     if killed:
-        summary = (
-            f"{process} was killed ({entry.reason}: {entry.reason_meaning}) at a footprint of {footprint}"
-        )
+        summary = f"{process} was killed ({entry.reason}: {entry.reason_meaning}) at a footprint of {footprint}"
         if entry.implied_limit_bytes is not None:
             summary += f"; its memory limit was about {_fmt_bytes(entry.implied_limit_bytes)}"
     else:

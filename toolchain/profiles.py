@@ -19,9 +19,7 @@ from toolchain.exceptions import ProfileError
 from toolchain.schemas import StrictModel, describe_validation_error
 
 PRODUCT_TYPE_RE = re.compile(r"^(iPhone|iPad)\d+,\d+$")
-ProductType = Annotated[
-    str, Field(pattern=PRODUCT_TYPE_RE.pattern, description="hw.machine, e.g. iPhone16,1")
-]
+ProductType = Annotated[str, Field(pattern=PRODUCT_TYPE_RE.pattern, description="hw.machine, e.g. iPhone16,1")]
 
 Basis = Literal["measured", "derived", "estimated", "reported", "published"]
 """measured: seen on a device (jetsam report, os_proc_available_memory); derived: computed from measured or
@@ -146,9 +144,7 @@ def _profile_error(exc: ValidationError, path: Path) -> ProfileError:
         field, message, expected = describe_validation_error(exc)
         return ProfileError(message, file=path, field=field, expected=expected or None)
     loc = unknown["loc"]
-    missing_siblings = [
-        str(e["loc"][-1]) for e in errors if e["type"] == "missing" and e["loc"][:-1] == loc[:-1]
-    ]
+    missing_siblings = [str(e["loc"][-1]) for e in errors if e["type"] == "missing" and e["loc"][:-1] == loc[:-1]]
     close = difflib.get_close_matches(str(loc[-1]), missing_siblings, n=1)
     hint = f"; did you mean '{close[0]}'?" if close else ""
     field = ".".join(str(p) for p in loc)
@@ -194,9 +190,7 @@ def load_profile(ref: str | Path) -> DeviceProfile:
         found = next((p for p in list_profiles() if p.name == ref.lower()), None)
         if found is not None:
             return found
-    raise ProfileError(
-        _unknown_message(ref), expected="a profile name, a ProductType or a path to a YAML file"
-    )
+    raise ProfileError(_unknown_message(ref), expected="a profile name, a ProductType or a path to a YAML file")
 
 
 def _unknown_message(ref: str) -> str:

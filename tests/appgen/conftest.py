@@ -26,9 +26,7 @@ REFERENCE_KVCACHE = KVCacheConfig(
     prefill_step_size=256,
     buffer_cache_limit_bytes=20 * 1024 * 1024,
     memory_limit_bytes=3 * 1024**3,
-    pressure=PressurePolicy(
-        warning="evict_oldest_pages", warning_evict_pages=2, critical="evict_oldest_pages"
-    ),
+    pressure=PressurePolicy(warning="evict_oldest_pages", warning_evict_pages=2, critical="evict_oldest_pages"),
     layers=[
         LayerCache(layer=0, kind="full", key_bits=8, value_bits=8),
         LayerCache(layer=1, kind="sliding", window=512),
@@ -61,9 +59,7 @@ def reference_project(tmp_path_factory: pytest.TempPathFactory, reference_bundle
 
 
 def swift_executable() -> str | None:
-    return shutil.which("swift") or (
-        "/opt/swift/usr/bin/swift" if Path("/opt/swift/usr/bin/swift").exists() else None
-    )
+    return shutil.which("swift") or ("/opt/swift/usr/bin/swift" if Path("/opt/swift/usr/bin/swift").exists() else None)
 
 
 @pytest.fixture(scope="session")

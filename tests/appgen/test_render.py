@@ -26,9 +26,7 @@ def syntax_errors(source: bytes) -> list[str]:
     while stack:
         node = stack.pop()
         if node.type == "ERROR" or node.is_missing:
-            problems.append(
-                f"{node.type} at {node.start_point}: {source[node.start_byte : node.end_byte][:60]!r}"
-            )
+            problems.append(f"{node.type} at {node.start_point}: {source[node.start_byte : node.end_byte][:60]!r}")
         stack.extend(node.children)
     return problems
 
@@ -74,26 +72,19 @@ def test_escaped_names_compile_and_show_the_name(tmp_path: Path, make_bundle, sw
         source = (out / "App/Sources/AppConfig.swift").read_text()
         assert syntax_errors(source.encode()) == []
         # Rename the enum so all variants compile into one program.
-        mains.append(
-            source.replace("enum AppConfig", f"enum AppConfig{i}").replace("import Foundation\n", "")
-        )
+        mains.append(source.replace("enum AppConfig", f"enum AppConfig{i}").replace("import Foundation\n", ""))
         plist = plistlib.loads((out / "App/Info.plist").read_bytes())
-        assert (
-            plist["CFBundleDisplayName"] == name.replace("\r", "\n") or plist["CFBundleDisplayName"] == name
-        )
+        assert plist["CFBundleDisplayName"] == name.replace("\r", "\n") or plist["CFBundleDisplayName"] == name
         assert plist["UIFileSharingEnabled"] is True
     program = "import Foundation\n" + "\n".join(mains) + "\n"
     program += "".join(
-        f"print(Array(AppConfig{i}.displayName.unicodeScalars.map {{ $0.value }}), "
-        f"AppConfig{i}.bundleFolder)\n"
+        f"print(Array(AppConfig{i}.displayName.unicodeScalars.map {{ $0.value }}), AppConfig{i}.bundleFolder)\n"
         for i in range(len(NASTY_NAMES))
     )
     (tmp_path / "main.swift").write_text(program)
     swiftc = str(Path(swift).with_name("swiftc"))
     subprocess.run([swiftc, "-o", str(tmp_path / "names"), str(tmp_path / "main.swift")], check=True)
-    lines = subprocess.run(
-        [str(tmp_path / "names")], capture_output=True, text=True, check=True
-    ).stdout.splitlines()
+    lines = subprocess.run([str(tmp_path / "names")], capture_output=True, text=True, check=True).stdout.splitlines()
     for name, line in zip(NASTY_NAMES, lines, strict=True):
         scalars, _, folder = line.partition("] ")
         assert [int(x) for x in scalars.strip("[").split(", ")] == [ord(c) for c in name]
@@ -204,18 +195,12 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_cli_app_and_build_refusal(tmp_path: Path, reference_bundle: Path) -> None:
     out = tmp_path / "MyLLM"
-    proc = run_cli(
-        "app", str(reference_bundle), "--name", "MyLLM", "--bundle-id", "com.example.myllm", "-o", str(out)
-    )
+    proc = run_cli("app", str(reference_bundle), "--name", "MyLLM", "--bundle-id", "com.example.myllm", "-o", str(out))
     assert proc.returncode == 0, proc.stderr
     assert (out / "project.yml").is_file()
-    again = run_cli(
-        "app", str(reference_bundle), "--name", "MyLLM", "--bundle-id", "com.example.myllm", "-o", str(out)
-    )
+    again = run_cli("app", str(reference_bundle), "--name", "MyLLM", "--bundle-id", "com.example.myllm", "-o", str(out))
     assert again.returncode == 15 and "not empty" in again.stderr
-    bad = run_cli(
-        "app", str(reference_bundle), "--name", "X", "--bundle-id", "x y", "-o", str(tmp_path / "z")
-    )
+    bad = run_cli("app", str(reference_bundle), "--name", "X", "--bundle-id", "x y", "-o", str(tmp_path / "z"))
     assert bad.returncode == 3 and "--bundle-id" in bad.stderr and "Traceback" not in bad.stderr
     if sys.platform != "darwin":
         build = run_cli("build", str(out))

@@ -57,9 +57,7 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         attn_logit_softcapping=50.0,
         final_logit_softcapping=30.0,
     ),
-    "gemma3_text": _cfg(
-        "gemma3_text", 4, sliding_window=WINDOW, sliding_window_pattern=2, query_pre_attn_scalar=64
-    ),
+    "gemma3_text": _cfg("gemma3_text", 4, sliding_window=WINDOW, sliding_window_pattern=2, query_pre_attn_scalar=64),
     "gemma3": {
         "model_type": "gemma3",
         "vocab_size": 128,

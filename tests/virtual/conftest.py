@@ -28,9 +28,7 @@ def make_ipa(path: Path, bundle_id: str = BUNDLE_ID, executable: str = "KVSoak")
             "CFBundleShortVersionString": "1.0",
             "CFBundleVersion": "1",
         }
-        archive.writestr(
-            f"Payload/{executable}.app/Info.plist", plistlib.dumps(info, fmt=plistlib.FMT_BINARY)
-        )
+        archive.writestr(f"Payload/{executable}.app/Info.plist", plistlib.dumps(info, fmt=plistlib.FMT_BINARY))
         archive.writestr(f"Payload/{executable}.app/{executable}", b"\xcf\xfa\xed\xfe" + bytes(60))
     return path
 

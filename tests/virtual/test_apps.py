@@ -80,9 +80,7 @@ def test_jetsam_kill_at_the_limit_writes_a_real_report(installed: Emulator) -> N
     # telemetry: valid events, KV bytes equal to the cache shapes the app was given (8 layers x K,V x
     # 8 heads x 128 dims x fp16 per token), footprint below the limit while the app lived
     adapter = TypeAdapter(TelemetryEvent)
-    events = [
-        adapter.validate_python(json.loads(line)) for line in telemetry.read_text().splitlines() if line
-    ]
+    events = [adapter.validate_python(json.loads(line)) for line in telemetry.read_text().splitlines() if line]
     steps = [e for e in events if e.event == "step"]
     assert events[0].event == "start" and steps
     for step in steps:
@@ -110,8 +108,7 @@ def test_jetsam_kill_at_the_limit_writes_a_real_report(installed: Emulator) -> N
     assert process.account.baseline_bytes == BASELINE_BYTES
     # the kernel said so in the log
     assert any(
-        "killing_specific_process" in line.message and str(pid) in line.message
-        for line in device.syslog.history
+        "killing_specific_process" in line.message and str(pid) in line.message for line in device.syslog.history
     )
 
 

@@ -157,7 +157,5 @@ def test_kvrig_virtual_status_without_server_is_a_clear_error(tmp_path: Path) ->
 
 @pytest.mark.parametrize("ios", ["15.0"])
 def test_kvrig_virtual_rejects_unknown_ios(tmp_path: Path, ios: str) -> None:
-    result = kvrig(
-        "virtual", "start", "--socket", str(tmp_path / "x.sock"), "--state", str(tmp_path), "--ios", ios
-    )
+    result = kvrig("virtual", "start", "--socket", str(tmp_path / "x.sock"), "--state", str(tmp_path), "--ios", ios)
     assert result.returncode == 2 and "17.4" in result.stderr

@@ -126,9 +126,7 @@ def test_garbage_on_the_socket_drops_only_that_client(emulator: Emulator) -> Non
     raw.settimeout(5)
     raw.connect(emulator.address)
     port = socket.htons(62078)
-    raw.sendall(
-        _mux_packet({"MessageType": "Connect", "DeviceID": emulator.device.device_id, "PortNumber": port})
-    )
+    raw.sendall(_mux_packet({"MessageType": "Connect", "DeviceID": emulator.device.device_id, "PortNumber": port}))
     header = raw.recv(16)
     length = struct.unpack("<I", header[:4])[0]
     assert plistlib.loads(raw.recv(length - 16))["Number"] == 0
@@ -145,9 +143,7 @@ def test_connect_to_a_closed_port_is_refused(emulator: Emulator) -> None:
         raw.settimeout(5)
         raw.connect(emulator.address)
         port = socket.htons(50999)
-        raw.sendall(
-            _mux_packet({"MessageType": "Connect", "DeviceID": emulator.device.device_id, "PortNumber": port})
-        )
+        raw.sendall(_mux_packet({"MessageType": "Connect", "DeviceID": emulator.device.device_id, "PortNumber": port}))
         header = raw.recv(16)
         length = struct.unpack("<I", header[:4])[0]
         assert plistlib.loads(raw.recv(length - 16))["Number"] == 3  # CONNREFUSED

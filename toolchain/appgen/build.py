@@ -38,9 +38,7 @@ def _scheme(project: Path) -> str:
     return name
 
 
-def build_app(
-    project: str | Path, *, team: str | None = None, output: str | Path | None = None
-) -> BuildResult:
+def build_app(project: str | Path, *, team: str | None = None, output: str | Path | None = None) -> BuildResult:
     """Generates the Xcode project, archives it for iphoneos and exports a development-signed .ipa.
 
     The signing team comes from `team`, else $KVRIG_TEAM_ID, else the project's DEVELOPMENT_TEAM.

@@ -100,9 +100,7 @@ def validate_options(options: AppOptions) -> None:
 def read_bundle(bundle: Path) -> tuple[KVCacheConfig, dict[str, Any]]:
     """kvcache.json (required) and config.json (optional: only its model_type is shown in the app)."""
     if not bundle.is_dir():
-        raise InputError(
-            "bundle folder not found", file=bundle, expected="a folder written by `kvrig package`"
-        )
+        raise InputError("bundle folder not found", file=bundle, expected="a folder written by `kvrig package`")
     kv = load_model_file(KVCacheConfig, bundle / "kvcache.json")
     model_config: dict[str, Any] = {}
     config_path = bundle / "config.json"
@@ -121,9 +119,7 @@ def example_soak_plan(kv: KVCacheConfig) -> SoakPlan:
     return SoakPlan(
         run_id="example",
         scheme=kv.scheme,
-        schedule=GrowthSchedule(
-            start_tokens=start, step_tokens=max(kv.page_tokens, 1), max_tokens=kv.max_context
-        ),
+        schedule=GrowthSchedule(start_tokens=start, step_tokens=max(kv.page_tokens, 1), max_tokens=kv.max_context),
         text=SOAK_EXAMPLE_TEXT,
     )
 
@@ -172,9 +168,7 @@ def _dump(data: Any) -> str:
     return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
 
 
-def render_app(
-    bundle: str | Path, out: str | Path, options: AppOptions, *, force: bool = False
-) -> RenderResult:
+def render_app(bundle: str | Path, out: str | Path, options: AppOptions, *, force: bool = False) -> RenderResult:
     """Writes the Xcode project for `bundle` into `out`.
 
     Raises InputError for bad options or a bad bundle, AppGenError when `out` holds files and not `force`.
@@ -208,12 +202,8 @@ def render_app(
 
     # Contract files: the Core tests decode exactly what Python wrote; the schemas document them for Swift.
     plan = example_soak_plan(kv)
-    _write(
-        out / CORE_FIXTURES / "kvcache.json", _dump(kv.model_dump(mode="json", by_alias=True)), result.files
-    )
-    _write(
-        out / CORE_FIXTURES / SOAKPLAN_FILE, _dump(plan.model_dump(mode="json", by_alias=True)), result.files
-    )
+    _write(out / CORE_FIXTURES / "kvcache.json", _dump(kv.model_dump(mode="json", by_alias=True)), result.files)
+    _write(out / CORE_FIXTURES / SOAKPLAN_FILE, _dump(plan.model_dump(mode="json", by_alias=True)), result.files)
     _write(out / "Schemas" / "kvcache.schema.json", _dump(json_schema(KVCacheConfig)), result.files)
     _write(out / "Schemas" / "soakplan.schema.json", _dump(json_schema(SoakPlan)), result.files)
     telemetry_schema = TypeAdapter(TelemetryEvent).json_schema(by_alias=True)

@@ -104,9 +104,7 @@ def collect_names(source: bytes) -> Names:
         if parent.type in _TYPE_DECLARATIONS and node.type == "type_identifier":
             names.declared_types.add(name)
         elif parent.type == "function_declaration" or (
-            parent.type == "pattern"
-            and parent.parent is not None
-            and parent.parent.type == "property_declaration"
+            parent.type == "pattern" and parent.parent is not None and parent.parent.type == "property_declaration"
         ):
             declaration = parent if parent.type == "function_declaration" else parent.parent
             if _is_override(declaration):

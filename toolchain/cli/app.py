@@ -19,9 +19,7 @@ from toolchain.cli.render import echo_json, json_option
     is_flag=True,
     help="Also request the extended-virtual-addressing entitlement.",
 )
-@click.option(
-    "-o", "--output", "output", type=click.Path(path_type=Path), required=True, help="Project folder."
-)
+@click.option("-o", "--output", "output", type=click.Path(path_type=Path), required=True, help="Project folder.")
 @click.option("--force", is_flag=True, help="Replace the output folder if it holds files.")
 @json_option
 def app(
@@ -42,9 +40,7 @@ def app(
     )
     result = render_app(bundle, output, options, force=force)
     if as_json:
-        echo_json(
-            {"project": str(result.project), "files": [str(p.relative_to(output)) for p in result.files]}
-        )
+        echo_json({"project": str(result.project), "files": [str(p.relative_to(output)) for p in result.files]})
         return
     click.echo(f"wrote {len(result.files)} files to {result.project}")
     click.echo(f"on a Mac: cd {result.project} && xcodegen generate   (or: kvrig build {result.project})")

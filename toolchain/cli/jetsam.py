@@ -44,11 +44,7 @@ def jetsam(reports: tuple[Path, ...], process: str | None, as_json: bool) -> Non
     if as_json:
         echo_json(results)
     if errors:
-        kind = (
-            ReportError
-            if any(type(e) is not NotAJetsamReportError for e in errors)
-            else NotAJetsamReportError
-        )
+        kind = ReportError if any(type(e) is not NotAJetsamReportError for e in errors) else NotAJetsamReportError
         raise kind(f"{len(errors)} of {len(reports)} files could not be read as JetsamEvent reports")
 
 
@@ -75,13 +71,9 @@ def _render(report: JetsamReport, v: Verdict | None) -> None:
         device += f" ({report.profile})"
     page = f"{report.page_size} B pages" if report.page_size else "page size unknown"
     console.print(f"[bold]{report.file}[/bold]")
-    console.print(
-        f"  {report.os_version or 'OS unknown'} · {device} · {report.timestamp or 'time unknown'} · {page}"
-    )
+    console.print(f"  {report.os_version or 'OS unknown'} · {device} · {report.timestamp or 'time unknown'} · {page}")
     mem = report.memory
-    parts = [
-        f"{k} {human_bytes(b)}" for k, b in mem.bytes.items() if k in ("free", "active", "inactive", "wired")
-    ]
+    parts = [f"{k} {human_bytes(b)}" for k, b in mem.bytes.items() if k in ("free", "active", "inactive", "wired")]
     if mem.compressed_bytes is not None:
         parts.append(f"compressed {human_bytes(mem.compressed_bytes)}")
     if parts:
@@ -91,9 +83,7 @@ def _render(report: JetsamReport, v: Verdict | None) -> None:
         largest += f" ({human_bytes(report.largest_process_bytes)})"
     console.print(f"  largest process: {largest}")
     if report.killed:
-        table = Table(
-            "killed", "pid", "reason", "footprint", "peak", "states", "priority band", "implied limit"
-        )
+        table = Table("killed", "pid", "reason", "footprint", "peak", "states", "priority band", "implied limit")
         for p in report.killed:
             table.add_row(
                 p.name or "?",

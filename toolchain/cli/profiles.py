@@ -30,9 +30,7 @@ def list_command(as_json: bool) -> None:
         return
     table = Table(title=f"{len(found)} device profiles (~ estimated)")
     for column in ("name", "product types", "chip", "RAM", "limit", "entitled", "bandwidth"):
-        table.add_column(
-            column, justify="right" if column in {"RAM", "limit", "entitled", "bandwidth"} else "left"
-        )
+        table.add_column(column, justify="right" if column in {"RAM", "limit", "entitled", "bandwidth"} else "left")
     for p in found:
         table.add_row(
             p.name,

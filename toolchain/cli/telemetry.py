@@ -17,12 +17,8 @@ if TYPE_CHECKING:
 
 @click.command("telemetry")
 @click.argument("files", nargs=-1, required=True, type=click.Path(path_type=Path))
-@click.option(
-    "--report", "report_path", type=click.Path(path_type=Path), help="A JetsamEvent report to correlate."
-)
-@click.option(
-    "--process", metavar="NAME", help="The app's process name in the report (needed with --report)."
-)
+@click.option("--report", "report_path", type=click.Path(path_type=Path), help="A JetsamEvent report to correlate.")
+@click.option("--process", metavar="NAME", help="The app's process name in the report (needed with --report).")
 @json_option
 def telemetry(files: tuple[Path, ...], report_path: Path | None, process: str | None, as_json: bool) -> None:
     """Summarise telemetry runs: max context, tok/s at context points, footprint curve, jetsam correlation."""

@@ -63,9 +63,7 @@ def start(
     from toolchain.virtual import control
     from toolchain.virtual.faults import FaultPlan
 
-    faults = FaultPlan(
-        unplug_after_afc_bytes, set(refuse_service), crash_at_tokens, hang_at_tokens, slow_link_bps
-    )
+    faults = FaultPlan(unplug_after_afc_bytes, set(refuse_service), crash_at_tokens, hang_at_tokens, slow_link_bps)
 
     def ready() -> None:
         click.echo(f"USBMUXD_SOCKET_ADDRESS={address}", err=False)

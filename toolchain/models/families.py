@@ -130,9 +130,7 @@ def _gemma3n(r: ConfigReader) -> list[LayerSpec]:
 
 def _gpt_oss(r: ConfigReader) -> list[LayerSpec]:
     n = r.int("num_hidden_layers")
-    kinds = r.config.get("layer_types") or [
-        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)
-    ]
+    kinds = r.config.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
     r.config = {**r.config, "layer_types": kinds}
     kinds = r.str_list("layer_types", n, {"full_attention", "sliding_attention"})
     return _attention_layers(r, kinds, r.int("sliding_window"))

@@ -74,9 +74,7 @@ class DequantizingKVCache(_BaseCache):
         )
 
     @classmethod
-    def from_kv_cache(
-        cls, cache: KVCache, key_bits: int, value_bits: int, group_size: int
-    ) -> DequantizingKVCache:
+    def from_kv_cache(cls, cache: KVCache, key_bits: int, value_bits: int, group_size: int) -> DequantizingKVCache:
         """Quantizes a filled fp cache in place of mlx-lm's `to_quantized` (keeps its capacity)."""
         out = cls(key_bits, value_bits, group_size)
         out.offset = cache.offset
@@ -118,9 +116,7 @@ class DequantizingKVCache(_BaseCache):
         return sum(x.nbytes for x in (*self.keys, *self.values))
 
 
-def make_kv_caches(
-    model: Any, spec: Any, key_bits: int | None, value_bits: int | None, group_size: int
-) -> list[Any]:
+def make_kv_caches(model: Any, spec: Any, key_bits: int | None, value_bits: int | None, group_size: int) -> list[Any]:
     """The model's own caches (mlx-lm `make_prompt_cache`) with its growing full-attention caches replaced
     by quantized ones: mlx-lm's QuantizedKVCache when K and V bits agree and the model's attention takes
     quantized keys (`spec.quantized_attention`), ours otherwise.
@@ -136,9 +132,7 @@ def make_kv_caches(
         return caches
     owners = [layer for layer in spec.layers if layer.kind != "shared"]
     if len(owners) != len(caches):
-        raise ValueError(
-            f"model made {len(caches)} caches but its spec has {len(owners)} cache-holding layers"
-        )
+        raise ValueError(f"model made {len(caches)} caches but its spec has {len(owners)} cache-holding layers")
     out: list[Any] = []
     for layer, cache in zip(owners, caches, strict=True):
         if layer.kind != "full" or type(cache) is not KVCache:

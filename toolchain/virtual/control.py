@@ -70,9 +70,7 @@ def server_alive(address: str) -> bool:
         return False
 
 
-def device_options(
-    state: Path, profile: str, ios: str, limit_bytes: int | None, faults: FaultPlan
-) -> dict[str, Any]:
+def device_options(state: Path, profile: str, ios: str, limit_bytes: int | None, faults: FaultPlan) -> dict[str, Any]:
     options: dict[str, Any] = {"State": str(state.resolve()), "Profile": profile, "IOS": ios}
     if limit_bytes is not None:
         options["LimitBytes"] = limit_bytes
@@ -105,17 +103,13 @@ def start(
         env["PYTHONPATH"] = os.pathsep.join(
             filter(None, [str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH")])
         )
-        subprocess.Popen(
-            command, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True, env=env
-        )
+        subprocess.Popen(command, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True, env=env)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if server_alive(address):
                 return status(address)["Devices"][0]
             time.sleep(0.1)
-        raise DeviceError(
-            f"the virtual iPhone did not start within {START_TIMEOUT_S:.0f}s; see {state}/emulator.log"
-        )
+        raise DeviceError(f"the virtual iPhone did not start within {START_TIMEOUT_S:.0f}s; see {state}/emulator.log")
     _serve_foreground(address, options, on_ready)
     return {}
 

@@ -107,9 +107,7 @@ class VirtualDevice:
         if ios not in SUPPORTED_IOS:
             from toolchain.exceptions import InputError
 
-            raise InputError(
-                f"unsupported iOS version '{ios}'", field="ios", expected=" or ".join(SUPPORTED_IOS)
-            )
+            raise InputError(f"unsupported iOS version '{ios}'", field="ios", expected=" or ".join(SUPPORTED_IOS))
         spec = _profile_for(profile)
         self.state, self.identity = DeviceState.open(
             Path(state_dir),
@@ -143,9 +141,7 @@ class VirtualDevice:
         self.server, self.device_id = server, device_id
 
     async def start(self) -> None:
-        self.syslog.emit(
-            "kernel", f"virtual {self.identity.product_type} iOS {self.identity.product_version} up"
-        )
+        self.syslog.emit("kernel", f"virtual {self.identity.product_type} iOS {self.identity.product_version} up")
 
     async def shutdown(self) -> None:
         await self.apps.kill_all()
@@ -202,9 +198,7 @@ class VirtualDevice:
         self._pending[port] = run
         return port, spec.ssl
 
-    async def serve(
-        self, handler: Handler, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
+    async def serve(self, handler: Handler, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         link = Link(reader, writer, self)
         self._links.add(link)
         try:

@@ -171,9 +171,7 @@ class DtxConnection:
         """Next whole message: (type, identifier, conversation, channel, flags, aux, payload)."""
         while True:
             header = await self.link.recv_exactly(FRAGMENT.size)
-            magic, header_size, index, count, size, identifier, conversation, channel, flags = (
-                FRAGMENT.unpack(header)
-            )
+            magic, header_size, index, count, size, identifier, conversation, channel, flags = FRAGMENT.unpack(header)
             if magic != MAGIC or header_size < FRAGMENT.size or size > MAX_MESSAGE:
                 raise ProtocolViolation(f"bad DTX fragment header {header.hex()}")
             if header_size > FRAGMENT.size:
@@ -296,9 +294,7 @@ class DtxConnection:
                 sig, pid = int(args[0]), int(args[1])
             else:
                 pid = int(args[0])
-                sig = {"killPid:": signal.SIGKILL, "suspendPid:": signal.SIGSTOP}.get(
-                    selector, signal.SIGCONT
-                )
+                sig = {"killPid:": signal.SIGKILL, "suspendPid:": signal.SIGSTOP}.get(selector, signal.SIGCONT)
             try:
                 apps.signal(pid, sig)
             except ProcessLookupError:

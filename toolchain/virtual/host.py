@@ -81,9 +81,7 @@ def control_handler(server_ref: list[UsbmuxServer], stop: asyncio.Event) -> Call
     return handle
 
 
-async def serve(
-    address: str, devices: list[VirtualDevice], *, ready: Callable[[], None] | None = None
-) -> None:
+async def serve(address: str, devices: list[VirtualDevice], *, ready: Callable[[], None] | None = None) -> None:
     """Serves until a KvrigShutdown, the last device is removed, or cancellation."""
     stop = asyncio.Event()
     ref: list[UsbmuxServer] = []

@@ -60,9 +60,7 @@ def unpack_ipa(package: Path, into: Path) -> tuple[dict[str, Any], str, Path]:
     try:
         with zipfile.ZipFile(package) as archive:
             names = archive.namelist()
-            apps = {
-                PurePosixPath(n).parts[1] for n in names if n.startswith("Payload/") and n.count("/") >= 2
-            }
+            apps = {PurePosixPath(n).parts[1] for n in names if n.startswith("Payload/") and n.count("/") >= 2}
             apps = {a for a in apps if a.endswith(".app")}
             if len(apps) != 1:
                 raise PackageError("the package must hold exactly one Payload/*.app")

@@ -50,9 +50,7 @@ class SyslogBus:
         level: str = "notice",
         subsystem: str = "",
     ) -> None:
-        line = LogLine(
-            process, SYSTEM_PIDS.get(process, 0) if pid is None else pid, message, level, subsystem
-        )
+        line = LogLine(process, SYSTEM_PIDS.get(process, 0) if pid is None else pid, message, level, subsystem)
         self.history.append(line)
         for queue in self._subscribers:
             queue.put_nowait(line)
