@@ -143,6 +143,12 @@ class DeviceLostError(DeviceError):
     exit_code = 13
 
 
+class AppError(DeviceError):
+    """The phone refused an app operation: install failed, app not installed, launch failed."""
+
+    exit_code = 14
+
+
 # --- reports and telemetry (exit 20-21) --------------------------------------------------------------------
 
 
