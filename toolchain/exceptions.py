@@ -149,6 +149,15 @@ class AppError(DeviceError):
     exit_code = 14
 
 
+# --- soak (exit 16) ----------------------------------------------------------------------------------------
+
+
+class SoakFailedError(KvrigError):
+    """A soak run ended in a crash, a hang or a lost device (results were still written)."""
+
+    exit_code = 16
+
+
 # --- reports and telemetry (exit 20-21) --------------------------------------------------------------------
 
 

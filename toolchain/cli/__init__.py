@@ -15,9 +15,12 @@ from toolchain.exceptions import KvrigError
 COMMANDS: dict[str, str] = {
     "jetsam": "toolchain.cli.jetsam:jetsam",
     "app": "toolchain.cli.app:app",
+    "deploy": "toolchain.cli.device:deploy",
+    "devices": "toolchain.cli.device:devices",
     "build": "toolchain.cli.app:build",
     "plan": "toolchain.cli.plan:plan",
     "profiles": "toolchain.cli.profiles:profiles",
+    "soak": "toolchain.cli.soak:soak",
     "telemetry": "toolchain.cli.telemetry:telemetry",
     "virtual": "toolchain.cli.virtual:virtual",
 }
@@ -44,9 +47,12 @@ class LazyGroup(click.Group):
 _SHORT_HELP: dict[str, str] = {
     "jetsam": "Read JetsamEvent reports: memory, killed processes and why, the verdict for our app.",
     "app": "Generate the MLX-Swift iPhone app (Xcode project + Core package) for a bundle.",
+    "deploy": "Install the app and push a model bundle into its Documents (resumable).",
+    "devices": "List attached iPhones (real or virtual) with their device profile.",
     "build": "Build a generated app into an .ipa with xcodegen and xcodebuild (macOS only).",
     "plan": "Plan memory for a model on a device: weights, KV cache per scheme, max context.",
     "profiles": "List and show the device profiles kvrig knows.",
+    "soak": "Grow the app's context on a device until it completes or jetsam kills it; write results.json.",
     "telemetry": "Summarise the app's JSONL telemetry per run; correlate a run with its jetsam report.",
     "virtual": "Run a virtual USB iPhone that pymobiledevice3 drives (start, stop, status).",
 }

@@ -6,8 +6,9 @@ phone always holds a whole file. After each file, a small journal on the phone
 (`Documents/.kvrig/push-<bundle>.json`) records the sha256 the file was sent with. A later push skips a file
 whose remote size matches and, when the bundle's manifest.json lists the file, whose journalled sha256
 equals the manifest's (same-size files with other content are common: re-quantized weights keep their
-shapes). Without a manifest entry the size alone decides. manifest.json itself is sent last, so a bundle
-folder with a manifest on the phone is complete.
+shapes). A small file the manifest does not list (manifest.json itself, configs) is hashed here instead;
+a large unlisted one is judged by size alone. manifest.json is sent last, so a bundle folder with a
+manifest on the phone is complete.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ JOURNAL_DIR = f"{DOCUMENTS}/.kvrig"
 PARTIAL_SUFFIX = ".kvrig-partial"
 MANIFEST = "manifest.json"
 CHUNK_BYTES = 1024 * 1024
+HASH_UNLISTED_BELOW = 4 * 1024 * 1024  # unlisted files smaller than this are hashed locally to compare
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,7 @@ class LocalFile:
     relative: str  # posix path inside the bundle
     path: Path
     size: int
-    sha256: str | None  # from manifest.json
+    sha256: str | None  # from manifest.json, or computed here for a small unlisted file
 
 
 class Container:
@@ -189,6 +191,8 @@ def bundle_files(bundle: Path) -> list[LocalFile]:
         listed_size, sha = manifest.get(relative, (None, None))
         if listed_size is not None and listed_size != size:
             raise VerifyError(f"{path}: {size} bytes, the manifest says {listed_size}")
+        if sha is None and relative not in manifest and size < HASH_UNLISTED_BELOW:
+            sha = hashlib.sha256(path.read_bytes()).hexdigest()
         files.append(LocalFile(relative, path, size, sha))
     missing = sorted(set(manifest) - {f.relative for f in files})
     if missing:

@@ -277,3 +277,20 @@ async def _pull_new_reports(
             break
         await asyncio.sleep(0.5)
     return await crash.pull_reports(device, jetsam, out_dir), await crash.pull_reports(device, own, out_dir)
+
+
+async def soak(
+    app_bundle_id: str,
+    plan: SoakPlan,
+    out_dir: str | Path,
+    *,
+    udid: str | None = None,
+    options: SoakOptions | None = None,
+    usbmux_address: str | None = None,
+) -> SoakResult:
+    """Connects to the selected device and runs one soak (what `kvrig soak` calls)."""
+    from toolchain.device.discovery import connect
+
+    device = await connect(udid, usbmux_address=usbmux_address)
+    async with device:
+        return await run_soak(device, app_bundle_id, plan, out_dir, options)
