@@ -1,15 +1,15 @@
 """`kvrig devices` and `kvrig deploy`: find phones (real or virtual) and put an app and a model bundle on one.
 
-The device layer is async; each command bridges it once with asyncio.run.
+The device layer is async; each command bridges it once (`toolchain.cli.bridge.run_async`).
 """
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import click
 
+from toolchain.cli.bridge import run_async
 from toolchain.cli.render import echo_json, human_bytes, json_option
 
 
@@ -23,7 +23,7 @@ def devices(as_json: bool) -> None:
     """List attached iPhones: UDID, model, iOS version and the device profile kvrig maps them to."""
     from toolchain.device.discovery import list_devices
 
-    found = asyncio.run(list_devices())
+    found = run_async(list_devices())
     if as_json:
         echo_json([d.to_json() for d in found])
         return
@@ -46,7 +46,7 @@ def devices(as_json: bool) -> None:
                 d.name or "",
                 d.connection,
             )
-    Console().print(table)
+    Console(width=max(120, Console().width)).print(table)
 
 
 @click.command("deploy")
@@ -62,7 +62,7 @@ def deploy(bundle: Path, ipa: Path | None, app_id: str | None, udid: str | None,
     if ipa is None and app_id is None:
         raise click.UsageError("give the app to install (--app APP.ipa) or an installed app's id (--app-id)")
     if as_json:
-        result = asyncio.run(run_deploy(bundle, ipa=ipa, app_id=app_id, udid=udid))
+        result = run_async(run_deploy(bundle, ipa=ipa, app_id=app_id, udid=udid))
         echo_json(result.to_json())
         return
 
@@ -78,7 +78,7 @@ def deploy(bundle: Path, ipa: Path | None, app_id: str | None, udid: str | None,
         def on_progress(p) -> None:  # type: ignore[no-untyped-def]
             bar.update(task, completed=p.sent, total=p.to_send or None, description=p.file)
 
-        result = asyncio.run(run_deploy(bundle, ipa=ipa, app_id=app_id, udid=udid, progress=on_progress))
+        result = run_async(run_deploy(bundle, ipa=ipa, app_id=app_id, udid=udid, progress=on_progress))
     push = result.push
     installed = f"installed {result.app_id}; " if result.installed else ""
     click.echo(

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import click
 
+from toolchain.cli.bridge import run_async
 from toolchain.cli.render import echo_json, human_bytes, json_option
 
 
@@ -65,7 +65,7 @@ def soak(
         plan = make_plan(max_tokens=max_tokens, step_tokens=step, decode_tokens=decode_tokens, scheme=scheme)
     echo = None if as_json else (lambda line: click.echo(line, err=True))
     options = SoakOptions(hang_after_s=hang_after, timeout_s=timeout, on_event=echo)
-    result = asyncio.run(run(app_id, plan, out_dir, udid=udid, options=options))
+    result = run_async(run(app_id, plan, out_dir, udid=udid, options=options))
     if as_json:
         echo_json(result)
     else:
@@ -82,7 +82,10 @@ def _render(result, out_dir: Path) -> None:  # type: ignore[no-untyped-def]
     click.echo(f"  {result.outcome_detail}")
     click.echo(f"  max context reached {result.max_context_reached}, max safe context {result.max_safe_context}")
     if result.footprint_at_kill_bytes is not None:
-        click.echo(f"  footprint at kill {size(result.footprint_at_kill_bytes)}, limit {size(result.limit_bytes)}")
+        click.echo(
+            f"  footprint at kill {size(result.footprint_at_kill_bytes)}, "
+            f"limit implied by the report {size(result.limit_bytes)}, app believed {size(result.app_limit_bytes)}"
+        )
     points = [p for p in result.tps_curve if p.decode_tps is not None]
     if points:
         shown = points[:: max(1, len(points) // 8)]

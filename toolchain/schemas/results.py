@@ -79,6 +79,6 @@ class SoakResult(StrictModel):
 
 
 class ResultsFile(StrictModel):
-    schema_version: Literal[1] = Field(default=RESULTS_SCHEMA_VERSION, alias="schema")
+    schema_version: Literal[1] = Field(default=1, alias="schema")  # RESULTS_SCHEMA_VERSION
     tool_version: str
     runs: list[SoakResult]
