@@ -85,3 +85,14 @@ def test_cli_devices_without_usbmuxd_exits_11(tmp_path: Path) -> None:
     )
     assert proc.returncode == 11
     assert proc.stderr.startswith("kvrig: error:") and "Traceback" not in proc.stderr
+
+
+def test_device_layer_and_soak_import_neither_the_emulator_nor_mlx() -> None:
+    code = (
+        "import sys, toolchain.device.apps, toolchain.device.crash, toolchain.device.deploy, "
+        "toolchain.device.files, toolchain.device.processes, toolchain.device.syslog, toolchain.soak, "
+        "toolchain.cli.device, toolchain.cli.soak\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('toolchain.virtual', 'mlx'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    assert out.strip() == "[]"

@@ -21,6 +21,7 @@ from toolchain.cli.render import echo_json, human_bytes, json_option
 @click.option(
     "--decode-tokens", type=click.IntRange(min=1), default=16, show_default=True, help="Tokens timed per step."
 )
+@click.option("--bundle", "bundle_name", default=None, help="Name of the model bundle the app runs (recorded).")
 @click.option("--scheme", default="default", show_default=True, help="KV scheme name recorded with the run.")
 @click.option(
     "--hang-after",
@@ -46,6 +47,7 @@ def soak(
     max_tokens: int,
     step: int,
     decode_tokens: int,
+    bundle_name: str | None,
     scheme: str,
     hang_after: float,
     timeout: float | None,
@@ -64,7 +66,7 @@ def soak(
     else:
         plan = make_plan(max_tokens=max_tokens, step_tokens=step, decode_tokens=decode_tokens, scheme=scheme)
     echo = None if as_json else (lambda line: click.echo(line, err=True))
-    options = SoakOptions(hang_after_s=hang_after, timeout_s=timeout, on_event=echo)
+    options = SoakOptions(hang_after_s=hang_after, timeout_s=timeout, bundle=bundle_name, on_event=echo)
     result = run_async(run(app_id, plan, out_dir, udid=udid, options=options))
     if as_json:
         echo_json(result)

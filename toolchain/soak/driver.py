@@ -34,6 +34,7 @@ from toolchain.soak.analyse import apply_jetsam, apply_telemetry, classify, find
 
 TELEMETRY_OUT = "telemetry.jsonl"
 REPORTS_OUT = "reports"
+KILL_WAIT_S = 10.0
 
 
 @dataclass
@@ -141,7 +142,7 @@ async def run_soak(
     if not watch.lost:
         with rec.step("pull reports"):
             jetsam_paths, crash_paths = await _pull_new_reports(
-                device, before, out / REPORTS_OUT, app.executable, wait_s=0 if watch.end_seen else opts.report_wait_s
+                device, before, out / REPORTS_OUT, app.executable, wait_s=opts.report_wait_s if watch.died else 0
             )
             result.files.jetsam_reports = [p.relative_to(out).as_posix() for p in jetsam_paths]
             result.files.crash_reports = [p.relative_to(out).as_posix() for p in crash_paths]
@@ -196,6 +197,11 @@ class _Watch:
                 return text
         return "the app is gone"
 
+    @property
+    def died(self) -> bool:
+        """It ended on its own without an end record: the kernel (or a crash) took it."""
+        return not (self.end_seen or self.hung or self.timed_out or self.lost)
+
     async def run(self) -> None:
         start = last_change = time.monotonic()
         while True:
@@ -245,9 +251,14 @@ class _Watch:
         return True
 
     async def _kill(self, processes: Processes, pid: int) -> None:
-        if pid:
-            with contextlib.suppress(KvrigError):  # it may have died on its own meanwhile
-                await processes.kill(pid)
+        """Kills the app and waits (briefly) until the phone no longer lists it."""
+        if not pid:
+            return
+        with contextlib.suppress(KvrigError):  # it may have died on its own meanwhile
+            await processes.kill(pid)
+        deadline = time.monotonic() + KILL_WAIT_S
+        while time.monotonic() < deadline and await processes.pid_for(self.bundle_id) == pid:
+            await asyncio.sleep(0.1)
 
     async def _reconnect(self) -> bool:
         deadline = time.monotonic() + self.opts.reconnect_s
