@@ -109,7 +109,9 @@ def _routed_fraction(config: dict[str, Any]) -> float:
     return 1.0
 
 
-def account_weights(config: dict[str, Any], recipe: WeightRecipe, dtype: str = "float16", model: Any = None) -> WeightsAccount:
+def account_weights(
+    config: dict[str, Any], recipe: WeightRecipe, dtype: str = "float16", model: Any = None
+) -> WeightsAccount:
     """Exact bytes of the model's parameters after casting to `dtype` and quantizing with `recipe`."""
     import mlx.nn as nn
     from mlx.utils import tree_flatten
