@@ -133,7 +133,7 @@ def test_head_dim_not_divisible_by_group_is_refused() -> None:
     spec = spec_from_config(config)
     from toolchain.plan.kv import check_dims
 
-    with pytest.raises(QuantizationError, match="head dim 96 is not divisible by KV group size 64.*group size 32"):
+    with pytest.raises(QuantizationError, match=r"head dim 96 is not divisible by KV group size 64.*group size 32"):
         check_dims(spec, parse_scheme("k8v4"))
     check_dims(spec, parse_scheme("k8v4g32"))  # a smaller group works
 
@@ -151,7 +151,7 @@ def test_missing_config_field_names_it(tmp_path: Path) -> None:
 def test_multimodal_layer_types_length_mismatch(tmp_path: Path) -> None:
     config = json.loads(json.dumps(TINY_CONFIGS["gemma3n"]))
     config["text_config"]["layer_types"] = config["text_config"]["layer_types"][:-1]
-    with pytest.raises(ModelConfigError, match="text_config.layer_types"):
+    with pytest.raises(ModelConfigError, match=r"text_config\.layer_types"):
         spec_from_config(config, "x/config.json")
 
 
