@@ -128,6 +128,44 @@ def _gemma3n(r: ConfigReader) -> list[LayerSpec]:
     return layers
 
 
+def _gemma4(r: ConfigReader) -> list[LayerSpec]:
+    """Gemma 4: sliding and global layers with their own KV heads and head dims; global layers may use
+    keys as values (stored twice all the same); the last `num_kv_shared_layers` reuse earlier caches.
+    Defaults are mlx-lm's gemma4_text ModelArgs defaults, since that is what it builds without them."""
+    n = r.int("num_hidden_layers")
+    shared = r.int("num_kv_shared_layers", 20, minimum=0)
+    pattern = r.int("sliding_window_pattern", 5)
+    if r.config.get("layer_types") is None:
+        base = ["sliding_attention"] * (pattern - 1) + ["full_attention"]
+        r.config = {**r.config, "layer_types": (base * (n // len(base) + 1))[:n]}
+    kinds = r.str_list("layer_types", n, {"full_attention", "sliding_attention"})
+    window = r.int("sliding_window", 512)
+    head_dim = r.int("head_dim", 256)
+    global_dim = r.int("global_head_dim", 512) if r.config.get("global_head_dim", 512) else head_dim
+    kv = r.int("num_key_value_heads", 1)
+    k_eq_v = bool(r.config.get("attention_k_eq_v", False))
+    global_kv = r.int("num_global_key_value_heads") if k_eq_v and r.config.get("num_global_key_value_heads") else kv
+    first_shared = n - shared
+    layers: list[LayerSpec] = []
+    last: dict[str, int] = {}
+    for i, kind in enumerate(kinds):
+        if i >= first_shared > 0:
+            if kind not in last:
+                raise ModelConfigError(
+                    f"shared layer {i} is {kind} but no earlier layer of that type holds a cache",
+                    file=r.source,
+                    field=f"{r.prefix}layer_types",
+                )
+            layers.append(LayerSpec(i, "shared", source_layer=last[kind]))
+            continue
+        last[kind] = i
+        if kind == "sliding_attention":
+            layers.append(LayerSpec(i, "sliding", kv, head_dim, head_dim, window=window))
+        else:
+            layers.append(LayerSpec(i, "full", global_kv, global_dim, global_dim, keys_as_values=k_eq_v))
+    return layers
+
+
 def _gpt_oss(r: ConfigReader) -> list[LayerSpec]:
     n = r.int("num_hidden_layers")
     kinds = r.config.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
@@ -184,6 +222,7 @@ FAMILIES: dict[str, Reader] = {
     "gemma3_text": _gemma3_text,
     "gemma3n": _gemma3n,
     "gpt_oss": _gpt_oss,
+    "gemma4_text": _gemma4,
     "qwen3_next": _hybrid_linear,
     "qwen3_5": _hybrid_linear,
     "qwen3_5_moe": _hybrid_linear,
@@ -192,13 +231,14 @@ FAMILIES: dict[str, Reader] = {
 }
 
 # Families whose config nests the language model under `text_config`: outer type -> inner type.
-TEXT_CONFIG_WRAPPERS: dict[str, str] = {"gemma3": "gemma3_text", "gemma3n": "gemma3n"}
+TEXT_CONFIG_WRAPPERS: dict[str, str] = {"gemma3": "gemma3_text", "gemma3n": "gemma3n", "gemma4": "gemma4_text"}
 
 # mlx-lm's MODEL_REMAPPING for the families above (kept here so planning never needs mlx-lm).
 REMAPPING: dict[str, str] = {"mistral": "llama", "kimi_k2": "deepseek_v3"}
 
-# Families whose mlx-lm attention cannot read a QuantizedKVCache (soft-capping, attention sinks).
-NO_QUANTIZED_ATTENTION: set[str] = {"gemma2", "gpt_oss"}
+# Families whose mlx-lm attention cannot read a QuantizedKVCache (soft-capping, attention sinks, KV-shared
+# layers that hand quantized tuples to plain attention).
+NO_QUANTIZED_ATTENTION: set[str] = {"gemma2", "gpt_oss", "gemma4_text"}
 
 NOTES: dict[str, str] = {
     "gpt_oss": "Attention sinks: mlx-lm's quantized attention cannot read quantized KV; kvrig dequantizes on read.",
@@ -206,4 +246,6 @@ NOTES: dict[str, str] = {
     "soft-capped attention cannot read quantized KV, so kvrig dequantizes on read.",
     "deepseek_v3": "MLA: mlx-lm caches the latent and rope key unquantized; KV schemes do not apply to it.",
     "gemma3n": "KV-shared layers reuse an earlier layer's cache and hold none of their own.",
+    "gemma4_text": "KV-shared layers hold no cache; global layers have their own KV heads and head dim, and "
+    "where keys double as values MLX still stores both.",
 }

@@ -28,6 +28,8 @@ class LayerSpec:
     window: int | None = None
     source_layer: int | None = None
     state: tuple[tuple[tuple[int, ...], str | None], ...] = ()
+    keys_as_values: bool = False
+    """the layer's keys double as values (no v_proj) yet MLX still stores both arrays."""
 
     @property
     def grows(self) -> bool:
