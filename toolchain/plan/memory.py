@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from pydantic import Field
 
@@ -30,7 +30,7 @@ from toolchain.plan.weights import DEFAULT_RECIPES, WeightsAccount, account_weig
 from toolchain.profiles import DeviceProfile
 from toolchain.schemas import StrictModel
 
-PLAN_SCHEMA_VERSION = 1
+PLAN_SCHEMA_VERSION: Final = 1
 DEFAULT_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)
 DEFAULT_MARGIN = 0.10
 SMALL_MODEL_PARAMS = 4_000_000_000  # below this, 4-bit keys hurt quality badly (DESIGN.md)

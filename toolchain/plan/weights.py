@@ -83,7 +83,7 @@ def _predicate(recipe: WeightRecipe, model: Any) -> Callable[[str, Any], dict[st
             return None
         if module.weight.shape[-1] % group != 0:
             return None
-        choice: Any = True if custom is None else custom(path, module)
+        choice: Any = True if custom is None else custom(path, module)  # type: ignore[call-arg]
         if choice is False:
             return None
         if isinstance(choice, dict):
@@ -126,7 +126,8 @@ def account_weights(
     # up the leaf module that owns each one.
     quantized: dict[str, dict[str, int]] = {}
     experts: set[str] = set()
-    for path, module in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module):
+    leaves: list[tuple[str, Any]] = tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)  # type: ignore[assignment]
+    for path, module in leaves:
         q = decide(path, module)
         if q is not None:
             quantized[path] = q
@@ -135,7 +136,8 @@ def account_weights(
 
     total = active = params = qparams = 0
     floats = _mx_floats()
-    for full, p in tree_flatten(model.parameters()):
+    flat: list[tuple[str, Any]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+    for full, p in flat:
         owner, _, name = full.rpartition(".")
         n = p.size
         params += n
