@@ -12,6 +12,7 @@ from mlx_lm.utils import _get_classes, quantize_model
 from tiny_configs import TINY_CONFIGS
 
 from toolchain.exceptions import QuantizationError
+from toolchain.models import spec_from_config
 from toolchain.plan.weights import account_weights, parse_recipe
 
 RECIPES = ["q4", "q8", "mixed_3_6", "fp16"]
@@ -57,6 +58,7 @@ def test_parameter_count_matches_mlx() -> None:
     model = model_cls(args_cls.from_dict(config))
     expected = sum(v.size for _, v in tree_flatten(model.parameters()))
     assert account_weights(config, parse_recipe("q4")).parameters == expected
+    assert spec_from_config(config).parameter_count() == expected
 
 
 def test_unknown_recipe_is_a_clear_error() -> None:

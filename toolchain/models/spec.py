@@ -58,6 +58,12 @@ class ModelSpec:
     def num_layers(self) -> int:
         return len(self.layers)
 
+    def parameter_count(self) -> int:
+        """Parameters of the mlx-lm model for this config (built lazily; imports MLX)."""
+        from toolchain.models.lazy import count_parameters
+
+        return count_parameters(self.config)
+
     def count(self, kind: LayerKind) -> int:
         return sum(1 for layer in self.layers if layer.kind == kind)
 

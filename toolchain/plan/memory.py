@@ -7,6 +7,7 @@ from typing import Any, Final, Literal
 from pydantic import Field
 
 from toolchain.exceptions import PlanInputError
+from toolchain.models.lazy import build_lazy_model
 from toolchain.models.spec import ModelSpec
 from toolchain.plan.kv import (
     ALL_NAMED_SCHEMES,
@@ -26,7 +27,7 @@ from toolchain.plan.runtime import (
     kv_read_bytes,
     prefill_activation_bytes,
 )
-from toolchain.plan.weights import DEFAULT_RECIPES, WeightsAccount, account_weights, build_lazy_model, parse_recipe
+from toolchain.plan.weights import DEFAULT_RECIPES, WeightsAccount, account_weights, parse_recipe
 from toolchain.profiles import DeviceProfile
 from toolchain.schemas import StrictModel
 

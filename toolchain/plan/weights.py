@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from toolchain.exceptions import QuantizationError, UnsupportedArchitectureError
-from toolchain.models.families import FAMILIES
+from toolchain.exceptions import QuantizationError
+from toolchain.models.lazy import build_lazy_model
 from toolchain.models.spec import DTYPE_BYTES
 
 MIXED_RECIPES = ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6")
@@ -43,17 +43,6 @@ def parse_recipe(text: str, group_size: int = 64) -> WeightRecipe:
     raise QuantizationError(
         f"unknown weight recipe '{text}': expected q2, q3, q4, q5, q6, q8, {', '.join(MIXED_RECIPES)} or fp16"
     )
-
-
-def build_lazy_model(config: dict[str, Any]) -> Any:
-    """The mlx-lm model for `config`, with unevaluated (unallocated) parameters."""
-    from mlx_lm.utils import _get_classes
-
-    try:
-        model_cls, args_cls = _get_classes(config)
-    except ValueError:
-        raise UnsupportedArchitectureError(str(config.get("model_type")), list(FAMILIES)) from None
-    return model_cls(args_cls.from_dict(config))
 
 
 @dataclass
