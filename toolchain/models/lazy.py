@@ -24,4 +24,5 @@ def count_parameters(config: dict[str, Any], model: Any = None) -> int:
     from mlx.utils import tree_flatten
 
     model = model if model is not None else build_lazy_model(config)
-    return sum(p.size for _, p in tree_flatten(model.parameters()))
+    flat: list[tuple[str, Any]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+    return sum(p.size for _, p in flat)
