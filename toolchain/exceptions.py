@@ -54,6 +54,10 @@ class ModelConfigError(InputError):
     """A model's config.json or GGUF metadata is missing fields or inconsistent."""
 
 
+class PlanInputError(InputError):
+    """A planning option is out of range."""
+
+
 class SchemaError(InputError):
     """A contract file (kvcache.json, manifest.json, soak plan, results) does not match its schema."""
 

@@ -27,6 +27,28 @@ def _cfg(model_type: str, layers: int, **extra: Any) -> dict[str, Any]:
     return {**_BASE, "model_type": model_type, "num_hidden_layers": layers, **extra}
 
 
+def _deepseek(model_type: str, **extra: Any) -> dict[str, Any]:
+    """MLA with a small MoE: 2 layers, the first dense."""
+    return _cfg(
+        model_type,
+        2,
+        head_dim=None,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        q_lora_rank=None,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        qk_nope_head_dim=32,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=1.0,
+        **extra,
+    )
+
+
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "llama": _cfg("llama", 2),
     "llama-sliding": _cfg(
@@ -85,6 +107,32 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
             laurel_rank=8,
         ),
     },
+    "gemma4_text": _cfg(
+        "gemma4_text",
+        6,
+        num_kv_shared_layers=2,
+        sliding_window=WINDOW,
+        sliding_window_pattern=3,
+        global_head_dim=128,
+        attention_k_eq_v=True,
+        num_global_key_value_heads=1,
+        hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=128,
+    ),
+    "gemma4": {
+        "model_type": "gemma4",
+        "vocab_size": 128,
+        "text_config": _cfg(
+            "gemma4_text",
+            5,
+            num_kv_shared_layers=0,
+            sliding_window=WINDOW,
+            sliding_window_pattern=5,
+            global_head_dim=128,
+            hidden_size_per_layer_input=16,
+            vocab_size_per_layer_input=128,
+        ),
+    },
     "gpt_oss": _cfg(
         "gpt_oss",
         4,
@@ -124,43 +172,11 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
             full_attention_interval=2,
         ),
     },
-    "deepseek_v2": _cfg(
+    "deepseek_v2": _deepseek(
         "deepseek_v2",
-        2,
-        head_dim=None,
-        moe_intermediate_size=32,
-        n_shared_experts=1,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
         kv_lora_rank=32,
-        q_lora_rank=None,
-        qk_rope_head_dim=32,
-        v_head_dim=64,
-        qk_nope_head_dim=32,
-        first_k_dense_replace=1,
-        n_group=1,
-        topk_group=1,
-        routed_scaling_factor=1.0,
         topk_method="greedy",
         rope_scaling={"type": "yarn", "factor": 1.0, "original_max_position_embeddings": 4096},
     ),
-    "deepseek_v3": _cfg(
-        "deepseek_v3",
-        2,
-        head_dim=None,
-        moe_intermediate_size=32,
-        n_shared_experts=1,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        kv_lora_rank=64,
-        q_lora_rank=None,
-        qk_rope_head_dim=32,
-        v_head_dim=64,
-        qk_nope_head_dim=32,
-        first_k_dense_replace=1,
-        n_group=1,
-        topk_group=1,
-        routed_scaling_factor=1.0,
-        topk_method="noaux_tc",
-    ),
+    "deepseek_v3": _deepseek("deepseek_v3", kv_lora_rank=64, topk_method="noaux_tc"),
 }

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from toolchain.cli.render import echo_json, human_bytes, json_option
+from toolchain.cli.render import echo_json, human_bytes, json_option, read_each
 from toolchain.exceptions import NotAJetsamReportError, ReportError
 
 if TYPE_CHECKING:
@@ -24,16 +24,7 @@ def jetsam(reports: tuple[Path, ...], process: str | None, as_json: bool) -> Non
 
     results: list[dict[str, Any]] = []
     errors: list[ReportError] = []
-    for path in reports:
-        try:
-            report = read_report(path)
-        except ReportError as exc:
-            errors.append(exc)
-            if as_json:
-                results.append({"file": str(path), "error": str(exc), "exit_code": exc.exit_code})
-            else:
-                click.echo(f"kvrig: error: {exc}", err=True)
-            continue
+    for _, report in read_each(reports, read_report, as_json=as_json, results=results, errors=errors):
         entry = report.model_dump(mode="json", exclude={"processes"})
         entry["killed"] = [_process_json(p) for p in report.killed]
         if process:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from toolchain.cli.render import echo_json, human_bytes, json_option
+from toolchain.cli.render import echo_json, human_bytes, json_option, read_each
 from toolchain.exceptions import ReportError
 
 if TYPE_CHECKING:
@@ -30,16 +30,7 @@ def telemetry(files: tuple[Path, ...], report_path: Path | None, process: str | 
     report = read_report(report_path) if report_path is not None else None
     results: list[dict[str, Any]] = []
     errors: list[ReportError] = []
-    for path in files:
-        try:
-            log = read_telemetry(path)
-        except ReportError as exc:
-            errors.append(exc)
-            if as_json:
-                results.append({"file": str(path), "error": str(exc), "exit_code": exc.exit_code})
-            else:
-                click.echo(f"kvrig: error: {exc}", err=True)
-            continue
+    for _, log in read_each(files, read_telemetry, as_json=as_json, results=results, errors=errors):
         for run in log.runs:
             summary = summarize_run(run, file=log.file)
             corr = correlate(run, report, process=process, file=log.file) if report and process else None

@@ -99,8 +99,8 @@ def spec_from_config(config: dict[str, Any], source: str | Path = "<config>") ->
         config=config,
         layers=layers,
         dtype=dtype,
-        hidden_size=r.int("hidden_size"),
-        vocab_size=r.int("vocab_size"),
+        hidden_size=r.integer("hidden_size"),
+        vocab_size=r.integer("vocab_size"),
         quantized_attention=model_type not in NO_QUANTIZED_ATTENTION,
         notes=notes,
     )

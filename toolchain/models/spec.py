@@ -28,6 +28,8 @@ class LayerSpec:
     window: int | None = None
     source_layer: int | None = None
     state: tuple[tuple[tuple[int, ...], str | None], ...] = ()
+    keys_as_values: bool = False
+    """the layer's keys double as values (no v_proj) yet MLX still stores both arrays."""
 
     @property
     def grows(self) -> bool:
@@ -55,6 +57,12 @@ class ModelSpec:
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    def parameter_count(self) -> int:
+        """Parameters of the mlx-lm model for this config (built lazily; imports MLX)."""
+        from toolchain.models.lazy import count_parameters
+
+        return count_parameters(self.config)
 
     def count(self, kind: LayerKind) -> int:
         return sum(1 for layer in self.layers if layer.kind == kind)

@@ -7,6 +7,7 @@ of update sizes so planned bytes equal MLX's `nbytes` at every offset, step boun
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -210,6 +211,15 @@ class CacheGrowth:
         self._idx += 1
 
 
+@functools.lru_cache(maxsize=4096)
+def _capacity(kind: str, window: int | None, schedule: tuple[int, ...]) -> tuple[int, int]:
+    # Every layer of one kind (and window) grows the same way, so replay the schedule once per kind.
+    growth = CacheGrowth(LayerSpec(0, kind, window=window))  # type: ignore[arg-type]
+    for n in schedule:
+        growth.update(n)
+    return growth.capacity, growth.peak_capacity
+
+
 def layer_allocated_bytes(layer: LayerSpec, scheme: KVScheme, schedule: list[int]) -> tuple[int, int]:
     """(bytes allocated after the schedule, peak bytes during it) for one layer's cache."""
     if layer.kind == "shared" or not schedule:
@@ -217,11 +227,10 @@ def layer_allocated_bytes(layer: LayerSpec, scheme: KVScheme, schedule: list[int
     if layer.kind == "linear":
         b = state_bytes(layer, scheme.dtype)
         return b, b
-    growth = CacheGrowth(layer)
-    for n in schedule:
-        growth.update(n)
+    kind = "full" if layer.kind == "latent" else layer.kind
+    capacity, peak = _capacity(kind, layer.window, tuple(schedule))
     row = sum(layer_row_bytes(layer, scheme))
-    return growth.capacity * row, growth.peak_capacity * row
+    return capacity * row, peak * row
 
 
 def allocated_bytes(spec: ModelSpec, scheme: KVScheme, schedule: list[int]) -> int:

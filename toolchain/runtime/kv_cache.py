@@ -69,8 +69,8 @@ class DequantizingKVCache(_BaseCache):
         k = tuple(x[..., : self.offset, :] for x in self.keys)
         v = tuple(x[..., : self.offset, :] for x in self.values)
         return (
-            mx.dequantize(*k, group_size=self.group_size, bits=self.key_bits).astype(dtype),
-            mx.dequantize(*v, group_size=self.group_size, bits=self.value_bits).astype(dtype),
+            mx.dequantize(k[0], k[1], k[2], group_size=self.group_size, bits=self.key_bits).astype(dtype),
+            mx.dequantize(v[0], v[1], v[2], group_size=self.group_size, bits=self.value_bits).astype(dtype),
         )
 
     @classmethod
@@ -78,10 +78,10 @@ class DequantizingKVCache(_BaseCache):
         """Quantizes a filled fp cache in place of mlx-lm's `to_quantized` (keeps its capacity)."""
         out = cls(key_bits, value_bits, group_size)
         out.offset = cache.offset
-        if cache.keys is not None:
+        if cache.keys is not None and cache.values is not None:
             out._dtype = cache.keys.dtype
-            out.keys = mx.quantize(cache.keys, group_size=group_size, bits=key_bits)
-            out.values = mx.quantize(cache.values, group_size=group_size, bits=value_bits)
+            out.keys = mx.quantize(cache.keys, group_size=group_size, bits=key_bits)  # type: ignore[assignment]
+            out.values = mx.quantize(cache.values, group_size=group_size, bits=value_bits)  # type: ignore[assignment]
         return out
 
     @property
@@ -104,7 +104,7 @@ class DequantizingKVCache(_BaseCache):
         return n
 
     def make_mask(self, *args: Any, **kwargs: Any) -> Any:
-        return create_attention_mask(*args, offset=self.offset, **kwargs)
+        return create_attention_mask(*args, offset=self.offset, **kwargs)  # type: ignore[misc]
 
     def empty(self) -> bool:
         return self.keys is None

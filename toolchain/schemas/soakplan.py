@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Final, Literal
 
 from pydantic import Field
 
 from toolchain.schemas import StrictModel
 
-SOAKPLAN_SCHEMA_VERSION = 1
+SOAKPLAN_SCHEMA_VERSION: Final = 1
 SOAKPLAN_FILE = "soakplan.json"
 SOAKPLAN_LAUNCH_ARGUMENT = "--kvrig-soak-plan"
 

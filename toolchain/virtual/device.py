@@ -68,29 +68,13 @@ class DeviceProfile:
     page_size: int
 
 
-# Used until toolchain.profiles lands on this branch; the lead points `_profile_for` at load_profile.
-_BUILTIN_PROFILES = {
-    "iPhone16,1": DeviceProfile("iPhone16,1", "iPhone 15 Pro", 3341 * 1024 * 1024, 16384),
-    "iPhone16,2": DeviceProfile("iPhone16,2", "iPhone 15 Pro Max", 3341 * 1024 * 1024, 16384),
-    "iPhone15,2": DeviceProfile("iPhone15,2", "iPhone 14 Pro", 2867 * 1024 * 1024, 16384),
-}
-
-
 def _profile_for(ref: str) -> DeviceProfile:
     """The device profile for a ProductType (or profile name): marketing name, default limit, page size."""
-    try:
-        from toolchain.profiles import load_profile  # type: ignore[import-not-found]
-    except ImportError:
-        load_profile = None
-    if load_profile is not None:
-        profile = load_profile(ref)
-        product_type = ref if ref in profile.product_types else profile.product_types[0]
-        return DeviceProfile(product_type, profile.marketing_name, profile.limit_default, profile.page_size)
-    if ref not in _BUILTIN_PROFILES:
-        from toolchain.exceptions import ProfileError
+    from toolchain.profiles import load_profile
 
-        raise ProfileError(f"unknown device '{ref}'", expected=", ".join(sorted(_BUILTIN_PROFILES)))
-    return _BUILTIN_PROFILES[ref]
+    profile = load_profile(ref)
+    product_type = ref if ref in profile.product_types else profile.product_types[0]
+    return DeviceProfile(product_type, profile.marketing_name, profile.limit_default, profile.page_size)
 
 
 class VirtualDevice:
