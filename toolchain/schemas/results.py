@@ -7,13 +7,13 @@ A results file is written as the run goes, so a run that fails half-way still le
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Final, Literal
 
 from pydantic import Field
 
 from toolchain.schemas import StrictModel
 
-RESULTS_SCHEMA_VERSION = 1
+RESULTS_SCHEMA_VERSION: Final = 1
 RESULTS_FILE = "results.json"
 
 Outcome = Literal["completed", "jetsam", "crash", "hang", "device_lost"]
@@ -79,6 +79,6 @@ class SoakResult(StrictModel):
 
 
 class ResultsFile(StrictModel):
-    schema_version: Literal[1] = Field(default=1, alias="schema")  # RESULTS_SCHEMA_VERSION
+    schema_version: Literal[1] = Field(default=RESULTS_SCHEMA_VERSION, alias="schema")
     tool_version: str
     runs: list[SoakResult]
