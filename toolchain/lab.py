@@ -163,8 +163,8 @@ class _Predictor:
             if note not in self.notes:
                 self.notes.append(note)
             return None
-        key = (str(source), profile, str(device.limit_bytes), str(device.baseline_bytes), entry.plan.model_dump_json())
-        key += (planner_scheme,)
+        key: tuple[str, ...] = (str(source), profile, str(device.limit_bytes), str(device.baseline_bytes))
+        key += (entry.plan.model_dump_json(), planner_scheme)
         if key not in self._cache:
             self._cache[key] = self._plan(source, profile, device, entry, planner_scheme)
         return self._cache[key]
