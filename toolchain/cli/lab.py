@@ -74,8 +74,8 @@ def _render(results) -> None:  # type: ignore[no-untyped-def]
     from toolchain.gates import failures
 
     table = Table(title=f"lab {results.lab.name}")
-    for col in ("device", "entry", "scheme", "outcome", "max ctx", "max safe ctx", "predicted", "result"):
-        table.add_column(col)
+    for col in ("device", "entry", "scheme", "outcome", "max ctx", "safe ctx", "predicted", "result"):
+        table.add_column(col, overflow="fold")
     for run in results.runs:
         r = run.result
         found = failures(r)
@@ -87,7 +87,7 @@ def _render(results) -> None:  # type: ignore[no-untyped-def]
         )
         predicted = str(r.predicted.max_context) if r.predicted and r.predicted.max_context is not None else ""
         table.add_row(
-            r.device.udid[:12],
+            r.device.udid[:8],
             str(r.entry),
             r.scheme,
             str(r.outcome or ""),
