@@ -162,6 +162,21 @@ class SoakFailedError(KvrigError):
     exit_code = 16
 
 
+# --- lab (exit 17-18) --------------------------------------------------------------------------------------
+
+
+class GateFailedError(KvrigError):
+    """A lab run failed a gate or ended badly (crash, hang, device lost); results and JUnit were written."""
+
+    exit_code = 17
+
+
+class LabError(KvrigError):
+    """The lab could not run: no device matched, or no run could start (partial results were written)."""
+
+    exit_code = 18
+
+
 # --- reports and telemetry (exit 20-21) --------------------------------------------------------------------
 
 

@@ -14,6 +14,7 @@ from toolchain.exceptions import KvrigError
 # command name -> "module:attribute"; the module is imported only when the command runs.
 COMMANDS: dict[str, str] = {
     "jetsam": "toolchain.cli.jetsam:jetsam",
+    "lab": "toolchain.cli.lab:lab",
     "app": "toolchain.cli.app:app",
     "deploy": "toolchain.cli.device:deploy",
     "devices": "toolchain.cli.device:devices",
@@ -46,6 +47,7 @@ class LazyGroup(click.Group):
 
 _SHORT_HELP: dict[str, str] = {
     "jetsam": "Read JetsamEvent reports: memory, killed processes and why, the verdict for our app.",
+    "lab": "Run a matrix of apps, bundles and KV schemes on many phones as CI: results, JUnit, report, gates.",
     "app": "Generate the MLX-Swift iPhone app (Xcode project + Core package) for a bundle.",
     "deploy": "Install the app and push a model bundle into its Documents (resumable).",
     "devices": "List attached iPhones (real or virtual) with their device profile.",

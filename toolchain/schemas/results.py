@@ -1,5 +1,5 @@
-"""Results: what a soak (and later the lab) reports per device × bundle × scheme; `results.json` and
-`kvrig soak --json`.
+"""Results: what a soak and the lab report per device × bundle × scheme; `results.json`, `kvrig soak --json`
+and `kvrig lab --json`.
 
 A results file is written as the run goes, so a run that fails half-way still leaves what it learned:
 `outcome` is None and `error` says which step failed until the run is classified.
@@ -42,11 +42,31 @@ class Prediction(StrictModel):
 
 
 class SoakFiles(StrictModel):
-    """Files pulled into the output folder, relative to it."""
+    """Files pulled into the output folder, relative to the results file's folder."""
 
     telemetry: str | None = None
     jetsam_reports: list[str] = Field(default_factory=list)
     crash_reports: list[str] = Field(default_factory=list)
+
+
+class Confirmation(StrictModel):
+    """A threshold-search run: the same plan again, stopped at the last context that survived."""
+
+    run_id: str
+    max_tokens: int = Field(ge=0, description="the context it was asked to reach")
+    outcome: Outcome | None = None
+    max_context_reached: int | None = Field(default=None, ge=0)
+    folder: str | None = Field(default=None, description="its files, relative to the results file")
+
+
+class GateCheck(StrictModel):
+    """One lab gate evaluated on one run."""
+
+    gate: str = Field(description="min_max_safe_context, min_decode_tps_at[<context>] or max_predicted_error")
+    status: Literal["passed", "failed", "not_evaluated"]
+    threshold: float
+    measured: float | None = None
+    message: str
 
 
 class SoakResult(StrictModel):
@@ -56,6 +76,7 @@ class SoakResult(StrictModel):
     process: str | None = Field(default=None, description="the app's process name (CFBundleExecutable)")
     bundle: str | None = Field(default=None, description="the model bundle the app ran")
     scheme: str
+    entry: str | None = Field(default=None, description="the lab matrix entry this run belongs to")
     outcome: Outcome | None = Field(default=None, description="None while running or when a step failed")
     outcome_detail: str | None = None
     max_context_reached: int | None = Field(default=None, ge=0, description="largest context in a step record")
@@ -74,6 +95,8 @@ class SoakResult(StrictModel):
     started: float | None = Field(default=None, description="seconds since the Unix epoch")
     finished: float | None = None
     files: SoakFiles = Field(default_factory=SoakFiles)
+    confirmations: list[Confirmation] = Field(default_factory=list, description="threshold-search runs (lab)")
+    gates: list[GateCheck] = Field(default_factory=list, description="lab gates evaluated on this run")
     steps_done: list[str] = Field(default_factory=list, description="driver steps that completed, in order")
     error: str | None = Field(default=None, description="the step that failed and why (partial results)")
 

@@ -1,0 +1,31 @@
+"""Writes a placeholder .ipa for the virtual iPhone: an Info.plist with the bundle id and a dummy executable.
+
+The virtual iPhone runs its test app (`python -m toolchain.virtual.testapp`) for any installed app, so this is
+all it needs. Usage: python examples/make_test_ipa.py [OUT.ipa] [BUNDLE_ID]
+"""
+
+from __future__ import annotations
+
+import plistlib
+import sys
+import zipfile
+from pathlib import Path
+
+
+def make_ipa(path: Path, bundle_id: str = "dev.kvrig.soak", executable: str = "KVSoak") -> Path:
+    info = {
+        "CFBundleIdentifier": bundle_id,
+        "CFBundleExecutable": executable,
+        "CFBundleName": executable,
+        "CFBundleShortVersionString": "1.0",
+        "CFBundleVersion": "1",
+    }
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr(f"Payload/{executable}.app/Info.plist", plistlib.dumps(info, fmt=plistlib.FMT_BINARY))
+        archive.writestr(f"Payload/{executable}.app/{executable}", b"\xcf\xfa\xed\xfe" + bytes(60))
+    return path
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).with_name("KVSoak.ipa")
+    print(make_ipa(out, *sys.argv[2:3]))
