@@ -40,8 +40,8 @@ def phones(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Phones]:
     os.environ["USBMUXD_SOCKET_ADDRESS"] = address
     ipa = make_ipa(root / "KVSoak.ipa")
     with EmulatorHost(address) as host:
-        pro15 = host.add_device(root / "pro15", profile="iPhone16,1", limit_bytes=160 * MIB)
-        pro13 = host.add_device(root / "pro13", profile="iPhone14,2", limit_bytes=128 * MIB)
+        pro15 = host.add_device(root / "pro15", profile="iPhone16,1", limit_bytes=160 * MIB, baseline_bytes=48 * MIB)
+        pro13 = host.add_device(root / "pro13", profile="iPhone14,2", limit_bytes=128 * MIB, baseline_bytes=48 * MIB)
         for device in (pro15, pro13):
             run(on_device(device.identity.udid, lambda d: apps.install(d, ipa)))
         yield Phones(host, address, pro15, pro13, ipa)

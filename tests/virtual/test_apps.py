@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 import pytest
+import yaml
 from pycrashreport.crash_report import BugType, get_crash_report_from_buf
 from pydantic import TypeAdapter
 from pymobiledevice3.dtx import DTXNsError
@@ -23,7 +24,7 @@ from pymobiledevice3.services.syslog import SyslogService
 
 from tests.virtual.conftest import BUNDLE_ID, LIMIT_BYTES, TESTAPP_ARGS, Emulator
 from toolchain.schemas.telemetry import TELEMETRY_FILE, TelemetryEvent
-from toolchain.virtual.footprint import BASELINE_BYTES, Measurement, footprint_bytes
+from toolchain.virtual.footprint import Measurement, footprint_bytes
 
 PAGE = 16384
 
@@ -105,7 +106,9 @@ def test_jetsam_kill_at_the_limit_writes_a_real_report(installed: Emulator) -> N
     assert killed_at > steps[-1].phys_footprint_bytes
     assert victim["lifetimeMax"] >= victim["rpages"]
     assert victim["rpages"] == math.ceil(process.account.current_bytes / PAGE)
-    assert process.account.baseline_bytes == BASELINE_BYTES
+    # the baseline is the device profile's, the same one the planner uses (read from the YAML itself)
+    profile_yaml = yaml.safe_load((Path(__file__).parents[2] / "device_profiles" / "iphone-15-pro.yaml").read_text())
+    assert process.account.baseline_bytes == profile_yaml["app_baseline_bytes"]["value"]
     # the kernel said so in the log
     assert any(
         "killing_specific_process" in line.message and str(pid) in line.message for line in device.syslog.history

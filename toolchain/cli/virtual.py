@@ -37,6 +37,9 @@ def _socket_option(func):  # type: ignore[no-untyped-def]
     help="State folder (apps, containers, crash reports); kept across restarts.",
 )
 @click.option("--limit-mb", type=int, default=None, help="App memory limit in MiB (default: the profile's).")
+@click.option(
+    "--baseline-mb", type=float, default=None, help="App footprint before weights and KV, MiB (default: the profile's)."
+)
 @click.option("--ios", type=click.Choice(["16.7", "17.4"]), default="16.7", show_default=True)
 @click.option("--detach", is_flag=True, help="Run in the background and return.")
 @click.option("--unplug-after-afc-bytes", type=int, default=None, help="Fault: unplug after N bytes of AFC.")
@@ -50,6 +53,7 @@ def start(
     address: str,
     state: Path,
     limit_mb: int | None,
+    baseline_mb: float | None,
     ios: str,
     detach: bool,
     unplug_after_afc_bytes: int | None,
@@ -74,6 +78,7 @@ def start(
         profile=profile,
         ios=ios,
         limit_bytes=limit_mb * 1024 * 1024 if limit_mb is not None else None,
+        baseline_bytes=int(baseline_mb * 1024 * 1024) if baseline_mb is not None else None,
         faults=faults,
         detach=detach,
         on_ready=ready,

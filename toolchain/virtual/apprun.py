@@ -124,7 +124,9 @@ class AppRunner:
             start_new_session=True,
         )
         name = str(record.get("CFBundleExecutable") or bundle_id.rsplit(".", 1)[-1])
-        account = FootprintAccount(limit_bytes=ident.limit_bytes, page_size=ident.page_size)
+        account = FootprintAccount(
+            limit_bytes=ident.limit_bytes, page_size=ident.page_size, baseline_bytes=self.device.baseline_bytes
+        )
         process = AppProcess(proc.pid, bundle_id, name, proc, account)
         self.processes[proc.pid] = process
         if start_suspended:

@@ -70,10 +70,19 @@ def server_alive(address: str) -> bool:
         return False
 
 
-def device_options(state: Path, profile: str, ios: str, limit_bytes: int | None, faults: FaultPlan) -> dict[str, Any]:
+def device_options(
+    state: Path,
+    profile: str,
+    ios: str,
+    limit_bytes: int | None,
+    faults: FaultPlan,
+    baseline_bytes: int | None = None,
+) -> dict[str, Any]:
     options: dict[str, Any] = {"State": str(state.resolve()), "Profile": profile, "IOS": ios}
     if limit_bytes is not None:
         options["LimitBytes"] = limit_bytes
+    if baseline_bytes is not None:
+        options["BaselineBytes"] = baseline_bytes
     options["Faults"] = {k: v for k, v in faults.to_json().items() if v not in (None, [])}
     return options
 
@@ -85,13 +94,14 @@ def start(
     profile: str = "iPhone16,1",
     ios: str = "16.7",
     limit_bytes: int | None = None,
+    baseline_bytes: int | None = None,
     faults: FaultPlan | None = None,
     detach: bool = False,
     on_ready: Any = None,
 ) -> dict[str, Any]:
     """Starts a virtual iPhone. With a server already on `address` the device joins it; with `detach` a
     background server starts; otherwise this call serves until stopped. Returns the device's status."""
-    options = device_options(state, profile, ios, limit_bytes, faults or FaultPlan())
+    options = device_options(state, profile, ios, limit_bytes, faults or FaultPlan(), baseline_bytes)
     if server_alive(address):
         reply = send_control(address, {"MessageType": "KvrigAddDevice", **options})
         return _device_status(address, reply["UDID"])

@@ -66,6 +66,7 @@ class DeviceProfile:
     marketing_name: str
     limit_bytes: int
     page_size: int
+    baseline_bytes: int
 
 
 def _profile_for(ref: str) -> DeviceProfile:
@@ -74,7 +75,9 @@ def _profile_for(ref: str) -> DeviceProfile:
 
     profile = load_profile(ref)
     product_type = ref if ref in profile.product_types else profile.product_types[0]
-    return DeviceProfile(product_type, profile.marketing_name, profile.limit_default, profile.page_size)
+    return DeviceProfile(
+        product_type, profile.marketing_name, profile.limit_default, profile.page_size, profile.baseline
+    )
 
 
 class VirtualDevice:
@@ -85,6 +88,7 @@ class VirtualDevice:
         profile: str = "iPhone16,1",
         ios: str = "16.7",
         limit_bytes: int | None = None,
+        baseline_bytes: int | None = None,
         faults: FaultPlan | None = None,
         python: str | None = None,
     ) -> None:
@@ -101,6 +105,8 @@ class VirtualDevice:
             limit_bytes=limit_bytes if limit_bytes is not None else spec.limit_bytes,
             page_size=spec.page_size,
         )
+        # The app's footprint before weights and KV: the profile's baseline (the planner uses the same one).
+        self.baseline_bytes = baseline_bytes if baseline_bytes is not None else spec.baseline_bytes
         self.pairing = Pairing.load_or_create(self.state.pairing_dir, self.identity.wifi_mac)
         self.faults = faults or FaultPlan()
         self.syslog = SyslogBus(self)

@@ -29,6 +29,7 @@ def device_from_options(options: dict[str, Any]) -> VirtualDevice:
         profile=options.get("Profile", "iPhone16,1"),
         ios=options.get("IOS", "16.7"),
         limit_bytes=options.get("LimitBytes"),
+        baseline_bytes=options.get("BaselineBytes"),
         faults=FaultPlan.from_json(options.get("Faults") or {}),
     )
 
