@@ -15,6 +15,10 @@ from toolchain.exceptions import KvrigError
 COMMANDS: dict[str, str] = {
     "plan": "toolchain.cli.plan:plan",
     "profiles": "toolchain.cli.profiles:profiles",
+    "package": "toolchain.cli.package:package",
+    "run": "toolchain.cli.run:run",
+    "verify": "toolchain.cli.verify:verify",
+    "bench": "toolchain.cli.bench:bench",
 }
 
 
@@ -39,6 +43,10 @@ class LazyGroup(click.Group):
 _SHORT_HELP: dict[str, str] = {
     "plan": "Plan memory for a model on a device: weights, KV cache per scheme, max context.",
     "profiles": "List and show the device profiles kvrig knows.",
+    "package": "Quantize a model into a bundle for the phone (weights, kvcache.json, manifest).",
+    "run": "Generate on the host with a bundle's KV configuration; print tok/s and peak memory.",
+    "verify": "Re-check every bundle file against its manifest.",
+    "bench": "Benchmarks (runtime: our host runtime vs plain mlx-lm on one bundle).",
 }
 
 

@@ -1,0 +1,177 @@
+"""Running a bundle on the host CPU fast, with its weights still quantized at rest.
+
+On a CPU, MLX's quantized matmul is a naive loop and float16 arithmetic is emulated, so the host runtime:
+- computes in float32 (activations, attention, KV cache); weights stay packed with their float16 scales;
+- for inputs with many rows (prefill) dequantizes the weight to float32 transiently and runs one BLAS GEMM
+  (OpenBLAS when preloaded);
+- for one or a few rows (decode) uses MLX's quantized matrix-vector product with the scales in float32.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+COMPUTE_DTYPE = mx.float32
+MANY_ROWS = 16
+"""From this many input rows on, dequantize + GEMM beats the quantized matrix-vector kernel."""
+LM_HEAD_CHUNK = 8192
+"""Vocabulary rows dequantized at a time when a tied embedding is used as the output layer on many rows."""
+
+
+class HostQuantizedLinear(nn.Module):
+    def __init__(self, q: nn.QuantizedLinear) -> None:
+        super().__init__()
+        self.weight, self.scales = q.weight, q.scales
+        self.biases = q.get("biases")
+        if "bias" in q:
+            self.bias = q.bias
+        self.group_size, self.bits, self.mode = q.group_size, q.bits, q.mode
+        self.freeze()
+
+    def __call__(self, x: mx.array) -> mx.array:
+        x = x.astype(COMPUTE_DTYPE)
+        if x.size // x.shape[-1] >= MANY_ROWS:
+            w = mx.dequantize(
+                self.weight,
+                self.scales,
+                self.biases,
+                self.group_size,
+                self.bits,
+                self.mode,
+                dtype=COMPUTE_DTYPE,
+            )
+            y = x @ w.T
+        else:
+            y = _qmv(x, self.weight, self.scales, self.biases, self.group_size, self.bits, self.mode)
+        if "bias" in self:
+            y = y + self.bias.astype(COMPUTE_DTYPE)
+        return y
+
+
+class HostQuantizedEmbedding(nn.Module):
+    def __init__(self, q: nn.QuantizedEmbedding) -> None:
+        super().__init__()
+        self.weight, self.scales = q.weight, q.scales
+        self.biases = q.get("biases")
+        self.group_size, self.bits, self.mode = q.group_size, q.bits, q.mode
+        self.freeze()
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        biases = None if self.biases is None else self.biases[ids]
+        return mx.dequantize(
+            self.weight[ids],
+            self.scales[ids],
+            biases,
+            self.group_size,
+            self.bits,
+            self.mode,
+            dtype=COMPUTE_DTYPE,
+        )
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        x = x.astype(COMPUTE_DTYPE)
+        if x.size // x.shape[-1] < MANY_ROWS:
+            return _qmv(x, self.weight, self.scales, self.biases, self.group_size, self.bits, self.mode)
+        # Tied output layer on many rows: dequantize the vocabulary in chunks (the whole table in float32
+        # would be a large transient).
+        parts = []
+        for start in range(0, self.weight.shape[0], LM_HEAD_CHUNK):
+            sl = slice(start, start + LM_HEAD_CHUNK)
+            biases = None if self.biases is None else self.biases[sl]
+            w = mx.dequantize(
+                self.weight[sl],
+                self.scales[sl],
+                biases,
+                self.group_size,
+                self.bits,
+                self.mode,
+                dtype=COMPUTE_DTYPE,
+            )
+            parts.append(x @ w.T)
+        return mx.concatenate(parts, axis=-1)
+
+
+class HostLinear(nn.Module):
+    """An unquantized (float16) layer computed in float32, keeping the float16 copy at rest."""
+
+    def __init__(self, lin: nn.Linear) -> None:
+        super().__init__()
+        self.weight = lin.weight
+        if "bias" in lin:
+            self.bias = lin.bias
+        self.freeze()
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = x.astype(COMPUTE_DTYPE) @ self.weight.astype(COMPUTE_DTYPE).T
+        return y + self.bias.astype(COMPUTE_DTYPE) if "bias" in self else y
+
+
+class HostEmbedding(nn.Module):
+    def __init__(self, emb: nn.Embedding) -> None:
+        super().__init__()
+        self.weight = emb.weight
+        self.freeze()
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        return self.weight[ids].astype(COMPUTE_DTYPE)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return x.astype(COMPUTE_DTYPE) @ self.weight.astype(COMPUTE_DTYPE).T
+
+
+def _qmv(
+    x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int, bits: int, mode: str
+) -> mx.array:
+    # Float16 scales would make the kernel run in emulated float16 (about 50x slower on x86).
+    return mx.quantized_matmul(
+        x,
+        w,
+        scales.astype(COMPUTE_DTYPE),
+        None if biases is None else biases.astype(COMPUTE_DTYPE),
+        transpose=True,
+        group_size=group_size,
+        bits=bits,
+        mode=mode,
+    )
+
+
+def prepare_for_host(model: nn.Module) -> nn.Module:
+    """Swaps linear/embedding layers for the host versions above; small float parameters (norms) go to
+    float32. Weights stay quantized."""
+    swaps = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.QuantizedLinear):
+            swaps.append((name, HostQuantizedLinear(module)))
+        elif isinstance(module, nn.QuantizedEmbedding):
+            swaps.append((name, HostQuantizedEmbedding(module)))
+        elif type(module) is nn.Linear:
+            swaps.append((name, HostLinear(module)))
+        elif type(module) is nn.Embedding:
+            swaps.append((name, HostEmbedding(module)))
+    if swaps:
+        model.update_modules(tree_unflatten(swaps))
+    swapped = {n for n, _ in swaps}
+    small = [
+        (k, v.astype(COMPUTE_DTYPE))
+        for k, v in tree_flatten(model.parameters())
+        if mx.issubdtype(v.dtype, mx.floating)
+        and v.ndim <= 1
+        and not any(k.startswith(s + ".") for s in swapped)
+    ]
+    if small:
+        model.update(tree_unflatten(small))
+    mx.eval(model.parameters())
+    return model
+
+
+def load_bundle_model(bundle: str | Path) -> tuple[nn.Module, Any, dict[str, Any]]:
+    """mlx-lm loads the bundle (model, tokenizer, config); the model is then prepared for the host."""
+    from mlx_lm.utils import load
+
+    model, tokenizer, config = load(str(bundle), return_config=True)  # type: ignore[misc]
+    return prepare_for_host(model), tokenizer, config
