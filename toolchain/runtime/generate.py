@@ -159,10 +159,11 @@ def run_bundle(
         if token in stop:
             break
         detok.add_token(token)
-        if on_text is not None and detok.last_segment:
-            on_text(detok.last_segment)
+        # last_segment hands out the new text once; read it exactly once per token.
+        if on_text is not None and (segment := detok.last_segment):
+            on_text(segment)
     detok.finalize()
-    if on_text is not None and detok.last_segment:
-        on_text(detok.last_segment)
+    if on_text is not None and (segment := detok.last_segment):
+        on_text(segment)
     stats.text = detok.text
     return stats
