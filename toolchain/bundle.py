@@ -337,6 +337,13 @@ def _disk_errors(where: Path) -> Iterator[None]:
         if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise BundleError(f"{where}: cannot write: {exc.strerror}") from None
         raise
+    except RuntimeError as exc:
+        # MLX reports failed writes (safetensors) as RuntimeError without an errno.
+        if "write" not in str(exc).lower():
+            raise
+        free = shutil.disk_usage(where.parent).free
+        reason = "disk full" if free < 64 * 2**20 else "write failed"
+        raise BundleError(f"{where}: {reason} while writing the bundle ({exc}); nothing was kept") from None
 
 
 def _check_kv_group(config: dict[str, Any], group: int, scheme: KVScheme, file: Path) -> None:

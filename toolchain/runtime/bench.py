@@ -14,9 +14,9 @@ from toolchain.exceptions import KvrigError
 
 TEXT = (
     "The history of the printing press begins in the fifteenth century, when movable type made books cheaper "
-    "and faster to produce. Within a few decades printers worked in most large European cities, and the number "
-    "of books in circulation grew from thousands to millions. Ideas travelled further and more quickly than "
-    "ever before, and the spread of literacy changed science, religion and politics. "
+    "and faster to produce. Within a few decades printers worked in most large European cities, and the "
+    "number of books in circulation grew from thousands to millions. Ideas travelled further "
+    "and more quickly than ever before, and the spread of literacy changed science, religion and politics. "
 )
 
 
