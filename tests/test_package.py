@@ -16,6 +16,7 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
+from tests.bundle_fixtures import Q4_K8V8, converted_source, packaged
 from tests.gguf_writer import write_gguf
 from toolchain import bundle as bundle_mod
 from toolchain.bundle import PackageOptions, PlanView, package, verify_bundle
@@ -27,7 +28,6 @@ from toolchain.exceptions import (
     VerifyError,
 )
 from toolchain.models.gguf import embedded_default_model
-from toolchain.models.gguf_convert import convert_gguf
 from toolchain.schemas import load_model_file
 from toolchain.schemas.bundle import Manifest
 from toolchain.schemas.kvcache import KVCacheConfig
@@ -41,10 +41,8 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def q4_bundle(workdir: Path) -> Path:
-    out = workdir / "smollm2-q4"
-    package(None, out, PackageOptions(weights="q4", group_size=64, kv="k8v8"))
-    return out
+def q4_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return packaged(tmp_path_factory, "smollm2-q4", Q4_K8V8)
 
 
 @pytest.fixture(scope="session")
@@ -55,10 +53,8 @@ def q8_bundle(workdir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def source_dir(workdir: Path) -> Path:
-    out = workdir / "source"
-    convert_gguf(embedded_default_model(), out)
-    return out
+def source_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return converted_source(tmp_path_factory)
 
 
 def _plain_f32(path: Path):

@@ -20,7 +20,7 @@ from toolchain.cli.render import echo_json, human_bytes, json_option
 @json_option
 def run(bundle: Path, prompt: str, max_tokens: int, temperature: float, raw: bool, as_json: bool) -> None:
     """Generate from BUNDLE on this machine, streaming tokens; print prefill/decode tok/s and peak memory."""
-    from toolchain.runtime.blas import ensure_openblas
+    from toolchain.runtime.blas import ensure_openblas, openblas_loaded
 
     ensure_openblas()
     from toolchain.bundle import load_manifest
@@ -52,6 +52,7 @@ def run(bundle: Path, prompt: str, max_tokens: int, temperature: float, raw: boo
                 "peak_memory_bytes": stats.peak_memory_bytes,
                 "finish_reason": stats.finish_reason,
                 "kv_scheme": loaded.kvcache.scheme,
+                "openblas": openblas_loaded(),
             }
         )
         return
