@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: $(STAMP)
+	$(BIN)/ruff check toolchain tests
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
 
 demo: $(STAMP)

@@ -54,6 +54,10 @@ class ModelConfigError(InputError):
     """A model's config.json or GGUF metadata is missing fields or inconsistent."""
 
 
+class PlanInputError(InputError):
+    """A planning option is out of range."""
+
+
 class SchemaError(InputError):
     """A contract file (kvcache.json, manifest.json, soak plan, results) does not match its schema."""
 
@@ -70,9 +74,7 @@ class UnsupportedArchitectureError(KvrigError):
         self.architecture = architecture
         self.supported = supported
         where = f"{file}: " if file else ""
-        super().__init__(
-            f"{where}unsupported architecture '{architecture}'; supported: {', '.join(sorted(supported))}"
-        )
+        super().__init__(f"{where}unsupported architecture '{architecture}'; supported: {', '.join(sorted(supported))}")
 
 
 class QuantizationError(KvrigError):
@@ -109,6 +111,15 @@ class PlatformNotSupportedError(KvrigError):
     """A step needs another platform (xcodebuild needs macOS)."""
 
     exit_code = 9
+
+
+# --- app generation (exit 15) ------------------------------------------------------------------------------
+
+
+class AppGenError(KvrigError):
+    """The Xcode project cannot be generated or built (output folder in the way, xcodebuild failed)."""
+
+    exit_code = 15
 
 
 # --- devices (exit 10-14) ----------------------------------------------------------------------------------

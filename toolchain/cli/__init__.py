@@ -13,12 +13,17 @@ from toolchain.exceptions import KvrigError
 
 # command name -> "module:attribute"; the module is imported only when the command runs.
 COMMANDS: dict[str, str] = {
+    "jetsam": "toolchain.cli.jetsam:jetsam",
+    "app": "toolchain.cli.app:app",
+    "build": "toolchain.cli.app:build",
     "plan": "toolchain.cli.plan:plan",
     "profiles": "toolchain.cli.profiles:profiles",
     "package": "toolchain.cli.package:package",
     "run": "toolchain.cli.run:run",
     "verify": "toolchain.cli.verify:verify",
     "bench": "toolchain.cli.bench:bench",
+    "telemetry": "toolchain.cli.telemetry:telemetry",
+    "virtual": "toolchain.cli.virtual:virtual",
 }
 
 
@@ -41,12 +46,17 @@ class LazyGroup(click.Group):
 
 
 _SHORT_HELP: dict[str, str] = {
+    "jetsam": "Read JetsamEvent reports: memory, killed processes and why, the verdict for our app.",
+    "app": "Generate the MLX-Swift iPhone app (Xcode project + Core package) for a bundle.",
+    "build": "Build a generated app into an .ipa with xcodegen and xcodebuild (macOS only).",
     "plan": "Plan memory for a model on a device: weights, KV cache per scheme, max context.",
     "profiles": "List and show the device profiles kvrig knows.",
     "package": "Quantize a model into a bundle for the phone (weights, kvcache.json, manifest).",
     "run": "Generate on the host with a bundle's KV configuration; print tok/s and peak memory.",
     "verify": "Re-check every bundle file against its manifest.",
     "bench": "Benchmarks (runtime: our host runtime vs plain mlx-lm on one bundle).",
+    "telemetry": "Summarise the app's JSONL telemetry per run; correlate a run with its jetsam report.",
+    "virtual": "Run a virtual USB iPhone that pymobiledevice3 drives (start, stop, status).",
 }
 
 

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
 
 import click
 from pydantic import BaseModel
+
+from toolchain.exceptions import KvrigError
+
+T = TypeVar("T")
 
 
 def to_jsonable(obj: Any) -> Any:
@@ -33,3 +39,21 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+def read_each(
+    paths: Iterable[Path], reader: Callable[[Path], T], *, as_json: bool, results: list[dict[str, Any]], errors: list
+) -> Iterator[tuple[Path, T]]:
+    """Reads files one by one, yielding what could be read; a bad file is reported (an error entry in the
+    JSON, a message on stderr otherwise) and collected in `errors` so the good files still print."""
+    for path in paths:
+        try:
+            value = reader(path)
+        except KvrigError as exc:
+            errors.append(exc)
+            if as_json:
+                results.append({"file": str(path), "error": str(exc), "exit_code": exc.exit_code})
+            else:
+                click.echo(f"kvrig: error: {exc}", err=True)
+            continue
+        yield path, value

@@ -142,9 +142,7 @@ class _Reader:
             item_type = self.unpack("<I")
             count = self.unpack("<Q")
             if count > _MAX_ARRAY:
-                raise ModelConfigError(
-                    f"corrupt GGUF header: array of {count} items", file=self.path, field=key
-                )
+                raise ModelConfigError(f"corrupt GGUF header: array of {count} items", file=self.path, field=key)
             if item_type in _SCALAR_FORMATS:
                 fmt = _SCALAR_FORMATS[item_type]
                 size = struct.calcsize(fmt)
@@ -181,9 +179,7 @@ def read_gguf_header(path: str | Path, *, tensors: bool = True) -> GGUFHeader:
             )
         version = r.unpack("<I")
         if version not in (2, 3):
-            raise ModelConfigError(
-                f"unsupported GGUF version {version}", file=path, expected="version 2 or 3"
-            )
+            raise ModelConfigError(f"unsupported GGUF version {version}", file=path, expected="version 2 or 3")
         n_tensors = r.unpack("<Q")
         n_kv = r.unpack("<Q")
         if n_tensors > _MAX_ARRAY or n_kv > _MAX_ARRAY:
@@ -256,9 +252,7 @@ def gguf_config_from_header(header: GGUFHeader) -> dict[str, Any]:
         elif "token_embd.weight" in header.tensors:
             vocab = header.tensors["token_embd.weight"].shape[0]
         else:
-            raise ModelConfigError(
-                "cannot tell the vocabulary size", file=header.path, field=f"{arch}.vocab_size"
-            )
+            raise ModelConfigError("cannot tell the vocabulary size", file=header.path, field=f"{arch}.vocab_size")
 
     config: dict[str, Any] = {
         "model_type": arch,

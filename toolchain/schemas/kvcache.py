@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Final, Literal
 
 from pydantic import Field, model_validator
 
 from toolchain.schemas import StrictModel
 
-KVCACHE_SCHEMA_VERSION = 1
+KVCACHE_SCHEMA_VERSION: Final = 1
 
 CacheKind = Literal["full", "sliding", "shared", "linear", "latent"]
 """full: grows with context; sliding: ring of `window` tokens; shared: reuses `source_layer`'s cache;

@@ -1,14 +1,14 @@
-"""Soak plan: what the app runs when launched for a soak (passed as a launch argument / file in the container)."""
+"""Soak plan: what the app runs when launched for a soak (a file in the container, named at launch)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Final, Literal
 
 from pydantic import Field
 
 from toolchain.schemas import StrictModel
 
-SOAKPLAN_SCHEMA_VERSION = 1
+SOAKPLAN_SCHEMA_VERSION: Final = 1
 SOAKPLAN_FILE = "soakplan.json"
 SOAKPLAN_LAUNCH_ARGUMENT = "--kvrig-soak-plan"
 

@@ -5,13 +5,13 @@ The app may be killed mid-write, so a torn last line is normal; readers skip it 
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Final, Literal
 
 from pydantic import Field
 
 from toolchain.schemas import StrictModel
 
-TELEMETRY_SCHEMA_VERSION = 1
+TELEMETRY_SCHEMA_VERSION: Final = 1
 TELEMETRY_FILE = "telemetry.jsonl"
 
 

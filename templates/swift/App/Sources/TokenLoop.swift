@@ -1,0 +1,70 @@
+import Foundation
+import KvrigCore
+import MLX
+import MLXLMCommon
+
+/// Prefill and decode written against the model and our CacheSet directly (not TokenIterator), so the caches
+/// the pressure handler evicts from are the ones the model reads, and MLX errors surface as Swift errors.
+struct TokenLoop {
+    let context: ModelContext
+    let caches: CacheSet
+    /// Runs after every forward pass, on the generation thread: where pending evictions are applied.
+    var betweenSteps: () -> Void = {}
+
+    struct Timing {
+        var tokens = 0
+        var seconds = 0.0
+        var rate: Double? { seconds > 0 ? Double(tokens) / seconds : nil }
+    }
+
+    /// Feeds `tokens` in prefill steps and returns the logits after the last one.
+    func prefill(_ tokens: [Int], timing: inout Timing) throws -> MLXArray? {
+        var last: MLXArray?
+        let stepSize = max(1, caches.parameters.prefillStepSize)
+        var start = 0
+        while start < tokens.count {
+            if caches.isStopRequested { break }
+            let chunk = Array(tokens[start ..< min(start + stepSize, tokens.count)])
+            let began = Date()
+            last = try forward(chunk)
+            timing.tokens += chunk.count
+            timing.seconds += Date().timeIntervalSince(began)
+            start += chunk.count
+        }
+        return last
+    }
+
+    /// Generates up to `count` tokens after `logits`, stopping at end of sequence; `onToken` sees each one.
+    func decode(
+        from logits: MLXArray, count: Int, timing: inout Timing, onToken: (Int) -> Bool
+    ) throws -> MLXArray {
+        let sampler = caches.parameters.sampler()
+        let eos = context.tokenizer.eosTokenId
+        var logits = logits
+        for _ in 0 ..< count {
+            if caches.isStopRequested { break }
+            let began = Date()
+            let token = sampler.sample(logits: logits)
+            let id = token.item(Int.self)
+            if id == eos || !onToken(id) { break }
+            logits = try forward([id])
+            timing.tokens += 1
+            timing.seconds += Date().timeIntervalSince(began)
+        }
+        return logits
+    }
+
+    /// One forward pass; returns the last position's logits, evaluated. An allocation past MLX's memory limit
+    /// throws here instead of the process being killed.
+    private func forward(_ ids: [Int]) throws -> MLXArray {
+        try withError {
+            let text = LMInput.Text(tokens: MLXArray(ids.map { Int32($0) }))
+            let output = context.model(text[text: .newAxis], cache: caches.caches, state: nil)
+            let logits = output.logits[0..., -1, 0...]
+            eval(logits)
+            caches.quantizeIfDue()
+            betweenSteps()
+            return logits
+        }
+    }
+}

@@ -1,0 +1,86 @@
+import Foundation
+
+/// What the app builds for one layer. MLX-Swift's own quantized cache takes one bit width for keys and values
+/// and cannot quantize a rotating (sliding) cache, so those cases are decided here, where they can be tested.
+public enum LayerCacheChoice: Equatable, Sendable {
+    /// The model's own cache, in the activation dtype.
+    case unquantized
+    /// MLX's affine QuantizedKVCache, reached through GenerateParameters.kvBits.
+    case mlxAffine(bits: Int, groupSize: Int)
+    /// Our cache: keys and values quantized at rest with their own widths (nil: kept in the activation dtype).
+    case mixed(keyBits: Int?, valueBits: Int?, groupSize: Int)
+    /// A sliding-window ring, left in the activation dtype.
+    case slidingUnquantized(window: Int)
+    /// Shared or linear-state layers: the model decides; nothing grows with context here.
+    case modelManaged
+}
+
+public struct CachePlan: Equatable, Sendable {
+    /// For GenerateParameters.kvBits: set only when MLX's single-width cache covers every quantized layer.
+    public let kvBits: Int?
+    public let kvGroupSize: Int
+    public let quantizedKVStart: Int
+    public let layers: [Int: LayerCacheChoice]
+    /// Lines the app logs at load so a reader sees what was and was not applied.
+    public let notes: [String]
+
+    public var needsCustomCache: Bool {
+        layers.values.contains { if case .mixed = $0 { true } else { false } }
+    }
+
+    public init(config: KVCacheConfig) {
+        var choices: [Int: LayerCacheChoice] = [:]
+        var notes: [String] = []
+        for entry in config.layers {
+            let (k, v) = entry.effectiveBits(default: config)
+            switch entry.kind {
+            case .full, .latent:
+                if k == nil && v == nil {
+                    choices[entry.layer] = .unquantized
+                } else if k == v, let bits = k {
+                    choices[entry.layer] = .mlxAffine(bits: bits, groupSize: config.groupSize)
+                } else {
+                    choices[entry.layer] = .mixed(keyBits: k, valueBits: v, groupSize: config.groupSize)
+                }
+            case .sliding:
+                let window = entry.window ?? 0
+                choices[entry.layer] = .slidingUnquantized(window: window)
+                if k != nil || v != nil {
+                    notes.append(
+                        "layer \(entry.layer): sliding window \(window) left unquantized "
+                            + "(MLX cannot quantize a rotating cache)")
+                }
+            case .shared, .linear:
+                choices[entry.layer] = .modelManaged
+            }
+        }
+        let affineWidths = Set(choices.values.compactMap { if case .mlxAffine(let b, _) = $0 { b } else { nil } })
+        let hasMixed = choices.values.contains { if case .mixed = $0 { true } else { false } }
+        if !hasMixed && affineWidths.count > 1 {
+            // MLX applies one width to every layer: several widths need our own cache for all of them.
+            for (layer, choice) in choices {
+                if case .mlxAffine(let b, let g) = choice { choices[layer] = .mixed(keyBits: b, valueBits: b, groupSize: g) }
+            }
+            notes.append("layers use several bit widths: using kvrig's quantized cache for all quantized layers")
+        } else if hasMixed {
+            for (layer, choice) in choices {
+                if case .mlxAffine(let b, let g) = choice { choices[layer] = .mixed(keyBits: b, valueBits: b, groupSize: g) }
+            }
+            notes.append("key bits differ from value bits: using kvrig's quantized cache (dequantized when read)")
+        }
+        if config.rotation == .hadamard {
+            notes.append("rotation 'hadamard' requested: not applied on the phone (keys stored unrotated)")
+        }
+        let onlyAffine = choices.values.allSatisfy {
+            switch $0 {
+            case .mixed: false
+            default: true
+            }
+        }
+        self.kvBits = onlyAffine ? affineWidths.first : nil
+        self.kvGroupSize = config.groupSize
+        self.quantizedKVStart = config.quantizedKVStart
+        self.layers = choices
+        self.notes = notes
+    }
+}

@@ -1,0 +1,264 @@
+import Foundation
+
+/// kvcache.json, schema 1: mirrors toolchain/schemas/kvcache.py field for field (snake_case on disk).
+
+public enum CacheKind: String, Codable, Sendable, CaseIterable {
+    case full, sliding, shared, linear, latent
+}
+
+public enum ActivationDType: String, Codable, Sendable {
+    case float16, bfloat16, float32
+
+    public var bytes: Int {
+        switch self {
+        case .float16, .bfloat16: 2
+        case .float32: 4
+        }
+    }
+}
+
+public enum Rotation: String, Codable, Sendable {
+    case none, hadamard
+}
+
+public struct LayerCache: Codable, Equatable, Sendable {
+    public var layer: Int
+    public var kind: CacheKind
+    public var window: Int?
+    public var sourceLayer: Int?
+    public var keyBits: Int?
+    public var valueBits: Int?
+
+    enum CodingKeys: String, CodingKey, CaseIterable {
+        case layer, kind, window
+        case sourceLayer = "source_layer"
+        case keyBits = "key_bits"
+        case valueBits = "value_bits"
+    }
+
+    public init(
+        layer: Int, kind: CacheKind, window: Int? = nil, sourceLayer: Int? = nil, keyBits: Int? = nil,
+        valueBits: Int? = nil
+    ) {
+        self.layer = layer
+        self.kind = kind
+        self.window = window
+        self.sourceLayer = sourceLayer
+        self.keyBits = keyBits
+        self.valueBits = valueBits
+    }
+
+    public init(from decoder: Decoder) throws {
+        try rejectUnknownKeys(decoder, known: CodingKeys.self)
+        let c = try decoder.container(keyedBy: CodingKeys.self)
+        layer = try c.decode(Int.self, forKey: .layer)
+        kind = try c.decode(CacheKind.self, forKey: .kind)
+        window = try c.decodeIfPresent(Int.self, forKey: .window)
+        sourceLayer = try c.decodeIfPresent(Int.self, forKey: .sourceLayer)
+        keyBits = try c.decodeIfPresent(Int.self, forKey: .keyBits)
+        valueBits = try c.decodeIfPresent(Int.self, forKey: .valueBits)
+        try validate()
+    }
+
+    public func encode(to encoder: Encoder) throws {
+        // Nulls are written out, as Python's model_dump does, so a round trip gives the same document.
+        var c = encoder.container(keyedBy: CodingKeys.self)
+        try c.encode(layer, forKey: .layer)
+        try c.encode(kind, forKey: .kind)
+        try c.encode(window, forKey: .window)
+        try c.encode(sourceLayer, forKey: .sourceLayer)
+        try c.encode(keyBits, forKey: .keyBits)
+        try c.encode(valueBits, forKey: .valueBits)
+    }
+
+    public func validate() throws {
+        try require(layer >= 0, "layers.\(layer).layer", "must be >= 0")
+        if kind == .sliding {
+            try require(window != nil, "layers.\(layer).window", "sliding layers need 'window'")
+        }
+        if let window { try require(window >= 1, "layers.\(layer).window", "must be >= 1") }
+        if kind == .shared {
+            try require(sourceLayer != nil, "layers.\(layer).source_layer", "shared layers need 'source_layer'")
+        }
+        if let sourceLayer { try require(sourceLayer >= 0, "layers.\(layer).source_layer", "must be >= 0") }
+    }
+
+    /// Bits the layer's keys and values are stored with, falling back to the file-wide setting.
+    public func effectiveBits(default config: KVCacheConfig) -> (key: Int?, value: Int?) {
+        (keyBits ?? config.keyBits, valueBits ?? config.valueBits)
+    }
+}
+
+public enum PressureAction: String, Codable, Sendable {
+    case evictOldestPages = "evict_oldest_pages"
+    case stopAndSave = "stop_and_save"
+    case none
+}
+
+public struct PressurePolicy: Codable, Equatable, Sendable {
+    public var warning: PressureAction
+    public var warningEvictPages: Int
+    public var critical: PressureAction
+
+    enum CodingKeys: String, CodingKey, CaseIterable {
+        case warning
+        case warningEvictPages = "warning_evict_pages"
+        case critical
+    }
+
+    public init(
+        warning: PressureAction = .evictOldestPages, warningEvictPages: Int = 1,
+        critical: PressureAction = .stopAndSave
+    ) {
+        self.warning = warning
+        self.warningEvictPages = warningEvictPages
+        self.critical = critical
+    }
+
+    public init(from decoder: Decoder) throws {
+        try rejectUnknownKeys(decoder, known: CodingKeys.self)
+        let c = try decoder.container(keyedBy: CodingKeys.self)
+        let defaults = PressurePolicy()
+        warning = try c.decodeIfPresent(PressureAction.self, forKey: .warning) ?? defaults.warning
+        warningEvictPages =
+            try c.decodeIfPresent(Int.self, forKey: .warningEvictPages) ?? defaults.warningEvictPages
+        critical = try c.decodeIfPresent(PressureAction.self, forKey: .critical) ?? defaults.critical
+        // Python allows only these: warning never stops, and the evict count is not negative.
+        try require(warning != .stopAndSave, "pressure.warning", "expected evict_oldest_pages or none")
+        try require(warningEvictPages >= 0, "pressure.warning_evict_pages", "must be >= 0")
+    }
+}
+
+public struct KVCacheConfig: Codable, Equatable, Sendable {
+    public static let schemaVersion = 1
+
+    public var schema: Int
+    public var scheme: String
+    public var dtype: ActivationDType
+    public var keyBits: Int?
+    public var valueBits: Int?
+    public var groupSize: Int
+    public var quantizedKVStart: Int
+    public var rotation: Rotation
+    public var step: Int
+    public var pageTokens: Int
+    public var maxContext: Int
+    public var keepTokens: Int
+    public var prefillStepSize: Int
+    public var bufferCacheLimitBytes: Int
+    public var memoryLimitBytes: Int
+    public var pressure: PressurePolicy
+    public var layers: [LayerCache]
+
+    enum CodingKeys: String, CodingKey, CaseIterable {
+        case schema, scheme, dtype
+        case keyBits = "key_bits"
+        case valueBits = "value_bits"
+        case groupSize = "group_size"
+        case quantizedKVStart = "quantized_kv_start"
+        case rotation, step
+        case pageTokens = "page_tokens"
+        case maxContext = "max_context"
+        case keepTokens = "keep_tokens"
+        case prefillStepSize = "prefill_step_size"
+        case bufferCacheLimitBytes = "buffer_cache_limit_bytes"
+        case memoryLimitBytes = "memory_limit_bytes"
+        case pressure, layers
+    }
+
+    public init(
+        scheme: String, dtype: ActivationDType = .float16, keyBits: Int?, valueBits: Int?, groupSize: Int,
+        quantizedKVStart: Int, rotation: Rotation = .none, step: Int = 256, pageTokens: Int, maxContext: Int,
+        keepTokens: Int, prefillStepSize: Int, bufferCacheLimitBytes: Int, memoryLimitBytes: Int,
+        pressure: PressurePolicy = PressurePolicy(), layers: [LayerCache]
+    ) {
+        self.schema = Self.schemaVersion
+        self.scheme = scheme
+        self.dtype = dtype
+        self.keyBits = keyBits
+        self.valueBits = valueBits
+        self.groupSize = groupSize
+        self.quantizedKVStart = quantizedKVStart
+        self.rotation = rotation
+        self.step = step
+        self.pageTokens = pageTokens
+        self.maxContext = maxContext
+        self.keepTokens = keepTokens
+        self.prefillStepSize = prefillStepSize
+        self.bufferCacheLimitBytes = bufferCacheLimitBytes
+        self.memoryLimitBytes = memoryLimitBytes
+        self.pressure = pressure
+        self.layers = layers
+    }
+
+    public init(from decoder: Decoder) throws {
+        try rejectUnknownKeys(decoder, known: CodingKeys.self)
+        let c = try decoder.container(keyedBy: CodingKeys.self)
+        schema = try c.decodeIfPresent(Int.self, forKey: .schema) ?? Self.schemaVersion
+        scheme = try c.decode(String.self, forKey: .scheme)
+        dtype = try c.decodeIfPresent(ActivationDType.self, forKey: .dtype) ?? .float16
+        // Required but nullable, as in the Python model: the key must be present.
+        guard c.contains(.keyBits) else {
+            throw DecodingError.keyNotFound(
+                CodingKeys.keyBits, .init(codingPath: c.codingPath, debugDescription: "key_bits is required"))
+        }
+        guard c.contains(.valueBits) else {
+            throw DecodingError.keyNotFound(
+                CodingKeys.valueBits,
+                .init(codingPath: c.codingPath, debugDescription: "value_bits is required"))
+        }
+        keyBits = try c.decodeIfPresent(Int.self, forKey: .keyBits)
+        valueBits = try c.decodeIfPresent(Int.self, forKey: .valueBits)
+        groupSize = try c.decode(Int.self, forKey: .groupSize)
+        quantizedKVStart = try c.decode(Int.self, forKey: .quantizedKVStart)
+        rotation = try c.decodeIfPresent(Rotation.self, forKey: .rotation) ?? .none
+        step = try c.decodeIfPresent(Int.self, forKey: .step) ?? 256
+        pageTokens = try c.decode(Int.self, forKey: .pageTokens)
+        maxContext = try c.decode(Int.self, forKey: .maxContext)
+        keepTokens = try c.decode(Int.self, forKey: .keepTokens)
+        prefillStepSize = try c.decode(Int.self, forKey: .prefillStepSize)
+        bufferCacheLimitBytes = try c.decode(Int.self, forKey: .bufferCacheLimitBytes)
+        memoryLimitBytes = try c.decode(Int.self, forKey: .memoryLimitBytes)
+        pressure = try c.decodeIfPresent(PressurePolicy.self, forKey: .pressure) ?? PressurePolicy()
+        layers = try c.decode([LayerCache].self, forKey: .layers)
+        try validate()
+    }
+
+    public func encode(to encoder: Encoder) throws {
+        var c = encoder.container(keyedBy: CodingKeys.self)
+        try c.encode(schema, forKey: .schema)
+        try c.encode(scheme, forKey: .scheme)
+        try c.encode(dtype, forKey: .dtype)
+        try c.encode(keyBits, forKey: .keyBits)
+        try c.encode(valueBits, forKey: .valueBits)
+        try c.encode(groupSize, forKey: .groupSize)
+        try c.encode(quantizedKVStart, forKey: .quantizedKVStart)
+        try c.encode(rotation, forKey: .rotation)
+        try c.encode(step, forKey: .step)
+        try c.encode(pageTokens, forKey: .pageTokens)
+        try c.encode(maxContext, forKey: .maxContext)
+        try c.encode(keepTokens, forKey: .keepTokens)
+        try c.encode(prefillStepSize, forKey: .prefillStepSize)
+        try c.encode(bufferCacheLimitBytes, forKey: .bufferCacheLimitBytes)
+        try c.encode(memoryLimitBytes, forKey: .memoryLimitBytes)
+        try c.encode(pressure, forKey: .pressure)
+        try c.encode(layers, forKey: .layers)
+    }
+
+    public func validate() throws {
+        try require(schema == Self.schemaVersion, "schema", "expected \(Self.schemaVersion), got \(schema)")
+        try require(groupSize >= 1, "group_size", "must be >= 1")
+        try require(quantizedKVStart >= 0, "quantized_kv_start", "must be >= 0")
+        try require(step >= 1, "step", "must be >= 1")
+        try require(pageTokens >= 1, "page_tokens", "must be >= 1")
+        try require(maxContext >= 1, "max_context", "must be >= 1")
+        try require(keepTokens >= 0, "keep_tokens", "must be >= 0")
+        try require(prefillStepSize >= 1, "prefill_step_size", "must be >= 1")
+        try require(bufferCacheLimitBytes >= 0, "buffer_cache_limit_bytes", "must be >= 0")
+        try require(memoryLimitBytes >= 0, "memory_limit_bytes", "must be >= 0")
+        for layer in layers { try layer.validate() }
+    }
+
+    /// How the app builds the cache for each layer; see ``CachePlan``.
+    public var cachePlan: CachePlan { CachePlan(config: self) }
+}

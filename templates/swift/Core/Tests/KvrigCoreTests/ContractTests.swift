@@ -1,0 +1,105 @@
+import Foundation
+import XCTest
+
+@testable import KvrigCore
+
+/// Files the Python side wrote (rendered into Fixtures by `kvrig app`) must decode, and re-encode to the same
+/// document; with KVRIG_CONTRACT_OUT set, the re-encoded files and a telemetry sample are written there so the
+/// Python side can check the other direction.
+final class ContractTests: XCTestCase {
+    private let fixtures = URL(fileURLWithPath: #filePath).deletingLastPathComponent()
+        .appendingPathComponent("Fixtures")
+
+    private var outDir: URL? {
+        ProcessInfo.processInfo.environment["KVRIG_CONTRACT_OUT"].map { URL(fileURLWithPath: $0) }
+    }
+
+    private func fixture(_ name: String) -> URL {
+        if let dir = ProcessInfo.processInfo.environment["KVRIG_CONTRACT_IN"] {
+            return URL(fileURLWithPath: dir).appendingPathComponent(name)
+        }
+        return fixtures.appendingPathComponent(name)
+    }
+
+    private func jsonObject(_ data: Data) throws -> NSDictionary {
+        try XCTUnwrap(JSONSerialization.jsonObject(with: data) as? NSDictionary)
+    }
+
+    private func assertRoundTrip<T: Codable>(_ type: T.Type, file: String) throws -> T {
+        let original = try Data(contentsOf: fixture(file))
+        let decoded = try ContractJSON.decoder().decode(type, from: original)
+        let encoded = try ContractJSON.encoder(pretty: true).encode(decoded)
+        XCTAssertEqual(try jsonObject(encoded), try jsonObject(original), "\(file) changed in a round trip")
+        if let outDir {
+            try encoded.write(to: outDir.appendingPathComponent("roundtrip-" + file))
+        }
+        return decoded
+    }
+
+    func testKVCacheJSONFromPython() throws {
+        let config = try assertRoundTrip(KVCacheConfig.self, file: "kvcache.json")
+        XCTAssertEqual(config.schema, 1)
+        XCTAssertFalse(config.layers.isEmpty)
+        XCTAssertEqual(config.layers.map(\.layer), Array(0 ..< config.layers.count))
+    }
+
+    func testSoakPlanFromPython() throws {
+        let plan = try assertRoundTrip(SoakPlan.self, file: "soakplan.json")
+        XCTAssertFalse(plan.runId.isEmpty)
+        XCTAssertFalse(plan.schedule.targets.isEmpty)
+    }
+
+    func testBrokenFilesAreRejected() throws {
+        var object = try XCTUnwrap(
+            JSONSerialization.jsonObject(with: Data(contentsOf: fixture("kvcache.json"))) as? [String: Any])
+        object["unexpected"] = 1
+        XCTAssertThrowsError(
+            try ContractJSON.decoder().decode(
+                KVCacheConfig.self, from: JSONSerialization.data(withJSONObject: object)))
+        object.removeValue(forKey: "unexpected")
+        object.removeValue(forKey: "key_bits")
+        XCTAssertThrowsError(
+            try ContractJSON.decoder().decode(
+                KVCacheConfig.self, from: JSONSerialization.data(withJSONObject: object)))
+    }
+
+    /// One event of each kind, every optional field both set and unset, written with the app's own writer.
+    func testTelemetryWriterSample() throws {
+        let dir = outDir ?? FileManager.default.temporaryDirectory
+        let url = dir.appendingPathComponent("telemetry-from-swift.jsonl")
+        try? FileManager.default.removeItem(at: url)
+        var lines: [String] = []
+        var tick = 1_700_000_000.0
+        let log = try TelemetryLog(
+            runId: "swift-\"quoted\"", url: url, clock: { tick += 0.25; return tick }, mirror: { lines.append($0) })
+        try log.record(
+            .start(
+                model: "Smol \"LM\" \\ 135M", scheme: "k8v4", productType: "iPhone16,1", osVersion: "17.5",
+                limitBytes: 3_221_225_472, converted: []))
+        try log.record(
+            .start(model: "m", scheme: "fp16", productType: "iPhone15,2", osVersion: "16.7", limitBytes: nil,
+                   converted: ["activations"]))
+        try log.record(
+            .step(
+                StepMetrics(
+                    contextTokens: 1024, decodeTps: 31.5, prefillTps: 410.25, physFootprintBytes: 900_000_000,
+                    availableBytes: 2_000_000_000, mlxActiveBytes: 700_000_000, mlxCacheBytes: 20_000_000,
+                    mlxPeakBytes: 750_000_000, kvBytes: 12_000_000, thermalState: .fair)))
+        try log.record(.step(StepMetrics(contextTokens: 0, decodeTps: .infinity, physFootprintBytes: 1)))
+        try log.record(.memoryPressure(level: .warning, contextTokens: 2048, physFootprintBytes: 1_000_000))
+        try log.record(.memoryPressure(level: .critical, contextTokens: 2048, physFootprintBytes: nil))
+        try log.record(.evict(tokensEvicted: 256, contextTokens: 1792, kvBytes: 10_000_000))
+        try log.record(.evict(tokensEvicted: 0, contextTokens: 4, kvBytes: nil))
+        for reason in [EndReason.completed, .stopCondition, .memoryCritical, .allocationFailed, .error] {
+            try log.record(.end(reason: reason, contextTokens: 1792, message: reason == .error ? "boom\n" : nil))
+        }
+        let written = try String(contentsOf: url, encoding: .utf8)
+        XCTAssertEqual(written, lines.joined())
+        let records = written.split(separator: "\n").map {
+            try? JSONSerialization.jsonObject(with: Data($0.utf8)) as? [String: Any]
+        }
+        XCTAssertEqual(records.count, 13)
+        XCTAssertEqual(records.compactMap { $0?["seq"] as? Int }, Array(0 ..< 13))
+        XCTAssertTrue(records[3]?["decode_tps"] is NSNull, "a non-finite rate is written as null")
+    }
+}

@@ -1,0 +1,107 @@
+"""The generated Core package builds and passes `swift test`, and the contracts hold in both directions:
+Core decodes (and re-encodes unchanged) the kvcache.json and soak plan Python wrote, and Python's schema (and
+telemetry reader, when present) accepts the JSONL Core's writer produced."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from pydantic import TypeAdapter
+
+from toolchain.schemas.soakplan import GrowthSchedule, SoakPlan, StopConditions
+from toolchain.schemas.telemetry import TelemetryEvent
+
+
+def sync_tree(source: Path, target: Path) -> None:
+    """Copies changed files only, so SwiftPM's incremental build in `target` stays valid between sessions."""
+    for path in source.rglob("*"):
+        dest = target / path.relative_to(source)
+        if path.is_dir():
+            dest.mkdir(parents=True, exist_ok=True)
+        elif not dest.exists() or not filecmp.cmp(path, dest, shallow=False):
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, dest)
+    for dest in list(target.rglob("*")):
+        if ".build" in dest.relative_to(target).parts:
+            continue
+        if not (source / dest.relative_to(target)).exists():
+            shutil.rmtree(dest) if dest.is_dir() else dest.unlink()
+
+
+@pytest.fixture(scope="module")
+def swift_run(
+    swift: str,
+    reference_project: Path,
+    reference_kvcache,
+    tmp_path_factory,
+    request,  # type: ignore[no-untyped-def]
+) -> dict[str, Path]:
+    # Built in a folder that survives sessions (pytest's cache): ~40 s from scratch on 2 cores, seconds after.
+    package = Path(request.config.cache.mkdir("kvrig-swift-core")) / "Core"
+    package.mkdir(parents=True, exist_ok=True)
+    sync_tree(reference_project / "Core", package)
+
+    inputs = tmp_path_factory.mktemp("contract-in")
+    outputs = tmp_path_factory.mktemp("contract-out")
+    (inputs / "kvcache.json").write_text(reference_kvcache.model_dump_json(by_alias=True, indent=2))
+    plan = SoakPlan(
+        run_id='run "7" \\ ü',
+        scheme="k8v4",
+        schedule=GrowthSchedule(start_tokens=256, step_tokens=512, max_tokens=8192, decode_tokens=8),
+        stop=StopConditions(min_decode_tps=2.5, max_footprint_bytes=4 * 1024**3, max_seconds=1800.5),
+        text='Feed me "text"\n\tagain.',
+        telemetry_file="runs/telemetry-7.jsonl",
+        on_critical="continue",
+    )
+    (inputs / "soakplan.json").write_text(plan.model_dump_json(by_alias=True, indent=2))
+
+    env = {**os.environ, "KVRIG_CONTRACT_IN": str(inputs), "KVRIG_CONTRACT_OUT": str(outputs)}
+    proc = subprocess.run([swift, "test"], cwd=package, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return {"in": inputs, "out": outputs}
+
+
+def test_core_tests_pass_and_round_trip_python_files(swift_run: dict[str, Path]) -> None:
+    for name in ("kvcache.json", "soakplan.json"):
+        original = json.loads((swift_run["in"] / name).read_text())
+        again = json.loads((swift_run["out"] / f"roundtrip-{name}").read_text())
+        assert again == original, name
+
+
+def test_every_python_field_reaches_swift(swift_run: dict[str, Path], reference_kvcache) -> None:  # type: ignore[no-untyped-def]
+    again = json.loads((swift_run["out"] / "roundtrip-kvcache.json").read_text())
+    dumped = reference_kvcache.model_dump(mode="json", by_alias=True)
+    assert set(again) == set(dumped)
+    assert [set(layer) for layer in again["layers"]] == [set(layer) for layer in dumped["layers"]]
+    sliding = {"layer": 1, "kind": "sliding", "window": 512}
+    assert again["layers"][1] == {**sliding, "source_layer": None, "key_bits": None, "value_bits": None}
+
+
+def test_python_reads_core_telemetry(swift_run: dict[str, Path]) -> None:
+    path = swift_run["out"] / "telemetry-from-swift.jsonl"
+    lines = path.read_text().splitlines()
+    adapter = TypeAdapter(TelemetryEvent)
+    events = [adapter.validate_json(line) for line in lines]
+    kinds = ["start", "start", "step", "step", "memory_pressure", "memory_pressure", "evict", "evict"]
+    assert [e.event for e in events] == [*kinds, "end", "end", "end", "end", "end"]
+    assert [e.seq for e in events] == list(range(13))
+    assert events[0].model == 'Smol "LM" \\ 135M' and events[0].limit_bytes == 3_221_225_472
+    assert events[2].decode_tps == 31.5 and events[2].thermal_state == "fair"
+    assert events[3].decode_tps is None
+    assert {e.reason for e in events if e.event == "end"} == {
+        "completed", "stop_condition", "memory_critical", "allocation_failed", "error"
+    }  # fmt: skip
+    from toolchain.telemetry import read_telemetry
+
+    # kvrig's telemetry reader reads the same file, a torn last line (killed mid-write) included.
+    torn = path.with_name("torn.jsonl")
+    torn.write_text(path.read_text() + lines[2][: len(lines[2]) // 2])
+    result = read_telemetry(torn)
+    assert sum(len(run.events) for run in result.runs) == len(events)
+    assert result.torn_line == len(lines) + 1

@@ -1,0 +1,217 @@
+"""The generated project: every Swift file parses, values are escaped, options and bundles are checked."""
+
+from __future__ import annotations
+
+import plistlib
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tree_sitter
+import tree_sitter_swift
+import yaml
+
+from toolchain.appgen.escape import swift_string
+from toolchain.appgen.render import AppOptions, product_name, render_app, templates_root
+from toolchain.exceptions import AppGenError, InputError
+
+PARSER = tree_sitter.Parser(tree_sitter.Language(tree_sitter_swift.language()))
+
+
+def syntax_errors(source: bytes) -> list[str]:
+    problems = []
+    stack = [PARSER.parse(source).root_node]
+    while stack:
+        node = stack.pop()
+        if node.type == "ERROR" or node.is_missing:
+            problems.append(f"{node.type} at {node.start_point}: {source[node.start_byte : node.end_byte][:60]!r}")
+        stack.extend(node.children)
+    return problems
+
+
+def test_every_swift_file_parses(reference_project: Path) -> None:
+    files = sorted(reference_project.rglob("*.swift"))
+    names = {f.name for f in files}
+    assert {
+        "Engine.swift",
+        "AppConfig.swift",
+        "Package.swift",
+        "KVCacheConfig.swift",
+        "ContractTests.swift",
+    } <= names
+    for path in files:
+        assert syntax_errors(path.read_bytes()) == [], path
+
+
+def test_parse_check_catches_broken_swift() -> None:
+    # Control: the check above would see an unescaped quote in a literal.
+    assert syntax_errors(b'let name = "My "LLM""\nlet x = 1\n')
+    # tree-sitter accepts a raw newline inside "..." (Swift does not): the swiftc test below covers that.
+
+
+NASTY_NAMES = [
+    'My "LLM"',
+    "back\\slash\\",
+    'triple """ quotes """',
+    "multi\nline\r\ttab",
+    "interp \\(exit(1)) and \\\\(x)",
+    "emoji 🦊 and \u2028 separator",
+    "<plist> & 'xml'",
+]
+
+
+def test_escaped_names_compile_and_show_the_name(tmp_path: Path, make_bundle, swift: str) -> None:  # type: ignore[no-untyped-def]
+    """The real Swift compiler builds AppConfig.swift for each name and prints it back unchanged."""
+    bundle = make_bundle(tmp_path / 'weird "bundle" \\(x)')
+    mains = []
+    for i, name in enumerate(NASTY_NAMES):
+        out = tmp_path / f"app{i}"
+        render_app(bundle, out, AppOptions(name=name, bundle_id="com.example.x"))
+        source = (out / "App/Sources/AppConfig.swift").read_text()
+        assert syntax_errors(source.encode()) == []
+        # Rename the enum so all variants compile into one program.
+        mains.append(source.replace("enum AppConfig", f"enum AppConfig{i}").replace("import Foundation\n", ""))
+        plist = plistlib.loads((out / "App/Info.plist").read_bytes())
+        assert plist["CFBundleDisplayName"] == name.replace("\r", "\n") or plist["CFBundleDisplayName"] == name
+        assert plist["UIFileSharingEnabled"] is True
+    program = "import Foundation\n" + "\n".join(mains) + "\n"
+    program += "".join(
+        f"print(Array(AppConfig{i}.displayName.unicodeScalars.map {{ $0.value }}), AppConfig{i}.bundleFolder)\n"
+        for i in range(len(NASTY_NAMES))
+    )
+    (tmp_path / "main.swift").write_text(program)
+    swiftc = str(Path(swift).with_name("swiftc"))
+    subprocess.run([swiftc, "-o", str(tmp_path / "names"), str(tmp_path / "main.swift")], check=True)
+    lines = subprocess.run([str(tmp_path / "names")], capture_output=True, text=True, check=True).stdout.splitlines()
+    for name, line in zip(NASTY_NAMES, lines, strict=True):
+        scalars, _, folder = line.partition("] ")
+        assert [int(x) for x in scalars.strip("[").split(", ")] == [ord(c) for c in name]
+        assert folder == 'weird "bundle" \\(x)'
+
+
+def test_swift_string_escapes() -> None:
+    assert swift_string('a"b') == '"a\\"b"'
+    assert swift_string("\\(x)") == '"\\\\(x)"'
+    assert swift_string("\n\u2028") == '"\\n\\u{2028}"'
+    with pytest.raises(TypeError):
+        swift_string(3)
+
+
+def test_swift_templates_escape_every_value() -> None:
+    """Each `{{ ... }}` in a Swift template ends in a Swift escaper, so no value lands raw in Swift."""
+    root = templates_root()
+    for template in root.rglob("*.swift.j2"):
+        for expression in re.findall(r"\{\{(.*?)\}\}", template.read_text()):
+            assert re.search(r"\|\s*swift_(string|int|bool)\s*$", expression), (template.name, expression)
+
+
+def test_project_yml_plist_entitlements(reference_project: Path) -> None:
+    spec = yaml.safe_load((reference_project / "project.yml").read_text())
+    target = spec["targets"]["SmolLM2Chat"]
+    assert target["settings"]["base"]["PRODUCT_BUNDLE_IDENTIFIER"] == "com.example.smollm2"
+    assert target["settings"]["base"]["DEVELOPMENT_TEAM"] == "ABCDE12345"
+    packages = spec["packages"]
+    assert packages["MLXSwiftLM"]["exactVersion"].startswith("3.31.")
+    assert packages["MLXSwift"]["exactVersion"] == "0.31.4"
+    assert packages["SwiftTransformers"]["exactVersion"].startswith("1.3.")
+    assert packages["KvrigCore"]["path"] == "Core"
+    products = {(d["package"], d["product"]) for d in target["dependencies"]}
+    assert {
+        ("MLXSwiftLM", "MLXLLM"),
+        ("MLXSwiftLM", "MLXLMCommon"),
+        ("SwiftTransformers", "Tokenizers"),
+    } <= products
+    entitlements = plistlib.loads((reference_project / "App/App.entitlements").read_bytes())
+    assert entitlements == {"com.apple.developer.kernel.increased-memory-limit": True}
+    info = plistlib.loads((reference_project / "App/Info.plist").read_bytes())
+    assert info["CFBundleDisplayName"] == "SmolLM2 Chat"
+    assert info["UIFileSharingEnabled"] is True
+
+
+def test_extended_virtual_addressing_option(tmp_path: Path, reference_bundle: Path) -> None:
+    options = AppOptions(name="X", bundle_id="com.example.x", extended_virtual_addressing=True)
+    render_app(reference_bundle, tmp_path / "p", options)
+    entitlements = plistlib.loads((tmp_path / "p/App/App.entitlements").read_bytes())
+    assert entitlements["com.apple.developer.kernel.extended-virtual-addressing"] is True
+    spec = yaml.safe_load((tmp_path / "p/project.yml").read_text())
+    assert "DEVELOPMENT_TEAM" not in spec["targets"]["X"]["settings"]["base"]
+
+
+def test_schemas_exported(reference_project: Path) -> None:
+    import json
+
+    schema = json.loads((reference_project / "Schemas/kvcache.schema.json").read_text())
+    assert {"key_bits", "value_bits", "layers", "schema"} <= set(schema["properties"])
+    assert (reference_project / "Schemas/soakplan.schema.json").is_file()
+    assert (reference_project / "Schemas/telemetry.schema.json").is_file()
+    assert not (reference_project / "_meta").exists()
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        (AppOptions(name="X", bundle_id="not a bundle id"), "--bundle-id"),
+        (AppOptions(name="X", bundle_id="com.example.x", team="short"), "--team"),
+        (AppOptions(name="  ", bundle_id="com.example.x"), "--name"),
+    ],
+)
+def test_bad_options(tmp_path: Path, reference_bundle: Path, options: AppOptions, field: str) -> None:
+    with pytest.raises(InputError) as info:
+        render_app(reference_bundle, tmp_path / "out", options)
+    assert info.value.field == field
+
+
+def test_bad_bundle_names_file_and_field(tmp_path: Path, make_bundle) -> None:  # type: ignore[no-untyped-def]
+    bundle = make_bundle(tmp_path / "b")
+    (bundle / "kvcache.json").write_text('{"schema": 1, "scheme": "x"}')
+    with pytest.raises(InputError) as info:
+        render_app(bundle, tmp_path / "out", AppOptions(name="X", bundle_id="com.example.x"))
+    assert "kvcache.json" in str(info.value) and info.value.field
+
+
+def test_output_folder_not_overwritten_without_force(tmp_path: Path, reference_bundle: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    options = AppOptions(name="X", bundle_id="com.example.x")
+    with pytest.raises(AppGenError):
+        render_app(reference_bundle, out, options)
+    assert (out / "keep.txt").read_text() == "mine"
+    render_app(reference_bundle, out, options, force=True)
+    assert not (out / "keep.txt").exists()
+
+
+def test_product_name() -> None:
+    assert product_name('My "LLM" 2') == "MyLLM2"
+    assert product_name("42 things") == "App42Things"
+    assert product_name('"""') == "App"
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "toolchain", *args], capture_output=True, text=True)
+
+
+def test_cli_app_and_build_refusal(tmp_path: Path, reference_bundle: Path) -> None:
+    out = tmp_path / "MyLLM"
+    proc = run_cli("app", str(reference_bundle), "--name", "MyLLM", "--bundle-id", "com.example.myllm", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "project.yml").is_file()
+    again = run_cli("app", str(reference_bundle), "--name", "MyLLM", "--bundle-id", "com.example.myllm", "-o", str(out))
+    assert again.returncode == 15 and "not empty" in again.stderr
+    bad = run_cli("app", str(reference_bundle), "--name", "X", "--bundle-id", "x y", "-o", str(tmp_path / "z"))
+    assert bad.returncode == 3 and "--bundle-id" in bad.stderr and "Traceback" not in bad.stderr
+    if sys.platform != "darwin":
+        build = run_cli("build", str(out))
+        assert build.returncode == 9
+        assert "macOS" in build.stderr and "Traceback" not in build.stderr
+
+
+def test_templates_ship_in_the_wheel() -> None:
+    import tomllib
+
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    force = pyproject["tool"]["hatch"]["build"]["targets"]["wheel"]["force-include"]
+    assert force["templates"] == "toolchain/_data/templates"
+    assert (templates_root() / "project.yml.j2").is_file()

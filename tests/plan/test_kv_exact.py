@@ -1,0 +1,87 @@
+"""The planner's KV bytes equal the sum of MLX's own `nbytes` over the caches of a real mlx-lm model.
+
+For every supported family a tiny model (same layer pattern, small dims) runs real tokens through each
+cache kind and KV scheme; after every update — step boundaries, ragged growth and sliding wrap-around
+included — the planned allocation must equal what MLX allocated, byte for byte.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+import pytest
+from mlx_lm.utils import _get_classes
+from tiny_configs import TINY_CONFIGS
+
+from toolchain.models import spec_from_config
+from toolchain.plan.kv import allocated_bytes, bytes_per_token, parse_scheme
+from toolchain.runtime.kv_cache import make_kv_caches
+
+# The phone keeps activations (and so caches) in fp16; a few families run that way here. The rest run in
+# fp32 because MLX's CPU matmul is far faster there (and its GatherMM for MoE experts is fp32-only); the
+# planner is then asked for fp32 caches, which exercises the same accounting with another width.
+FP16_FAMILIES = {"llama", "llama-sliding", "gemma3_text", "qwen3_5", "gemma2"}
+
+# Single tokens first (sliding caches grow in place and wrap past their window of 8), then chunks that land
+# on 256, just past it, and cross 512 from a ragged offset (299 + 214: MLX trims to 299 and adds a step).
+SCHEDULE = [1] * 12 + [100, 144, 1, 1, 40, 1, 214, 1, 2]
+
+# Every family under the three kinds of cache (plain, mlx-lm quantized, kvrig's mixed-bit); the other
+# schemes on one family per layer pattern.
+CASES = [(family, scheme) for family in sorted(TINY_CONFIGS) for scheme in ("fp16", "k8v8", "k8v4")] + [
+    (family, scheme)
+    for family in ("llama", "gemma3_text", "qwen3_next")
+    for scheme in ("k4v8", "k4v4", "k6v4g32", "bf16")
+]
+
+
+@functools.cache
+def build(name: str):
+    config = TINY_CONFIGS[name]
+    model_cls, args_cls = _get_classes(config)
+    model = model_cls(args_cls.from_dict(config))
+    dtype = "float16" if name in FP16_FAMILIES else "float32"
+    model.set_dtype(getattr(mx, dtype))
+    mx.eval(model.parameters())
+    return model, spec_from_config(config), dtype
+
+
+@pytest.mark.parametrize(("family", "scheme_name"), CASES)
+def test_planned_kv_bytes_equal_mlx_nbytes(family: str, scheme_name: str) -> None:
+    model, spec, dtype = build(family)
+    if scheme_name in ("fp16", "bf16") and dtype == "float32":
+        scheme_name = "fp32"  # unquantized caches hold the activation dtype
+    if scheme_name == "bf16":
+        model.set_dtype(mx.bfloat16)
+        dtype = "bfloat16"
+    scheme = parse_scheme(scheme_name, dtype=dtype)
+    caches = make_kv_caches(model, spec, scheme.key_bits, scheme.value_bits, scheme.group_size)
+    fed: list[int] = []
+    token = 1
+    for n in SCHEDULE:
+        tokens = mx.array([[(token + i) % 100 + 1 for i in range(n)]])
+        token += n
+        mx.eval(model(tokens, cache=caches))
+        fed.append(n)
+        measured = sum(c.nbytes for c in caches)
+        planned = allocated_bytes(spec, scheme, fed)
+        assert planned == measured, f"{family} {scheme_name} after {sum(fed)} tokens (updates {fed[-3:]})"
+
+
+@pytest.mark.parametrize("family", sorted(TINY_CONFIGS))
+def test_bytes_per_token_is_the_growth_of_full_caches(family: str) -> None:
+    """Steady-state bytes/token: the difference MLX shows between two step-aligned contexts, per token."""
+    model, spec, dtype = build(family)
+    scheme = parse_scheme("k8v4", dtype=dtype)
+    caches = make_kv_caches(model, spec, scheme.key_bits, scheme.value_bits, scheme.group_size)
+    owners = [layer for layer in spec.layers if layer.kind != "shared"]
+    growing = [c for layer, c in zip(owners, caches, strict=True) if layer.grows]
+
+    def growing_bytes() -> int:
+        return sum(c.nbytes for c in growing)
+
+    mx.eval(model(mx.array([list(range(1, 257))]), cache=caches))
+    at_256 = growing_bytes()
+    mx.eval(model(mx.array([list(range(1, 257))]), cache=caches))
+    assert bytes_per_token(spec, scheme) * 256 == growing_bytes() - at_256

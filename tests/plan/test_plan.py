@@ -1,0 +1,192 @@
+"""The memory plan end to end: the real SmolLM2 config, the device limit, max context and recommendation."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.utils import _get_classes
+from tiny_configs import TINY_CONFIGS
+
+from toolchain.exceptions import ModelConfigError, PlanInputError, QuantizationError, UnsupportedArchitectureError
+from toolchain.models import load_model_spec, spec_from_config
+from toolchain.plan import plan
+from toolchain.plan.kv import allocated_bytes, context_schedule, parse_scheme
+from toolchain.plan.memory import _peak_bytes, recommend
+from toolchain.profiles import load_profile
+from toolchain.runtime.kv_cache import make_kv_caches
+
+
+@pytest.fixture(scope="module")
+def smollm2_plan():
+    return plan(None, "iPhone16,1", contexts=[40, 2048])
+
+
+def test_real_smollm2_kv_bytes_match_mlx(smollm2_plan) -> None:
+    """The full-size SmolLM2 architecture (from the GGUF's metadata), random weights, real tokens: MLX's
+    nbytes at 40 tokens (prompt then one decode step, as mlx-lm feeds them) equals the plan's listed bytes."""
+    spec = load_model_spec(None)
+    model_cls, args_cls = _get_classes(spec.config)
+    model = model_cls(args_cls.from_dict(spec.config))
+    model.set_dtype(mx.float16)
+    for name in ("fp16", "k8v8", "k8v4"):
+        scheme = parse_scheme(name)
+        caches = make_kv_caches(model, spec, scheme.key_bits, scheme.value_bits, scheme.group_size)
+        for chunk in context_schedule(40, 512):
+            model(mx.array([[7] * chunk]), cache=caches)
+            mx.eval([c.state for c in caches])  # only the caches: the logits are not needed
+        assert smollm2_plan.kv_bytes[name]["40"] == sum(c.nbytes for c in caches), name
+
+
+def test_plan_json_carries_the_contract_keys() -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "toolchain",
+            "plan",
+            "--device",
+            "iphone-15-pro",
+            "--json",
+            "--schemes",
+            "fp16,k8v4",
+            "--contexts",
+            "1024,4096",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    data = json.loads(out)
+    for key in (
+        "weights_bytes",
+        "kv_bytes_per_token",
+        "kv_bytes",
+        "max_context",
+        "limit_bytes",
+        "decode_tps_ceiling",
+        "recommendation",
+    ):
+        assert key in data, key
+    assert set(data["kv_bytes_per_token"]) == {"fp16", "k8v4"}
+    assert set(data["kv_bytes"]["k8v4"]) == {"1024", "4096"}
+    # iPhone 15 Pro's entitled limit comes from its profile (the CSV's number), not from the planner.
+    profile = load_profile("iPhone16,1")
+    assert data["limit_bytes"] == profile.limit_entitled
+    assert data["recommendation"]["scheme"] in data["max_context"]
+
+
+def test_max_context_is_the_largest_that_fits() -> None:
+    spec = load_model_spec(None)
+    p = plan(None, "iPhone13,1", limit="default", max_context_cap=1 << 22, schemes=["fp16", "k8v4"])
+    fixed = p.weights_bytes + p.runtime.buffer_cache_bytes + p.runtime.baseline_bytes
+    for name in ("fp16", "k8v4"):
+        scheme = parse_scheme(name)
+        n = p.max_context[name]
+        assert p.limited_by[name] == "memory"
+        assert _peak_bytes(spec, scheme, n, fixed, 512, "float16").total_bytes <= p.budget_bytes
+        assert _peak_bytes(spec, scheme, n + 1, fixed, 512, "float16").total_bytes > p.budget_bytes
+    # The smaller cache holds more; the allocated KV alone is below the budget at max context.
+    assert p.max_context["k8v4"] > p.max_context["fp16"]
+    assert allocated_bytes(spec, parse_scheme("fp16"), context_schedule(p.max_context["fp16"], 512)) < p.budget_bytes
+
+
+def test_margin_and_entitlement_move_max_context() -> None:
+    wide = plan(None, "iPhone16,1", schemes=["k8v4"], max_context_cap=1 << 22, margin=0.05)
+    narrow = plan(None, "iPhone16,1", schemes=["k8v4"], max_context_cap=1 << 22, margin=0.30)
+    assert wide.max_context["k8v4"] > narrow.max_context["k8v4"]
+    assert wide.max_context_default_limit["k8v4"] < wide.max_context["k8v4"]  # default limit < entitled
+
+
+def test_trained_context_caps_max_context() -> None:
+    p = plan(None, "iPhone16,1", schemes=["fp16"])
+    assert p.max_context["fp16"] == 8192 and p.limited_by["fp16"] == "model"
+    assert p.recommendation.scheme == "fp16"  # nothing is gained by quantizing when fp16 holds it all
+
+
+def test_decode_ceiling_falls_with_context_and_rises_with_smaller_kv() -> None:
+    p = plan(None, "iPhone16,1", contexts=[1024, 8192], schemes=["fp16", "k8v4"])
+    assert p.decode_tps_ceiling["fp16"]["8192"] < p.decode_tps_ceiling["fp16"]["1024"]
+    assert p.decode_tps_ceiling["k8v4"]["8192"] > p.decode_tps_ceiling["fp16"]["8192"]
+
+
+def test_recommendation_rules() -> None:
+    spec = spec_from_config(TINY_CONFIGS["llama"])
+    schemes = {n: parse_scheme(n) for n in ("fp16", "k8v8", "k8v4", "k4v8", "k4v4")}
+    mc = {"fp16": 1000, "k8v8": 2000, "k8v4": 2500, "k4v8": 2500, "k4v4": 3500}
+    memory = dict.fromkeys(mc, "memory")
+    small = recommend(schemes, mc, memory, 135_000_000, None, spec)
+    assert small.scheme == "k8v4"  # longest context without 4-bit keys on a small model
+    assert recommend(schemes, mc, memory, 135_000_000, 1800, spec).scheme == "k8v8"  # best quality at target
+    assert recommend(schemes, mc, memory, 135_000_000, 3000, spec).scheme == "k4v4"  # only it reaches
+    assert recommend(schemes, mc, memory, 8_000_000_000, None, spec).scheme == "k4v4"
+    none = recommend(schemes, dict.fromkeys(mc, 0), memory, 135_000_000, None, spec)
+    assert none.scheme == "none"
+
+
+def test_head_dim_not_divisible_by_group_is_refused() -> None:
+    config = {**TINY_CONFIGS["llama"], "head_dim": 96}
+    spec = spec_from_config(config)
+    from toolchain.plan.kv import check_dims
+
+    with pytest.raises(QuantizationError, match=r"head dim 96 is not divisible by KV group size 64.*group size 32"):
+        check_dims(spec, parse_scheme("k8v4"))
+    check_dims(spec, parse_scheme("k8v4g32"))  # a smaller group works
+
+
+def test_missing_config_field_names_it(tmp_path: Path) -> None:
+    config = dict(TINY_CONFIGS["qwen3"])
+    del config["num_hidden_layers"]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(ModelConfigError) as err:
+        load_model_spec(path)
+    assert str(path) in str(err.value) and "num_hidden_layers" in str(err.value)
+
+
+def test_multimodal_layer_types_length_mismatch(tmp_path: Path) -> None:
+    config = json.loads(json.dumps(TINY_CONFIGS["gemma3n"]))
+    config["text_config"]["layer_types"] = config["text_config"]["layer_types"][:-1]
+    with pytest.raises(ModelConfigError, match=r"text_config\.layer_types"):
+        spec_from_config(config, "x/config.json")
+
+
+def test_unknown_architecture_lists_supported() -> None:
+    with pytest.raises(UnsupportedArchitectureError) as err:
+        spec_from_config({**TINY_CONFIGS["llama"], "model_type": "mamba9"})
+    assert "mamba9" in str(err.value) and "qwen3_next" in str(err.value)
+
+
+def test_bad_margin_is_a_clear_error() -> None:
+    with pytest.raises(PlanInputError, match="margin"):
+        plan(None, "iPhone16,1", margin=1.5)
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "needle"),
+    [
+        (["plan", "--device", "iPhone99,9"], 3, "iPhone99,9"),
+        (["plan", "--device", "iPhone16,1", "--schemes", "k7v9"], 5, "k7v9"),
+        (["plan", "no/such/model", "--device", "iPhone16,1"], 3, "no/such/model"),
+    ],
+)
+def test_cli_errors_have_distinct_exit_codes(args: list[str], code: int, needle: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "toolchain", *args], capture_output=True, text=True)
+    assert proc.returncode == code, proc.stderr
+    assert needle in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_cli_unknown_gguf_architecture(tmp_path: Path) -> None:
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from gguf_writer import write_gguf  # type: ignore[import-not-found]
+
+    path = tmp_path / "odd.gguf"
+    write_gguf(path, {"general.architecture": "rwkv9"}, {})
+    proc = subprocess.run(
+        [sys.executable, "-m", "toolchain", "plan", str(path), "--device", "iPhone16,1"], capture_output=True, text=True
+    )
+    assert proc.returncode == 4 and "rwkv9" in proc.stderr

@@ -1,0 +1,67 @@
+"""Fixtures: one emulator (usbmuxd socket + a virtual iOS 16.7 iPhone and an iOS 17.4 one) per test module,
+driven with the real pymobiledevice3 library and command line through USBMUXD_SOCKET_ADDRESS."""
+
+from __future__ import annotations
+
+import os
+import plistlib
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from toolchain.virtual.host import EmulatorHost
+
+BUNDLE_ID = "dev.kvrig.soak"
+LIMIT_BYTES = 160 * 1024 * 1024
+# Small dims so the test app reaches the limit in a few 256-token steps: 8 MiB of fp16 K+V per step.
+TESTAPP_ARGS = ["--layers", "8", "--kv-heads", "8", "--head-dim", "128", "--weights-mb", "8"]
+
+
+def make_ipa(path: Path, bundle_id: str = BUNDLE_ID, executable: str = "KVSoak") -> Path:
+    with zipfile.ZipFile(path, "w") as archive:
+        info = {
+            "CFBundleIdentifier": bundle_id,
+            "CFBundleExecutable": executable,
+            "CFBundleName": executable,
+            "CFBundleShortVersionString": "1.0",
+            "CFBundleVersion": "1",
+        }
+        archive.writestr(f"Payload/{executable}.app/Info.plist", plistlib.dumps(info, fmt=plistlib.FMT_BINARY))
+        archive.writestr(f"Payload/{executable}.app/{executable}", b"\xcf\xfa\xed\xfe" + bytes(60))
+    return path
+
+
+class Emulator:
+    def __init__(self, host: EmulatorHost, root: Path) -> None:
+        self.host = host
+        self.root = root
+        self.address = host.address
+        self.device = host.add_device(root / "iphone", limit_bytes=LIMIT_BYTES)
+        self.ios17 = host.add_device(root / "iphone17", ios="17.4")
+
+    @property
+    def udid(self) -> str:
+        return self.device.identity.udid
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
+    root = tmp_path_factory.mktemp("virtual")
+    # Unix socket paths are limited to ~100 bytes; pytest's temp paths can be longer.
+    address = f"/tmp/kvrig-test-{os.getpid()}-{root.name}.sock"
+    previous = os.environ.get("USBMUXD_SOCKET_ADDRESS")
+    os.environ["USBMUXD_SOCKET_ADDRESS"] = address
+    with EmulatorHost(address) as host:
+        emulator = Emulator(host, root)
+        yield emulator
+    if previous is None:
+        os.environ.pop("USBMUXD_SOCKET_ADDRESS", None)
+    else:
+        os.environ["USBMUXD_SOCKET_ADDRESS"] = previous
+
+
+@pytest.fixture(scope="module")
+def ipa(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_ipa(tmp_path_factory.mktemp("ipa") / "KVSoak.ipa")

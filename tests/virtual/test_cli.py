@@ -1,0 +1,161 @@
+"""The pymobiledevice3 command line against the emulator, and `kvrig virtual start|status|stop` with state
+that survives a restart."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.virtual.conftest import BUNDLE_ID, Emulator, make_ipa
+
+PYMOBILEDEVICE3 = [sys.executable, "-m", "pymobiledevice3"]
+
+
+def pmd3(emulator: Emulator, *args: str, timeout: float = 60) -> str:
+    env = dict(os.environ, USBMUXD_SOCKET_ADDRESS=emulator.address, PYMOBILEDEVICE3_UDID=emulator.udid)
+    result = subprocess.run(
+        [*PYMOBILEDEVICE3, *args], capture_output=True, text=True, timeout=timeout, env=env, check=False
+    )
+    assert result.returncode == 0, f"pymobiledevice3 {' '.join(args)}: {result.stdout}\n{result.stderr}"
+    return result.stdout
+
+
+def test_usbmux_list_and_lockdown_info(emulator: Emulator) -> None:
+    listed = json.loads(pmd3(emulator, "usbmux", "list"))
+    assert {d["UniqueDeviceID"] for d in listed} == {emulator.udid, emulator.ios17.identity.udid}
+    info = json.loads(pmd3(emulator, "lockdown", "info"))
+    assert info["ProductType"] == "iPhone16,1" and info["UniqueDeviceID"] == emulator.udid
+
+
+def test_apps_install_list_afc_and_dvt(emulator: Emulator, tmp_path: Path) -> None:
+    ipa = make_ipa(tmp_path / "KVSoak.ipa")
+    pmd3(emulator, "apps", "install", str(ipa))
+    assert BUNDLE_ID in json.loads(pmd3(emulator, "apps", "list"))
+    assert "/DCIM" in pmd3(emulator, "afc", "ls", "/").split()
+    launched = pmd3(emulator, "developer", "dvt", "launch", f"{BUNDLE_ID} --max-tokens 256 --layers 2")
+    pid = int(re.search(r"pid (\d+)", launched).group(1))  # type: ignore[union-attr]
+    assert emulator.device.apps.pid_for_bundle(BUNDLE_ID) == pid
+    pmd3(emulator, "developer", "dvt", "kill", str(pid))
+    process = emulator.host.run(emulator.device.apps.wait(pid, 20))
+    assert process.outcome == "killed"
+
+
+def test_crash_ls_and_pull(emulator: Emulator, tmp_path: Path) -> None:
+    (emulator.device.state.crash / "JetsamEvent-2026-01-02-030405.ips").write_text('{"bug_type":"298"}\n{}\n')
+    assert "/JetsamEvent-2026-01-02-030405.ips" in pmd3(emulator, "crash", "ls").split()
+    pmd3(emulator, "crash", "pull", str(tmp_path / "out"))
+    assert (tmp_path / "out" / "JetsamEvent-2026-01-02-030405.ips").exists()
+
+
+def test_syslog_live_streams_for_a_few_seconds(emulator: Emulator) -> None:
+    env = dict(os.environ, USBMUXD_SOCKET_ADDRESS=emulator.address, PYMOBILEDEVICE3_UDID=emulator.udid)
+    proc = subprocess.Popen(
+        [*PYMOBILEDEVICE3, "syslog", "live"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        out, _ = proc.communicate(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=10)
+    assert "SpringBoard" in out  # the device's own log lines arrived
+
+
+def kvrig(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "toolchain", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def test_kvrig_virtual_start_detach_status_stop_and_restart(tmp_path: Path) -> None:
+    address = f"/tmp/kvrig-cli-{os.getpid()}.sock"
+    state = tmp_path / "state"
+    try:
+        started = kvrig(
+            "virtual",
+            "start",
+            "--socket",
+            address,
+            "--state",
+            str(state),
+            "--limit-mb",
+            "300",
+            "--detach",
+            "--json",
+        )
+        assert started.returncode == 0, started.stderr
+        first = json.loads(started.stdout)
+        assert first["socket"] == address and first["limit_bytes"] == 300 * 1024 * 1024
+        status = json.loads(kvrig("virtual", "status", "--socket", address, "--json").stdout)
+        assert [d["udid"] for d in status["Devices"]] == [first["udid"]]
+
+        # a second device joins the same socket
+        second = kvrig(
+            "virtual",
+            "start",
+            "--socket",
+            address,
+            "--state",
+            str(tmp_path / "s2"),
+            "--ios",
+            "17.4",
+            "--json",
+        )
+        assert second.returncode == 0, second.stderr
+        assert json.loads(second.stdout)["ios"] == "17.4"
+        assert kvrig("virtual", "stop", "--socket", address, "--state", str(tmp_path / "s2")).returncode == 0
+
+        env = dict(os.environ, USBMUXD_SOCKET_ADDRESS=address)
+        ipa = make_ipa(tmp_path / "KVSoak.ipa")
+        run = subprocess.run(
+            [*PYMOBILEDEVICE3, "apps", "install", str(ipa)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert run.returncode == 0, run.stderr
+        assert kvrig("virtual", "stop", "--socket", address).returncode == 0
+        assert kvrig("virtual", "status", "--socket", address).returncode == 11  # DeviceNotFoundError
+
+        # restart on the same state: same UDID, the app is still installed
+        again = kvrig("virtual", "start", "--socket", address, "--state", str(state), "--detach", "--json")
+        assert json.loads(again.stdout)["udid"] == first["udid"]
+        listed = subprocess.run(
+            [*PYMOBILEDEVICE3, "apps", "list", "--type", "User"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert BUNDLE_ID in json.loads(listed.stdout)
+    finally:
+        kvrig("virtual", "stop", "--socket", address)
+
+
+def test_kvrig_virtual_status_without_server_is_a_clear_error(tmp_path: Path) -> None:
+    result = kvrig("virtual", "status", "--socket", str(tmp_path / "nothing.sock"))
+    assert result.returncode == 11
+    assert "no virtual iPhone server" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("ios", ["15.0"])
+def test_kvrig_virtual_rejects_unknown_ios(tmp_path: Path, ios: str) -> None:
+    result = kvrig("virtual", "start", "--socket", str(tmp_path / "x.sock"), "--state", str(tmp_path), "--ios", ios)
+    assert result.returncode == 2 and "17.4" in result.stderr

@@ -1,0 +1,136 @@
+"""`kvrig virtual start|stop|status`: a virtual iPhone that pymobiledevice3 drives over a usbmuxd socket."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from toolchain.cli.render import echo_json, human_bytes, json_option
+
+
+@click.group()
+def virtual() -> None:
+    """Run a virtual USB iPhone (usbmuxd socket, lockdownd, AFC, apps, crash reports, DTX)."""
+
+
+def _socket_option(func):  # type: ignore[no-untyped-def]
+    from toolchain.virtual.control import DEFAULT_SOCKET
+
+    return click.option(
+        "--socket",
+        "address",
+        default=DEFAULT_SOCKET,
+        show_default=True,
+        help="usbmuxd socket: a unix path or HOST:PORT (give it to clients as USBMUXD_SOCKET_ADDRESS).",
+    )(func)
+
+
+@virtual.command()
+@click.option("--profile", default="iPhone16,1", show_default=True, help="ProductType or device profile.")
+@_socket_option
+@click.option(
+    "--state",
+    "state",
+    type=click.Path(file_okay=False, path_type=Path),
+    required=True,
+    help="State folder (apps, containers, crash reports); kept across restarts.",
+)
+@click.option("--limit-mb", type=int, default=None, help="App memory limit in MiB (default: the profile's).")
+@click.option("--ios", type=click.Choice(["16.7", "17.4"]), default="16.7", show_default=True)
+@click.option("--detach", is_flag=True, help="Run in the background and return.")
+@click.option("--unplug-after-afc-bytes", type=int, default=None, help="Fault: unplug after N bytes of AFC.")
+@click.option("--refuse-service", multiple=True, help="Fault: lockdownd refuses this service (repeatable).")
+@click.option("--crash-at-tokens", type=int, default=None, help="Fault: the app crashes at N context tokens.")
+@click.option("--hang-at-tokens", type=int, default=None, help="Fault: the app hangs at N context tokens.")
+@click.option("--slow-link-bps", type=float, default=None, help="Fault: pace every connection to N bytes/s.")
+@json_option
+def start(
+    profile: str,
+    address: str,
+    state: Path,
+    limit_mb: int | None,
+    ios: str,
+    detach: bool,
+    unplug_after_afc_bytes: int | None,
+    refuse_service: tuple[str, ...],
+    crash_at_tokens: int | None,
+    hang_at_tokens: int | None,
+    slow_link_bps: float | None,
+    as_json: bool,
+) -> None:
+    """Start a virtual iPhone and print its socket address."""
+    from toolchain.virtual import control
+    from toolchain.virtual.faults import FaultPlan
+
+    faults = FaultPlan(unplug_after_afc_bytes, set(refuse_service), crash_at_tokens, hang_at_tokens, slow_link_bps)
+
+    def ready() -> None:
+        click.echo(f"USBMUXD_SOCKET_ADDRESS={address}", err=False)
+
+    result = control.start(
+        address,
+        state,
+        profile=profile,
+        ios=ios,
+        limit_bytes=limit_mb * 1024 * 1024 if limit_mb is not None else None,
+        faults=faults,
+        detach=detach,
+        on_ready=ready,
+    )
+    if result:
+        if as_json:
+            echo_json({"socket": address, **result})
+        else:
+            click.echo(f"USBMUXD_SOCKET_ADDRESS={address}")
+            click.echo(
+                f"{result['udid']}  {result['product_type']}  iOS {result['ios']}  "
+                f"limit {human_bytes(result['limit_bytes'])}"
+            )
+
+
+@virtual.command()
+@_socket_option
+@click.option(
+    "--state",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Stop only the device with this state folder (default: the whole server).",
+)
+def stop(address: str, state: Path | None) -> None:
+    """Stop a virtual iPhone (or every one on the socket)."""
+    from toolchain.virtual import control
+
+    control.stop(address, state)
+    click.echo("stopped")
+
+
+@virtual.command()
+@_socket_option
+@json_option
+def status(address: str, as_json: bool) -> None:
+    """Show the virtual iPhones served on the socket."""
+    from toolchain.virtual import control
+
+    result = control.status(address)
+    if as_json:
+        echo_json(result)
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"virtual iPhones on {result['Address']} (pid {result['Pid']})")
+    for column in ("UDID", "ProductType", "iOS", "limit", "plugged", "running apps", "state"):
+        table.add_column(column)
+    for d in result["Devices"]:
+        running = ", ".join(f"{name}[{pid}]" for pid, name in d["running"].items()) or "-"
+        table.add_row(
+            d["udid"],
+            d["product_type"],
+            d["ios"],
+            human_bytes(d["limit_bytes"]),
+            str(d["plugged"]),
+            running,
+            d["state"],
+        )
+    Console().print(table)

@@ -1,0 +1,373 @@
+"""The memory plan: what fits on a device, scheme by scheme, and which scheme to use."""
+
+from __future__ import annotations
+
+from typing import Any, Final, Literal
+
+from pydantic import Field
+
+from toolchain.exceptions import PlanInputError
+from toolchain.models.lazy import build_lazy_model
+from toolchain.models.spec import ModelSpec
+from toolchain.plan.kv import (
+    ALL_NAMED_SCHEMES,
+    KVScheme,
+    allocated_bytes,
+    bytes_per_token,
+    check_dims,
+    context_schedule,
+    dequantized_read_bytes,
+    layer_allocated_bytes,
+    parse_scheme,
+)
+from toolchain.plan.runtime import (
+    DEFAULT_BUFFER_CACHE_BYTES,
+    DEFAULT_PREFILL_STEP,
+    growth_copy_bytes,
+    kv_read_bytes,
+    prefill_activation_bytes,
+)
+from toolchain.plan.weights import DEFAULT_RECIPES, WeightsAccount, account_weights, parse_recipe
+from toolchain.profiles import DeviceProfile
+from toolchain.schemas import StrictModel
+
+PLAN_SCHEMA_VERSION: Final = 1
+DEFAULT_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)
+DEFAULT_MARGIN = 0.10
+SMALL_MODEL_PARAMS = 4_000_000_000  # below this, 4-bit keys hurt quality badly (DESIGN.md)
+# Quality order, best first. K4V8 is never preferred: keys are the sensitive half, so K8V4 beats it at equal size.
+QUALITY_ORDER = ("fp16", "bf16", "k8v8", "k8v4", "k4v4")
+
+
+class ModelSummary(StrictModel):
+    source: str
+    model_type: str
+    layers: int
+    parameters: int
+    layer_kinds: dict[str, int]
+    max_position_embeddings: int | None
+    quantized_attention: bool
+
+
+class DeviceSummary(StrictModel):
+    name: str
+    marketing_name: str
+    product_types: list[str]
+    limit_default_bytes: int
+    limit_entitled_bytes: int | None
+    memory_bandwidth_bytes_per_s: float
+    page_size_bytes: int
+    baseline_bytes: int
+
+
+class RuntimeTerms(StrictModel):
+    buffer_cache_bytes: int = Field(description="MLX buffer-cache cap (Memory.cacheLimit)")
+    baseline_bytes: int = Field(description="app + Metal/runtime baseline from the device profile (estimate)")
+    prefill_step: int
+    prefill_activation_bytes: dict[str, int] = Field(
+        description="estimate (upper bound) of live prefill activations at each listed context"
+    )
+
+
+class SchemeBudget(StrictModel):
+    """Where the bytes go at a scheme's max context."""
+
+    context: int
+    weights_bytes: int
+    kv_bytes: int
+    kv_growth_copy_bytes: int
+    kv_dequantized_read_bytes: int
+    prefill_activation_bytes: int
+    buffer_cache_bytes: int
+    baseline_bytes: int
+    total_bytes: int
+
+
+class Recommendation(StrictModel):
+    scheme: str
+    max_context: int
+    reasons: list[str]
+
+
+class MemoryPlan(StrictModel):
+    schema_version: Literal[1] = Field(default=PLAN_SCHEMA_VERSION, alias="schema")
+    model: ModelSummary
+    device: DeviceSummary
+    weights_recipe: str
+    group_size: int
+    kv_group_size: int
+    dtype: str
+    limit_kind: Literal["entitled", "default"]
+    limit_bytes: int
+    margin: float
+    budget_bytes: int = Field(description="limit × (1 − margin): what the plan fills")
+    weights_bytes: int = Field(description="bytes of the weights under `weights_recipe`")
+    weights_by_recipe: dict[str, int]
+    active_weights_bytes: int = Field(description="weight bytes read per generated token (MoE: routed share)")
+    runtime: RuntimeTerms
+    kv_bytes_per_token: dict[str, int] = Field(description="steady state, per additional token, no step rounding")
+    kv_constant_bytes: dict[str, int] = Field(description="sliding rings and linear-attention state at full size")
+    kv_bytes: dict[str, dict[str, int]] = Field(description="allocated bytes (256-token steps) at listed contexts")
+    max_context: dict[str, int] = Field(description="under limit_bytes with the margin")
+    max_context_default_limit: dict[str, int] = Field(description="the same without the entitlement")
+    limited_by: dict[str, Literal["memory", "model", "weights"]]
+    budget_at_max_context: dict[str, SchemeBudget]
+    decode_tps_ceiling: dict[str, dict[str, float]] = Field(
+        description="ceiling, not a prediction: memory bandwidth / bytes read per token (weights + KV at context)"
+    )
+    recommendation: Recommendation
+    notes: list[str]
+
+
+def _limits(profile: DeviceProfile, limit: str) -> tuple[Literal["entitled", "default"], int]:
+    if limit == "entitled" and profile.limit_entitled is not None:
+        return "entitled", profile.limit_entitled
+    return "default", profile.limit_default
+
+
+def _peak_bytes(
+    spec: ModelSpec, scheme: KVScheme, context: int, fixed: int, prefill_step: int, dtype: str
+) -> SchemeBudget:
+    schedule = context_schedule(context, prefill_step)
+    kv_peak = sum(layer_allocated_bytes(layer, scheme, schedule)[1] for layer in spec.layers)
+    copy = growth_copy_bytes(spec, scheme, schedule)
+    deq = dequantized_read_bytes(spec, scheme, context)
+    act = prefill_activation_bytes(spec, prefill_step, context, dtype)
+    return SchemeBudget(
+        context=context,
+        weights_bytes=0,
+        kv_bytes=kv_peak,
+        kv_growth_copy_bytes=copy,
+        kv_dequantized_read_bytes=deq,
+        prefill_activation_bytes=act,
+        buffer_cache_bytes=0,
+        baseline_bytes=0,
+        total_bytes=fixed + kv_peak + copy + deq + act,
+    )
+
+
+def max_context_for(
+    spec: ModelSpec, scheme: KVScheme, budget: int, fixed: int, prefill_step: int, dtype: str, cap: int
+) -> tuple[int, Literal["memory", "model", "weights"]]:
+    """Largest context whose peak fits the budget (binary search; peak grows with context)."""
+    if _peak_bytes(spec, scheme, 1, fixed, prefill_step, dtype).total_bytes > budget:
+        return 0, "weights"
+    if _peak_bytes(spec, scheme, cap, fixed, prefill_step, dtype).total_bytes <= budget:
+        return cap, "model"
+    lo, hi = 1, cap
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _peak_bytes(spec, scheme, mid, fixed, prefill_step, dtype).total_bytes <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo, "memory"
+
+
+def recommend(
+    schemes: dict[str, KVScheme],
+    max_context: dict[str, int],
+    limited_by: dict[str, str],
+    parameters: int,
+    target_context: int | None,
+    spec: ModelSpec,
+) -> Recommendation:
+    small = parameters < SMALL_MODEL_PARAMS
+    candidates = [name for name in QUALITY_ORDER if name in schemes and max_context.get(name, 0) > 0]
+    reasons: list[str] = []
+    if small:
+        reasons.append(
+            f"{parameters / 1e9:.2f}B parameters is under 4B: 4-bit keys degrade small models badly, so k4v4 is "
+            "only considered last (Hadamard-rotating keys recovers much of the loss)."
+        )
+    reasons.append("k4v8 is never preferred: keys are more sensitive than values, so k8v4 is better at the same size.")
+    if not candidates:
+        return Recommendation(
+            scheme="none",
+            max_context=0,
+            reasons=[*reasons, "No scheme fits: the weights and baseline alone exceed the budget."],
+        )
+    if small and len(candidates) > 1 and "k4v4" in candidates:
+        candidates = [c for c in candidates if c != "k4v4"] + ["k4v4"]
+    if target_context is not None:
+        for name in candidates:
+            if max_context[name] >= target_context:
+                chosen = name
+                reasons.append(
+                    f"{name} is the highest-quality scheme that holds the target {target_context} tokens "
+                    f"(max {max_context[name]})."
+                )
+                break
+        else:
+            chosen = max(candidates, key=lambda n: max_context[n])
+            reasons.append(
+                f"No scheme reaches {target_context} tokens; {chosen} holds the most ({max_context[chosen]})."
+            )
+    else:
+        full = [n for n in candidates if limited_by.get(n) == "model"]
+        if full:
+            chosen = full[0]
+            reasons.append(
+                f"{chosen} is the highest-quality scheme that holds the model's whole trained context "
+                f"({max_context[chosen]} tokens) within the budget."
+            )
+        else:
+            pool = [c for c in candidates if not (small and c == "k4v4")] or candidates
+            chosen = max(pool, key=lambda n: (max_context[n], -QUALITY_ORDER.index(n)))
+            reasons.append(
+                f"Memory bounds every scheme; {chosen} gives the longest context ({max_context[chosen]} tokens) "
+                "among schemes that keep quality."
+            )
+    scheme = schemes[chosen]
+    if scheme.quantized and any(layer.kind == "sliding" for layer in spec.layers):
+        reasons.append("Sliding-window layers stay unquantized (mlx-lm cannot quantize a rotating cache).")
+    if scheme.dequantizes_on_read(spec):
+        reasons.append(
+            "This scheme needs kvrig's dequantize-on-read cache (mixed K/V bits or attention that cannot read "
+            "quantized KV); its transient dequantized layer is counted."
+        )
+    return Recommendation(scheme=chosen, max_context=max_context[chosen], reasons=reasons)
+
+
+def plan_memory(
+    spec: ModelSpec,
+    profile: DeviceProfile,
+    *,
+    schemes: list[str] | tuple[str, ...] = ALL_NAMED_SCHEMES,
+    weights: str = "q4",
+    recipes: list[str] | tuple[str, ...] = DEFAULT_RECIPES,
+    group_size: int = 64,
+    kv_group_size: int | None = None,
+    dtype: str = "float16",
+    contexts: list[int] | tuple[int, ...] = DEFAULT_CONTEXTS,
+    prefill_step: int = DEFAULT_PREFILL_STEP,
+    buffer_cache_bytes: int = DEFAULT_BUFFER_CACHE_BYTES,
+    margin: float = DEFAULT_MARGIN,
+    limit: Literal["entitled", "default"] = "entitled",
+    target_context: int | None = None,
+    max_context_cap: int | None = None,
+) -> MemoryPlan:
+    if not 0 <= margin < 1:
+        raise PlanInputError(f"margin {margin} must be in [0, 1)", field="margin")
+    if prefill_step < 1:
+        raise PlanInputError("prefill step must be at least 1", field="prefill_step")
+    kv_group = kv_group_size or group_size
+    parsed = {s.name: s for s in (parse_scheme(name, group_size=kv_group, dtype=dtype) for name in schemes)}
+    for scheme in parsed.values():
+        check_dims(spec, scheme)
+
+    model = build_lazy_model(spec.config)
+    recipe_names = list(dict.fromkeys([weights, *recipes]))
+    accounts: dict[str, WeightsAccount] = {
+        name: account_weights(spec.config, parse_recipe(name, group_size), dtype, model=model) for name in recipe_names
+    }
+    chosen_weights = accounts[weights]
+
+    cfg = spec.config.get("text_config", spec.config)
+    trained = cfg.get("max_position_embeddings")
+    cap = max_context_cap or (int(trained) if trained else 1 << 20)
+
+    limit_kind, limit_bytes = _limits(profile, limit)
+    baseline = profile.baseline
+    fixed = chosen_weights.total_bytes + buffer_cache_bytes + baseline
+
+    def solve(limit_value: int) -> tuple[dict[str, int], dict[str, str]]:
+        budget_value = int(limit_value * (1 - margin))
+        mc: dict[str, int] = {}
+        lb: dict[str, str] = {}
+        for name, scheme in parsed.items():
+            mc[name], lb[name] = max_context_for(spec, scheme, budget_value, fixed, prefill_step, dtype, cap)
+        return mc, lb
+
+    max_context, limited_by = solve(limit_bytes)
+    max_default, _ = solve(profile.limit_default) if limit_kind == "entitled" else (max_context, limited_by)
+
+    budgets: dict[str, SchemeBudget] = {}
+    for name, scheme in parsed.items():
+        ctx = max(max_context[name], 1)
+        b = _peak_bytes(spec, scheme, ctx, fixed, prefill_step, dtype)
+        budgets[name] = b.model_copy(
+            update={
+                "weights_bytes": chosen_weights.total_bytes,
+                "buffer_cache_bytes": buffer_cache_bytes,
+                "baseline_bytes": baseline,
+            }
+        )
+
+    listed = sorted(set(contexts))
+    bandwidth = profile.memory_bandwidth
+    notes = list(spec.notes)
+    notes.append(
+        "Weights and KV bytes are exact (MLX layout); prefill activations, baseline and the decode ceiling are "
+        "estimates. The baseline comes from the device profile."
+    )
+    if trained is None:
+        notes.append("config has no max_position_embeddings; max context is bounded by memory only.")
+    plan = MemoryPlan(
+        model=ModelSummary(
+            source=spec.source,
+            model_type=spec.model_type,
+            layers=spec.num_layers,
+            parameters=chosen_weights.parameters,
+            layer_kinds={k: spec.count(k) for k in ("full", "sliding", "shared", "linear", "latent") if spec.count(k)},
+            max_position_embeddings=int(trained) if trained else None,
+            quantized_attention=spec.quantized_attention,
+        ),
+        device=DeviceSummary(
+            name=profile.name,
+            marketing_name=profile.marketing_name,
+            product_types=list(profile.product_types),
+            limit_default_bytes=profile.limit_default,
+            limit_entitled_bytes=profile.limit_entitled,
+            memory_bandwidth_bytes_per_s=bandwidth,
+            page_size_bytes=profile.page_size,
+            baseline_bytes=baseline,
+        ),
+        weights_recipe=weights,
+        group_size=group_size,
+        kv_group_size=kv_group,
+        dtype=dtype,
+        limit_kind=limit_kind,
+        limit_bytes=limit_bytes,
+        margin=margin,
+        budget_bytes=int(limit_bytes * (1 - margin)),
+        weights_bytes=chosen_weights.total_bytes,
+        weights_by_recipe={name: a.total_bytes for name, a in accounts.items()},
+        active_weights_bytes=chosen_weights.active_bytes,
+        runtime=RuntimeTerms(
+            buffer_cache_bytes=buffer_cache_bytes,
+            baseline_bytes=baseline,
+            prefill_step=prefill_step,
+            prefill_activation_bytes={str(c): prefill_activation_bytes(spec, prefill_step, c, dtype) for c in listed},
+        ),
+        kv_bytes_per_token={name: bytes_per_token(spec, s) for name, s in parsed.items()},
+        kv_constant_bytes={
+            name: sum(
+                layer_allocated_bytes(layer, s, context_schedule(max(layer.window or 1, 1), prefill_step))[0]
+                for layer in spec.layers
+                if layer.kind in ("sliding", "linear")
+            )
+            for name, s in parsed.items()
+        },
+        kv_bytes={
+            name: {str(c): allocated_bytes(spec, s, context_schedule(c, prefill_step)) for c in listed}
+            for name, s in parsed.items()
+        },
+        max_context=max_context,
+        max_context_default_limit=max_default,
+        limited_by=limited_by,  # type: ignore[arg-type]
+        budget_at_max_context=budgets,
+        decode_tps_ceiling={
+            name: {
+                str(c): round(bandwidth / (chosen_weights.active_bytes + kv_read_bytes(spec, s, c)), 1) for c in listed
+            }
+            for name, s in parsed.items()
+        },
+        recommendation=recommend(parsed, max_context, limited_by, chosen_weights.parameters, target_context, spec),
+        notes=notes,
+    )
+    return plan
+
+
+def plan_to_json(plan: MemoryPlan) -> dict[str, Any]:
+    return plan.model_dump(mode="json", by_alias=True)

@@ -1,0 +1,18 @@
+"""The virtual iPhone: a protocol-level emulator that the real pymobiledevice3 client drives.
+
+A usbmuxd-protocol server (`usbmuxd`) fronts one or more `VirtualDevice`s; each device runs lockdownd with a
+generated pair record and real TLS (`lockdownd`, `pairing`) and the services behind it, one module per
+service. Device state (apps, containers, crash reports) lives in a folder (`state`). Launched apps run as host
+processes whose memory the emulator accounts and kills at the limit (`apprun`, `footprint`, `jetsam_report`).
+
+Nothing outside this package imports it except the CLI (`kvrig virtual`) and the tests: the device layer
+talks protocols.
+"""
+
+from __future__ import annotations
+
+from toolchain.virtual.device import VirtualDevice
+from toolchain.virtual.faults import FaultPlan
+from toolchain.virtual.usbmuxd import UsbmuxServer
+
+__all__ = ["FaultPlan", "UsbmuxServer", "VirtualDevice"]

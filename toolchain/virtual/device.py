@@ -1,0 +1,209 @@
+"""One virtual iPhone: identity, pairing, state folder, the services lockdownd starts, running apps, faults.
+
+A device belongs to one `UsbmuxServer` (several devices may share one). Service handlers take a `Link` and
+run until the client goes away; a handler that meets bad input raises `ProtocolViolation` and only that
+connection is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import itertools
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from toolchain.virtual.faults import FaultPlan
+from toolchain.virtual.lockdownd import LOCKDOWN_PORT, serve_lockdownd
+from toolchain.virtual.pairing import Pairing
+from toolchain.virtual.state import DeviceState
+from toolchain.virtual.syslog import SyslogBus
+from toolchain.virtual.wire import Link, ProtocolViolation, Unplugged
+
+if TYPE_CHECKING:
+    from toolchain.virtual.apprun import AppRunner
+    from toolchain.virtual.usbmuxd import UsbmuxServer
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[Link], Awaitable[None]]
+SUPPORTED_IOS = ("16.7", "17.4")
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    target: str  # "module:function" in toolchain.virtual, imported on first use
+    ssl: bool = False
+    developer: bool = False  # refused without a tunnel on iOS 17+
+    counts_afc: bool = False
+
+    def handler(self) -> Handler:
+        module, func = self.target.split(":")
+        return getattr(importlib.import_module(f"toolchain.virtual.{module}"), func)
+
+
+SERVICES: dict[str, ServiceSpec] = {
+    "com.apple.afc": ServiceSpec("afc:serve_media", counts_afc=True),
+    "com.apple.mobile.house_arrest": ServiceSpec("house_arrest:serve_house_arrest", counts_afc=True),
+    "com.apple.mobile.installation_proxy": ServiceSpec("installation_proxy:serve_installation_proxy"),
+    "com.apple.crashreportcopymobile": ServiceSpec("crash_reports:serve_copy_mobile", counts_afc=True),
+    "com.apple.crashreportmover": ServiceSpec("crash_reports:serve_mover"),
+    "com.apple.syslog_relay": ServiceSpec("syslog:serve_syslog_relay"),
+    "com.apple.os_trace_relay": ServiceSpec("syslog:serve_os_trace_relay"),
+    "com.apple.instruments.remoteserver.DVTSecureSocketProxy": ServiceSpec(
+        "dtx:serve_instruments", ssl=True, developer=True
+    ),
+}
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    product_type: str
+    marketing_name: str
+    limit_bytes: int
+    page_size: int
+
+
+def _profile_for(ref: str) -> DeviceProfile:
+    """The device profile for a ProductType (or profile name): marketing name, default limit, page size."""
+    from toolchain.profiles import load_profile
+
+    profile = load_profile(ref)
+    product_type = ref if ref in profile.product_types else profile.product_types[0]
+    return DeviceProfile(product_type, profile.marketing_name, profile.limit_default, profile.page_size)
+
+
+class VirtualDevice:
+    def __init__(
+        self,
+        state_dir: str | Path,
+        *,
+        profile: str = "iPhone16,1",
+        ios: str = "16.7",
+        limit_bytes: int | None = None,
+        faults: FaultPlan | None = None,
+        python: str | None = None,
+    ) -> None:
+        if ios not in SUPPORTED_IOS:
+            from toolchain.exceptions import InputError
+
+            raise InputError(f"unsupported iOS version '{ios}'", field="ios", expected=" or ".join(SUPPORTED_IOS))
+        spec = _profile_for(profile)
+        self.state, self.identity = DeviceState.open(
+            Path(state_dir),
+            product_type=spec.product_type,
+            marketing_name=spec.marketing_name,
+            ios=ios,
+            limit_bytes=limit_bytes if limit_bytes is not None else spec.limit_bytes,
+            page_size=spec.page_size,
+        )
+        self.pairing = Pairing.load_or_create(self.state.pairing_dir, self.identity.wifi_mac)
+        self.faults = faults or FaultPlan()
+        self.syslog = SyslogBus(self)
+        self.plugged = True
+        self.afc_bytes = 0
+        self.device_id = 0
+        self.server: UsbmuxServer | None = None
+        self._ports = itertools.count(49152)
+        self._pending: dict[int, Handler] = {}
+        self._links: set[Link] = set()
+        from toolchain.virtual.apprun import AppRunner
+
+        self.apps: AppRunner = AppRunner(self, python=python)
+
+    @property
+    def ios_major(self) -> int:
+        return int(self.identity.product_version.split(".")[0])
+
+    # --- lifecycle -------------------------------------------------------------------------------------
+
+    def attach(self, server: UsbmuxServer, device_id: int) -> None:
+        self.server, self.device_id = server, device_id
+
+    async def start(self) -> None:
+        self.syslog.emit("kernel", f"virtual {self.identity.product_type} iOS {self.identity.product_version} up")
+
+    async def shutdown(self) -> None:
+        await self.apps.kill_all()
+        self._drop_links()
+
+    def _drop_links(self) -> None:
+        for link in list(self._links):
+            link.close()
+        self._links.clear()
+        self._pending.clear()
+
+    async def unplug(self) -> None:
+        """Pulls the virtual cable: every open connection drops and usbmuxd reports the device detached."""
+        if not self.plugged:
+            return
+        self.plugged = False
+        self._drop_links()
+        if self.server is not None:
+            self.server.notify_detached(self.device_id)
+
+    async def replug(self) -> None:
+        if self.plugged:
+            return
+        self.plugged = True
+        self.afc_bytes = 0
+        self.faults.unplug_after_afc_bytes = None
+        if self.server is not None:
+            self.server.notify_attached(self)
+
+    # --- ports and services ----------------------------------------------------------------------------
+
+    def take_port(self, port: int) -> Handler | None:
+        if port == LOCKDOWN_PORT:
+            return serve_lockdownd
+        return self._pending.pop(port, None)
+
+    def open_service(self, name: str) -> tuple[int, bool] | str:
+        """Opens a one-shot port for a service; returns (port, ssl) or lockdownd's error string."""
+        spec = SERVICES.get(name)
+        if spec is None or name in self.faults.refuse_services:
+            return "InvalidService"
+        if spec.developer and self.ios_major >= 17:
+            # iOS 17+ serves developer services only over a RemoteXPC tunnel, never through lockdownd.
+            return "InvalidService"
+        handler = spec.handler()
+        port = next(self._ports)
+
+        async def run(link: Link) -> None:
+            link.counts_afc = spec.counts_afc
+            if spec.ssl:
+                await link.start_tls()
+            await handler(link)
+
+        self._pending[port] = run
+        return port, spec.ssl
+
+    async def serve(self, handler: Handler, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        link = Link(reader, writer, self)
+        self._links.add(link)
+        try:
+            await handler(link)
+        except ProtocolViolation as exc:
+            log.info("%s: dropping a connection: %s", self.identity.udid, exc)
+        except (Unplugged, ConnectionError, asyncio.IncompleteReadError, OSError):
+            pass
+        finally:
+            self._links.discard(link)
+            with contextlib.suppress(Exception):
+                link.close()
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "udid": self.identity.udid,
+            "product_type": self.identity.product_type,
+            "ios": self.identity.product_version,
+            "state": str(self.state.root),
+            "limit_bytes": self.identity.limit_bytes,
+            "plugged": self.plugged,
+            "faults": self.faults.to_json(),
+            "running": {str(pid): name for pid, name in self.apps.running().items()},
+        }

@@ -1,0 +1,35 @@
+"""Faults a test or a user injects into a virtual device, by option at start or through the API at run time.
+
+- unplug after N bytes of AFC traffic (the device disappears from usbmuxd mid-transfer; `replug()` returns it)
+- refuse a service (lockdownd answers StartService with InvalidService, as a phone without the service does)
+- crash the app when its context reaches N tokens (the process dies of SIGSEGV)
+- stall the app at N tokens (the process is stopped: it hangs, alive, and answers nothing)
+- slow link (every service connection is paced to N bytes per second)
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class FaultPlan:
+    unplug_after_afc_bytes: int | None = None
+    refuse_services: set[str] = field(default_factory=set)
+    crash_at_tokens: int | None = None
+    hang_at_tokens: int | None = None
+    slow_link_bytes_per_s: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """Only the faults that are set (plists have no null)."""
+        data = {k: v for k, v in asdict(self).items() if v is not None}
+        data["refuse_services"] = sorted(self.refuse_services)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> FaultPlan:
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        if "refuse_services" in known:
+            known["refuse_services"] = set(known["refuse_services"])
+        return cls(**known)

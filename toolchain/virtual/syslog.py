@@ -1,0 +1,150 @@
+"""The device log: a bus every part of the emulator writes to (kernel, lockdownd, running apps), and the two
+services that stream it: `com.apple.syslog_relay` (text lines ending in "\\n\\0") and
+`com.apple.os_trace_relay` (binary activity-stream records, what `pymobiledevice3 syslog live` reads)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import struct
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from toolchain.virtual.wire import Link, encode_plist
+
+if TYPE_CHECKING:
+    from toolchain.virtual.device import VirtualDevice
+
+HISTORY = 256
+# os_trace_relay record header (little-endian); the layout pymobiledevice3's parse_syslog_entry reads.
+_RECORD = struct.Struct("<9sIQ16s18sIIIBB6sQQ16sHHHIIII")
+LEVELS = {"notice": 0x00, "info": 0x01, "debug": 0x02, "error": 0x10, "fault": 0x11}
+SYSTEM_PIDS = {"kernel": 0, "launchd": 1, "SpringBoard": 34, "lockdownd": 61, "osanalyticshelper": 210}
+
+
+@dataclass
+class LogLine:
+    process: str
+    pid: int
+    message: str
+    level: str = "notice"
+    subsystem: str = ""
+    category: str = ""
+    t: float = field(default_factory=time.time)
+
+
+class SyslogBus:
+    def __init__(self, device: VirtualDevice) -> None:
+        self.device = device
+        self.history: collections.deque[LogLine] = collections.deque(maxlen=HISTORY)
+        self._subscribers: set[asyncio.Queue[LogLine]] = set()
+
+    def emit(
+        self,
+        process: str,
+        message: str,
+        *,
+        pid: int | None = None,
+        level: str = "notice",
+        subsystem: str = "",
+    ) -> None:
+        line = LogLine(process, SYSTEM_PIDS.get(process, 0) if pid is None else pid, message, level, subsystem)
+        self.history.append(line)
+        for queue in self._subscribers:
+            queue.put_nowait(line)
+
+    def subscribe(self) -> asyncio.Queue[LogLine]:
+        queue: asyncio.Queue[LogLine] = asyncio.Queue()
+        self._subscribers.add(queue)
+        return queue
+
+    def unsubscribe(self, queue: asyncio.Queue[LogLine]) -> None:
+        self._subscribers.discard(queue)
+
+    async def follow(self, queue: asyncio.Queue[LogLine], heartbeat_s: float = 1.0) -> LogLine:
+        """Next line; a phone is never silent for long, so SpringBoard reports its idle state meanwhile."""
+        try:
+            return await asyncio.wait_for(queue.get(), heartbeat_s)
+        except TimeoutError:
+            line = LogLine("SpringBoard", SYSTEM_PIDS["SpringBoard"], "idle timer tick", "info")
+            self.history.append(line)
+            return line
+
+
+def format_text(line: LogLine, device_name: str) -> bytes:
+    stamp = time.strftime("%b %d %H:%M:%S", time.localtime(line.t))
+    level = line.level.capitalize()
+    return f"{stamp} {device_name} {line.process}[{line.pid}] <{level}>: {line.message}\n\x00".encode()
+
+
+def format_record(line: LogLine) -> bytes:
+    seconds = int(line.t)
+    image = f"/usr/lib/{line.process}".encode() + b"\0"
+    message = line.message.encode() + b"\0"
+    subsystem = line.subsystem.encode() + b"\0" if line.subsystem else b""
+    category = (line.category or "default").encode() + b"\0" if line.subsystem else b""
+    header = _RECORD.pack(
+        b"\0" * 9,
+        line.pid,
+        line.pid,
+        uuid.uuid5(uuid.NAMESPACE_DNS, line.process).bytes,
+        b"\0" * 18,
+        seconds,
+        0,
+        int((line.t - seconds) * 1_000_000),
+        0,
+        LEVELS.get(line.level, 0),
+        b"\0" * 6,
+        int(line.t * 24_000_000),
+        line.pid * 1000 + 1,
+        uuid.uuid5(uuid.NAMESPACE_URL, line.process).bytes,
+        len(image),
+        len(message),
+        0,
+        0,
+        len(subsystem),
+        len(category),
+        0,
+    )
+    filename = f"/usr/libexec/{line.process}".encode() + b"\0"
+    return header + filename + image + message + subsystem + category
+
+
+async def serve_syslog_relay(link: Link) -> None:
+    bus = link.device.syslog
+    queue = bus.subscribe()
+    try:
+        while True:
+            line = await bus.follow(queue)
+            await link.send(format_text(line, link.device.identity.device_name))
+    finally:
+        bus.unsubscribe(queue)
+
+
+async def serve_os_trace_relay(link: Link) -> None:
+    request = await link.recv_plist()
+    bus = link.device.syslog
+    if request.get("Request") == "PidList":
+        pids = {str(pid): {"ProcessName": name} for name, pid in SYSTEM_PIDS.items()}
+        for pid, name in link.device.apps.running().items():
+            pids[str(pid)] = {"ProcessName": name}
+        await link.send(b"\x01" + encode_plist({"Status": "RequestSuccessful", "Payload": pids}))
+        return
+    if request.get("Request") != "StartActivity":
+        await link.send(b"\x01" + encode_plist({"Status": "RequestFailed"}))
+        return
+    only_pid = int(request.get("Pid", -1))
+    status = encode_plist({"Status": "RequestSuccessful"})[4:]
+    await link.send(struct.pack("<I", 4) + struct.pack("<I", len(status)) + status)
+    queue = bus.subscribe()
+    try:
+        while True:
+            line = await bus.follow(queue)
+            if only_pid != -1 and line.pid != only_pid:
+                continue
+            record = format_record(line)
+            await link.send(b"\x02" + struct.pack("<I", len(record)) + record)
+    finally:
+        bus.unsubscribe(queue)
