@@ -22,8 +22,6 @@ def test_help_does_not_import_mlx():
 
 
 def test_unknown_command_is_usage_error():
-    proc = subprocess.run(
-        [sys.executable, "-m", "toolchain", "no-such-command"], capture_output=True, text=True
-    )
+    proc = subprocess.run([sys.executable, "-m", "toolchain", "no-such-command"], capture_output=True, text=True)
     assert proc.returncode == 2
     assert "no-such-command" in proc.stderr

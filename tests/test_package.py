@@ -140,9 +140,7 @@ def test_verify_ok_and_catches_truncated_and_edited_files(q4_bundle: Path, tmp_p
     text = str(info.value)
     assert "model.safetensors: size 1000 bytes" in text
     assert "kvcache.json: sha256 differs" in text
-    proc = subprocess.run(
-        [sys.executable, "-m", "toolchain", "verify", str(copy)], capture_output=True, text=True
-    )
+    proc = subprocess.run([sys.executable, "-m", "toolchain", "verify", str(copy)], capture_output=True, text=True)
     assert proc.returncode == 8
     assert "model.safetensors" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -183,9 +181,7 @@ def test_does_not_fit_refuses_and_force_packages(
     with pytest.raises(DoesNotFitError, match=r"max context is 100 tokens, 156 short of 256"):
         package(source_dir, tmp_path / "out", PackageOptions(device="iPhone-test", kv="k8v8"))
     assert not (tmp_path / "out").exists()
-    result = package(
-        source_dir, tmp_path / "out", PackageOptions(device="iPhone-test", kv="k8v8", force=True)
-    )
+    result = package(source_dir, tmp_path / "out", PackageOptions(device="iPhone-test", kv="k8v8", force=True))
     assert result.manifest.prediction is not None
     assert result.manifest.prediction.forced and not result.manifest.prediction.fits
     assert result.kvcache.max_context == 100
@@ -212,3 +208,36 @@ def test_full_disk_leaves_nothing_half_written(source_dir: Path, small_disk: Pat
     with pytest.raises(BundleError, match="disk full"):
         package(source_dir, small_disk / "bundle", PackageOptions(kv="k8v8"))
     assert list(small_disk.iterdir()) == []
+
+
+def test_real_plan_refuses_a_model_too_big_for_the_device(tmp_path: Path) -> None:
+    """A 70B-sized llama config cannot fit an iPhone: refused before any weight is read, with the overshoot."""
+    hf = tmp_path / "big"
+    hf.mkdir()
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 8192,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "intermediate_size": 28672,
+        "vocab_size": 128256,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 8192,
+        "torch_dtype": "bfloat16",
+    }
+    (hf / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(hf / "model.safetensors"), {"placeholder": mx.zeros((1,))})
+    with pytest.raises(DoesNotFitError, match=r"weights alone \(.*MiB\) exceed the .* limit by .*MiB"):
+        package(hf, tmp_path / "out", PackageOptions(device="iPhone15,2"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_package_with_a_device_records_the_plan(source_dir: Path, tmp_path: Path) -> None:
+    result = package(source_dir, tmp_path / "b", PackageOptions(device="iPhone15,2", kv="k8v4"))
+    p = result.manifest.prediction
+    assert p is not None and p.fits and not p.forced
+    assert p.max_context == result.kvcache.max_context > 0
+    assert 0 < result.kvcache.memory_limit_bytes < p.limit_bytes
+    assert p.kv_bytes_per_token > 0 and p.weights_bytes > 0

@@ -48,9 +48,7 @@ def test_run_matches_plain_mlx_lm(q4_bundle: Path) -> None:
     # float32 only so the CPU does not emulate float16.
     model, tok = load(str(q4_bundle))[:2]
     model.set_dtype(mx.float32)
-    prompt = mx.array(
-        tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True)
-    )
+    prompt = mx.array(tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True))
     assert ours["prompt_tokens"] == prompt.size
     steps = generate_step(prompt, model, max_tokens=8, kv_bits=8, kv_group_size=64, quantized_kv_start=0)
     plain = [int(t) for t, _ in steps]

@@ -71,22 +71,18 @@ class KVScheme:
 
 
 def parse_kv_scheme(name: str) -> KVScheme:
-    """'k8v4' -> keys 8-bit, values 4-bit; 'fp16' -> unquantized; 'k16v4' -> fp16 keys, 4-bit values."""
+    """'k8v4' -> keys 8-bit, values 4-bit; 'fp16' -> unquantized (the planner's scheme names)."""
     text = name.strip().lower()
-    if text in ("fp16", "f16", "none", "k16v16"):
+    if text in ("fp16", "f16", "none"):
         return KVScheme("fp16", None, None)
     m = re.fullmatch(r"k(\d+)v(\d+)", text)
     if not m:
         raise QuantizationError(f"KV scheme '{name}' not understood (expected e.g. k8v4, k8v8, k4v4, fp16)")
-    bits = []
-    for b in (int(m.group(1)), int(m.group(2))):
-        if b == 16:
-            bits.append(None)
-        elif b in KV_BITS:
-            bits.append(b)
-        else:
-            raise QuantizationError(f"KV scheme '{name}': {b} bits is not an MLX bit width {KV_BITS} or 16")
-    return KVScheme(text, bits[0], bits[1])
+    key_bits, value_bits = int(m.group(1)), int(m.group(2))
+    for b in (key_bits, value_bits):
+        if b not in KV_BITS:
+            raise QuantizationError(f"KV scheme '{name}': {b} bits is not an MLX bit width {KV_BITS}")
+    return KVScheme(text, key_bits, value_bits)
 
 
 @dataclass(frozen=True)
@@ -128,27 +124,33 @@ class PlanView:
     memory_limit_bytes: int
 
 
-def plan_for_bundle(config: dict[str, Any], device: str, recipe: WeightRecipe, scheme: KVScheme) -> PlanView:
+def plan_for_bundle(
+    config_path: Path, device: str, recipe: WeightRecipe, scheme: KVScheme, kv_group_size: int
+) -> PlanView:
     """Calls the planner for one weight recipe and KV scheme on one device."""
-    from toolchain.models import load_model_spec  # type: ignore[attr-defined]
-    from toolchain.plan import plan_memory  # type: ignore[attr-defined]
-    from toolchain.profiles import load_profile  # type: ignore[import-not-found]
+    from toolchain.models import load_model_spec
+    from toolchain.plan import plan_memory
+    from toolchain.profiles import load_profile
 
     profile = load_profile(device)
-    spec = load_model_spec(config)
+    spec = load_model_spec(config_path)
     plan = plan_memory(
-        spec, profile, schemes=[scheme.name], weights=recipe.name, group_size=recipe.group_size
+        spec,
+        profile,
+        schemes=[scheme.name],
+        weights=recipe.name,
+        recipes=[recipe.name],
+        group_size=recipe.group_size,
+        kv_group_size=kv_group_size,
     )
-    limit = int(plan.limit_bytes)
-    # MLX's own limit sits below jetsam's: the app's non-MLX memory (runtime, UI) lives in the gap.
-    baseline = int(getattr(plan, "baseline_bytes", 0) or getattr(plan, "overhead_bytes", 0) or limit // 10)
+    # MLX's own limit sits below jetsam's: the app's non-MLX memory (runtime, UI baseline) lives in the gap.
     return PlanView(
-        device=str(getattr(profile, "name", device)),
-        limit_bytes=limit,
-        weights_bytes=int(plan.weights_bytes),
-        kv_bytes_per_token=int(plan.kv_bytes_per_token[scheme.name]),
-        max_context=int(plan.max_context[scheme.name]),
-        memory_limit_bytes=max(0, limit - baseline),
+        device=plan.device.name,
+        limit_bytes=plan.limit_bytes,
+        weights_bytes=plan.weights_bytes,
+        kv_bytes_per_token=plan.kv_bytes_per_token[scheme.name],
+        max_context=plan.max_context[scheme.name],
+        memory_limit_bytes=max(0, plan.budget_bytes - plan.runtime.baseline_bytes),
     )
 
 
@@ -161,8 +163,7 @@ def check_fits(plan: PlanView, *, min_context: int, force: bool) -> list[str]:
     if plan.max_context <= 0:
         over = plan.weights_bytes - plan.limit_bytes
         how = (
-            f"the weights alone ({_mib(plan.weights_bytes)}) exceed the {_mib(plan.limit_bytes)} limit "
-            f"by {_mib(over)}"
+            f"the weights alone ({_mib(plan.weights_bytes)}) exceed the {_mib(plan.limit_bytes)} limit by {_mib(over)}"
             if over > 0
             else f"weights and fixed overhead leave no room for the KV cache under the "
             f"{_mib(plan.limit_bytes)} limit; {min_context} tokens need {short_bytes} more"
@@ -207,7 +208,7 @@ def package(model: str | Path | None, out: str | Path, options: PackageOptions) 
         warnings: list[str] = []
         plan: PlanView | None = None
         if options.device is not None:
-            plan = plan_for_bundle(config, options.device, recipe, scheme)
+            plan = plan_for_bundle(src_dir / "config.json", options.device, recipe, scheme, options.kv_group_size)
             warnings += check_fits(plan, min_context=MLX_CACHE_STEP, force=options.force)
         tmp = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
         try:
@@ -257,16 +258,12 @@ def _prediction(plan: PlanView | None, *, forced: bool) -> Prediction | None:
 
 def _check_readable_source(source: Path) -> None:
     if not source.exists():
-        raise ModelConfigError(
-            "model not found", file=source, expected="a Hugging Face directory or a .gguf file"
-        )
+        raise ModelConfigError("model not found", file=source, expected="a Hugging Face directory or a .gguf file")
     if source.is_dir():
         try:
             names = {p.name for p in source.iterdir()}
         except OSError as exc:
-            raise ModelConfigError(
-                f"cannot read the model directory: {exc.strerror or exc}", file=source
-            ) from None
+            raise ModelConfigError(f"cannot read the model directory: {exc.strerror or exc}", file=source) from None
         if "config.json" not in names:
             raise ModelConfigError("no config.json in the model directory", file=source)
         if not any(n.endswith(".safetensors") for n in names):
@@ -354,9 +351,7 @@ def _check_kv_group(config: dict[str, Any], group: int, scheme: KVScheme, file: 
     if head_dim % group:
         fitting = [g for g in (128, 64, 32) if head_dim % g == 0]
         hint = f"choose --kv-group-size {fitting[0]}" if fitting else "no MLX group size divides it"
-        raise QuantizationError(
-            f"{file}: head_dim {head_dim} is not divisible by the KV group size {group}; {hint}"
-        )
+        raise QuantizationError(f"{file}: head_dim {head_dim} is not divisible by the KV group size {group}; {hint}")
 
 
 def _write_weights(src_dir: Path, dst: Path, recipe: WeightRecipe) -> dict[str, Any]:
@@ -383,25 +378,26 @@ def _copy_tokenizer(src_dir: Path, dst: Path) -> None:
 
 
 def layer_caches(src_dir: Path, scheme: KVScheme) -> list[LayerCache]:
-    """Per-layer cache kinds as mlx-lm builds them (the model is built lazily: nothing is allocated)."""
-    from mlx_lm.models import cache as mlx_cache
+    """Per-layer cache entries from the model spec (what mlx-lm really stores per layer). Only growing
+    full-attention layers are quantized: mlx-lm cannot quantize rotating (sliding) caches, and latent (MLA)
+    and linear caches are read as plain arrays."""
+    from toolchain.models import load_model_spec
 
-    from toolchain.quantize import load_source_model
-
-    model, _ = load_source_model(src_dir)
-    caches = model.make_cache() if hasattr(model, "make_cache") else mlx_cache.make_prompt_cache(model)
-    layers: list[LayerCache] = []
-    for i, c in enumerate(caches):
-        if isinstance(c, mlx_cache.RotatingKVCache):
-            # mlx-lm cannot quantize a rotating cache: sliding layers stay in the activation dtype.
-            layers.append(LayerCache(layer=i, kind="sliding", window=int(c.max_size)))
-        elif isinstance(c, mlx_cache.KVCache | mlx_cache.QuantizedKVCache):
-            layers.append(
-                LayerCache(layer=i, kind="full", key_bits=scheme.key_bits, value_bits=scheme.value_bits)
+    spec = load_model_spec(src_dir / "config.json")
+    out = []
+    for layer in spec.layers:
+        bits = (scheme.key_bits, scheme.value_bits) if layer.kind == "full" else (None, None)
+        out.append(
+            LayerCache(
+                layer=layer.index,
+                kind=layer.kind,
+                window=layer.window if layer.kind == "sliding" else None,
+                source_layer=layer.source_layer if layer.kind == "shared" else None,
+                key_bits=bits[0],
+                value_bits=bits[1],
             )
-        else:
-            layers.append(LayerCache(layer=i, kind="linear"))
-    return layers
+        )
+    return out
 
 
 def build_kvcache_config(
@@ -495,9 +491,7 @@ def check_bundle(bundle: str | Path, *, progress: Callable[[str], None] | None =
         elif not path.is_file():
             problems.append(FileProblem(entry.path, "missing"))
         elif (size := path.stat().st_size) != entry.size:
-            problems.append(
-                FileProblem(entry.path, f"size {size} bytes, manifest says {entry.size} (truncated?)")
-            )
+            problems.append(FileProblem(entry.path, f"size {size} bytes, manifest says {entry.size} (truncated?)"))
         elif _sha256(path) != entry.sha256:
             problems.append(FileProblem(entry.path, "sha256 differs from the manifest (edited?)"))
     for path in sorted(p for p in bundle.rglob("*") if p.is_file()):
@@ -512,7 +506,5 @@ def verify_bundle(bundle: str | Path) -> VerifyResult:
     result = check_bundle(bundle)
     if not result.ok:
         detail = "; ".join(f"{p.path}: {p.problem}" for p in result.problems)
-        raise VerifyError(
-            f"{result.bundle}: {len(result.problems)} file(s) do not match the manifest: {detail}"
-        )
+        raise VerifyError(f"{result.bundle}: {len(result.problems)} file(s) do not match the manifest: {detail}")
     return result

@@ -39,9 +39,7 @@ def weight_recipe(name: str, group_size: int = 64) -> WeightRecipe:
     if name not in RECIPES:
         raise QuantizationError(f"unknown weight recipe '{name}'; choose one of {', '.join(RECIPES)}")
     if group_size not in GROUP_SIZES:
-        raise QuantizationError(
-            f"group size {group_size} is not supported by MLX; choose one of {GROUP_SIZES}"
-        )
+        raise QuantizationError(f"group size {group_size} is not supported by MLX; choose one of {GROUP_SIZES}")
     bits, mixed = RECIPES[name]
     return WeightRecipe(name, group_size, bits, mixed)
 
@@ -58,9 +56,7 @@ def load_source_model(model_dir: Path) -> tuple[Any, dict[str, Any]]:
         text = str(exc)
         if "not supported" in text.lower():
             arch = _read_model_type(model_dir)
-            raise UnsupportedArchitectureError(
-                arch, _mlx_lm_architectures(), file=model_dir / "config.json"
-            ) from None
+            raise UnsupportedArchitectureError(arch, _mlx_lm_architectures(), file=model_dir / "config.json") from None
         raise ModelConfigError(f"cannot build the model: {text}", file=model_dir / "config.json") from None
     return model, config
 
@@ -101,9 +97,7 @@ def quantize(model: Any, config: dict[str, Any], recipe: WeightRecipe) -> tuple[
             raise QuantizationError(f"recipe {recipe.name}: {exc}") from None
     # mlx-lm prints its bits-per-weight line to stdout; keep stdout clean for --json.
     with contextlib.redirect_stdout(sys.stderr):
-        model, config = quantize_model(
-            model, config, recipe.group_size, recipe.bits, quant_predicate=predicate
-        )
+        model, config = quantize_model(model, config, recipe.group_size, recipe.bits, quant_predicate=predicate)
     quant = config["quantization"]
     # Never leave the group size implicit (the Swift loader has no default to fall back on).
     quant["group_size"] = recipe.group_size

@@ -11,9 +11,7 @@ from toolchain.cli.render import echo_json, human_bytes, json_option
 
 @click.command("run")
 @click.argument("bundle", type=click.Path(path_type=Path))
-@click.option(
-    "--prompt", "-p", required=True, help="Prompt text (wrapped in the chat template unless --raw)."
-)
+@click.option("--prompt", "-p", required=True, help="Prompt text (wrapped in the chat template unless --raw).")
 @click.option("--max-tokens", "-n", default=128, show_default=True, type=int)
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
 @click.option("--raw", is_flag=True, help="Do not apply the chat template.")

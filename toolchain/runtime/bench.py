@@ -51,8 +51,11 @@ def measure_ours(bundle: Path, n_prompt: int, n_decode: int) -> SideResult:
     mx.set_cache_limit(loaded.kvcache.buffer_cache_limit_bytes)
     mx.reset_peak_memory()
     stats = GenerationStats()
-    caches = make_caches(loaded.model, loaded.kvcache)
-    for _ in generate_tokens(loaded.model, ids, caches, loaded.kvcache, max_tokens=n_decode, stats=stats):
+    model_type = str(loaded.config.get("model_type", ""))
+    caches = make_caches(loaded.model, loaded.kvcache, model_type)
+    for _ in generate_tokens(
+        loaded.model, ids, caches, loaded.kvcache, max_tokens=n_decode, stats=stats, model_type=model_type
+    ):
         pass
     return SideResult(
         "ours",

@@ -8,61 +8,57 @@ from toolchain.exceptions import QuantizationError
 from toolchain.schemas.kvcache import KVCacheConfig
 
 
-def make_caches(model: Any, kv: KVCacheConfig) -> list[Any]:
-    """One cache per layer. Full-attention layers get the kvcache.json bits: mlx-lm's QuantizedKVCache when
-    keys and values share a bit width, the mixed K/V cache otherwise; other kinds keep the model's own cache
-    (mlx-lm cannot quantize a rotating or recurrent cache). With `quantized_kv_start` > 0 full layers start
-    unquantized and `maybe_quantize` converts them once the context passes it."""
+def make_caches(model: Any, kv: KVCacheConfig, model_type: str = "") -> list[Any]:
+    """One cache per cache-holding layer (shared layers read another layer's). Full-attention layers get the
+    kvcache.json bits: mlx-lm's QuantizedKVCache when keys and values share a bit width and the model's
+    attention reads quantized keys, kvrig's dequantizing cache otherwise; other kinds keep the model's own
+    cache. With `quantized_kv_start` > 0 full layers start unquantized; `maybe_quantize` converts them."""
     from mlx_lm.models import cache as mlx_cache
 
-    base = model.make_cache() if hasattr(model, "make_cache") else mlx_cache.make_prompt_cache(model)
-    if len(kv.layers) != len(base):
+    base = mlx_cache.make_prompt_cache(model)
+    owners = [entry for entry in kv.layers if entry.kind != "shared"]
+    if len(owners) != len(base):
         raise QuantizationError(
-            f"kvcache.json lists {len(kv.layers)} layers but the model has {len(base)} caches"
+            f"kvcache.json lists {len(owners)} cache-holding layers but the model makes {len(base)} caches"
         )
     caches = []
-    for entry, cache in zip(kv.layers, base, strict=True):
+    for entry, cache in zip(owners, base, strict=True):
         full = entry.kind == "full" and type(cache) is mlx_cache.KVCache
         if full and kv.quantized_kv_start == 0 and (entry.key_bits or entry.value_bits):
-            cache = quantized_cache(entry.key_bits, entry.value_bits, kv.group_size)
+            cache = quantized_cache(entry.key_bits, entry.value_bits, kv.group_size, model_type)
         caches.append(cache)
     return caches
 
 
-def quantized_cache(key_bits: int | None, value_bits: int | None, group_size: int) -> Any:
+def quantized_cache(key_bits: int | None, value_bits: int | None, group_size: int, model_type: str = "") -> Any:
     from mlx_lm.models.cache import QuantizedKVCache
 
-    if key_bits == value_bits and key_bits is not None:
+    from toolchain.models.families import NO_QUANTIZED_ATTENTION
+    from toolchain.runtime.kv_cache import DequantizingKVCache
+
+    if key_bits is None or value_bits is None:
+        raise QuantizationError("a quantized KV cache needs both key and value bits (use k16vN only with fp16 keys)")
+    if key_bits == value_bits and model_type not in NO_QUANTIZED_ATTENTION:
         return QuantizedKVCache(group_size=group_size, bits=key_bits)
-    try:
-        from toolchain.runtime.kv_cache import MixedQuantizedKVCache  # type: ignore[import-not-found]
-    except ImportError:
-        raise QuantizationError(
-            f"keys at {key_bits} bits and values at {value_bits} bits need the mixed K/V cache "
-            "(toolchain.runtime.kv_cache), which is not available in this build"
-        ) from None
-    return MixedQuantizedKVCache(key_bits=key_bits, value_bits=value_bits, group_size=group_size)
+    return DequantizingKVCache(key_bits, value_bits, group_size)
 
 
-def maybe_quantize(caches: list[Any], kv: KVCacheConfig) -> None:
+def maybe_quantize(caches: list[Any], kv: KVCacheConfig, model_type: str = "") -> None:
     """Converts unquantized full-attention caches once their context exceeds `quantized_kv_start`."""
     if kv.quantized_kv_start == 0:
         return
     from mlx_lm.models import cache as mlx_cache
 
-    for i, (entry, cache) in enumerate(zip(kv.layers, caches, strict=True)):
-        if (
-            entry.kind != "full"
-            or type(cache) is not mlx_cache.KVCache
-            or cache.offset <= kv.quantized_kv_start
-        ):
+    from toolchain.runtime.kv_cache import DequantizingKVCache
+
+    owners = [entry for entry in kv.layers if entry.kind != "shared"]
+    for i, (entry, cache) in enumerate(zip(owners, caches, strict=True)):
+        if entry.kind != "full" or type(cache) is not mlx_cache.KVCache or cache.offset <= kv.quantized_kv_start:
             continue
-        if not (entry.key_bits or entry.value_bits):
+        if entry.key_bits is None or entry.value_bits is None:
             continue
-        if entry.key_bits == entry.value_bits:
-            caches[i] = cache.to_quantized(group_size=kv.group_size, bits=entry.key_bits)
+        target = quantized_cache(entry.key_bits, entry.value_bits, kv.group_size, model_type)
+        if isinstance(target, DequantizingKVCache):
+            caches[i] = DequantizingKVCache.from_kv_cache(cache, entry.key_bits, entry.value_bits, kv.group_size)
         else:
-            new = quantized_cache(entry.key_bits, entry.value_bits, kv.group_size)
-            keys, values = cache.state
-            new.update_and_fetch(keys, values)
-            caches[i] = new
+            caches[i] = cache.to_quantized(group_size=kv.group_size, bits=entry.key_bits)

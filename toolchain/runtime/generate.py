@@ -43,6 +43,7 @@ def generate_tokens(
     stop_tokens: set[int] | frozenset[int] = frozenset(),
     temperature: float = 0.0,
     stats: GenerationStats | None = None,
+    model_type: str = "",
 ) -> Iterator[int]:
     """Yields generated token ids (greedy unless `temperature` > 0), filling `stats` as it goes."""
     import mlx.core as mx
@@ -67,7 +68,7 @@ def generate_tokens(
     for start in range(0, len(prompt) - 1, step):
         model(ids[None, start : min(start + step, len(prompt) - 1)], cache=caches)
         mx.eval([c.state for c in caches])
-        maybe_quantize(caches, kv)
+        maybe_quantize(caches, kv, model_type)
         mx.clear_cache()
     token = sample(model(ids[None, -1:], cache=caches))
     token_id = int(token.item())
@@ -90,7 +91,7 @@ def generate_tokens(
         if n + 1 < max_tokens:
             token = nxt
             token_id = int(token.item())
-            maybe_quantize(caches, kv)
+            maybe_quantize(caches, kv, model_type)
         stats.decode_seconds = time.perf_counter() - t1
     stats.peak_memory_bytes = int(mx.get_peak_memory())
 
@@ -140,7 +141,8 @@ def run_bundle(
     mx.set_cache_limit(kv.buffer_cache_limit_bytes)
     tok = bundle.tokenizer
     prompt_ids = encode_prompt(tok, prompt, chat=chat)
-    caches = make_caches(bundle.model, kv)
+    model_type = str(bundle.config.get("model_type", ""))
+    caches = make_caches(bundle.model, kv, model_type)
     stats = GenerationStats()
     detok = tok.detokenizer
     detok.reset()
@@ -155,6 +157,7 @@ def run_bundle(
         stop_tokens=stop,
         temperature=temperature,
         stats=stats,
+        model_type=model_type,
     ):
         if token in stop:
             break

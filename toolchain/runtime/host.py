@@ -159,9 +159,7 @@ def prepare_for_host(model: nn.Module) -> nn.Module:
     small = [
         (k, v.astype(COMPUTE_DTYPE))
         for k, v in tree_flatten(model.parameters())
-        if mx.issubdtype(v.dtype, mx.floating)
-        and v.ndim <= 1
-        and not any(k.startswith(s + ".") for s in swapped)
+        if mx.issubdtype(v.dtype, mx.floating) and v.ndim <= 1 and not any(k.startswith(s + ".") for s in swapped)
     ]
     if small:
         model.update(tree_unflatten(small))

@@ -17,9 +17,7 @@ class GrowthSchedule(StrictModel):
     start_tokens: int = Field(ge=1, description="context fed before the first measurement")
     step_tokens: int = Field(ge=1, description="tokens added between measurements")
     max_tokens: int = Field(ge=1, description="stop growing here")
-    decode_tokens: int = Field(
-        default=16, ge=1, description="tokens generated at each point to measure tok/s"
-    )
+    decode_tokens: int = Field(default=16, ge=1, description="tokens generated at each point to measure tok/s")
 
 
 class StopConditions(StrictModel):
