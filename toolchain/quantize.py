@@ -97,7 +97,13 @@ def quantize(model: Any, config: dict[str, Any], recipe: WeightRecipe) -> tuple[
             raise QuantizationError(f"recipe {recipe.name}: {exc}") from None
     # mlx-lm prints its bits-per-weight line to stdout; keep stdout clean for --json.
     with contextlib.redirect_stdout(sys.stderr):
-        model, config = quantize_model(model, config, recipe.group_size, recipe.bits, quant_predicate=predicate)
+        model, config = quantize_model(
+            model,
+            config,
+            recipe.group_size,
+            recipe.bits,
+            quant_predicate=predicate,  # type: ignore[arg-type]
+        )
     quant = config["quantization"]
     # Never leave the group size implicit (the Swift loader has no default to fall back on).
     quant["group_size"] = recipe.group_size

@@ -46,5 +46,4 @@ def runtime(bundle: Path, prompt_tokens: int, decode_tokens: int, timeout: float
             f"{r.side:14}{r.prefill_tps:15.2f}{r.decode_tps:15.2f}{human_bytes(r.peak_memory_bytes):>14}  "
             f"{r.kv:6} {'yes' if r.openblas else 'no'}"
         )
-    r = ratios
-    click.echo(f"{'ours / plain':14}{r['prefill']:14.1f}x{r['decode']:14.1f}x{r['peak_memory']:13.2f}x")
+    click.echo(f"{'ours / plain':14}{ratios['prefill']:14.1f}x{ratios['decode']:14.1f}x{ratios['peak_memory']:13.2f}x")

@@ -143,7 +143,7 @@ def _pre_tokenizer(pre: str, file: Path) -> Any:
     from tokenizers import Regex, pre_tokenizers
 
     if pre in ("gpt2", "default", "smollm", "starcoder", "refact"):
-        steps = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        steps: list[Any] = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
         if pre in ("smollm", "starcoder", "refact"):
             steps.insert(0, pre_tokenizers.Digits(individual_digits=True))
         return pre_tokenizers.Sequence(steps)
@@ -180,7 +180,7 @@ def write_tokenizer(header: GGUFHeader, out_dir: Path) -> None:
     merges_raw: list[str] = md.get("tokenizer.ggml.merges", [])
     types: list[int] = md.get("tokenizer.ggml.token_type", [1] * len(tokens))
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    merges = [tuple(m.split(" ", 1)) for m in merges_raw]
+    merges = [(a, b) for a, _, b in (m.partition(" ") for m in merges_raw)]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     tok.pre_tokenizer = _pre_tokenizer(str(md.get("tokenizer.ggml.pre", "gpt2")), header.path)
     tok.decoder = decoders.ByteLevel()
@@ -198,7 +198,7 @@ def write_tokenizer(header: GGUFHeader, out_dir: Path) -> None:
 
     bos = special("bos")
     add_bos = bool(md.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
-    if add_bos:
+    if add_bos and bos is not None:
         tok.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])]
         )

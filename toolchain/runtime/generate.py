@@ -71,7 +71,7 @@ def generate_tokens(
         maybe_quantize(caches, kv, model_type)
         mx.clear_cache()
     token = sample(model(ids[None, -1:], cache=caches))
-    token_id = int(token.item())
+    token_id = int(token.item())  # type: ignore[arg-type]
     stats.prefill_seconds = time.perf_counter() - t0
 
     t1 = time.perf_counter()
@@ -90,7 +90,7 @@ def generate_tokens(
         yield token_id
         if n + 1 < max_tokens:
             token = nxt
-            token_id = int(token.item())
+            token_id = int(token.item())  # type: ignore[arg-type]
             maybe_quantize(caches, kv, model_type)
         stats.decode_seconds = time.perf_counter() - t1
     stats.peak_memory_bytes = int(mx.get_peak_memory())

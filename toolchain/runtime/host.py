@@ -143,7 +143,7 @@ def _qmv(
 def prepare_for_host(model: nn.Module) -> nn.Module:
     """Swaps linear/embedding layers for the host versions above; small float parameters (norms) go to
     float32. Weights stay quantized."""
-    swaps = []
+    swaps: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
         if isinstance(module, nn.QuantizedLinear):
             swaps.append((name, HostQuantizedLinear(module)))
@@ -156,9 +156,10 @@ def prepare_for_host(model: nn.Module) -> nn.Module:
     if swaps:
         model.update_modules(tree_unflatten(swaps))
     swapped = {n for n, _ in swaps}
+    params: list[tuple[str, Any]] = tree_flatten(model.parameters())  # type: ignore[assignment]
     small = [
         (k, v.astype(COMPUTE_DTYPE))
-        for k, v in tree_flatten(model.parameters())
+        for k, v in params
         if mx.issubdtype(v.dtype, mx.floating) and v.ndim <= 1 and not any(k.startswith(s + ".") for s in swapped)
     ]
     if small:

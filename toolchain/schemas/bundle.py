@@ -3,13 +3,13 @@ planner predicted for it (bundle contract; `kvrig verify` and the device side re
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Final, Literal
 
 from pydantic import Field
 
 from toolchain.schemas import StrictModel
 
-MANIFEST_SCHEMA_VERSION = 1
+MANIFEST_SCHEMA_VERSION: Final = 1
 MANIFEST_NAME = "manifest.json"
 
 
