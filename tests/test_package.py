@@ -241,3 +241,19 @@ def test_package_with_a_device_records_the_plan(source_dir: Path, tmp_path: Path
     assert p.max_context == result.kvcache.max_context > 0
     assert 0 < result.kvcache.memory_limit_bytes < p.limit_bytes
     assert p.kv_bytes_per_token > 0 and p.weights_bytes > 0
+
+
+def test_cli_errors_are_clear(q4_bundle: Path, tmp_path: Path) -> None:
+    not_gguf = tmp_path / "weights.bin"
+    not_gguf.write_bytes(b"\x00" * 64)
+    cases = [
+        (["package", "-o", str(q4_bundle)], 7, "already exists"),
+        (["package", str(not_gguf), "-o", str(tmp_path / "o1")], 3, "not a GGUF file"),
+        (["package", str(tmp_path / "missing"), "-o", str(tmp_path / "o2")], 3, "model not found"),
+        (["package", "--kv", "k7v4", "-o", str(tmp_path / "o3")], 5, "k7v4"),
+    ]
+    for args, code, text in cases:
+        proc = subprocess.run([sys.executable, "-m", "toolchain", *args], capture_output=True, text=True)
+        assert proc.returncode == code, (args, proc.stderr)
+        assert text in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
