@@ -19,13 +19,16 @@ from mlx.utils import tree_flatten, tree_unflatten
 COMPUTE_DTYPE = mx.float32
 MANY_ROWS = 16
 """From this many input rows on, dequantize + GEMM beats the quantized matrix-vector kernel."""
-LM_HEAD_CHUNK = 8192
-"""Vocabulary rows dequantized at a time when a tied embedding is used as the output layer on many rows."""
+DEQUANT_CHUNK_ELEMENTS = 1 << 18
+"""Weight elements dequantized at a time (1 MiB in float32). MLX evaluates weight-only branches of the graph
+early, so each chunk's product is evaluated at once: at most one float32 chunk is alive, and peak memory stays
+close to the quantized weights'."""
 
 
 class HostQuantizedLinear(nn.Module):
-    def __init__(self, q: nn.QuantizedLinear) -> None:
+    def __init__(self, q: nn.QuantizedLinear, *, eager: bool = True) -> None:
         super().__init__()
+        self.eager = eager
         self.weight, self.scales = q.weight, q.scales
         self.biases = q.get("biases")
         if "bias" in q:
@@ -36,16 +39,9 @@ class HostQuantizedLinear(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         x = x.astype(COMPUTE_DTYPE)
         if x.size // x.shape[-1] >= MANY_ROWS:
-            w = mx.dequantize(
-                self.weight,
-                self.scales,
-                self.biases,
-                self.group_size,
-                self.bits,
-                self.mode,
-                dtype=COMPUTE_DTYPE,
+            y = _dequantized_matmul(
+                x, self.weight, self.scales, self.biases, self.group_size, self.bits, self.mode, eager=self.eager
             )
-            y = x @ w.T
         else:
             y = _qmv(x, self.weight, self.scales, self.biases, self.group_size, self.bits, self.mode)
         if "bias" in self:
@@ -77,23 +73,11 @@ class HostQuantizedEmbedding(nn.Module):
         x = x.astype(COMPUTE_DTYPE)
         if x.size // x.shape[-1] < MANY_ROWS:
             return _qmv(x, self.weight, self.scales, self.biases, self.group_size, self.bits, self.mode)
-        # Tied output layer on many rows: dequantize the vocabulary in chunks (the whole table in float32
-        # would be a large transient).
-        parts = []
-        for start in range(0, self.weight.shape[0], LM_HEAD_CHUNK):
-            sl = slice(start, start + LM_HEAD_CHUNK)
-            biases = None if self.biases is None else self.biases[sl]
-            w = mx.dequantize(
-                self.weight[sl],
-                self.scales[sl],
-                biases,
-                self.group_size,
-                self.bits,
-                self.mode,
-                dtype=COMPUTE_DTYPE,
-            )
-            parts.append(x @ w.T)
-        return mx.concatenate(parts, axis=-1)
+        # Output layer on many rows (only when every position's logits are wanted): kept lazy, so the
+        # logits of prefill chunks, which nobody reads, are never computed.
+        return _dequantized_matmul(
+            x, self.weight, self.scales, self.biases, self.group_size, self.bits, self.mode, eager=False
+        )
 
 
 class HostLinear(nn.Module):
@@ -124,6 +108,36 @@ class HostEmbedding(nn.Module):
         return x.astype(COMPUTE_DTYPE) @ self.weight.astype(COMPUTE_DTYPE).T
 
 
+def _dequantized_matmul(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array | None,
+    group_size: int,
+    bits: int,
+    mode: str,
+    *,
+    eager: bool = True,
+) -> mx.array:
+    """x @ dequantize(w).T, one chunk of output rows at a time (one BLAS GEMM per chunk). Eager: each chunk is
+    evaluated at once so at most one float32 chunk is alive."""
+    in_features = scales.shape[-1] * group_size
+    rows = max(1, DEQUANT_CHUNK_ELEMENTS // in_features)
+    if eager:
+        mx.eval(x)
+    parts = []
+    for start in range(0, w.shape[0], rows):
+        sl = slice(start, start + rows)
+        chunk = mx.dequantize(
+            w[sl], scales[sl], None if biases is None else biases[sl], group_size, bits, mode, dtype=COMPUTE_DTYPE
+        )
+        part = x @ chunk.T
+        if eager:
+            mx.eval(part)
+        parts.append(part)
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+
+
 def _qmv(
     x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int, bits: int, mode: str
 ) -> mx.array:
@@ -146,7 +160,8 @@ def prepare_for_host(model: nn.Module) -> nn.Module:
     swaps: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
         if isinstance(module, nn.QuantizedLinear):
-            swaps.append((name, HostQuantizedLinear(module)))
+            # The output layer stays lazy: prefill chunks build logits that are never evaluated.
+            swaps.append((name, HostQuantizedLinear(module, eager=name.split(".")[-1] != "lm_head")))
         elif isinstance(module, nn.QuantizedEmbedding):
             swaps.append((name, HostQuantizedEmbedding(module)))
         elif type(module) is nn.Linear:
