@@ -1,6 +1,6 @@
 """Runtime benchmark: our host runtime vs plain mlx-lm `stream_generate` on the same bundle, each measured in
 its own fresh process (so peak memory and the BLAS in use are each side's own). Run as
-`python -m toolchain.runtime.bench {ours|plain} BUNDLE PROMPT_TOKENS DECODE_TOKENS`; prints one JSON line."""
+`python -m toolchain.runtime.bench {ours|plain|plain-f32} BUNDLE PROMPT_TOKENS DECODE_TOKENS`; prints one JSON line."""
 
 from __future__ import annotations
 
@@ -69,13 +69,16 @@ def measure_ours(bundle: Path, n_prompt: int, n_decode: int) -> SideResult:
     )
 
 
-def measure_plain(bundle: Path, n_prompt: int, n_decode: int) -> SideResult:
+def measure_plain(bundle: Path, n_prompt: int, n_decode: int, *, float32: bool = False) -> SideResult:
+    """Plain mlx-lm as a user runs it; `float32` casts the model first (a reference row, not the baseline)."""
     import mlx.core as mx
     from mlx_lm import load, stream_generate
 
     from toolchain.runtime.blas import openblas_loaded
 
     model, tokenizer = load(str(bundle))[:2]
+    if float32:
+        model.set_dtype(mx.float32)
     kv = json.loads((bundle / "kvcache.json").read_text())
     ids = prompt_ids(tokenizer, n_prompt)
     kwargs = {}
@@ -88,7 +91,7 @@ def measure_plain(bundle: Path, n_prompt: int, n_decode: int) -> SideResult:
         pass
     assert last is not None
     return SideResult(
-        "plain mlx-lm",
+        "mlx-lm f32" if float32 else "plain mlx-lm",
         last.prompt_tokens,
         last.generation_tokens,
         last.prompt_tps,
@@ -103,7 +106,7 @@ def run_side(side: str, bundle: Path, n_prompt: int, n_decode: int, *, timeout: 
     """One side in a fresh process: ours with OpenBLAS preloaded, plain mlx-lm as installed."""
     from toolchain.runtime.blas import preload_env
 
-    env = preload_env(enable=side == "ours")
+    env = preload_env(enable=side in ("ours", "plain-f32"))
     cmd = [sys.executable, "-m", "toolchain.runtime.bench", side, str(bundle), str(n_prompt), str(n_decode)]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -116,8 +119,11 @@ def run_side(side: str, bundle: Path, n_prompt: int, n_decode: int, *, timeout: 
 
 def main(argv: list[str]) -> None:
     side, bundle, n_prompt, n_decode = argv[0], Path(argv[1]), int(argv[2]), int(argv[3])
-    measure = measure_ours if side == "ours" else measure_plain
-    print(json.dumps(asdict(measure(bundle, n_prompt, n_decode))))
+    if side == "ours":
+        result = measure_ours(bundle, n_prompt, n_decode)
+    else:
+        result = measure_plain(bundle, n_prompt, n_decode, float32=side == "plain-f32")
+    print(json.dumps(asdict(result)))
 
 
 if __name__ == "__main__":
