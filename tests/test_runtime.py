@@ -163,3 +163,31 @@ def test_tiny_qwen2_gguf_converts_and_runs(tmp_path: Path) -> None:
     assert tok.encode("abcd") == [4, 5]
     out = model(mx.array([[4, 5]]))
     assert out.shape == (1, 2, vocab)
+
+
+def test_caches_follow_kvcache_json(q4_bundle: Path) -> None:
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+    from toolchain.runtime.caches import make_caches
+    from toolchain.runtime.generate import GenerationStats, generate_tokens, load_bundle
+    from toolchain.runtime.kv_cache import DequantizingKVCache
+
+    loaded = load_bundle(q4_bundle)
+    kv = loaded.kvcache
+    assert all(type(c) is QuantizedKVCache and c.bits == 8 for c in make_caches(loaded.model, kv, "llama"))
+    mixed = kv.model_copy(
+        update={"layers": [layer.model_copy(update={"value_bits": 4}) for layer in kv.layers], "scheme": "k8v4"}
+    )
+    caches = make_caches(loaded.model, mixed, "llama")
+    assert all(type(c) is DequantizingKVCache and (c.key_bits, c.value_bits) == (8, 4) for c in caches)
+
+    # Quantization starts once the context passes quantized_kv_start (prefill chunks of 8 tokens here).
+    late = mixed.model_copy(update={"quantized_kv_start": 16, "prefill_step_size": 8})
+    caches = make_caches(loaded.model, late, "llama")
+    assert all(type(c) is KVCache for c in caches)
+    prompt = loaded.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)[:30]
+    stats = GenerationStats()
+    tokens = list(generate_tokens(loaded.model, prompt, caches, late, max_tokens=3, stats=stats, model_type="llama"))
+    assert len(tokens) == 3 and stats.prompt_tokens == 30
+    assert all(type(c) is DequantizingKVCache for c in caches)
+    assert caches[0].offset == 30 + 2
