@@ -147,6 +147,21 @@ class DeviceLostError(DeviceError):
     exit_code = 13
 
 
+class AppError(DeviceError):
+    """The phone refused an app operation: install failed, app not installed, launch failed."""
+
+    exit_code = 14
+
+
+# --- soak (exit 16) ----------------------------------------------------------------------------------------
+
+
+class SoakFailedError(KvrigError):
+    """A soak run ended in a crash, a hang or a lost device (results were still written)."""
+
+    exit_code = 16
+
+
 # --- reports and telemetry (exit 20-21) --------------------------------------------------------------------
 
 

@@ -15,6 +15,8 @@ from toolchain.exceptions import KvrigError
 COMMANDS: dict[str, str] = {
     "jetsam": "toolchain.cli.jetsam:jetsam",
     "app": "toolchain.cli.app:app",
+    "deploy": "toolchain.cli.device:deploy",
+    "devices": "toolchain.cli.device:devices",
     "build": "toolchain.cli.app:build",
     "plan": "toolchain.cli.plan:plan",
     "profiles": "toolchain.cli.profiles:profiles",
@@ -22,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "run": "toolchain.cli.run:run",
     "verify": "toolchain.cli.verify:verify",
     "bench": "toolchain.cli.bench:bench",
+    "soak": "toolchain.cli.soak:soak",
     "telemetry": "toolchain.cli.telemetry:telemetry",
     "virtual": "toolchain.cli.virtual:virtual",
 }
@@ -48,6 +51,8 @@ class LazyGroup(click.Group):
 _SHORT_HELP: dict[str, str] = {
     "jetsam": "Read JetsamEvent reports: memory, killed processes and why, the verdict for our app.",
     "app": "Generate the MLX-Swift iPhone app (Xcode project + Core package) for a bundle.",
+    "deploy": "Install the app and push a model bundle into its Documents (resumable).",
+    "devices": "List attached iPhones (real or virtual) with their device profile.",
     "build": "Build a generated app into an .ipa with xcodegen and xcodebuild (macOS only).",
     "plan": "Plan memory for a model on a device: weights, KV cache per scheme, max context.",
     "profiles": "List and show the device profiles kvrig knows.",
@@ -55,6 +60,7 @@ _SHORT_HELP: dict[str, str] = {
     "run": "Generate on the host with a bundle's KV configuration; print tok/s and peak memory.",
     "verify": "Re-check every bundle file against its manifest.",
     "bench": "Benchmarks (runtime: our host runtime vs plain mlx-lm on one bundle).",
+    "soak": "Grow the app's context on a device until it completes or jetsam kills it; write results.json.",
     "telemetry": "Summarise the app's JSONL telemetry per run; correlate a run with its jetsam report.",
     "virtual": "Run a virtual USB iPhone that pymobiledevice3 drives (start, stop, status).",
 }

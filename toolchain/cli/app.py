@@ -51,9 +51,24 @@ def app(
 @click.argument("project", type=click.Path(path_type=Path))
 @click.option("--team", default=None, help="Signing team ID (default: $KVRIG_TEAM_ID, then the project's).")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None, help="Folder for the .ipa.")
+@click.option(
+    "--virtual",
+    is_flag=True,
+    help="Package for the virtual iPhone instead (any OS): the project's Info.plist, run by kvrig's host runtime.",
+)
 @json_option
-def build(project: Path, team: str | None, output: Path | None, as_json: bool) -> None:
-    """Build a generated project into an .ipa with xcodegen and xcodebuild (macOS only)."""
+def build(project: Path, team: str | None, output: Path | None, virtual: bool, as_json: bool) -> None:
+    """Build a generated project into an .ipa with xcodegen and xcodebuild (macOS only), or with --virtual an
+    .ipa the virtual iPhone runs."""
+    if virtual:
+        from toolchain.appgen.virtual_ipa import build_virtual_ipa
+
+        ipa = build_virtual_ipa(project, output / f"{project.name}-virtual.ipa" if output else None)
+        if as_json:
+            echo_json({"ipa": str(ipa), "virtual": True})
+        else:
+            click.echo(f"built {ipa} (for the virtual iPhone)")
+        return
     from toolchain.appgen.build import build_app
 
     result = build_app(project, team=team, output=output)

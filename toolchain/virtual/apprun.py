@@ -35,6 +35,9 @@ if TYPE_CHECKING:
     from toolchain.virtual.device import VirtualDevice
 
 APP_RUNTIME = "toolchain.virtual.testapp"
+# Host runtimes an installed app may ask for with Info.plist `KvrigVirtualRuntime` (see appgen.virtual_ipa).
+# An allow-list: a value from an app's plist never names a module directly.
+APP_RUNTIMES = {"test": APP_RUNTIME, "llm": "toolchain.virtual.llmapp"}
 # Listener callbacks: (pid, exit code or None, crashing signal or None)
 TerminationListener = Callable[[int, int | None, int | None], None]
 
@@ -111,7 +114,7 @@ class AppRunner:
         proc = await asyncio.create_subprocess_exec(
             self.python,
             "-m",
-            APP_RUNTIME,
+            APP_RUNTIMES.get(str(record.get("KvrigVirtualRuntime", "test")), APP_RUNTIME),
             *(arguments or []),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,

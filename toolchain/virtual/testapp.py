@@ -5,6 +5,10 @@ concatenating a new chunk, as mlx-lm's KVCache does; each step runs attention sc
 cache, then reports MLX's own allocator numbers and the caches' nbytes to the emulator (see `apprun`) and,
 if the emulator lets it live, writes a telemetry step into Documents/telemetry.jsonl and mirrors it to the
 device log. Run with `python -m toolchain.virtual.testapp [options]` (the emulator does, on launch).
+
+Launched with `--kvrig-soak-plan PATH` (PATH inside Documents, as the Swift app takes it), it follows the
+plan: run id, scheme, step and max tokens, decode tokens per measurement, telemetry file, the footprint and
+time stop conditions.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
+from toolchain.schemas.soakplan import SOAKPLAN_LAUNCH_ARGUMENT, SoakPlan
 from toolchain.schemas.telemetry import (
     TELEMETRY_FILE,
     EndEvent,
@@ -44,7 +49,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--interval", type=float, default=0.0, help="seconds to wait between steps")
     p.add_argument("--run-id", default=None)
     p.add_argument("--exit-when-done", action="store_true")
+    p.add_argument("--decode-tokens", type=int, default=0, help="one-query passes timed per step (0: none)")
+    p.add_argument(SOAKPLAN_LAUNCH_ARGUMENT, dest="soak_plan", default=None, help="soak plan inside Documents")
     return p.parse_args(argv)
+
+
+def load_plan(documents: Path, name: str) -> SoakPlan:
+    """The plan file, confined to Documents like the Swift app's ContainerPath.resolve."""
+    path = (documents / name).resolve()
+    if not path.is_relative_to(documents.resolve()):
+        raise SystemExit(f"soak plan {name!r} is outside Documents")
+    return SoakPlan.model_validate_json(path.read_text())
 
 
 class Channel:
@@ -87,12 +102,20 @@ def main(argv: list[str] | None = None) -> int:
     container = Path(os.environ.get("KVRIG_CONTAINER", "."))
     channel = Channel()
     run_id = args.run_id or os.environ.get("KVRIG_RUN_ID") or uuid.uuid4().hex[:12]
-    telemetry = Telemetry(container / "Documents" / TELEMETRY_FILE, run_id, channel)
+    scheme, telemetry_file, max_footprint, max_seconds = "fp16", TELEMETRY_FILE, None, None
+    if args.soak_plan:
+        plan = load_plan(container / "Documents", args.soak_plan)
+        run_id, scheme, telemetry_file = plan.run_id, plan.scheme, plan.telemetry_file
+        args.step_tokens, args.max_tokens = plan.schedule.step_tokens, plan.schedule.max_tokens
+        args.decode_tokens = plan.schedule.decode_tokens
+        max_footprint, max_seconds = plan.stop.max_footprint_bytes, plan.stop.max_seconds
+    started = time.monotonic()
+    telemetry = Telemetry(container / "Documents" / telemetry_file, run_id, channel)
     limit = os.environ.get("KVRIG_LIMIT_BYTES")
     telemetry.write(
         StartEvent,
         model="testapp",
-        scheme="fp16",
+        scheme=scheme,
         product_type=os.environ.get("KVRIG_PRODUCT_TYPE", "host"),
         os_version=os.environ.get("KVRIG_OS_VERSION", "host"),
         limit_bytes=int(limit) if limit else None,
@@ -104,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     keys = [mx.zeros(shape, dtype=mx.float16) for _ in range(args.layers)]
     values = [mx.zeros(shape, dtype=mx.float16) for _ in range(args.layers)]
     query = mx.ones((1, args.kv_heads, 1, args.head_dim), dtype=mx.float16)
-    tokens, pressure = 0, "normal"
+    tokens, pressure, end_reason = 0, "normal", "completed"
     while not args.max_tokens or tokens < args.max_tokens:
         start = time.perf_counter()
         chunk = (1, args.kv_heads, args.step_tokens, args.head_dim)
@@ -117,6 +140,17 @@ def main(argv: list[str] | None = None) -> int:
         mx.eval(*keys, *values, out)
         tokens += args.step_tokens
         elapsed = time.perf_counter() - start
+        decode_tps = None
+        if args.decode_tokens:
+            # Decoding one token reads every layer's whole cache once: one query over each layer's K and V.
+            t0 = time.perf_counter()
+            for _ in range(args.decode_tokens):
+                outs = [
+                    mx.softmax((query @ k.transpose(0, 1, 3, 2)).astype(mx.float32), axis=-1).astype(mx.float16) @ v
+                    for k, v in zip(keys, values, strict=True)
+                ]
+                mx.eval(*outs)
+            decode_tps = args.decode_tokens / max(time.perf_counter() - t0, 1e-9)
         kv_bytes = sum(k.nbytes + v.nbytes for k, v in zip(keys, values, strict=True))
         measured = {
             "mlx_active_bytes": mx.get_active_memory(),
@@ -139,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         telemetry.write(
             StepEvent,
             context_tokens=tokens,
+            decode_tps=decode_tps,
             prefill_tps=args.step_tokens / elapsed if elapsed > 0 else None,
             phys_footprint_bytes=verdict["footprint"],
             available_bytes=verdict["available"],
@@ -148,9 +183,14 @@ def main(argv: list[str] | None = None) -> int:
             kv_bytes=kv_bytes,
             thermal_state="nominal",
         )
+        if (max_footprint is not None and verdict["footprint"] >= max_footprint) or (
+            max_seconds is not None and time.monotonic() - started >= max_seconds
+        ):
+            end_reason = "stop_condition"
+            break
         if args.interval:
             time.sleep(args.interval)
-    telemetry.write(EndEvent, reason="completed", context_tokens=tokens)
+    telemetry.write(EndEvent, reason=end_reason, context_tokens=tokens)
     if not args.exit_when_done:
         # A finished app stays in the foreground until it is killed.
         while sys.stdin.readline():

@@ -1,0 +1,63 @@
+"""`kvrig build --virtual`: an .ipa of the generated project that the virtual iPhone installs and runs."""
+
+from __future__ import annotations
+
+import plistlib
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from tests.device.conftest import Emulator, emulator, on_device, run  # noqa: F401 (fixture)
+from toolchain.appgen.virtual_ipa import VIRTUAL_RUNTIME_KEY, build_virtual_ipa
+from toolchain.device import apps
+from toolchain.virtual.apprun import APP_RUNTIMES
+
+
+def _info(ipa: Path) -> dict:
+    with zipfile.ZipFile(ipa) as archive:
+        (name,) = [n for n in archive.namelist() if n.endswith(".app/Info.plist")]
+        return plistlib.loads(archive.read(name))
+
+
+def test_ipa_carries_the_projects_info_plist(reference_project: Path, tmp_path: Path) -> None:
+    ipa = build_virtual_ipa(reference_project, tmp_path / "App.ipa")
+    info = _info(ipa)
+    source = plistlib.loads((reference_project / "App" / "Info.plist").read_bytes())
+    assert info["UIFileSharingEnabled"] is True and source["UIFileSharingEnabled"] is True
+    assert info["CFBundleIdentifier"] == "com.example.smollm2"  # the build variable, filled in
+    assert info["CFBundleExecutable"] == info["CFBundleName"] == "SmolLM2Chat"
+    assert info[VIRTUAL_RUNTIME_KEY] in APP_RUNTIMES
+
+
+def test_virtual_iphone_installs_it_through_pymobiledevice3(
+    reference_project: Path,
+    tmp_path: Path,
+    emulator: Emulator,  # noqa: F811
+) -> None:
+    ipa = build_virtual_ipa(reference_project, tmp_path / "App.ipa")
+
+    async def job(device):  # type: ignore[no-untyped-def]
+        await apps.install(device, ipa)
+        return await apps.get_app(device, "com.example.smollm2")
+
+    app = run(on_device(emulator.udid, job))
+    assert app.executable == "SmolLM2Chat"
+    assert emulator.device.state.user_apps()["com.example.smollm2"][VIRTUAL_RUNTIME_KEY] == "llm"
+
+
+def test_cli_build_virtual_works_on_linux(reference_project: Path, tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "toolchain", "build", str(reference_project), "--virtual", "-o", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / f"{reference_project.name}-virtual.ipa").is_file()
+
+
+def test_not_a_project_is_a_clear_error(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "toolchain", "build", str(tmp_path), "--virtual"], capture_output=True, text=True
+    )
+    assert proc.returncode == 3 and "project.yml" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,52 @@
+"""installation_proxy through toolchain.device.apps: install an .ipa built here, list, uninstall, refusals."""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from tests.device.conftest import BUNDLE_ID, Emulator, make_ipa, on_device, run
+from toolchain.device import apps
+from toolchain.device.deploy import ipa_bundle_id
+from toolchain.exceptions import AppError, InputError
+
+
+def test_install_list_uninstall(emulator: Emulator, tmp_path: Path) -> None:
+    ipa = make_ipa(tmp_path / "Probe.ipa", bundle_id="dev.kvrig.probe", executable="Probe")
+
+    async def job(device):  # type: ignore[no-untyped-def]
+        await apps.install(device, ipa)
+        listed = await apps.list_apps(device)
+        app = await apps.get_app(device, "dev.kvrig.probe")
+        await apps.uninstall(device, "dev.kvrig.probe")
+        after = await apps.list_apps(device)
+        return listed, app, after
+
+    listed, app, after = run(on_device(emulator.udid, job))
+    assert "dev.kvrig.probe" in {a.bundle_id for a in listed}
+    assert app.executable == "Probe" and app.version == "1.0" and app.path.endswith("/Probe.app")
+    assert "dev.kvrig.probe" not in {a.bundle_id for a in after}
+    # the emulator's own state agrees
+    assert "dev.kvrig.probe" not in emulator.device.state.user_apps()
+
+
+def test_missing_app_and_bad_package_are_app_errors(emulator: Emulator, tmp_path: Path) -> None:
+    bogus = tmp_path / "bogus.ipa"
+    with zipfile.ZipFile(bogus, "w") as archive:
+        archive.writestr("Payload/Broken.app/readme.txt", b"no Info.plist")
+
+    with pytest.raises(AppError, match="not installed"):
+        run(on_device(emulator.udid, lambda d: apps.get_app(d, "com.example.absent")))
+    with pytest.raises(AppError, match="PackageInspectionFailed"):
+        run(on_device(emulator.udid, lambda d: apps.install(d, bogus)))
+    with pytest.raises(InputError, match="not found"):
+        run(on_device(emulator.udid, lambda d: apps.install(d, tmp_path / "nope.ipa")))
+
+
+def test_ipa_bundle_id(tmp_path: Path) -> None:
+    assert ipa_bundle_id(make_ipa(tmp_path / "A.ipa")) == BUNDLE_ID
+    (tmp_path / "junk.ipa").write_bytes(b"not a zip")
+    with pytest.raises(InputError, match=r"junk\.ipa.*not an app package"):
+        ipa_bundle_id(tmp_path / "junk.ipa")

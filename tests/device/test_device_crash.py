@@ -1,0 +1,110 @@
+"""Crash reports: flush, list, pull; names chosen by the device never leave the output folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.device.conftest import Emulator, on_device, run
+from toolchain.device import crash, syslog
+from toolchain.device.paths import clean_component, flat_name, safe_join
+from toolchain.exceptions import DeviceError
+
+HOSTILE_ON_DISK = [
+    "..\\..\\evil-backslash.ips",  # a Windows-style climb
+    "JetsamEvent-2026-01-01-000000.ips",
+    "JetsamEvent-\x1b[31mred\n.ips",  # terminal escape and newline
+    "....",
+    "-rf .ips",
+    "J" * 250 + ".ips",
+]
+
+
+def _tree(folder: Path) -> set[str]:
+    return {p.relative_to(folder).as_posix() for p in folder.rglob("*")}
+
+
+def test_flush_list_and_pull_hostile_names(emulator: Emulator, tmp_path: Path) -> None:
+    store, pending = emulator.device.state.crash, emulator.device.state.crash_pending
+    for i, name in enumerate(HOSTILE_ON_DISK):
+        (store / name).write_text(f'{{"bug_type":"298"}}\n{{"n": {i}}}\n')
+    (pending / "JetsamEvent-2026-02-02-000000.ips").write_text('{"bug_type":"298"}\n{}\n')
+    work = tmp_path / "work"
+    out = work / "reports"
+    work.mkdir()
+    (work / "keep.txt").write_text("outside the output folder")
+
+    async def job(device):  # type: ignore[no-untyped-def]
+        before = await crash.list_reports(device)
+        await crash.flush(device)
+        listed = await crash.list_reports(device)
+        jetsam = await crash.list_jetsam_reports(device)
+        pulled = await crash.pull_reports(device, listed, out)
+        return before, listed, jetsam, pulled
+
+    before, listed, jetsam, pulled = run(on_device(emulator.udid, job))
+    assert "/JetsamEvent-2026-02-02-000000.ips" not in before
+    assert "/JetsamEvent-2026-02-02-000000.ips" in listed and "/JetsamEvent-2026-02-02-000000.ips" in jetsam
+    assert "/" + HOSTILE_ON_DISK[0] not in jetsam
+    assert len(pulled) == len(listed) and len(set(pulled)) == len(pulled)
+    for path in pulled:
+        assert path.parent == out  # flat, inside the folder
+        assert all(ch.isprintable() for ch in path.name) and "\\" not in path.name
+        assert path.name not in (".", "..") and len(path.name.encode()) <= 200
+    assert _tree(work) == {"keep.txt", "reports"} | {f"reports/{p.name}" for p in pulled}
+    contents = sorted(p.read_text() for p in pulled)
+    for i in range(len(HOSTILE_ON_DISK)):
+        assert f'{{"bug_type":"298"}}\n{{"n": {i}}}\n' in contents
+    for name in [*HOSTILE_ON_DISK, "JetsamEvent-2026-02-02-000000.ips"]:
+        (store / name).unlink()
+
+
+def test_device_paths_that_climb_stay_inside(emulator: Emulator, tmp_path: Path) -> None:
+    """A listing may name `../../x`: the phone serves what it resolves that to, we write inside `out`."""
+    store = emulator.device.state.crash
+    (store / "evil.ips").write_text("payload")
+    out = tmp_path / "a" / "b" / "out"
+    climbing = ["/../../evil.ips", "../../../evil.ips", "/./../evil.ips"]
+    pulled = run(on_device(emulator.udid, lambda d: crash.pull_reports(d, climbing, out)))
+    assert [p.parent for p in pulled] == [out] * 3
+    assert [p.read_text() for p in pulled] == ["payload"] * 3
+    assert _tree(tmp_path) == {"a", "a/b", "a/b/out"} | {f"a/b/out/{p.name}" for p in pulled}
+    (store / "evil.ips").unlink()
+
+
+@pytest.mark.parametrize(
+    ("device_path", "expected"),
+    [
+        ("../../etc/passwd", "etc/passwd"),
+        ("/abs/path.ips", "abs/path.ips"),
+        ("..\\..\\x.ips", "x.ips"),
+        ("a/../../b.ips", "a/b.ips"),
+        ("..", "_"),
+    ],
+)
+def test_safe_join_never_climbs(tmp_path: Path, device_path: str, expected: str) -> None:
+    assert safe_join(tmp_path, device_path) == tmp_path / expected
+
+
+def test_safe_join_refuses_a_symlinked_parent(tmp_path: Path) -> None:
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "link").symlink_to(tmp_path.parent)
+    with pytest.raises(DeviceError, match="outside"):
+        safe_join(tmp_path / "out", "link/x.ips")
+
+
+def test_names_are_flattened_and_cleaned() -> None:
+    assert flat_name("/Retired/JetsamEvent-1.ips") == "Retired_JetsamEvent-1.ips"
+    assert flat_name("../../../") == "_"
+    assert clean_component("a\x00b\x1bc") == "a_b_c"
+    assert clean_component("...") == "___"
+
+
+def test_syslog_stream_sees_a_line(emulator: Emulator) -> None:
+    loop, emit = emulator.host.loop, emulator.device.syslog.emit
+    for i in range(1, 10):  # some land after the relay is subscribed, whenever that is
+        loop.call_soon_threadsafe(loop.call_later, 0.3 * i, emit, "KVSoak", "kvrig-syslog-probe")
+    lines = run(on_device(emulator.udid, lambda d: syslog.stream(d, 3.0, contains="kvrig-syslog-probe")))
+    assert lines and all("kvrig-syslog-probe" in line for line in lines)
+    assert any("KVSoak" in line for line in lines)

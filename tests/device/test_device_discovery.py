@@ -1,0 +1,98 @@
+"""Discovery through usbmuxd: both virtual phones listed with what lockdownd says, mapped to our profile."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.device.conftest import Emulator, run
+from toolchain.device.discovery import list_devices, select_device
+from toolchain.exceptions import DeviceNotFoundError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _profile_names_for(product_type: str) -> set[str]:
+    """Read straight from the shipped YAML files, not through toolchain.profiles."""
+    names = set()
+    for path in (ROOT / "device_profiles").glob("*.yaml"):
+        data = yaml.safe_load(path.read_text())
+        if product_type in data.get("product_types", []):
+            names.add(data["name"])
+    return names
+
+
+def test_list_devices_maps_product_type_to_profile(emulator: Emulator) -> None:
+    found = {d.udid: d for d in run(list_devices())}
+    assert set(found) == {emulator.udid, emulator.ios17.identity.udid}
+    phone = found[emulator.udid]
+    assert phone.product_type == "iPhone16,1"
+    assert phone.os_version == "16.7" and phone.build_version == "20H19"
+    assert phone.connection == "USB" and phone.error is None
+    assert _profile_names_for("iPhone16,1") == {phone.profile}
+    assert found[emulator.ios17.identity.udid].os_version == "17.4"
+
+
+def test_select_device(emulator: Emulator) -> None:
+    assert run(select_device(emulator.udid)).udid == emulator.udid
+    with pytest.raises(DeviceNotFoundError, match="--udid"):
+        run(select_device(None))  # two attached: ambiguous
+    with pytest.raises(DeviceNotFoundError, match=emulator.udid):
+        run(select_device("00008130-DEADBEEF00000000"))  # names what is attached
+
+
+def test_no_usbmuxd_is_device_not_found(tmp_path: Path) -> None:
+    with pytest.raises(DeviceNotFoundError, match="usbmuxd"):
+        run(list_devices(usbmux_address=str(tmp_path / "nothing.sock")))
+
+
+CLI = """
+import sys
+from toolchain.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as exc:
+    code = exc.code
+else:
+    code = 0
+heavy = sorted(m for m in sys.modules if m.split('.')[0] in {'mlx', 'mlx_lm'})
+print('HEAVY=' + ','.join(heavy), file=sys.stderr)
+sys.exit(code)
+"""
+
+
+def test_cli_devices_json_without_mlx(emulator: Emulator) -> None:
+    env = dict(os.environ, USBMUXD_SOCKET_ADDRESS=emulator.address)
+    proc = subprocess.run(
+        [sys.executable, "-c", CLI, "devices", "--json"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    listed = {d["udid"]: d for d in json.loads(proc.stdout)}
+    assert listed[emulator.udid]["product_type"] == "iPhone16,1"
+    assert "HEAVY=\n" in proc.stderr
+
+
+def test_cli_devices_without_usbmuxd_exits_11(tmp_path: Path) -> None:
+    env = dict(os.environ, USBMUXD_SOCKET_ADDRESS=str(tmp_path / "none.sock"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "toolchain", "devices"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60
+    )
+    assert proc.returncode == 11
+    assert proc.stderr.startswith("kvrig: error:") and "Traceback" not in proc.stderr
+
+
+def test_device_layer_and_soak_import_neither_the_emulator_nor_mlx() -> None:
+    code = (
+        "import sys, toolchain.device.apps, toolchain.device.crash, toolchain.device.deploy, "
+        "toolchain.device.files, toolchain.device.processes, toolchain.device.syslog, toolchain.soak, "
+        "toolchain.cli.device, toolchain.cli.soak\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('toolchain.virtual', 'mlx'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    assert out.strip() == "[]"

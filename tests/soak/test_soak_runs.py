@@ -1,0 +1,170 @@
+"""Soak runs end to end on the virtual iPhone: jetsam at the limit (checked against the raw report), completed,
+hang, crash, a lost device, and partial results when a step fails."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.soak.conftest import BUNDLE_ID, Emulator, installed, on_device, run
+from tests.virtual.conftest import LIMIT_BYTES
+from toolchain.device.processes import pid_for
+from toolchain.exceptions import AppError
+from toolchain.schemas import load_model_file
+from toolchain.schemas.results import ResultsFile
+from toolchain.soak import SoakOptions, make_plan, run_soak
+from toolchain.virtual.faults import FaultPlan
+
+__all__ = ["installed"]
+ROOT = Path(__file__).resolve().parents[2]
+FAST = SoakOptions(poll_interval_s=0.2, hang_after_s=30, report_wait_s=5)
+
+
+@pytest.fixture()
+def faults_cleared(installed: Emulator) -> Iterator[Emulator]:
+    yield installed
+    installed.device.faults = FaultPlan()
+    installed.host.run(installed.device.replug())
+    installed.host.run(installed.device.apps.kill_all())
+
+
+def _raw_report(path: Path) -> dict:
+    """The report body straight from the .ips text: a JSON header line, then the JSON body."""
+    header, body = path.read_text().split("\n", 1)
+    assert json.loads(header)["bug_type"] == "298"
+    return json.loads(body)
+
+
+def _raw_steps(path: Path) -> list[dict]:
+    steps = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a torn last line
+        if record.get("event") == "step":
+            steps.append(record)
+    return steps
+
+
+def test_soak_until_jetsam(installed: Emulator, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    plan = make_plan(max_tokens=1_000_000, step_tokens=512, decode_tokens=1, scheme="fp16")
+    result = run(on_device(installed.udid, lambda d: run_soak(d, BUNDLE_ID, plan, out, FAST)))
+
+    assert result.outcome == "jetsam", result.outcome_detail
+    assert result.error is None and result.steps_done[-1] == "classify"
+    saved = load_model_file(ResultsFile, out / "results.json")
+    assert saved.runs == [result]
+
+    (report_path,) = (out / "reports").glob("JetsamEvent-*.ips")
+    assert report_path.read_bytes() == (installed.device.state.crash / report_path.name).read_bytes()
+    body = _raw_report(report_path)
+    (victim,) = [p for p in body["processes"] if p.get("reason")]
+    assert victim["name"] == "KVSoak" == result.process
+    at_kill = victim["rpages"] * body["memoryStatus"]["pageSize"]
+    assert result.footprint_at_kill_bytes == at_kill
+    assert result.limit_bytes == at_kill  # a per-process-limit kill happens at the limit
+    assert at_kill >= LIMIT_BYTES  # the emulator was told 160 MiB
+
+    steps = _raw_steps(out / "telemetry.jsonl")
+    assert steps and all(s["run_id"] == plan.run_id for s in steps)
+    assert result.max_context_reached == max(s["context_tokens"] for s in steps)
+    assert result.max_safe_context == steps[-1]["context_tokens"]
+    assert result.last_footprint_bytes == steps[-1]["phys_footprint_bytes"] < LIMIT_BYTES
+    assert [p.context_tokens for p in result.tps_curve] == [s["context_tokens"] for s in steps]
+    assert [p.decode_tps for p in result.tps_curve] == [s["decode_tps"] for s in steps]
+    assert all(p.decode_tps for p in result.tps_curve)
+    assert result.app_limit_bytes == LIMIT_BYTES
+    # the plan the app ran is the plan we wrote
+    assert [s["context_tokens"] for s in steps] == [512 * (i + 1) for i in range(len(steps))]
+    assert json.loads((out / "soakplan.json").read_text())["run_id"] == plan.run_id
+
+
+def test_soak_that_completes_kills_the_finished_app(installed: Emulator, tmp_path: Path) -> None:
+    plan = make_plan(max_tokens=768, step_tokens=256, decode_tokens=1)
+    result = run(on_device(installed.udid, lambda d: run_soak(d, BUNDLE_ID, plan, tmp_path, FAST)))
+    assert result.outcome == "completed"
+    assert result.max_context_reached == 768
+    assert result.files.jetsam_reports == [] and result.footprint_at_kill_bytes is None
+    ends = [json.loads(x) for x in (tmp_path / "telemetry.jsonl").read_text().splitlines() if '"end"' in x]
+    assert [e["reason"] for e in ends] == ["completed"]
+    assert run(on_device(installed.udid, lambda d: pid_for(d, BUNDLE_ID))) == 0
+
+
+def test_hang_is_detected_and_killed(faults_cleared: Emulator, tmp_path: Path) -> None:
+    emulator = faults_cleared
+    emulator.device.faults = FaultPlan(hang_at_tokens=512)
+    plan = make_plan(max_tokens=100_000, step_tokens=256, decode_tokens=1)
+    options = SoakOptions(poll_interval_s=0.2, hang_after_s=2.0, report_wait_s=2)
+    result = run(on_device(emulator.udid, lambda d: run_soak(d, BUNDLE_ID, plan, tmp_path, options)))
+    assert result.outcome == "hang"
+    assert result.max_context_reached == 256  # the step at 512 never came back
+    assert emulator.device.apps.pid_for_bundle(BUNDLE_ID) == 0  # we killed it
+
+
+def test_unplugged_phone_is_device_lost(faults_cleared: Emulator, tmp_path: Path) -> None:
+    emulator = faults_cleared
+    telemetry = emulator.device.state.container(BUNDLE_ID) / "Documents" / "telemetry.jsonl"
+    telemetry.unlink(missing_ok=True)
+
+    def pull_the_cable_after_two_steps() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if telemetry.exists() and telemetry.read_text().count('"event":"step"') >= 2:
+                emulator.host.run(emulator.device.unplug())
+                return
+            time.sleep(0.05)
+
+    cable = threading.Thread(target=pull_the_cable_after_two_steps)
+    cable.start()
+    plan = make_plan(max_tokens=100_000, step_tokens=256, decode_tokens=1)
+    options = SoakOptions(poll_interval_s=0.2, hang_after_s=30, reconnect_s=1.0)
+    result = run(on_device(emulator.udid, lambda d: run_soak(d, BUNDLE_ID, plan, tmp_path, options)))
+    cable.join()
+    assert result.outcome == "device_lost"
+    assert not emulator.device.plugged
+    saved = load_model_file(ResultsFile, tmp_path / "results.json").runs[0]
+    assert saved.outcome == "device_lost" and saved.files.telemetry == "telemetry.jsonl"
+    assert saved.max_context_reached is not None  # what was pulled before the loss is kept
+
+
+def test_missing_app_leaves_partial_results(installed: Emulator, tmp_path: Path) -> None:
+    plan = make_plan(max_tokens=512)
+    with pytest.raises(AppError):
+        run(on_device(installed.udid, lambda d: run_soak(d, "com.example.absent", plan, tmp_path, FAST)))
+    saved = load_model_file(ResultsFile, tmp_path / "results.json").runs[0]
+    assert saved.outcome is None and saved.error.startswith("find app: ")
+    assert saved.device.udid == installed.udid and saved.steps_done == []
+
+
+def _cli(emulator: Emulator, *args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, USBMUXD_SOCKET_ADDRESS=emulator.address)
+    return subprocess.run(
+        [sys.executable, "-m", "toolchain", *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120
+    )
+
+
+def test_cli_soak_json_and_crash_exit_code(faults_cleared: Emulator, tmp_path: Path) -> None:
+    emulator = faults_cleared
+    common = ["soak", "--app-id", BUNDLE_ID, "--udid", emulator.udid, "--step", "256", "--decode-tokens", "1"]
+    ok = _cli(emulator, *common, "--max-tokens", "512", "-o", str(tmp_path / "ok"), "--json")
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["outcome"] == "completed"
+
+    emulator.device.faults = FaultPlan(crash_at_tokens=512)
+    crashed = _cli(emulator, *common, "--max-tokens", "4096", "-o", str(tmp_path / "crash"))
+    assert crashed.returncode == 16, crashed.stderr
+    assert "crash" in crashed.stderr and "Traceback" not in crashed.stderr
+    saved = load_model_file(ResultsFile, tmp_path / "crash" / "results.json").runs[0]
+    assert saved.outcome == "crash" and saved.files.crash_reports
+    (report,) = [tmp_path / "crash" / p for p in saved.files.crash_reports]
+    assert json.loads(report.read_text().split("\n", 1)[0])["bug_type"] == "309"

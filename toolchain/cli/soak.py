@@ -1,0 +1,95 @@
+"""`kvrig soak`: run one soak on a device and write results.json, telemetry and jetsam reports to a folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from toolchain.cli.bridge import run_async
+from toolchain.cli.render import echo_json, human_bytes, json_option
+
+
+@click.command("soak")
+@click.option("--app-id", required=True, help="Bundle id of the installed app to soak.")
+@click.option("--udid", default=None, help="The device's UDID (needed when several are attached).")
+@click.option(
+    "--plan", "plan_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="A soak plan file."
+)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=131072, show_default=True, help="Stop growing here.")
+@click.option("--step", type=click.IntRange(min=1), default=256, show_default=True, help="Tokens added per step.")
+@click.option(
+    "--decode-tokens", type=click.IntRange(min=1), default=16, show_default=True, help="Tokens timed per step."
+)
+@click.option("--bundle", "bundle_name", default=None, help="Name of the model bundle the app runs (recorded).")
+@click.option("--scheme", default="default", show_default=True, help="KV scheme name recorded with the run.")
+@click.option(
+    "--hang-after",
+    type=click.FloatRange(min=0.1),
+    default=120.0,
+    show_default=True,
+    help="Seconds without telemetry (app alive) before the run counts as hung.",
+)
+@click.option("--timeout", type=click.FloatRange(min=1), default=None, help="Seconds for the whole run.")
+@click.option(
+    "-o",
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    required=True,
+    help="Output folder (results.json, telemetry.jsonl, reports/).",
+)
+@json_option
+def soak(
+    app_id: str,
+    udid: str | None,
+    plan_file: Path | None,
+    max_tokens: int,
+    step: int,
+    decode_tokens: int,
+    bundle_name: str | None,
+    scheme: str,
+    hang_after: float,
+    timeout: float | None,
+    out_dir: Path,
+    as_json: bool,
+) -> None:
+    """Grow the app's context until it completes or iOS kills it; pull telemetry and the jetsam report."""
+    from toolchain.exceptions import SoakFailedError
+    from toolchain.schemas import load_model_file
+    from toolchain.schemas.soakplan import SoakPlan
+    from toolchain.soak import SoakOptions, make_plan
+    from toolchain.soak import soak as run
+
+    if plan_file is not None:
+        plan = load_model_file(SoakPlan, plan_file)
+    else:
+        plan = make_plan(max_tokens=max_tokens, step_tokens=step, decode_tokens=decode_tokens, scheme=scheme)
+    echo = None if as_json else (lambda line: click.echo(line, err=True))
+    options = SoakOptions(hang_after_s=hang_after, timeout_s=timeout, bundle=bundle_name, on_event=echo)
+    result = run_async(run(app_id, plan, out_dir, udid=udid, options=options))
+    if as_json:
+        echo_json(result)
+    else:
+        _render(result, out_dir)
+    if result.outcome in ("crash", "hang", "device_lost"):
+        raise SoakFailedError(f"soak {result.run_id} ended in {result.outcome}: {result.outcome_detail}")
+
+
+def _render(result, out_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    def size(n: int | None) -> str:
+        return human_bytes(n) if n is not None else "?"
+
+    click.echo(f"run {result.run_id} on {result.device.udid} ({result.device.product_type}): {result.outcome}")
+    click.echo(f"  {result.outcome_detail}")
+    click.echo(f"  max context reached {result.max_context_reached}, max safe context {result.max_safe_context}")
+    if result.footprint_at_kill_bytes is not None:
+        click.echo(
+            f"  footprint at kill {size(result.footprint_at_kill_bytes)}, "
+            f"limit implied by the report {size(result.limit_bytes)}, app believed {size(result.app_limit_bytes)}"
+        )
+    points = [p for p in result.tps_curve if p.decode_tps is not None]
+    if points:
+        shown = points[:: max(1, len(points) // 8)]
+        click.echo("  decode tok/s: " + ", ".join(f"{p.context_tokens}:{p.decode_tps:.1f}" for p in shown))
+    click.echo(f"  results: {out_dir / 'results.json'}")
