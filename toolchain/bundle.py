@@ -491,7 +491,8 @@ def check_bundle(bundle: str | Path, *, progress: Callable[[str], None] | None =
         elif not path.is_file():
             problems.append(FileProblem(entry.path, "missing"))
         elif (size := path.stat().st_size) != entry.size:
-            problems.append(FileProblem(entry.path, f"size {size} bytes, manifest says {entry.size} (truncated?)"))
+            how = "truncated" if size < entry.size else "grown"
+            problems.append(FileProblem(entry.path, f"size {size} bytes, manifest says {entry.size} ({how})"))
         elif _sha256(path) != entry.sha256:
             problems.append(FileProblem(entry.path, "sha256 differs from the manifest (edited?)"))
     for path in sorted(p for p in bundle.rglob("*") if p.is_file()):
