@@ -12,7 +12,6 @@ import errno
 import hashlib
 import json
 import os
-import re
 import shutil
 import tempfile
 import uuid
@@ -26,10 +25,11 @@ from toolchain.exceptions import (
     BundleError,
     DoesNotFitError,
     ModelConfigError,
-    QuantizationError,
     SchemaError,
     VerifyError,
 )
+from toolchain.plan.kv import MLX_STEP, KVScheme, check_dims, parse_scheme
+from toolchain.plan.runtime import DEFAULT_BUFFER_CACHE_BYTES
 from toolchain.quantize import WeightRecipe, weight_recipe
 from toolchain.schemas import load_model_file
 from toolchain.schemas.bundle import (
@@ -55,34 +55,11 @@ TOKENIZER_FILES = (
     "chat_template.json",
     "generation_config.json",
 )
-KV_BITS = (2, 3, 4, 5, 6, 8)
-DEFAULT_BUFFER_CACHE_LIMIT = 20 * 1024 * 1024  # what the MLX Swift examples use
-MLX_CACHE_STEP = 256
+DEFAULT_BUFFER_CACHE_LIMIT = DEFAULT_BUFFER_CACHE_BYTES
+MLX_CACHE_STEP = MLX_STEP
 
 
 # --- options ----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class KVScheme:
-    name: str
-    key_bits: int | None
-    value_bits: int | None
-
-
-def parse_kv_scheme(name: str) -> KVScheme:
-    """'k8v4' -> keys 8-bit, values 4-bit; 'fp16' -> unquantized (the planner's scheme names)."""
-    text = name.strip().lower()
-    if text in ("fp16", "f16", "none"):
-        return KVScheme("fp16", None, None)
-    m = re.fullmatch(r"k(\d+)v(\d+)", text)
-    if not m:
-        raise QuantizationError(f"KV scheme '{name}' not understood (expected e.g. k8v4, k8v8, k4v4, fp16)")
-    key_bits, value_bits = int(m.group(1)), int(m.group(2))
-    for b in (key_bits, value_bits):
-        if b not in KV_BITS:
-            raise QuantizationError(f"KV scheme '{name}': {b} bits is not an MLX bit width {KV_BITS}")
-    return KVScheme(text, key_bits, value_bits)
 
 
 @dataclass(frozen=True)
@@ -192,7 +169,7 @@ def package(model: str | Path | None, out: str | Path, options: PackageOptions) 
 
     out = Path(out)
     recipe = weight_recipe(options.weights, options.group_size)
-    scheme = parse_kv_scheme(options.kv)
+    scheme = parse_scheme(options.kv, group_size=options.kv_group_size)
     if out.exists():
         raise BundleError(f"{out}: output folder already exists; remove it or choose another -o")
     source = Path(model) if model is not None else embedded_default_model()
@@ -344,14 +321,10 @@ def _disk_errors(where: Path) -> Iterator[None]:
 
 
 def _check_kv_group(config: dict[str, Any], group: int, scheme: KVScheme, file: Path) -> None:
-    if scheme.key_bits is None and scheme.value_bits is None:
-        return
-    text = config.get("text_config", config)
-    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
-    if head_dim % group:
-        fitting = [g for g in (128, 64, 32) if head_dim % g == 0]
-        hint = f"choose --kv-group-size {fitting[0]}" if fitting else "no MLX group size divides it"
-        raise QuantizationError(f"{file}: head_dim {head_dim} is not divisible by the KV group size {group}; {hint}")
+    """Every quantized cache's head dims must divide by the KV group size (the planner's check, per layer)."""
+    from toolchain.models import spec_from_config
+
+    check_dims(spec_from_config(config, file), scheme)
 
 
 def _write_weights(src_dir: Path, dst: Path, recipe: WeightRecipe) -> dict[str, Any]:

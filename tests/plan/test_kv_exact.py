@@ -16,7 +16,7 @@ from tiny_configs import TINY_CONFIGS
 
 from toolchain.models import spec_from_config
 from toolchain.plan.kv import allocated_bytes, bytes_per_token, parse_scheme
-from toolchain.runtime.kv_cache import make_kv_caches
+from toolchain.runtime.caches import make_kv_caches
 
 # The phone keeps activations (and so caches) in fp16; a few families run that way here. The rest run in
 # fp32 because MLX's CPU matmul is far faster there (and its GatherMM for MoE experts is fp32-only); the

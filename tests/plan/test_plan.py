@@ -18,7 +18,7 @@ from toolchain.plan import plan
 from toolchain.plan.kv import allocated_bytes, context_schedule, parse_scheme
 from toolchain.plan.memory import _peak_bytes, recommend
 from toolchain.profiles import load_profile
-from toolchain.runtime.kv_cache import make_kv_caches
+from toolchain.runtime.caches import make_kv_caches
 
 
 @pytest.fixture(scope="module")

@@ -114,31 +114,3 @@ class DequantizingKVCache(_BaseCache):
         if self.keys is None or self.values is None:
             return 0
         return sum(x.nbytes for x in (*self.keys, *self.values))
-
-
-def make_kv_caches(model: Any, spec: Any, key_bits: int | None, value_bits: int | None, group_size: int) -> list[Any]:
-    """The model's own caches (mlx-lm `make_prompt_cache`) with its growing full-attention caches replaced
-    by quantized ones: mlx-lm's QuantizedKVCache when K and V bits agree and the model's attention takes
-    quantized keys (`spec.quantized_attention`), ours otherwise.
-
-    Sliding (rotating) caches stay unquantized, as mlx-lm cannot quantize them; MLA latent caches stay
-    unquantized because mlx-lm's MLA attention reads them as plain arrays. `spec` is the ModelSpec: shared
-    layers have no cache of their own, so caches pair with the non-shared layers in order.
-    """
-    from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
-
-    caches = make_prompt_cache(model)
-    if key_bits is None or value_bits is None:
-        return caches
-    owners = [layer for layer in spec.layers if layer.kind != "shared"]
-    if len(owners) != len(caches):
-        raise ValueError(f"model made {len(caches)} caches but its spec has {len(owners)} cache-holding layers")
-    out: list[Any] = []
-    for layer, cache in zip(owners, caches, strict=True):
-        if layer.kind != "full" or type(cache) is not KVCache:
-            out.append(cache)
-        elif key_bits == value_bits and spec.quantized_attention:
-            out.append(QuantizedKVCache(group_size=group_size, bits=key_bits))
-        else:
-            out.append(DequantizingKVCache(key_bits, value_bits, group_size))
-    return out
