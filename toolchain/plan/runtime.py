@@ -10,6 +10,7 @@ from toolchain.plan.kv import KVScheme, layer_allocated_bytes, layer_row_bytes
 
 DEFAULT_BUFFER_CACHE_BYTES = 20 * 1024 * 1024  # what the MLX-Swift examples cap Memory.cacheLimit at
 DEFAULT_PREFILL_STEP = 512  # MLX-Swift's GenerateParameters.prefillStepSize default
+FUSED_HEAD_DIMS = (64, 80, 128)  # head dims MLX's fused (steel) attention takes for many-row queries
 
 
 def _cfg(spec: ModelSpec) -> dict:
@@ -18,8 +19,9 @@ def _cfg(spec: ModelSpec) -> dict:
 
 def prefill_activation_bytes(spec: ModelSpec, prefill_step: int, context: int, dtype: str = "float16") -> int:
     """Upper-bound estimate of the live activations while one prefill chunk of `prefill_step` tokens runs at
-    `context`: residual stream and projections, the MLP's widest intermediate, and attention scores
-    (assumed materialized — fused attention kernels need less)."""
+    `context`: residual stream and projections, the MLP's widest intermediate, and the attention scores when
+    they are materialized (chunk × context per head): MLX's fused attention kernel for many-row queries takes
+    head dims 64, 80 and 128 without materializing them; other head dims fall back to plain matmuls."""
     cfg = _cfg(spec)
     width = DTYPE_BYTES[dtype]
     s = min(prefill_step, max(context, 1))
@@ -33,7 +35,8 @@ def prefill_activation_bytes(spec: ModelSpec, prefill_step: int, context: int, d
     stream = 4 * s * hidden * width
     projections = s * (heads + 2 * kv) * head_dim * width
     mlp = 3 * s * inter * width
-    scores = heads * s * context * width
+    fused = all(layer.k_head_dim in FUSED_HEAD_DIMS for layer in spec.layers if layer.grows or layer.kind == "sliding")
+    scores = 0 if fused else heads * s * context * width
     logits = spec.vocab_size * 4  # only the last position's logits are evaluated
     return stream + projections + mlp + scores + logits
 
