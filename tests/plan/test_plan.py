@@ -190,3 +190,14 @@ def test_cli_unknown_gguf_architecture(tmp_path: Path) -> None:
         [sys.executable, "-m", "toolchain", "plan", str(path), "--device", "iPhone16,1"], capture_output=True, text=True
     )
     assert proc.returncode == 4 and "rwkv9" in proc.stderr
+
+
+def test_prefill_scores_counted_only_without_fused_attention() -> None:
+    from toolchain.plan.runtime import prefill_activation_bytes
+
+    fused = spec_from_config(TINY_CONFIGS["llama"])  # head dim 64: MLX's fused kernel
+    plain = spec_from_config({**TINY_CONFIGS["llama"], "head_dim": 96})
+    assert prefill_activation_bytes(fused, 512, 8192) == prefill_activation_bytes(fused, 512, 1024)
+    assert prefill_activation_bytes(plain, 512, 8192) > prefill_activation_bytes(plain, 512, 1024)
+    # a smaller prefill step lowers the peak either way
+    assert prefill_activation_bytes(plain, 128, 8192) < prefill_activation_bytes(plain, 512, 8192)
