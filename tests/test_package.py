@@ -1,0 +1,259 @@
+"""`kvrig package` / `verify` on the real SmolLM2 GGUF: bundle contents, plain mlx-lm loading it, greedy
+generation against the source, manifest checks, and the error paths. SmolLM2 is packaged once per session."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+
+from tests.bundle_fixtures import Q4_K8V8, converted_source, packaged
+from tests.gguf_writer import write_gguf
+from toolchain import bundle as bundle_mod
+from toolchain.bundle import PackageOptions, PlanView, package, verify_bundle
+from toolchain.exceptions import (
+    BundleError,
+    DoesNotFitError,
+    ModelConfigError,
+    UnsupportedArchitectureError,
+    VerifyError,
+)
+from toolchain.models.gguf import embedded_default_model
+from toolchain.schemas import load_model_file
+from toolchain.schemas.bundle import Manifest
+from toolchain.schemas.kvcache import KVCacheConfig
+
+PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="session")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("package")
+
+
+@pytest.fixture(scope="session")
+def q4_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return packaged(tmp_path_factory, "smollm2-q4", Q4_K8V8)
+
+
+@pytest.fixture(scope="session")
+def q8_bundle(workdir: Path) -> Path:
+    out = workdir / "smollm2-q8"
+    package(embedded_default_model(), out, PackageOptions(weights="q8", group_size=32, kv="k8v4"))
+    return out
+
+
+@pytest.fixture(scope="session")
+def source_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return converted_source(tmp_path_factory)
+
+
+def _plain_f32(path: Path):
+    """Plain mlx-lm loading; float32 so the CPU does not emulate float16 (only speed changes)."""
+    model, tok = load(str(path))[:2]
+    model.set_dtype(mx.float32)
+    return model, tok
+
+
+def _greedy(model, tok, n: int) -> list[int]:
+    ids = mx.array(tok.encode(PROMPT))
+    return [int(t) for t, _ in generate_step(ids, model, max_tokens=n)]
+
+
+def _last_logits(model, tok) -> mx.array:
+    return model(mx.array(tok.encode(PROMPT))[None])[0, -1].astype(mx.float32)
+
+
+def test_bundle_contents(q4_bundle: Path) -> None:
+    config = json.loads((q4_bundle / "config.json").read_text())
+    assert config["quantization"]["group_size"] == 64
+    assert config["quantization"]["bits"] == 4
+    assert config["quantization_config"]["group_size"] == 64
+    assert (q4_bundle / "tokenizer.json").is_file()
+    assert "chat_template" in json.loads((q4_bundle / "tokenizer_config.json").read_text())
+    kv = load_model_file(KVCacheConfig, q4_bundle / "kvcache.json")
+    assert (kv.key_bits, kv.value_bits, kv.group_size) == (8, 8, 64)
+    assert len(kv.layers) == config["num_hidden_layers"]
+    assert all(layer.kind == "full" and layer.key_bits == 8 for layer in kv.layers)
+    manifest = load_model_file(Manifest, q4_bundle / "manifest.json")
+    on_disk = sorted(p.name for p in q4_bundle.iterdir() if p.name != "manifest.json")
+    assert sorted(f.path for f in manifest.files) == on_disk
+    for entry in manifest.files:
+        data = (q4_bundle / entry.path).read_bytes()
+        assert entry.size == len(data)
+        assert entry.sha256 == hashlib.sha256(data).hexdigest()
+    assert manifest.source.kind == "gguf"
+    assert manifest.source.sha256 == hashlib.sha256(embedded_default_model().read_bytes()).hexdigest()
+    assert manifest.recipe.weights == "q4" and manifest.recipe.group_size == 64
+    # No temporary folders left next to the bundle.
+    assert not [p for p in q4_bundle.parent.iterdir() if p.name.startswith(".")]
+
+
+def test_weights_are_quantized_as_mlx_counts(q4_bundle: Path) -> None:
+    weights = mx.load(str(q4_bundle / "model.safetensors"))
+    assert isinstance(weights, dict)
+    w = weights["model.layers.0.mlp.gate_proj.weight"]
+    assert w.dtype == mx.uint32 and w.shape == (1536, 576 * 4 // 32)
+    assert weights["model.layers.0.mlp.gate_proj.scales"].shape == (1536, 576 // 64)
+
+
+def test_q8_bundle_generates_like_the_source(q8_bundle: Path, source_dir: Path) -> None:
+    """8-bit re-quantization of the GGUF's weights is close to lossless: same greedy tokens."""
+    bundle_model, tok = _plain_f32(q8_bundle)
+    source_model, _ = _plain_f32(source_dir)
+    assert _greedy(bundle_model, tok, 8) == _greedy(source_model, tok, 8)
+    kv = load_model_file(KVCacheConfig, q8_bundle / "kvcache.json")
+    assert (kv.key_bits, kv.value_bits) == (8, 4)
+
+
+def test_q4_bundle_logits_within_tolerance(q4_bundle: Path, source_dir: Path) -> None:
+    """4-bit group-64 re-quantization of a Q4_1 (group 32) GGUF moves the logits; stated tolerance: cosine
+    similarity of the next-token logits >= 0.95 and the source's greedy token in the bundle's top 5."""
+    bundle_model, tok = _plain_f32(q4_bundle)
+    source_model, _ = _plain_f32(source_dir)
+    a, b = _last_logits(bundle_model, tok), _last_logits(source_model, tok)
+    cos = (a * b).sum() / (mx.linalg.norm(a) * mx.linalg.norm(b))
+    assert cos.item() >= 0.95
+    top5 = mx.argsort(-a)[:5].tolist()
+    assert int(mx.argmax(b).item()) in top5
+
+
+def test_verify_ok_and_catches_truncated_and_edited_files(q4_bundle: Path, tmp_path: Path) -> None:
+    assert verify_bundle(q4_bundle).checked == 6
+    copy = tmp_path / "b"
+    shutil.copytree(q4_bundle, copy)
+    with (copy / "model.safetensors").open("r+b") as fh:
+        fh.truncate(1000)
+    kv = copy / "kvcache.json"
+    kv.write_text(kv.read_text().replace('"keep_tokens": 4', '"keep_tokens": 5'))
+    with pytest.raises(VerifyError) as info:
+        verify_bundle(copy)
+    text = str(info.value)
+    assert "model.safetensors: size 1000 bytes" in text
+    assert "kvcache.json: sha256 differs" in text
+    proc = subprocess.run([sys.executable, "-m", "toolchain", "verify", str(copy)], capture_output=True, text=True)
+    assert proc.returncode == 8
+    assert "model.safetensors" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_existing_output_folder(q4_bundle: Path) -> None:
+    with pytest.raises(BundleError, match="already exists"):
+        package(None, q4_bundle, PackageOptions(kv="k8v8"))
+
+
+def test_missing_and_incomplete_model_dirs(tmp_path: Path) -> None:
+    with pytest.raises(ModelConfigError, match="not found"):
+        package(tmp_path / "nope", tmp_path / "out", PackageOptions())
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelConfigError, match=r"no config\.json"):
+        package(tmp_path / "empty", tmp_path / "out", PackageOptions())
+    assert not (tmp_path / "out").exists()
+
+
+def test_unsupported_architecture(tmp_path: Path) -> None:
+    gguf = write_gguf(tmp_path / "m.gguf", {"general.architecture": "mamba9", "mamba9.block_count": 1})
+    with pytest.raises(UnsupportedArchitectureError, match="mamba9"):
+        package(gguf, tmp_path / "out1", PackageOptions())
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "mamba9", "hidden_size": 8}))
+    mx.save_safetensors(str(hf / "model.safetensors"), {"w": mx.zeros((2,))})
+    with pytest.raises(UnsupportedArchitectureError, match="mamba9"):
+        package(hf, tmp_path / "out2", PackageOptions(kv="fp16"))
+    assert not (tmp_path / "out1").exists() and not (tmp_path / "out2").exists()
+
+
+def test_does_not_fit_refuses_and_force_packages(
+    source_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The planner is faked here (its own tests compare it to MLX); this tests the refusal path.
+    plan = PlanView("iPhone-test", 100 * 2**20, 75 * 2**20, 10_000, 100, 90 * 2**20)
+    monkeypatch.setattr(bundle_mod, "plan_for_bundle", lambda *a, **k: plan)
+    with pytest.raises(DoesNotFitError, match=r"max context is 100 tokens, 156 short of 256"):
+        package(source_dir, tmp_path / "out", PackageOptions(device="iPhone-test", kv="k8v8"))
+    assert not (tmp_path / "out").exists()
+    result = package(source_dir, tmp_path / "out", PackageOptions(device="iPhone-test", kv="k8v8", force=True))
+    assert result.manifest.prediction is not None
+    assert result.manifest.prediction.forced and not result.manifest.prediction.fits
+    assert result.kvcache.max_context == 100
+    assert result.kvcache.memory_limit_bytes == 90 * 2**20
+    assert result.warnings and "--force" in result.warnings[0]
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mnt)], capture_output=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_full_disk_leaves_nothing_half_written(source_dir: Path, small_disk: Path) -> None:
+    with pytest.raises(BundleError, match="disk full"):
+        package(source_dir, small_disk / "bundle", PackageOptions(kv="k8v8"))
+    assert list(small_disk.iterdir()) == []
+
+
+def test_real_plan_refuses_a_model_too_big_for_the_device(tmp_path: Path) -> None:
+    """A 70B-sized llama config cannot fit an iPhone: refused before any weight is read, with the overshoot."""
+    hf = tmp_path / "big"
+    hf.mkdir()
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 8192,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "intermediate_size": 28672,
+        "vocab_size": 128256,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 8192,
+        "torch_dtype": "bfloat16",
+    }
+    (hf / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(hf / "model.safetensors"), {"placeholder": mx.zeros((1,))})
+    with pytest.raises(DoesNotFitError, match=r"weights alone \(.*MiB\) exceed the .* limit by .*MiB"):
+        package(hf, tmp_path / "out", PackageOptions(device="iPhone15,2"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_package_with_a_device_records_the_plan(source_dir: Path, tmp_path: Path) -> None:
+    result = package(source_dir, tmp_path / "b", PackageOptions(device="iPhone15,2", kv="k8v4"))
+    p = result.manifest.prediction
+    assert p is not None and p.fits and not p.forced
+    assert p.max_context == result.kvcache.max_context > 0
+    assert 0 < result.kvcache.memory_limit_bytes < p.limit_bytes
+    assert p.kv_bytes_per_token > 0 and p.weights_bytes > 0
+
+
+def test_cli_errors_are_clear(q4_bundle: Path, tmp_path: Path) -> None:
+    not_gguf = tmp_path / "weights.bin"
+    not_gguf.write_bytes(b"\x00" * 64)
+    cases = [
+        (["package", "-o", str(q4_bundle)], 7, "already exists"),
+        (["package", str(not_gguf), "-o", str(tmp_path / "o1")], 3, "not a GGUF file"),
+        (["package", str(tmp_path / "missing"), "-o", str(tmp_path / "o2")], 3, "model not found"),
+        (["package", "--kv", "k7v4", "-o", str(tmp_path / "o3")], 5, "k7v4"),
+    ]
+    for args, code, text in cases:
+        proc = subprocess.run([sys.executable, "-m", "toolchain", *args], capture_output=True, text=True)
+        assert proc.returncode == code, (args, proc.stderr)
+        assert text in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()

@@ -1,0 +1,98 @@
+"""`kvrig package`: quantize a model into a bundle ready to push to the phone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from toolchain.cli.render import echo_json, human_bytes, json_option
+
+
+@click.command("package")
+@click.argument("model", required=False, type=click.Path(path_type=Path))
+@click.option("--device", "-d", help="Device profile to plan for (refuses a bundle that does not fit).")
+@click.option(
+    "--weights",
+    default="q4",
+    show_default=True,
+    help="q4, q8, mixed_2_6, mixed_3_4, mixed_3_6, mixed_4_6, fp16.",
+)
+@click.option("--group-size", default=64, show_default=True, type=int, help="Weight quantization group size.")
+@click.option("--kv", default="k8v4", show_default=True, help="KV-cache scheme: k8v4, k8v8, k4v4, fp16 ...")
+@click.option("--kv-group-size", default=64, show_default=True, type=int)
+@click.option(
+    "--quantized-kv-start",
+    default=0,
+    show_default=True,
+    type=int,
+    help="Context at which KV quantization begins.",
+)
+@click.option("--rotation", type=click.Choice(["none", "hadamard"]), default="none", show_default=True)
+@click.option("--page-tokens", default=256, show_default=True, type=int, help="Eviction granularity in tokens.")
+@click.option("--keep-tokens", default=4, show_default=True, type=int, help="Tokens kept at the start when evicting.")
+@click.option("--prefill-step", default=512, show_default=True, type=int)
+@click.option("--max-context", type=int, help="Without --device: the context written to kvcache.json.")
+@click.option("--force", is_flag=True, help="Package even if the plan says it does not fit.")
+@click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Bundle folder to create.")
+@json_option
+def package(
+    model: Path | None,
+    device: str | None,
+    weights: str,
+    group_size: int,
+    kv: str,
+    kv_group_size: int,
+    quantized_kv_start: int,
+    rotation: str,
+    page_tokens: int,
+    keep_tokens: int,
+    prefill_step: int,
+    max_context: int | None,
+    force: bool,
+    output: Path,
+    as_json: bool,
+) -> None:
+    """Quantize MODEL (Hugging Face directory or GGUF file; default: the embedded SmolLM2-135M-Instruct)
+    into a bundle: MLX weights, tokenizer, config.json, kvcache.json, manifest.json."""
+    from toolchain.runtime.blas import ensure_openblas
+
+    ensure_openblas()
+    from toolchain.bundle import PackageOptions
+    from toolchain.bundle import package as package_bundle
+
+    options = PackageOptions(
+        weights=weights,
+        group_size=group_size,
+        kv=kv,
+        kv_group_size=kv_group_size,
+        device=device,
+        force=force,
+        quantized_kv_start=quantized_kv_start,
+        rotation=rotation,
+        page_tokens=page_tokens,
+        keep_tokens=keep_tokens,
+        prefill_step_size=prefill_step,
+        max_context=max_context,
+    )
+    result = package_bundle(model, output, options)
+    for warning in result.warnings:
+        click.echo(f"kvrig: warning: {warning}", err=True)
+    if as_json:
+        echo_json({"path": str(result.path), "manifest": result.manifest, "kvcache": result.kvcache})
+        return
+    m = result.manifest
+    total = sum(f.size for f in m.files)
+    click.echo(f"wrote {result.path} ({len(m.files)} files, {human_bytes(total)})")
+    click.echo(f"  source   {m.source.kind} {m.source.name} ({m.source.architecture})")
+    click.echo(f"  weights  {m.recipe.weights}, group size {m.recipe.group_size}")
+    click.echo(
+        f"  kv       {m.recipe.kv_scheme}, group size {m.recipe.kv_group_size}, "
+        f"max context {result.kvcache.max_context}"
+    )
+    if m.prediction is not None:
+        p = m.prediction
+        click.echo(
+            f"  plan     {p.device}: weights {human_bytes(p.weights_bytes)}, "
+            f"{human_bytes(p.kv_bytes_per_token)}/token KV, limit {human_bytes(p.limit_bytes)}"
+        )
