@@ -143,17 +143,22 @@ class Engine:
     def context_tokens(self) -> int:
         return max((int(getattr(c, "offset", 0)) for c in self.caches), default=0)
 
-    def measure(self) -> dict[str, Any]:
-        """Reports memory to the emulator; returns its verdict. The emulator may kill us inside this call."""
+    def measure(self, *, react: bool = True) -> dict[str, Any]:
+        """Reports memory to the emulator; returns its verdict (with our measurement) after reacting to a
+        change of pressure level. The emulator may kill us inside this call."""
         measurement = self.account.measure(self.caches, self.context_tokens)
         verdict = self.channel.measure(measurement)
         if verdict is None:
             raise SystemExit(0)  # the emulator went away
         self.last_verdict = {**verdict, "measurement": measurement}
+        if react:
+            self.react(self.last_verdict)
+        return self.last_verdict
+
+    def react(self, verdict: dict[str, Any]) -> None:
         if verdict["pressure"] != self.pressure:
             self.pressure = verdict["pressure"]
             self.on_pressure(self.pressure, int(verdict["footprint"]))
-        return self.last_verdict
 
     def on_pressure(self, level: Any, footprint: int) -> None:
         import mlx.core as mx
@@ -196,15 +201,12 @@ class Engine:
 
     def prefill(self, tokens: list[int], timing: Timing) -> Any:
         """Feeds `tokens` in prefill steps; only the last token's logits are computed (the rest fill caches)."""
-        import mlx.core as mx
-
         step = self.kv.prefill_step_size
         body, last = tokens[:-1], tokens[-1:]
         for start in range(0, len(body), step):
             t0 = time.perf_counter()
             chunk = body[start : start + step]
             self.forward(chunk, logits=False)
-            mx.clear_cache()
             timing.tokens += len(chunk)
             timing.seconds += time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -320,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         from toolchain.runtime.blas import openblas_loaded
         from toolchain.virtual.llm_memory import CONVERTED_FIELDS
 
-        first = engine.measure()  # the loaded weights: jetsam can strike before any token
+        first = engine.measure(react=False)  # the loaded weights: jetsam can strike before any token
         telemetry.write(
             StartEvent,
             model=bundle.name,
@@ -336,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"host computes in float32, footprint counts {kv.dtype} for the same shapes"
             }
         )
+        engine.react(first)
         if plan is None:
             return _stay(args)
         reason, message = run_soak(engine, plan)
