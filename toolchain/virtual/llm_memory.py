@@ -48,7 +48,8 @@ def _arrays(tree: Any) -> list[Any]:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    return [v for _, v in tree_flatten(tree) if isinstance(v, mx.array)]
+    leaves: list[tuple[str, Any]] = tree_flatten(tree)  # type: ignore[assignment]
+    return [v for _, v in leaves if isinstance(v, mx.array)]
 
 
 def cache_buffers(cache: Any) -> list[Any]:

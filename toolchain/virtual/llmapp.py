@@ -131,7 +131,8 @@ class Engine:
         self.model, self.tokenizer, config = load_bundle_model(bundle)
         self.model_type = str(config.get("model_type", ""))
         self.caches = make_caches(self.model, kv, self.model_type)
-        host_weights = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()) if isinstance(v, mx.array))
+        params: list[tuple[str, Any]] = tree_flatten(self.model.parameters())  # type: ignore[assignment]
+        host_weights = sum(int(v.nbytes) for _, v in params if isinstance(v, mx.array))
         self.account = PhoneAccount(host_weights, stored_weight_bytes(bundle), kv.dtype)
         self.on_critical: str = "stop_and_save"
         self.pressure = "normal"
@@ -221,7 +222,7 @@ class Engine:
 
         for _ in range(count):
             t0 = time.perf_counter()
-            token = int(mx.argmax(logits, axis=-1).item())
+            token = int(mx.argmax(logits, axis=-1).item())  # type: ignore[arg-type]
             if token in self.eos:
                 break
             logits = self.forward([token], logits=True)
