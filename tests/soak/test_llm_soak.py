@@ -42,6 +42,7 @@ class Phones:
     host: EmulatorHost
     small: VirtualDevice
     large: VirtualDevice
+    roomy: VirtualDevice
     small_limit: int
     bundle: Path
 
@@ -59,13 +60,11 @@ def _ipa(bundle: Path, out: Path, bundle_id: str) -> Path:
 @pytest.fixture(scope="module")
 def phones(bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Phones]:
     root = tmp_path_factory.mktemp("llmsoak")
-    memory = make_memory_plan(bundle, PROFILE, schemes=["k8v4"], weights="q4", contexts=[KILL_CONTEXT])
-    small_limit = (
-        memory.runtime.baseline_bytes
-        + memory.weights_bytes
-        + memory.runtime.buffer_cache_bytes
-        + memory.kv_bytes["k8v4"][str(KILL_CONTEXT)]
-    )
+    memory = make_memory_plan(bundle, PROFILE, schemes=["k8v4"], weights="q4", contexts=[KILL_CONTEXT, 768])
+    model_bytes = memory.weights_bytes + memory.runtime.buffer_cache_bytes
+    small_limit = memory.runtime.baseline_bytes + model_bytes + memory.kv_bytes["k8v4"][str(KILL_CONTEXT)]
+    # No baseline, and the warning level (80% of the limit) reached once the KV holds 768 tokens: room to evict.
+    roomy_limit = int((model_bytes + memory.kv_bytes["k8v4"]["768"]) / 0.8)
     address = f"/tmp/kvrig-llm-{os.getpid()}-{root.name}.sock"
     previous = os.environ.get("USBMUXD_SOCKET_ADDRESS")
     os.environ["USBMUXD_SOCKET_ADDRESS"] = address
@@ -73,10 +72,11 @@ def phones(bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[P
         with EmulatorHost(address) as host:
             small = host.add_device(root / "small", profile=PROFILE, limit_bytes=small_limit)
             large = host.add_device(root / "large", profile=PROFILE)
+            roomy = host.add_device(root / "roomy", profile=PROFILE, limit_bytes=roomy_limit, baseline_bytes=0)
             ipa = _ipa(bundle, root / "app", APP_ID)
-            for device in (small, large):
+            for device in (small, large, roomy):
                 run(deploy(bundle, ipa=ipa, udid=device.identity.udid))
-            yield Phones(host, small, large, small_limit, bundle)
+            yield Phones(host, small, large, roomy, small_limit, bundle)
     finally:
         if previous is None:
             os.environ.pop("USBMUXD_SOCKET_ADDRESS", None)
@@ -156,6 +156,31 @@ def test_large_limit_completes(phones: Phones, tmp_path: Path) -> None:
     # Each target is reached, then decode_tokens more are generated.
     assert [s["context_tokens"] for s in steps] == [258, 514]
     assert events[-1]["context_tokens"] == 514
+
+
+def test_warning_evicts_the_oldest_page(phones: Phones, tmp_path: Path) -> None:
+    plan = make_plan(max_tokens=768, step_tokens=256, decode_tokens=2, scheme="k8v4")
+    result = _soak(phones, phones.roomy, plan, tmp_path)
+    assert result.outcome == "completed", result.outcome_detail
+    events = _events(tmp_path / "telemetry.jsonl")
+    warning = next(e for e in events if e["event"] == "memory_pressure" and e["level"] == "warning")
+    evict = next(e for e in events if e["event"] == "evict")
+    assert evict["seq"] == warning["seq"] + 1
+    # One page (kvcache.json page_tokens) after the kept tokens; the context shrinks by exactly that.
+    assert evict["tokens_evicted"] == 256
+    assert evict["context_tokens"] == warning["context_tokens"] - 256
+    before = [e for e in events if e["event"] == "step" and e["seq"] < evict["seq"]]
+    assert before and evict["kv_bytes"] < before[-1]["kv_bytes"]
+    # Every warning that finds a page to drop drops one (the level goes back to normal, then rises again);
+    # as in the Swift app, a target is fed once, so the context ends short of the last target by what went.
+    for e in events:
+        if e["event"] == "evict":
+            pressure = events[e["seq"] - 1]
+            assert pressure["level"] in ("warning", "critical") and e["tokens_evicted"] == 256
+            assert e["context_tokens"] == pressure["context_tokens"] - 256
+    steps = [e for e in events if e["event"] == "step"]
+    assert events[-1]["event"] == "end" and events[-1]["reason"] == "completed"
+    assert events[-1]["context_tokens"] == steps[-1]["context_tokens"] < 768
 
 
 def test_critical_pressure_stops_and_saves(phones: Phones, tmp_path: Path) -> None:
