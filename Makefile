@@ -24,7 +24,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 demo: $(STAMP)
-	$(BIN)/kvrig plan --device iPhone16,1
+	$(BIN)/kvrig demo -o build/demo
 
 lint: $(STAMP)
 	$(BIN)/ruff check toolchain tests

@@ -28,6 +28,7 @@ COMMANDS: dict[str, str] = {
     "soak": "toolchain.cli.soak:soak",
     "telemetry": "toolchain.cli.telemetry:telemetry",
     "virtual": "toolchain.cli.virtual:virtual",
+    "demo": "toolchain.cli.demo:demo",
 }
 
 
@@ -65,6 +66,7 @@ _SHORT_HELP: dict[str, str] = {
     "soak": "Grow the app's context on a device until it completes or jetsam kills it; write results.json.",
     "telemetry": "Summarise the app's JSONL telemetry per run; correlate a run with its jetsam report.",
     "virtual": "Run a virtual USB iPhone that pymobiledevice3 drives (start, stop, status).",
+    "demo": "The main job on a virtual iPhone: package, plan, build, deploy, soak until jetsam, compare.",
 }
 
 

@@ -1,10 +1,12 @@
 """Running launched apps as host processes, and playing the kernel for them.
 
-A launched app is `python -m toolchain.virtual.testapp` in the app's data container (the app runtime that
-grows memory the way the LLM app does; a runtime that loads a full bundle is later soak work). It speaks a
-JSON-line channel on its stdin/stdout:
+A launched app is a host process in the app's data container: `python -m toolchain.virtual.llmapp` for apps
+built with `kvrig build --virtual` (it runs the pushed bundle with real MLX), `toolchain.virtual.testapp`
+otherwise (it grows memory the way the LLM app does, without a model). It speaks a JSON-line channel on its
+stdin/stdout:
 
-    app -> emulator   {"measure": {mlx_active_bytes, mlx_cache_bytes, kv_bytes, weight_bytes, context_tokens}}
+    app -> emulator   {"measure": {mlx_active_bytes, mlx_cache_bytes, kv_bytes, weight_bytes, context_tokens,
+                                   phone_format_delta_bytes}}
                       {"log": "text"}                      (goes to the device log under the app's name)
     emulator -> app   {"footprint": n, "available": n, "pressure": "normal|warning|critical"}
 

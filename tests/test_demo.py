@@ -1,0 +1,22 @@
+"""`kvrig demo` end to end (slow: packages, soaks SmolLM2 on a virtual iPhone until jetsam)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from toolchain.demo import DemoOptions, run_demo
+
+
+@pytest.mark.slow
+def test_demo_soaks_into_jetsam(tmp_path: Path) -> None:
+    result = run_demo(DemoOptions(out=tmp_path, room_tokens=768, decode_tokens=1))
+    soak = result.soak
+    assert soak.outcome == "jetsam", soak.outcome_detail
+    assert soak.footprint_at_kill_bytes is not None and soak.footprint_at_kill_bytes >= result.limit_bytes
+    assert soak.max_safe_context is not None and soak.max_safe_context > 0
+    assert soak.predicted is not None and soak.predicted.limit_bytes == result.limit_bytes
+    saved = json.loads((result.soak_dir / "results.json").read_text())
+    assert saved["runs"][0]["outcome"] == "jetsam"

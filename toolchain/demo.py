@@ -1,0 +1,168 @@
+"""The main job end to end on a virtual iPhone (what `kvrig demo` and `make demo` run).
+
+Package the embedded SmolLM2 (weights and KV scheme as given), plan it, render its app and build the .ipa for
+the virtual iPhone, start a virtual iPhone 15 Pro whose app limit leaves room for `room_tokens` of KV beyond
+the weights, the MLX buffer cache and the profile's baseline (so jetsam comes in a minute or two on a laptop
+CPU), deploy the app and the bundle, soak until jetsam, and compare the planner's prediction with what the
+soak measured and what the JetsamEvent report says. The virtual iPhone is stopped at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from toolchain.schemas.results import Prediction, SoakResult
+
+APP_NAME = "SmolLM2 Demo"
+APP_ID = "dev.kvrig.demo"
+Event = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    out: Path
+    device: str = "iPhone16,1"
+    weights: str = "q4"
+    kv: str = "k8v4"
+    room_tokens: int = 2048
+    step_tokens: int = 256
+    decode_tokens: int = 4
+    max_tokens: int = 16384
+    max_seconds: float = 900.0
+
+
+@dataclass
+class DemoResult:
+    bundle: Path
+    project: Path
+    ipa: Path
+    device: str
+    limit_bytes: int
+    predicted_max_context: int
+    """Planner, no safety margin: the context whose estimated peak reaches the limit."""
+    predicted_max_context_with_margin: int
+    margin: float
+    predicted_footprint_bytes: int
+    soak: SoakResult
+    soak_dir: Path
+
+
+def _say(on_event: Event | None, text: str) -> None:
+    if on_event is not None:
+        on_event(text)
+
+
+def run_demo(options: DemoOptions, on_event: Event | None = None) -> DemoResult:
+    from toolchain.appgen.render import AppOptions, render_app
+    from toolchain.appgen.virtual_ipa import build_virtual_ipa
+    from toolchain.bundle import PackageOptions, package
+    from toolchain.models import load_model_spec
+    from toolchain.models.gguf import embedded_default_model
+    from toolchain.plan import plan_memory
+    from toolchain.plan.memory import DEFAULT_MARGIN
+    from toolchain.profiles import AppMemoryLimit, SourcedInt, load_profile
+
+    out = options.out
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"smollm2-{options.weights}-{options.kv}"
+    _say(on_event, f"packaging SmolLM2-135M ({options.weights} weights, {options.kv} KV) ...")
+    packaged = package(
+        embedded_default_model(),
+        out / "bundles" / name,
+        PackageOptions(weights=options.weights, kv=options.kv, force=True),
+    )
+    bundle, kv = packaged.path, packaged.kvcache
+
+    profile = load_profile(options.device)
+    spec = load_model_spec(bundle)
+    common = {"schemes": [kv.scheme], "weights": options.weights, "prefill_step": kv.prefill_step_size}
+    sizing = plan_memory(spec, profile, contexts=[options.room_tokens], **common)  # type: ignore[arg-type]
+    limit = (
+        sizing.runtime.baseline_bytes
+        + sizing.weights_bytes
+        + sizing.runtime.buffer_cache_bytes
+        + sizing.kv_bytes[kv.scheme][str(options.room_tokens)]
+    )
+    # The planner on the phone the soak runs on: the same profile with the small limit.
+    given = SourcedInt(value=limit, basis="reported", source="kvrig demo: the virtual iPhone's limit")
+    small = profile.model_copy(update={"app_memory_limit": AppMemoryLimit(default_bytes=given)})
+    exact = plan_memory(spec, small, margin=0.0, limit="default", **common)  # type: ignore[arg-type]
+    margined = plan_memory(spec, small, margin=DEFAULT_MARGIN, limit="default", **common)  # type: ignore[arg-type]
+    predicted = Prediction(
+        max_context=exact.max_context[kv.scheme],
+        limit_bytes=limit,
+        footprint_at_max_context_bytes=exact.budget_at_max_context[kv.scheme].total_bytes,
+    )
+    _say(
+        on_event,
+        f"plan: limit {limit / 2**20:.1f} MiB on a virtual {profile.marketing_name}: "
+        f"max context {predicted.max_context} ({margined.max_context[kv.scheme]} with the {DEFAULT_MARGIN:.0%} margin)",
+    )
+
+    _say(on_event, "rendering the app and building the .ipa for the virtual iPhone ...")
+    project = render_app(bundle, out / "app", AppOptions(name=APP_NAME, bundle_id=APP_ID), force=True).project
+    ipa = build_virtual_ipa(project, out / f"{project.name}-virtual.ipa")
+
+    soak_result = _soak_on_virtual_iphone(options, bundle, ipa, limit, predicted, kv.scheme, on_event)
+    return DemoResult(
+        bundle=bundle,
+        project=project,
+        ipa=ipa,
+        device=profile.marketing_name,
+        limit_bytes=limit,
+        predicted_max_context=exact.max_context[kv.scheme],
+        predicted_max_context_with_margin=margined.max_context[kv.scheme],
+        margin=DEFAULT_MARGIN,
+        predicted_footprint_bytes=exact.budget_at_max_context[kv.scheme].total_bytes,
+        soak=soak_result,
+        soak_dir=out / "soak",
+    )
+
+
+def _soak_on_virtual_iphone(
+    options: DemoOptions,
+    bundle: Path,
+    ipa: Path,
+    limit: int,
+    predicted: Prediction,
+    scheme: str,
+    on_event: Event | None,
+) -> SoakResult:
+    from toolchain.device.deploy import deploy
+    from toolchain.soak import SoakOptions, make_plan
+    from toolchain.soak.driver import soak
+    from toolchain.virtual.host import EmulatorHost
+
+    # A unix socket path must stay short; the state folder lives in the output folder.
+    address = f"/tmp/kvrig-demo-{os.getpid()}.sock"
+    state = options.out / "virtual-iphone"
+    _say(on_event, f"starting a virtual iPhone ({options.device}, app limit {limit / 2**20:.1f} MiB) on {address}")
+    with EmulatorHost(address) as host:
+        device = host.add_device(state, profile=options.device, limit_bytes=limit)
+        udid = device.identity.udid
+
+        _say(on_event, "deploying the app and the bundle ...")
+        asyncio.run(deploy(bundle, ipa=ipa, udid=udid, usbmux_address=address))
+
+        plan = make_plan(
+            max_tokens=options.max_tokens,
+            step_tokens=options.step_tokens,
+            decode_tokens=options.decode_tokens,
+            scheme=scheme,
+            max_seconds=options.max_seconds,
+        ).model_copy(update={"on_critical": "continue"})  # keep growing into the kernel's limit
+        soak_options = SoakOptions(
+            poll_interval_s=0.5, bundle=bundle.name, predicted=predicted, on_event=on_event, report_wait_s=10
+        )
+        _say(on_event, f"soaking: {options.step_tokens} tokens per step until jetsam ...")
+        try:
+            return asyncio.run(
+                soak(APP_ID, plan, options.out / "soak", udid=udid, options=soak_options, usbmux_address=address)
+            )
+        finally:
+            _say(on_event, "stopping the virtual iPhone")
+            host.run(device.apps.kill_all())

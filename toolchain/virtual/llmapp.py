@@ -1,0 +1,372 @@
+"""The LLM app runtime: what the virtual iPhone runs for an app built with `kvrig build --virtual`.
+
+It does what the generated Swift app does (templates/swift/App/Sources/Engine.swift), with real MLX on the
+host: finds the bundle pushed into Documents, loads it with the host runtime (toolchain.runtime), builds the
+caches kvcache.json asks for, and runs the soak plan named by `--kvrig-soak-plan PATH`: feeds the plan's text
+up to each context target in prefill steps, decodes `decode_tokens` greedily, and writes a telemetry step.
+After every forward pass it reports its memory to the emulator over the channel of `toolchain.virtual.apprun`
+(which may kill it there: jetsam) and reacts to the pressure level in the reply as kvcache.json's policy says.
+Numbers are reported in the phone's format (see llm_memory); the start event lists which were converted.
+
+Run with `python -m toolchain.virtual.llmapp [--kvrig-soak-plan FILE] [--kvrig-bundle FOLDER]`; it re-executes
+itself once with OpenBLAS preloaded (before MLX is imported), as `kvrig run` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from toolchain.schemas.kvcache import KVCacheConfig
+from toolchain.schemas.soakplan import SOAKPLAN_LAUNCH_ARGUMENT, SoakPlan
+from toolchain.schemas.telemetry import (
+    TELEMETRY_FILE,
+    EndEvent,
+    EvictEvent,
+    MemoryPressureEvent,
+    StartEvent,
+    StepEvent,
+)
+from toolchain.virtual.testapp import Channel, Telemetry, load_plan
+
+MODULE = "toolchain.virtual.llmapp"
+BUNDLE_ARGUMENT = "--kvrig-bundle"
+CHECKPOINT_FILE = "checkpoint.json"
+ENV_REEXECED = "KVRIG_LLMAPP_OPENBLAS"  # our own guard: the emulator's environment may carry the CLI's
+
+
+class AppError(Exception):
+    """A failure the app reports in its end record (and the device log) instead of a traceback."""
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="llmapp")
+    p.add_argument(SOAKPLAN_LAUNCH_ARGUMENT, dest="soak_plan", default=None, help="soak plan inside Documents")
+    p.add_argument(BUNDLE_ARGUMENT, dest="bundle", default=None, help="bundle folder inside Documents")
+    p.add_argument("--exit-when-done", action="store_true", help="exit after the end record (default: stay)")
+    return p.parse_args(argv)
+
+
+def preload_openblas(argv: list[str]) -> None:
+    """Re-executes this module once with OpenBLAS preloaded; the pid stays the same (execve)."""
+    from toolchain.runtime.blas import ENV_DISABLE, find_openblas, openblas_loaded
+
+    if not sys.platform.startswith("linux") or os.environ.get(ENV_DISABLE) == "1":
+        return
+    if os.environ.get(ENV_REEXECED) == "1" or openblas_loaded() or "mlx.core" in sys.modules:
+        return
+    lib = find_openblas()
+    if lib is None:
+        return
+    env = dict(os.environ)
+    env["LD_PRELOAD"] = ":".join(p for p in (lib, env.get("LD_PRELOAD", "")) if p)
+    env[ENV_REEXECED] = "1"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", MODULE, *argv], env)
+
+
+def find_bundle(documents: Path, name: str | None = None) -> Path:
+    """The bundle folder: the one named (inside Documents), else the single folder holding kvcache.json and
+    manifest.json."""
+    from toolchain.bundle import KVCACHE_NAME
+    from toolchain.schemas.bundle import MANIFEST_NAME
+
+    if name:
+        path = (documents / name).resolve()
+        if not path.is_relative_to(documents.resolve()):
+            raise AppError(f"bundle {name!r} is outside Documents")
+        if not (path / KVCACHE_NAME).is_file():
+            raise AppError(f"no bundle at Documents/{name} (no {KVCACHE_NAME}): push it with `kvrig deploy`")
+        return path
+    found = sorted(
+        d
+        for d in (documents.iterdir() if documents.is_dir() else [])
+        if d.is_dir() and (d / KVCACHE_NAME).is_file() and (d / MANIFEST_NAME).is_file()
+    )
+    if not found:
+        raise AppError(
+            f"no model bundle in Documents (a folder with {KVCACHE_NAME} and {MANIFEST_NAME}): "
+            "push one with `kvrig deploy`"
+        )
+    if len(found) > 1:
+        names = ", ".join(d.name for d in found)
+        raise AppError(f"several bundles in Documents ({names}): name one with {BUNDLE_ARGUMENT}")
+    return found[0]
+
+
+@dataclass
+class Timing:
+    tokens: int = 0
+    seconds: float = 0.0
+
+    @property
+    def rate(self) -> float | None:
+        return self.tokens / self.seconds if self.tokens and self.seconds > 0 else None
+
+
+class Stop(Exception):
+    """Raised between forward passes when the app must stop (critical pressure with stop_and_save)."""
+
+
+class Engine:
+    """The loaded bundle, its caches, and the loop that grows them while reporting to the emulator."""
+
+    def __init__(self, bundle: Path, kv: KVCacheConfig, channel: Channel, telemetry: Telemetry) -> None:
+        import mlx.core as mx
+        from mlx.utils import tree_flatten
+
+        from toolchain.runtime.caches import make_caches
+        from toolchain.runtime.host import load_bundle_model
+        from toolchain.virtual.llm_memory import PhoneAccount, stored_weight_bytes
+
+        self.kv, self.channel, self.telemetry = kv, channel, telemetry
+        mx.set_cache_limit(kv.buffer_cache_limit_bytes)
+        self.model, self.tokenizer, config = load_bundle_model(bundle)
+        self.model_type = str(config.get("model_type", ""))
+        self.caches = make_caches(self.model, kv, self.model_type)
+        params: list[tuple[str, Any]] = tree_flatten(self.model.parameters())  # type: ignore[assignment]
+        host_weights = sum(int(v.nbytes) for _, v in params if isinstance(v, mx.array))
+        self.account = PhoneAccount(host_weights, stored_weight_bytes(bundle), kv.dtype)
+        self.on_critical: str = "stop_and_save"
+        self.pressure = "normal"
+        self.stop_requested = False
+        self.last_verdict: dict[str, Any] = {}
+        self.eos = set(getattr(self.tokenizer, "eos_token_ids", None) or [])
+
+    @property
+    def context_tokens(self) -> int:
+        return max((int(getattr(c, "offset", 0)) for c in self.caches), default=0)
+
+    def measure(self, *, react: bool = True) -> dict[str, Any]:
+        """Reports memory to the emulator; returns its verdict (with our measurement) after reacting to a
+        change of pressure level. The emulator may kill us inside this call."""
+        measurement = self.account.measure(self.caches, self.context_tokens)
+        verdict = self.channel.measure(measurement)
+        if verdict is None:
+            raise SystemExit(0)  # the emulator went away
+        self.last_verdict = {**verdict, "measurement": measurement}
+        if react:
+            self.react(self.last_verdict)
+        return self.last_verdict
+
+    def react(self, verdict: dict[str, Any]) -> None:
+        if verdict["pressure"] != self.pressure:
+            self.pressure = verdict["pressure"]
+            self.on_pressure(self.pressure, int(verdict["footprint"]))
+
+    def on_pressure(self, level: Any, footprint: int) -> None:
+        import mlx.core as mx
+
+        from toolchain.virtual.llm_memory import evict_oldest, kv_bytes, respond
+
+        context = self.context_tokens
+        self.telemetry.write(MemoryPressureEvent, level=level, context_tokens=context, phys_footprint_bytes=footprint)
+        self.channel.send({"log": f"memory pressure {level} at {context} tokens"})
+        action, tokens = respond(level, context, self.kv, self.on_critical)  # type: ignore[arg-type]
+        if action == "stop":
+            self.stop_requested = True
+        elif action == "evict":
+            dropped, skipped = evict_oldest(self.caches, self.kv.keep_tokens, tokens)
+            if skipped:
+                self.channel.send({"log": f"{skipped} caches cannot evict (rings, recurrent or shared state)"})
+            if dropped:
+                mx.clear_cache()
+                self.telemetry.write(
+                    EvictEvent,
+                    tokens_evicted=dropped,
+                    context_tokens=self.context_tokens,
+                    kv_bytes=kv_bytes(self.caches, self.kv.dtype)[1],
+                )
+
+    def forward(self, ids: list[int], *, logits: bool) -> Any:
+        """One forward pass; the caches are evaluated, the last position's logits only when asked for."""
+        import mlx.core as mx
+
+        from toolchain.runtime.caches import maybe_quantize
+
+        out = self.model(mx.array(ids)[None], cache=self.caches)
+        last = out[:, -1, :] if logits else None
+        mx.eval([c.state for c in self.caches], *([last] if last is not None else []))
+        maybe_quantize(self.caches, self.kv, self.model_type)
+        self.measure()
+        if self.stop_requested:
+            raise Stop
+        return last
+
+    def prefill(self, tokens: list[int], timing: Timing) -> Any:
+        """Feeds `tokens` in prefill steps; only the last token's logits are computed (the rest fill caches)."""
+        step = self.kv.prefill_step_size
+        body, last = tokens[:-1], tokens[-1:]
+        for start in range(0, len(body), step):
+            t0 = time.perf_counter()
+            chunk = body[start : start + step]
+            self.forward(chunk, logits=False)
+            timing.tokens += len(chunk)
+            timing.seconds += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        logits = self.forward(last, logits=True)
+        timing.tokens += 1
+        timing.seconds += time.perf_counter() - t0
+        return logits
+
+    def decode(self, logits: Any, count: int, timing: Timing) -> Any:
+        """Greedy decode of up to `count` tokens, stopping at end of sequence."""
+        import mlx.core as mx
+
+        for _ in range(count):
+            t0 = time.perf_counter()
+            token = int(mx.argmax(logits, axis=-1).item())  # type: ignore[arg-type]
+            if token in self.eos:
+                break
+            logits = self.forward([token], logits=True)
+            timing.tokens += 1
+            timing.seconds += time.perf_counter() - t0
+        return logits
+
+
+def _targets(plan: SoakPlan) -> list[int]:
+    s = plan.schedule
+    if s.start_tokens > s.max_tokens:
+        return [s.max_tokens]
+    return list(range(s.start_tokens, s.max_tokens + 1, s.step_tokens))
+
+
+def _stop_reason(plan: SoakPlan, decode_tps: float | None, footprint: int, elapsed: float) -> str | None:
+    stop = plan.stop
+    if stop.min_decode_tps is not None and decode_tps is not None and decode_tps < stop.min_decode_tps:
+        return f"decode {decode_tps:.2f} tok/s below {stop.min_decode_tps}"
+    if stop.max_footprint_bytes is not None and footprint > stop.max_footprint_bytes:
+        return f"footprint {footprint} above {stop.max_footprint_bytes} bytes"
+    if stop.max_seconds is not None and elapsed > stop.max_seconds:
+        return f"ran {int(elapsed)} s, limit {int(stop.max_seconds)} s"
+    return None
+
+
+def run_soak(engine: Engine, plan: SoakPlan) -> tuple[str, str | None]:
+    """Grows the context target by target; returns the end reason and message."""
+    from toolchain.virtual.llm_memory import phone_active_bytes
+
+    engine.on_critical = plan.on_critical
+    text = list(engine.tokenizer.encode(plan.text, add_special_tokens=False))
+    if not text:
+        return "error", "the soak text encodes to no tokens"
+    began = time.monotonic()
+    cursor, logits = 0, None
+    try:
+        for target in _targets(plan):
+            prefill, decode = Timing(), Timing()
+            needed = target - engine.context_tokens
+            if needed > 0:
+                feed = [text[(cursor + i) % len(text)] for i in range(needed)]
+                cursor += needed
+                logits = engine.prefill(feed, prefill)
+            if logits is not None:
+                logits = engine.decode(logits, plan.schedule.decode_tokens, decode)
+            verdict = engine.measure()
+            m = verdict["measurement"]
+            footprint = int(verdict["footprint"])
+            engine.telemetry.write(
+                StepEvent,
+                context_tokens=engine.context_tokens,
+                decode_tps=decode.rate,
+                prefill_tps=prefill.rate,
+                phys_footprint_bytes=footprint,
+                available_bytes=int(verdict["available"]),
+                mlx_active_bytes=phone_active_bytes(m),
+                mlx_cache_bytes=m["mlx_cache_bytes"],
+                kv_bytes=m["kv_bytes"],
+                thermal_state="nominal",
+            )
+            why = _stop_reason(plan, decode.rate, footprint, time.monotonic() - began)
+            if why is not None:
+                return "stop_condition", why
+            if engine.stop_requested:
+                raise Stop
+    except Stop:
+        return "memory_critical", f"critical memory pressure at {engine.context_tokens} tokens"
+    return "completed", None
+
+
+def _save_checkpoint(documents: Path, run_id: str, context: int, reason: str) -> None:
+    import json
+
+    data = {"run_id": run_id, "context_tokens": context, "reason": reason, "t": time.time()}
+    (documents / CHECKPOINT_FILE).write_text(json.dumps(data, indent=2) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    preload_openblas(argv)
+    args = parse_args(argv)
+    container = Path(os.environ.get("KVRIG_CONTAINER", "."))
+    documents = container / "Documents"
+    channel = Channel()
+    plan = load_plan(documents, args.soak_plan) if args.soak_plan else None
+    run_id = plan.run_id if plan else os.environ.get("KVRIG_RUN_ID") or f"chat-{uuid.uuid4().hex[:8]}"
+    telemetry = Telemetry(documents / (plan.telemetry_file if plan else TELEMETRY_FILE), run_id, channel)
+    reason, message = "error", None
+    engine: Engine | None = None
+    try:
+        from toolchain.schemas import load_model_file
+
+        bundle = find_bundle(documents, args.bundle)
+        kv = load_model_file(KVCacheConfig, bundle / "kvcache.json")
+        channel.send({"log": f"loading {bundle.name} (KV {kv.scheme})"})
+        engine = Engine(bundle, kv, channel, telemetry)
+        from toolchain.runtime.blas import openblas_loaded
+        from toolchain.virtual.llm_memory import CONVERTED_FIELDS
+
+        first = engine.measure(react=False)  # the loaded weights: jetsam can strike before any token
+        telemetry.write(
+            StartEvent,
+            model=bundle.name,
+            scheme=kv.scheme,
+            product_type=os.environ.get("KVRIG_PRODUCT_TYPE", "host"),
+            os_version=os.environ.get("KVRIG_OS_VERSION", "host"),
+            limit_bytes=int(first["footprint"]) + int(first["available"]),
+            converted=list(CONVERTED_FIELDS),
+        )
+        channel.send(
+            {
+                "log": f"ready: {engine.model_type}, KV {kv.scheme}, OpenBLAS {'on' if openblas_loaded() else 'off'}; "
+                f"host computes in float32, footprint counts {kv.dtype} for the same shapes"
+            }
+        )
+        engine.react(first)
+        if plan is None:
+            return _stay(args)
+        reason, message = run_soak(engine, plan)
+    except Stop:
+        reason, message = "memory_critical", "critical memory pressure while loading"
+    except AppError as exc:
+        message = str(exc)
+    except Exception as exc:  # the end record names any failure; the soak driver reads it
+        lowered = str(exc).lower()
+        reason = "allocation_failed" if "alloc" in lowered or "memory" in lowered else "error"
+        message = f"{type(exc).__name__}: {exc}"
+    context = engine.context_tokens if engine is not None else 0
+    if reason in ("memory_critical", "allocation_failed"):
+        _save_checkpoint(documents, run_id, context, reason)
+    if message:
+        channel.send({"log": f"soak {run_id}: {reason}: {message}"})
+    telemetry.write(EndEvent, reason=reason, context_tokens=context, message=message)
+    return _stay(args)
+
+
+def _stay(args: argparse.Namespace) -> int:
+    """A finished app stays in the foreground until it is killed (or the emulator closes the channel)."""
+    if not args.exit_when_done:
+        while sys.stdin.readline():
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
