@@ -175,3 +175,14 @@ def test_ios17_refuses_developer_services_without_tunnel(emulator: Emulator) -> 
 
     with pytest.raises(InvalidServiceError):
         asyncio.run(main())
+
+
+def test_relative_state_folder_gives_absolute_container_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Apps run with their container as working directory, so a relative state folder (`kvrig demo -o build/x`)
+    must not leak relative paths into the app's environment (it did: the app could not find its container)."""
+    from toolchain.virtual.device import VirtualDevice
+
+    monkeypatch.chdir(tmp_path)
+    device = VirtualDevice("relative-state")
+    assert device.state.container("dev.kvrig.x").is_absolute()
+    assert device.state.root == tmp_path / "relative-state"

@@ -98,7 +98,7 @@ class VirtualDevice:
             raise InputError(f"unsupported iOS version '{ios}'", field="ios", expected=" or ".join(SUPPORTED_IOS))
         spec = _profile_for(profile)
         self.state, self.identity = DeviceState.open(
-            Path(state_dir),
+            Path(state_dir).resolve(),  # the app runs with its container as cwd: paths must be absolute
             product_type=spec.product_type,
             marketing_name=spec.marketing_name,
             ios=ios,
