@@ -22,8 +22,10 @@ DATA = Path(__file__).parent / "data" / "jetsam"
 IOS11 = DATA / "JetsamEvent-ios11.4.1-iPhone10-1-excerpt.ips"
 IOS14 = DATA / "JetsamEvent-ios14.2-iPhone12-1-excerpt.ips.synced"
 IOS15 = DATA / "JetsamEvent-ios15.5-iPhone13-2-excerpt.ips"
+IOS16 = DATA / "JetsamEvent-ios16.6-iPhone14-2-excerpt.ips"
 IOS18 = DATA / "JetsamEvent-ios18.5-iPhone14-7-excerpt.ips"
-REAL = [IOS11, IOS14, IOS15, IOS18]
+IOS18_KILL = DATA / "JetsamEvent-ios18.5-iPhone14-7-kill-excerpt.ips"
+REAL = [IOS11, IOS14, IOS15, IOS16, IOS18, IOS18_KILL]
 CRASH = DATA / "itunescloudd-ios14.8-crash-bug109-excerpt.ips"
 CPU_RESOURCE = DATA / "apfs_defragd.cpu_resource-ios14.2-bug202-excerpt.ips.synced"
 
@@ -99,6 +101,56 @@ def test_ios18_uses_the_x10_priority_scale() -> None:
     assert v.footprint_bytes == 6084 * 16384
     missing = verdict(report, "KvrigSoak")
     assert not missing.present and not missing.killed
+
+
+def test_ios18_real_per_process_limit_kill_on_the_x10_scale() -> None:
+    """The one killed process in the real iOS 18.5 report: an idle daemon over its own limit."""
+    header, body = raw(IOS18_KILL)
+    page = body["memoryStatus"]["pageSize"]
+    (entry,) = [p for p in body["processes"] if "reason" in p]
+    report = read_report(IOS18_KILL)
+    assert report.os_version == header["os_version"] == "iPhone OS 18.5 (22F76)"
+    assert report.product == body["product"] == "iPhone14,7"
+    assert report.priority_scale == "x10" and not report.partial
+    (killed,) = report.killed
+    assert killed.name == entry["name"] == "fileproviderd"
+    assert killed.reason == entry["reason"] == "per-process-limit"
+    assert killed.pid == entry["pid"] and killed.states == entry["states"]
+    assert killed.footprint_bytes == entry["rpages"] * page == 808 * 16384
+    # Priority 0 is IDLE on both scales (xnu kern_memorystatus.h): idle daemons go first.
+    assert killed.priority == entry["priority"] == 0
+    assert killed.priority_band is not None and killed.priority_band.startswith("IDLE (0)")
+    # The report's rpages (808) is below the process's lifetime peak (1111 pages): keep both.
+    assert killed.lifetime_peak_bytes == entry["lifetimeMax"] * page > killed.footprint_bytes
+    v = verdict(report, "fileproviderd")
+    assert v.killed and v.reason == "per-process-limit"
+    assert v.implied_limit_bytes == entry["rpages"] * page
+    # largestProcess is kernel_task; its bytes come from its own entry.
+    (kernel,) = [p for p in body["processes"] if p["name"] == body["largestProcess"]]
+    assert report.largest_process_bytes == kernel["rpages"] * page
+    survivors = [p.name for p in report.processes if not p.killed]
+    assert survivors == [p["name"] for p in body["processes"] if "reason" not in p]
+
+
+def test_ios16_real_report_uses_the_x10_bands() -> None:
+    """A real iOS 16.6 report: priorities 10/40/100 are aging, elevated-inactive and foreground."""
+    header, body = raw(IOS16)
+    report = read_report(IOS16)
+    assert report.os_version == header["os_version"] == "iPhone OS 16.6 (20G75)"
+    assert report.product == body["product"] == "iPhone14,2"
+    assert report.priority_scale == "x10"
+    assert report.killed == []
+    by_name = {p.name: p for p in report.processes}
+    # Band values from xnu kern_memorystatus.h after iOS 16: AGING_BAND1 10, ELEVATED_INACTIVE 40, FOREGROUND 100.
+    assert by_name["donotdisturbd"].priority_band.startswith("AGING_BAND1 (10)")
+    assert by_name["chronod"].priority_band.startswith("ELEVATED_INACTIVE (40)")
+    assert by_name["ThumbnailExtension"].priority_band.startswith("FOREGROUND (100)")
+    assert by_name["BTLEServer"].priority_band.startswith("IDLE (0)")
+    chronod = next(p for p in body["processes"] if p["name"] == "chronod")
+    assert by_name["chronod"].footprint_bytes == chronod["rpages"] * body["memoryStatus"]["pageSize"]
+    assert by_name["chronod"].freeze_skip_reason == chronod["freeze_skip_reason:"] == "none"
+    # The largest process (WebContent) is not in the excerpt: named, but with no byte count.
+    assert report.largest_process == body["largestProcess"] and report.largest_process_bytes is None
 
 
 def test_same_priority_means_different_bands_before_and_after_ios16(tmp_path: Path) -> None:
