@@ -59,7 +59,9 @@ class JetsamProcess(BaseModel):
     reason: str | None = Field(None, description="present only on killed processes")
     reason_meaning: str | None = None
     implied_limit_bytes: int | None = Field(
-        None, description="per-process-limit kills: the footprint at the kill is the process's limit"
+        None,
+        description="per-process-limit kills: the footprint at the kill, which the limit in force did not exceed "
+        "(limits can drop, e.g. when a daemon goes idle, so the lifetime peak may be higher)",
     )
     freeze_skip_reason: str | None = None
 
@@ -477,7 +479,7 @@ def verdict(report: JetsamReport, process: str) -> Verdict:
     if killed:
         summary = f"{process} was killed ({entry.reason}: {entry.reason_meaning}) at a footprint of {footprint}"
         if entry.implied_limit_bytes is not None:
-            summary += f"; its memory limit was about {_fmt_bytes(entry.implied_limit_bytes)}"
+            summary += f"; its memory limit was at most {_fmt_bytes(entry.implied_limit_bytes)}"
     else:
         summary = f"{process} was not killed; footprint {footprint}"
     return Verdict(
