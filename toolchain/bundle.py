@@ -30,7 +30,7 @@ from toolchain.exceptions import (
 )
 from toolchain.plan.kv import MLX_STEP, KVScheme, check_dims, parse_scheme
 from toolchain.plan.runtime import DEFAULT_BUFFER_CACHE_BYTES
-from toolchain.quantize import WeightRecipe, weight_recipe
+from toolchain.plan.weights import WeightRecipe, parse_recipe
 from toolchain.schemas import load_model_file
 from toolchain.schemas.bundle import (
     MANIFEST_NAME,
@@ -168,7 +168,7 @@ def package(model: str | Path | None, out: str | Path, options: PackageOptions) 
     from toolchain.models.gguf import embedded_default_model
 
     out = Path(out)
-    recipe = weight_recipe(options.weights, options.group_size)
+    recipe = parse_recipe(options.weights, options.group_size)
     scheme = parse_scheme(options.kv, group_size=options.kv_group_size)
     if out.exists():
         raise BundleError(f"{out}: output folder already exists; remove it or choose another -o")

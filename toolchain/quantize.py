@@ -4,44 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from toolchain.exceptions import ModelConfigError, QuantizationError, UnsupportedArchitectureError
+from toolchain.plan.weights import WeightRecipe, parse_recipe
 
-# recipe -> (bits of the bulk of the weights, mlx-lm mixed recipe or None). "fp16": no quantization.
-RECIPES: dict[str, tuple[int | None, str | None]] = {
-    "q4": (4, None),
-    "q8": (8, None),
-    "mixed_2_6": (2, "mixed_2_6"),
-    "mixed_3_4": (3, "mixed_3_4"),
-    "mixed_3_6": (3, "mixed_3_6"),
-    "mixed_4_6": (4, "mixed_4_6"),
-    "fp16": (None, None),
-}
-GROUP_SIZES = (32, 64, 128)
-
-
-@dataclass(frozen=True)
-class WeightRecipe:
-    name: str
-    group_size: int
-    bits: int | None
-    mixed: str | None
-
-    @property
-    def quantized(self) -> bool:
-        return self.bits is not None
-
-
-def weight_recipe(name: str, group_size: int = 64) -> WeightRecipe:
-    if name not in RECIPES:
-        raise QuantizationError(f"unknown weight recipe '{name}'; choose one of {', '.join(RECIPES)}")
-    if group_size not in GROUP_SIZES:
-        raise QuantizationError(f"group size {group_size} is not supported by MLX; choose one of {GROUP_SIZES}")
-    bits, mixed = RECIPES[name]
-    return WeightRecipe(name, group_size, bits, mixed)
+# Recipes (q4, q8, mlx-lm's mixed_X_Y, fp16) are the planner's: one parser for both.
+__all__ = ["WeightRecipe", "load_source_model", "parse_recipe", "quantize"]
 
 
 def load_source_model(model_dir: Path) -> tuple[Any, dict[str, Any]]:

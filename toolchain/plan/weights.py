@@ -21,16 +21,31 @@ DEFAULT_RECIPES = ("q4", "q8", "mixed_4_6")
 _Q_RE = re.compile(r"^q(\d)$")
 
 
+GROUP_SIZES = (32, 64, 128)
+
+
 @dataclass(frozen=True)
 class WeightRecipe:
-    """`q4`, `q8` (uniform bits), mlx-lm's `mixed_X_Y`, or `fp16`/`bf16` (not quantized)."""
+    """`q4`, `q8` (uniform bits), mlx-lm's `mixed_X_Y`, or `fp16`/`bf16` (not quantized). For mixed recipes
+    `bits` is the low width most weights get."""
 
     name: str
     bits: int | None
     group_size: int
 
+    @property
+    def quantized(self) -> bool:
+        return self.bits is not None
+
+    @property
+    def mixed(self) -> str | None:
+        """mlx-lm's mixed recipe name, or None for a uniform recipe."""
+        return self.name if self.name in MIXED_RECIPES else None
+
 
 def parse_recipe(text: str, group_size: int = 64) -> WeightRecipe:
+    if group_size not in GROUP_SIZES:
+        raise QuantizationError(f"group size {group_size} is not supported by MLX; choose one of {GROUP_SIZES}")
     name = text.strip().lower()
     if name in ("fp16", "bf16", "fp32"):
         return WeightRecipe(name, None, group_size)
