@@ -38,25 +38,26 @@ def openblas_loaded() -> bool:
         return False
 
 
-def ensure_openblas(argv: list[str] | None = None) -> None:
-    """Re-executes `python -m toolchain ARGV` with OpenBLAS preloaded, once, if it is not loaded yet.
+def ensure_openblas(argv: list[str] | None = None, *, module: str = "toolchain", guard: str = ENV_REEXECED) -> None:
+    """Re-executes `python -m MODULE ARGV` with OpenBLAS preloaded, once, if it is not loaded yet (execve: the
+    pid stays the same). `guard` is the variable that marks the re-executed process.
 
     Does nothing off Linux, when disabled, when already re-executed, when OpenBLAS is not installed, or when
     MLX is already imported (too late for a preload to take effect in this process)."""
     if not sys.platform.startswith("linux") or os.environ.get(ENV_DISABLE) == "1":
         return
-    if os.environ.get(ENV_REEXECED) == "1" or openblas_loaded() or "mlx.core" in sys.modules:
+    if os.environ.get(guard) == "1" or openblas_loaded() or "mlx.core" in sys.modules:
         return
     lib = find_openblas()
     if lib is None:
         return
     env = dict(os.environ)
     env["LD_PRELOAD"] = ":".join(p for p in (lib, env.get("LD_PRELOAD", "")) if p)
-    env[ENV_REEXECED] = "1"
+    env[guard] = "1"
     args = sys.argv[1:] if argv is None else argv
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "toolchain", *args], env)
+    os.execve(sys.executable, [sys.executable, "-m", module, *args], env)
 
 
 def preload_env(enable: bool = True) -> dict[str, str]:

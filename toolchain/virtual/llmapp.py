@@ -55,21 +55,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def preload_openblas(argv: list[str]) -> None:
     """Re-executes this module once with OpenBLAS preloaded; the pid stays the same (execve)."""
-    from toolchain.runtime.blas import ENV_DISABLE, find_openblas, openblas_loaded
+    from toolchain.runtime.blas import ensure_openblas
 
-    if not sys.platform.startswith("linux") or os.environ.get(ENV_DISABLE) == "1":
-        return
-    if os.environ.get(ENV_REEXECED) == "1" or openblas_loaded() or "mlx.core" in sys.modules:
-        return
-    lib = find_openblas()
-    if lib is None:
-        return
-    env = dict(os.environ)
-    env["LD_PRELOAD"] = ":".join(p for p in (lib, env.get("LD_PRELOAD", "")) if p)
-    env[ENV_REEXECED] = "1"
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", MODULE, *argv], env)
+    ensure_openblas(argv, module=MODULE, guard=ENV_REEXECED)
 
 
 def find_bundle(documents: Path, name: str | None = None) -> Path:
