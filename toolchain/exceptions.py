@@ -190,3 +190,10 @@ class NotAJetsamReportError(ReportError):
     """The file is a crash report of another kind, or not a crash report at all."""
 
     exit_code = 21
+
+
+class CalibrationError(InputError):
+    """Results cannot be calibrated from (no telemetry footprints, no bundle), or a calibration file lacks the
+    device profile asked for."""
+
+    exit_code = 22

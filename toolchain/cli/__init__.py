@@ -29,6 +29,7 @@ COMMANDS: dict[str, str] = {
     "telemetry": "toolchain.cli.telemetry:telemetry",
     "virtual": "toolchain.cli.virtual:virtual",
     "demo": "toolchain.cli.demo:demo",
+    "calibrate": "toolchain.cli.calibrate:calibrate",
 }
 
 
@@ -66,6 +67,7 @@ _SHORT_HELP: dict[str, str] = {
     "soak": "Grow the app's context on a device until it completes or jetsam kills it; write results.json.",
     "telemetry": "Summarise the app's JSONL telemetry per run; correlate a run with its jetsam report.",
     "virtual": "Run a virtual USB iPhone that pymobiledevice3 drives (start, stop, status).",
+    "calibrate": "Fit the planner's baseline per device profile to measured soaks; write calibration.json.",
     "demo": "The main job on a virtual iPhone: package, plan, build, deploy, soak until jetsam, compare.",
 }
 

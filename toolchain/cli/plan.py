@@ -46,6 +46,11 @@ def _str_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
     show_default=True,
     help="Upper bound on max context: 'trained' (max_position_embeddings), 'none' or a number.",
 )
+@click.option(
+    "--calibration",
+    type=click.Path(path_type=Path),
+    help="Calibration file from `kvrig calibrate`: use its measured baseline for this device's profile.",
+)
 @json_option
 def plan(
     model: Path | None,
@@ -63,6 +68,7 @@ def plan(
     limit: str,
     target_context: int | None,
     cap: str,
+    calibration: Path | None,
     as_json: bool,
 ) -> None:
     """Plan memory for MODEL on a device: exact weight bytes per recipe, KV bytes per scheme, the app memory
@@ -83,6 +89,13 @@ def plan(
             cap_value = int(cap)
         except ValueError:
             raise click.BadParameter("expected 'trained', 'none' or a number", param_hint="--cap") from None
+    baseline: dict[str, object] = {}
+    if calibration is not None:
+        from toolchain.calibrate import calibrated_baseline
+        from toolchain.profiles import load_profile
+
+        entry = calibrated_baseline(calibration, load_profile(device).name)
+        baseline = {"baseline_bytes": entry.baseline_bytes, "baseline_source": str(calibration)}
     result = make_plan(
         model,
         device,
@@ -99,6 +112,7 @@ def plan(
         limit=limit,  # type: ignore[arg-type]
         target_context=target_context,
         max_context_cap=cap_value,
+        **baseline,
     )
     if as_json:
         echo_json(result)
@@ -125,8 +139,9 @@ def render_plan(p) -> None:  # type: ignore[no-untyped-def]
     )
     console.print(
         "Runtime: MLX buffer cache "
-        f"{human_bytes(p.runtime.buffer_cache_bytes)}, baseline {human_bytes(p.runtime.baseline_bytes)} (estimate), "
-        f"prefill step {p.runtime.prefill_step}"
+        f"{human_bytes(p.runtime.buffer_cache_bytes)}, baseline {human_bytes(p.runtime.baseline_bytes)} "
+        + ("(calibrated), " if p.runtime.baseline_calibrated_from else "(estimate), ")
+        + f"prefill step {p.runtime.prefill_step}"
     )
     weights = Table(title="Weights", title_justify="left")
     weights.add_column("recipe")

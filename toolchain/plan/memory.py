@@ -62,7 +62,10 @@ class DeviceSummary(StrictModel):
 
 class RuntimeTerms(StrictModel):
     buffer_cache_bytes: int = Field(description="MLX buffer-cache cap (Memory.cacheLimit)")
-    baseline_bytes: int = Field(description="app + Metal/runtime baseline from the device profile (estimate)")
+    baseline_bytes: int = Field(description="app + Metal/runtime baseline: the device profile's estimate or calibrated")
+    baseline_calibrated_from: str | None = Field(
+        default=None, description="calibration file the baseline comes from (None: the profile's estimate)"
+    )
     prefill_step: int
     prefill_activation_bytes: dict[str, int] = Field(
         description="estimate (upper bound) of live prefill activations at each listed context"
@@ -246,7 +249,10 @@ def plan_memory(
     limit: Literal["entitled", "default"] = "entitled",
     target_context: int | None = None,
     max_context_cap: int | None = None,
+    baseline_bytes: int | None = None,
+    baseline_source: str | None = None,
 ) -> MemoryPlan:
+    """`baseline_bytes` overrides the profile's estimated baseline (a calibration, `baseline_source` names it)."""
     if not 0 <= margin < 1:
         raise PlanInputError(f"margin {margin} must be in [0, 1)", field="margin")
     if prefill_step < 1:
@@ -268,7 +274,7 @@ def plan_memory(
     cap = max_context_cap or (int(trained) if trained else 1 << 20)
 
     limit_kind, limit_bytes = _limits(profile, limit)
-    baseline = profile.baseline
+    baseline = profile.baseline if baseline_bytes is None else baseline_bytes
     fixed = chosen_weights.total_bytes + buffer_cache_bytes + baseline
 
     def solve(limit_value: int) -> tuple[dict[str, int], dict[str, str]]:
@@ -300,6 +306,10 @@ def plan_memory(
     notes.append(
         "Weights and KV bytes are exact (MLX layout); prefill activations, baseline and the decode ceiling are "
         "estimates. The baseline comes from the device profile."
+        if baseline_bytes is None
+        else "estimates. The baseline is calibrated from measured soaks"
+        + (f" ({baseline_source})" if baseline_source else "")
+        + f"; the profile's estimate is {profile.baseline} bytes."
     )
     if trained is None:
         notes.append("config has no max_position_embeddings; max context is bounded by memory only.")
@@ -337,6 +347,7 @@ def plan_memory(
         runtime=RuntimeTerms(
             buffer_cache_bytes=buffer_cache_bytes,
             baseline_bytes=baseline,
+            baseline_calibrated_from=baseline_source if baseline_bytes is not None else None,
             prefill_step=prefill_step,
             prefill_activation_bytes={str(c): prefill_activation_bytes(spec, prefill_step, c, dtype) for c in listed},
         ),

@@ -1,0 +1,154 @@
+"""`kvrig calibrate` on a real soak: SmolLM2 packaged, its app built for the virtual iPhone, soaked into jetsam
+on a phone started with a known baseline that differs from the profile's estimate.
+
+The expected baseline is the one the virtual iPhone was started with (independent of the calibration code);
+the expected max context is the one the soak measured."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from tests.bundle_fixtures import packaged
+from toolchain.appgen.render import AppOptions, render_app
+from toolchain.appgen.virtual_ipa import build_virtual_ipa
+from toolchain.bundle import PackageOptions
+from toolchain.calibrate import calibrate
+from toolchain.cli import cli, main
+from toolchain.device.deploy import deploy
+from toolchain.exceptions import CalibrationError
+from toolchain.plan import plan as make_memory_plan
+from toolchain.profiles import AppMemoryLimit, SourcedInt, load_profile
+from toolchain.schemas.results import ResultsFile, SoakResult
+from toolchain.soak import SoakOptions, make_plan
+from toolchain.soak.driver import soak
+from toolchain.virtual.host import EmulatorHost
+
+PROFILE = "iPhone16,1"
+APP_ID = "dev.kvrig.calibrate"
+TRUE_BASELINE = 40 * 1024 * 1024  # what the phone is started with; the profile estimates 100 MiB
+ROOM_TOKENS = 1024
+
+
+@dataclass
+class Soaked:
+    bundle: Path
+    results: Path
+    run: SoakResult
+    limit: int
+    vocab_size: int
+
+
+@pytest.fixture(scope="module")
+def soaked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Soaked]:
+    bundle = packaged(tmp_path_factory, "smollm2-q4-k8v4", PackageOptions(weights="q4", group_size=64, kv="k8v4"))
+    root = tmp_path_factory.mktemp("calibrate")
+    memory = make_memory_plan(bundle, PROFILE, schemes=["k8v4"], weights="q4", contexts=[ROOM_TOKENS])
+    limit = (
+        TRUE_BASELINE
+        + memory.weights_bytes
+        + memory.runtime.buffer_cache_bytes
+        + memory.kv_bytes["k8v4"][str(ROOM_TOKENS)]
+    )
+    project = render_app(bundle, root / "project", AppOptions(name="Calibrate", bundle_id=APP_ID)).project
+    ipa = build_virtual_ipa(project, root / "Calibrate-virtual.ipa")
+    address = f"/tmp/kvrig-cal-{os.getpid()}.sock"
+    with EmulatorHost(address) as host:
+        device = host.add_device(root / "phone", profile=PROFILE, limit_bytes=limit, baseline_bytes=TRUE_BASELINE)
+        udid = device.identity.udid
+        asyncio.run(deploy(bundle, ipa=ipa, udid=udid, usbmux_address=address))
+        plan = make_plan(max_tokens=4096, step_tokens=256, decode_tokens=2, scheme="k8v4")
+        plan = plan.model_copy(update={"on_critical": "continue"})
+        options = SoakOptions(poll_interval_s=0.2, hang_after_s=90, report_wait_s=10, bundle=bundle.name)
+        try:
+            run = asyncio.run(soak(APP_ID, plan, root / "soak", udid=udid, options=options, usbmux_address=address))
+        finally:
+            host.run(device.apps.kill_all())
+    vocab = json.loads((bundle / "config.json").read_text())["vocab_size"]
+    yield Soaked(bundle, root / "soak" / "results.json", run, limit, vocab)
+
+
+def test_calibrated_baseline_is_the_phones(soaked: Soaked) -> None:
+    assert soaked.run.outcome == "jetsam", soaked.run.outcome_detail
+    calibration = calibrate([soaked.results], bundle=soaked.bundle)
+    (name,) = calibration.profiles
+    entry = calibration.profiles[name]
+    assert name == load_profile(PROFILE).name
+    assert entry.points == len([p for p in soaked.run.tps_curve if p.phys_footprint_bytes]) >= 2
+    # Between steps the app keeps one step's float32 logits alive beyond the baseline: allow those.
+    logits = soaked.vocab_size * 4
+    assert abs(entry.baseline_bytes - TRUE_BASELINE) <= entry.spread_bytes + logits
+    assert entry.profile_baseline_bytes == load_profile(PROFILE).baseline != TRUE_BASELINE
+
+
+def test_calibrated_plan_is_closer_to_the_soak(soaked: Soaked, tmp_path: Path) -> None:
+    runner = CliRunner()
+    cal = tmp_path / "calibration.json"
+    done = runner.invoke(cli, ["calibrate", str(soaked.results), "--bundle", str(soaked.bundle), "-o", str(cal)])
+    assert done.exit_code == 0, done.output
+    # The phone the soak ran on: the profile with the limit the virtual iPhone was given.
+    profile = load_profile(PROFILE)
+    given = SourcedInt(value=soaked.limit, basis="reported", source="test: the virtual iPhone's limit")
+    small = profile.model_copy(update={"app_memory_limit": AppMemoryLimit(default_bytes=given)})
+    profile_file = tmp_path / "small.yaml"
+    profile_file.write_text(json.dumps(small.model_dump(mode="json", by_alias=True)))
+
+    def predicted(*extra: str) -> dict:
+        args = ["plan", str(soaked.bundle), "-d", str(profile_file), "--schemes", "k8v4", "--margin", "0"]
+        done = runner.invoke(cli, [*args, "--limit", "default", "--json", *extra])
+        assert done.exit_code == 0, done.output
+        return json.loads(done.output)
+
+    plain, calibrated = predicted(), predicted("--calibration", str(cal))
+    measured = soaked.run.max_context_reached
+    assert measured is not None and measured > 0
+    assert plain["runtime"]["baseline_calibrated_from"] is None
+    assert calibrated["runtime"]["baseline_calibrated_from"] == str(cal)
+    assert any("calibrated" in note for note in calibrated["notes"])
+    error = abs(calibrated["max_context"]["k8v4"] - measured)
+    assert error < abs(plain["max_context"]["k8v4"] - measured)
+
+
+def _fails(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """Runs `kvrig` as the shell does: errors become a message and an exit code."""
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return int(exited.value.code or 0), err
+
+
+def test_results_without_telemetry_points(soaked: Soaked, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = ResultsFile.model_validate(json.loads(soaked.results.read_text()))
+    bare = data.model_copy(update={"runs": [r.model_copy(update={"tps_curve": []}) for r in data.runs]})
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(bare.model_dump(mode="json", by_alias=True)))
+    code, err = _fails(["calibrate", str(path), "-o", str(tmp_path / "c.json")], capsys)
+    assert code == CalibrationError.exit_code
+    assert str(path) in err and "phys_footprint_bytes" in err
+
+
+def test_bundle_not_found(soaked: Soaked, tmp_path: Path) -> None:
+    # The results alone, away from the bundle they name.
+    path = tmp_path / "results.json"
+    path.write_text(soaked.results.read_text())
+    with pytest.raises(CalibrationError) as caught:
+        calibrate([path])
+    assert str(path) in str(caught.value) and "runs[0].bundle" in str(caught.value)
+    assert "smollm2-q4-k8v4" in str(caught.value)
+
+
+def test_calibration_without_the_profile(soaked: Soaked, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cal = tmp_path / "calibration.json"
+    calibration = calibrate([soaked.results], bundle=soaked.bundle)
+    cal.write_text(json.dumps(calibration.model_dump(mode="json", by_alias=True)))
+    code, err = _fails(["plan", str(soaked.bundle), "-d", "iPhone14,2", "--calibration", str(cal)], capsys)
+    assert code == CalibrationError.exit_code
+    assert str(cal) in err and "profiles." in err
