@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from tests.lab.conftest import BUNDLE_ID, MIB, ROOT, Phones, phones
+from tests.raw_telemetry import raw_steps
 from toolchain.cli.bridge import run_async
 from toolchain.lab import LabResults, run_lab
 from toolchain.schemas import load_model_file
@@ -34,18 +35,6 @@ FAST = {"hang_after_s": 30, "reconnect_s": 1, "report_wait_s": 5, "poll_interval
 def write_lab(path: Path, lab: dict[str, Any]) -> Path:
     path.write_text(yaml.safe_dump({"schema": 1, "timeouts": FAST, **lab}, sort_keys=False))
     return path
-
-
-def steps(telemetry: Path) -> list[dict]:
-    found = []
-    for line in telemetry.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a torn last line
-        if record.get("event") == "step":
-            found.append(record)
-    return found
 
 
 def by_key(runs: list[SoakResult]) -> dict[tuple[str, str, str], SoakResult]:
@@ -116,7 +105,7 @@ def test_results_json_validates_and_holds_every_run(matrix_lab: tuple[LabResults
     assert runs[udids[1], "grow", "fp16"].device.profile == "iphone-13-pro"
     assert results.passed and not results.failed
     # the scheme's launch arguments reached the app: half the KV heads, half the KV bytes at the same context
-    tel = {s: steps(out / runs[udids[0], "short", s].files.telemetry) for s in ("fp16", "fp16-kv4")}
+    tel = {s: raw_steps(out / runs[udids[0], "short", s].files.telemetry) for s in ("fp16", "fp16-kv4")}
     assert tel["fp16-kv4"][-1]["kv_bytes"] * 2 == tel["fp16"][-1]["kv_bytes"]
 
 
@@ -126,7 +115,7 @@ def test_threshold_search_confirms_the_last_context_that_survived(
     results, out = matrix_lab
     for device in (phones.pro15, phones.pro13):
         grow = by_key(results.results.runs)[device.identity.udid, "grow", "fp16"]
-        main_steps = steps(out / grow.files.telemetry)
+        main_steps = raw_steps(out / grow.files.telemetry)
         (report,) = grow.files.jetsam_reports
         assert (out / report).exists()
         last_survived = main_steps[-1]["context_tokens"]
@@ -137,7 +126,7 @@ def test_threshold_search_confirms_the_last_context_that_survived(
         confirm_tel = out / confirm.folder / "telemetry.jsonl"
         records = [json.loads(x) for x in confirm_tel.read_text().splitlines() if x.strip()]
         assert records[-1]["event"] == "end" and records[-1]["reason"] == "completed"
-        assert steps(confirm_tel)[-1]["context_tokens"] == last_survived
+        assert raw_steps(confirm_tel)[-1]["context_tokens"] == last_survived
         assert not list((out / confirm.folder).glob("reports/JetsamEvent-*.ips"))
         # the smaller limit holds less
     runs = by_key(results.results.runs)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.raw_telemetry import raw_steps
 from tests.soak.conftest import BUNDLE_ID, Emulator, installed, on_device, run
 from tests.virtual.conftest import LIMIT_BYTES
 from toolchain.device.processes import pid_for
@@ -43,18 +44,6 @@ def _raw_report(path: Path) -> dict:
     return json.loads(body)
 
 
-def _raw_steps(path: Path) -> list[dict]:
-    steps = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a torn last line
-        if record.get("event") == "step":
-            steps.append(record)
-    return steps
-
-
 def test_soak_until_jetsam(installed: Emulator, tmp_path: Path) -> None:
     out = tmp_path / "out"
     plan = make_plan(max_tokens=1_000_000, step_tokens=512, decode_tokens=1, scheme="fp16")
@@ -75,7 +64,7 @@ def test_soak_until_jetsam(installed: Emulator, tmp_path: Path) -> None:
     assert result.limit_bytes == at_kill  # a per-process-limit kill happens at the limit
     assert at_kill >= LIMIT_BYTES  # the emulator was told 160 MiB
 
-    steps = _raw_steps(out / "telemetry.jsonl")
+    steps = raw_steps(out / "telemetry.jsonl")
     assert steps and all(s["run_id"] == plan.run_id for s in steps)
     assert result.max_context_reached == max(s["context_tokens"] for s in steps)
     assert result.max_safe_context == steps[-1]["context_tokens"]
