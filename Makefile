@@ -3,7 +3,8 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvrig-setup-1
-DEBIAN_PACKAGES := libopenblas0-pthread
+# libopenblas0-pthread: MLX CPU matmul; the rest: the Linux build of the Swift engine (MLX Swift links BLAS/LAPACK).
+DEBIAN_PACKAGES := libopenblas0-pthread libblas-dev liblapacke-dev libopenblas-dev liblapack-dev gfortran g++
 
 .PHONY: setup test demo lint typecheck bench clean
 
@@ -21,9 +22,12 @@ $(STAMP): pyproject.toml Makefile
 test: $(STAMP)
 	$(BIN)/ruff check toolchain tests
 	$(BIN)/mypy
+	# The app's engine for Linux against MLX Swift (debug; incremental in .build/swift-engine).
+	$(BIN)/kvrig engine
 	$(BIN)/python -m pytest -q
 
 demo: $(STAMP)
+	$(BIN)/kvrig engine
 	$(BIN)/kvrig demo -o build/demo
 
 lint: $(STAMP)

@@ -58,7 +58,7 @@ def _say(on_event: Event | None, text: str) -> None:
 
 def run_demo(options: DemoOptions, on_event: Event | None = None) -> DemoResult:
     from toolchain.appgen.render import AppOptions, render_app
-    from toolchain.appgen.virtual_ipa import build_virtual_ipa
+    from toolchain.appgen.virtual_ipa import APP_RUNTIMES, RUNTIME_NOTES, build_virtual_ipa, default_app_runtime
     from toolchain.bundle import PackageOptions, package
     from toolchain.models import load_model_spec
     from toolchain.models.gguf import embedded_default_model
@@ -105,7 +105,9 @@ def run_demo(options: DemoOptions, on_event: Event | None = None) -> DemoResult:
 
     _say(on_event, "rendering the app and building the .ipa for the virtual iPhone ...")
     project = render_app(bundle, out / "app", AppOptions(name=APP_NAME, bundle_id=APP_ID), force=True).project
-    ipa = build_virtual_ipa(project, out / f"{project.name}-virtual.ipa")
+    runtime = default_app_runtime()
+    ipa = build_virtual_ipa(project, out / f"{project.name}-virtual.ipa", APP_RUNTIMES[runtime])
+    _say(on_event, RUNTIME_NOTES[runtime])
 
     soak_result = _soak_on_virtual_iphone(options, bundle, ipa, limit, predicted, kv.scheme, on_event)
     return DemoResult(

@@ -122,6 +122,24 @@ class AppGenError(KvrigError):
     exit_code = 15
 
 
+class SwiftDepsNotFoundError(AppGenError):
+    """The Linux build of the engine needs MLX Swift's sources (KVRIG_SWIFT_DEPS) and a Swift toolchain."""
+
+    exit_code = 30
+
+
+class SwiftBuildError(AppGenError):
+    """`swift build` of the engine failed: the compiler's errors are in the message."""
+
+    exit_code = 31
+
+
+class EngineRunError(AppGenError):
+    """The headless Swift engine (kvrig-engine) exited with an error."""
+
+    exit_code = 32
+
+
 # --- devices (exit 10-14) ----------------------------------------------------------------------------------
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from tests.device.conftest import Emulator, emulator, on_device, run  # noqa: F401 (fixture)
 from toolchain.appgen.virtual_ipa import VIRTUAL_RUNTIME_KEY, build_virtual_ipa
 from toolchain.device import apps
+from toolchain.virtual import swiftapp
 from toolchain.virtual.apprun import APP_RUNTIMES
 
 
@@ -27,7 +28,7 @@ def test_ipa_carries_the_projects_info_plist(reference_project: Path, tmp_path: 
     assert info["UIFileSharingEnabled"] is True and source["UIFileSharingEnabled"] is True
     assert info["CFBundleIdentifier"] == "com.example.smollm2"  # the build variable, filled in
     assert info["CFBundleExecutable"] == info["CFBundleName"] == "SmolLM2Chat"
-    assert info[VIRTUAL_RUNTIME_KEY] in APP_RUNTIMES
+    assert info[VIRTUAL_RUNTIME_KEY] in {*APP_RUNTIMES, swiftapp.RUNTIME}
 
 
 def test_virtual_iphone_installs_it_through_pymobiledevice3(
@@ -35,7 +36,7 @@ def test_virtual_iphone_installs_it_through_pymobiledevice3(
     tmp_path: Path,
     emulator: Emulator,  # noqa: F811
 ) -> None:
-    ipa = build_virtual_ipa(reference_project, tmp_path / "App.ipa")
+    ipa = build_virtual_ipa(reference_project, tmp_path / "App.ipa", "llm")
 
     async def job(device):  # type: ignore[no-untyped-def]
         await apps.install(device, ipa)
@@ -61,3 +62,16 @@ def test_not_a_project_is_a_clear_error(tmp_path: Path) -> None:
         [sys.executable, "-m", "toolchain", "build", str(tmp_path), "--virtual"], capture_output=True, text=True
     )
     assert proc.returncode == 3 and "project.yml" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_app_runtime_option_names_what_the_virtual_iphone_runs(reference_project: Path, tmp_path: Path) -> None:
+    for choice, value in (("swift", "swift"), ("python", "llm")):
+        out = tmp_path / choice
+        proc = subprocess.run(
+            [sys.executable, "-m", "toolchain", "build", str(reference_project), "--virtual", "-o", str(out)]
+            + ["--app-runtime", choice],
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert _info(out / f"{reference_project.name}-virtual.ipa")[VIRTUAL_RUNTIME_KEY] == value

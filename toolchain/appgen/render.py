@@ -25,8 +25,8 @@ from toolchain.schemas.kvcache import KVCacheConfig
 from toolchain.schemas.soakplan import SOAKPLAN_FILE, GrowthSchedule, SoakPlan
 from toolchain.schemas.telemetry import TelemetryEvent
 
-# Swift packages the App target links, pinned to the versions the symbol list was checked against
-# (templates/swift/_meta/mlx_symbols.yaml). mlx-swift 0.31.5+ needs a Swift 6.3 toolchain, so 0.31.4.
+# Swift packages the App target links. The engine's sources are compiled against these versions on Linux
+# (toolchain/appgen/linux.py); mlx-swift 0.31.5+ needs a Swift 6.3 toolchain, so 0.31.4.
 PINS: dict[str, dict[str, str]] = {
     "mlx-swift-lm": {"url": "https://github.com/ml-explore/mlx-swift-lm", "version": "3.31.4"},
     "mlx-swift": {"url": "https://github.com/ml-explore/mlx-swift", "version": "0.31.4"},

@@ -1,9 +1,9 @@
 """An .ipa of a generated project for the virtual iPhone, built on any OS.
 
-It carries the project's real Info.plist (build variables filled in as Xcode would) and no Swift binary:
-the key `KvrigVirtualRuntime` tells the virtual iPhone to run kvrig's host app runtime, which implements the
-same soak protocol as the generated Swift app. A phone would refuse this .ipa (it is unsigned, with no
-executable); `kvrig build` makes the real one on a Mac.
+It carries the project's real Info.plist (build variables filled in as Xcode would) and no binary: the key
+`KvrigVirtualRuntime` tells the virtual iPhone what to run: `swift`, the app's engine compiled for this host
+(`kvrig engine`, toolchain.appgen.linux), or `llm`, kvrig's Python runtime implementing the same protocol.
+A phone would refuse this .ipa (it is unsigned, with no executable); `kvrig build` makes the real one on a Mac.
 """
 
 from __future__ import annotations
@@ -19,6 +19,24 @@ from toolchain.exceptions import InputError
 
 VIRTUAL_RUNTIME_KEY = "KvrigVirtualRuntime"
 VIRTUAL_RUNTIME_LLM = "llm"
+VIRTUAL_RUNTIME_SWIFT = "swift"
+APP_RUNTIMES = {"swift": VIRTUAL_RUNTIME_SWIFT, "python": VIRTUAL_RUNTIME_LLM}
+"""--app-runtime choices -> Info.plist values (the virtual iPhone's toolchain.virtual.apprun reads them)."""
+
+
+RUNTIME_NOTES = {
+    "swift": "the virtual iPhone runs the app's Swift engine: its Engine, CacheSet and TokenLoop compiled "
+    "against MLX Swift for this host (kvrig-engine)",
+    "python": "the virtual iPhone runs kvrig's Python LLM runtime (the Swift engine is not built here: "
+    "`kvrig engine` builds it)",
+}
+
+
+def default_app_runtime() -> str:
+    """`swift` where the engine has been built on this host (`kvrig engine`), else `python`."""
+    from toolchain.appgen.linux import built_engine
+
+    return "swift" if built_engine() is not None else "python"
 
 
 def _project_settings(project: Path) -> tuple[str, str]:
@@ -42,11 +60,11 @@ def _project_settings(project: Path) -> tuple[str, str]:
     return name, str(bundle_id)
 
 
-def build_virtual_ipa(
-    project: str | Path, output: str | Path | None = None, runtime: str = VIRTUAL_RUNTIME_LLM
-) -> Path:
-    """Writes `<Name>-virtual.ipa` (Payload/<Name>.app/Info.plist) for the project; returns its path."""
+def build_virtual_ipa(project: str | Path, output: str | Path | None = None, runtime: str | None = None) -> Path:
+    """Writes `<Name>-virtual.ipa` (Payload/<Name>.app/Info.plist) for the project; returns its path.
+    `runtime`: an Info.plist value (`swift`, `llm`); default: `swift` where the engine is built, else `llm`."""
     project = Path(project)
+    runtime = runtime or APP_RUNTIMES[default_app_runtime()]
     name, bundle_id = _project_settings(project)
     info_file = project / "App" / "Info.plist"
     try:
@@ -65,7 +83,7 @@ def build_virtual_ipa(
         ipa.writestr(f"Payload/{name}.app/Info.plist", plistlib.dumps(info, fmt=plistlib.FMT_BINARY))
         ipa.writestr(
             f"Payload/{name}.app/{name}",
-            "kvrig virtual build: the virtual iPhone runs kvrig's host app runtime for this app.\n",
+            f"kvrig virtual build: the virtual iPhone runs this app with the {runtime!r} runtime.\n",
         )
     tmp.replace(out)
     return out

@@ -56,18 +56,30 @@ def app(
     is_flag=True,
     help="Package for the virtual iPhone instead (any OS): the project's Info.plist, run by kvrig's host runtime.",
 )
+@click.option(
+    "--app-runtime",
+    type=click.Choice(["swift", "python"]),
+    default=None,
+    help="With --virtual: run the app's Swift engine compiled for this host (default where `kvrig engine` "
+    "built it) or kvrig's Python runtime.",
+)
 @json_option
-def build(project: Path, team: str | None, output: Path | None, virtual: bool, as_json: bool) -> None:
+def build(
+    project: Path, team: str | None, output: Path | None, virtual: bool, app_runtime: str | None, as_json: bool
+) -> None:
     """Build a generated project into an .ipa with xcodegen and xcodebuild (macOS only), or with --virtual an
     .ipa the virtual iPhone runs."""
     if virtual:
-        from toolchain.appgen.virtual_ipa import build_virtual_ipa
+        from toolchain.appgen.virtual_ipa import APP_RUNTIMES, build_virtual_ipa, default_app_runtime
 
-        ipa = build_virtual_ipa(project, output / f"{project.name}-virtual.ipa" if output else None)
+        runtime = app_runtime or default_app_runtime()
+        ipa = build_virtual_ipa(
+            project, output / f"{project.name}-virtual.ipa" if output else None, APP_RUNTIMES[runtime]
+        )
         if as_json:
-            echo_json({"ipa": str(ipa), "virtual": True})
+            echo_json({"ipa": str(ipa), "virtual": True, "app_runtime": runtime})
         else:
-            click.echo(f"built {ipa} (for the virtual iPhone)")
+            click.echo(f"built {ipa} (for the virtual iPhone, app runtime: {runtime})")
         return
     from toolchain.appgen.build import build_app
 
@@ -76,3 +88,25 @@ def build(project: Path, team: str | None, output: Path | None, virtual: bool, a
         echo_json({"ipa": str(result.ipa), "archive": str(result.archive)})
     else:
         click.echo(f"built {result.ipa}")
+
+
+@click.command("engine")
+@click.option(
+    "--language-mode",
+    type=click.Choice(["5", "6"]),
+    default="5",
+    show_default=True,
+    help="Swift language mode (5: what the Xcode project uses).",
+)
+@click.option("--release", is_flag=True, help="Optimised build (slower to build, faster to run).")
+@json_option
+def engine(language_mode: str, release: bool, as_json: bool) -> None:
+    """Build the app's engine for this host (Linux CPU): every App source but the SwiftUI views, Core, and
+    the headless runner kvrig-engine, against MLX Swift's sources ($KVRIG_SWIFT_DEPS)."""
+    from toolchain.appgen.linux import build_engine
+
+    result = build_engine(language_mode, configuration="release" if release else "debug")
+    if as_json:
+        echo_json({"binary": str(result.binary), "language_mode": language_mode, "seconds": result.seconds})
+    else:
+        click.echo(f"built {result.binary} (Swift {language_mode} mode) in {result.seconds:.0f} s")

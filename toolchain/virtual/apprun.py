@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import toolchain
+from toolchain.virtual import swiftapp
 from toolchain.virtual.footprint import FootprintAccount, Measurement, pressure_level
 from toolchain.virtual.jetsam_report import JetsamVictim, build_crash_report, build_report, write_report
 
@@ -113,11 +114,18 @@ class AppRunner:
                 "KVRIG_LIMIT_BYTES": str(ident.limit_bytes),
             }
         )
+        # The one spot that picks the app's command: the compiled Swift engine, or a Python runtime.
+        runtime = str(record.get("KvrigVirtualRuntime", "test"))
+        try:
+            command = (
+                swiftapp.command(arguments or [])
+                if runtime == swiftapp.RUNTIME
+                else [self.python, "-m", APP_RUNTIMES.get(runtime, APP_RUNTIME), *(arguments or [])]
+            )
+        except swiftapp.SwiftEngineMissingError as exc:
+            raise AppLaunchError(str(exc)) from None
         proc = await asyncio.create_subprocess_exec(
-            self.python,
-            "-m",
-            APP_RUNTIMES.get(str(record.get("KvrigVirtualRuntime", "test")), APP_RUNTIME),
-            *(arguments or []),
+            *command,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,

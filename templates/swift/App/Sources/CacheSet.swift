@@ -14,34 +14,48 @@ final class CacheSet: @unchecked Sendable {
     private var pendingEviction = 0
     private var stopRequested = false
 
-    init(model: any LanguageModel, config: KVCacheConfig) {
+    /// Set only by a host computing in float32 (see the Linux runner): the element size the phone stores
+    /// those buffers at. nil on the phone, where buffers are already in its format.
+    let phoneElementBytes: Int?
+
+    init(
+        model: any LanguageModel, config: KVCacheConfig, temperature: Float = 0.6, phoneElementBytes: Int? = nil
+    ) {
         let plan = config.cachePlan
-        // GenerateParameters carries MLX's own KV quantization (one width for K and V); the loop hands the same
-        // values to maybeQuantizeKVCache so MLX's QuantizedKVCache replaces the plain caches at the start point.
+        // GenerateParameters carries MLX's own KV quantization (one width for K and V); the loop converts plain
+        // caches to MLX's QuantizedKVCache once they pass the start point (see quantizeIfDue).
         let parameters = GenerateParameters(
             kvBits: plan.kvBits, kvGroupSize: plan.kvGroupSize, quantizedKVStart: plan.quantizedKVStart,
-            temperature: 0.6, prefillStepSize: config.prefillStepSize)
+            temperature: temperature, prefillStepSize: config.prefillStepSize)
         var caches = model.newCache(parameters: parameters)
-        if plan.needsCustomCache {
-            if caches.count == config.layers.count {
-                for index in caches.indices {
-                    guard case .mixed(let k, let v, let g)? = plan.layers[index], caches[index] is KVCacheSimple
-                    else { continue }
+        // One cache per cache-holding layer: shared layers read another layer's (as mlx-lm pairs them).
+        let owners = config.layers.filter { $0.kind != .shared }
+        if caches.count == owners.count {
+            for (index, entry) in owners.enumerated() where caches[index] is KVCacheSimple {
+                switch plan.layers[entry.layer] {
+                case .mixed(let k, let v, let g)?:
                     caches[index] = MixedBitsKVCache(
                         keyBits: k, valueBits: v, groupSize: g, quantizedStart: plan.quantizedKVStart)
+                case .mlxAffine(let bits, let g)? where plan.quantizedKVStart == 0:
+                    // Quantized from the first token, as mlx-lm builds it: no float copy to convert later.
+                    caches[index] = QuantizedKVCache(groupSize: g, bits: bits)
+                default:
+                    break
                 }
-            } else {
-                Log.app.error(
-                    "model has \(caches.count) caches, kvcache.json lists \(config.layers.count) layers: KV left unquantized")
             }
+        } else {
+            Log.app.error(
+                "model has \(caches.count) caches, kvcache.json lists \(owners.count) cache-holding layers: "
+                    + "KV left unquantized")
         }
         for note in plan.notes {
-            Log.app.notice("\(note, privacy: .public)")
+            Log.app.notice(note)
         }
         self.caches = caches
         self.plan = plan
         self.parameters = parameters
         self.keepTokens = config.keepTokens
+        self.phoneElementBytes = phoneElementBytes
     }
 
     /// Tokens in the context: the longest growing cache (sliding rings stop at their window).
@@ -65,12 +79,18 @@ final class CacheSet: @unchecked Sendable {
         lock.unlock()
     }
 
-    /// Bytes the caches hold now.
+    /// Bytes the caches have allocated (whole buffers, not the filled part `state` returns), in the phone's
+    /// format: what MLX's nbytes sums to on the phone, and what kvrig's planner counts.
     var kvBytes: Int {
-        caches.reduce(0) { total, cache in
-            if let own = cache as? MixedBitsKVCache { return total + own.storedBytes }
-            return total + cache.state.reduce(0) { $0 + $1.nbytes }
+        caches.flatMap { $0.innerState() }.reduce(0) { total, a in
+            if let phoneElementBytes, a.dtype == .float32 { return total + a.size * phoneElementBytes }
+            return total + a.nbytes
         }
+    }
+
+    /// The same buffers as the host holds them.
+    var hostKVBytes: Int {
+        caches.flatMap { $0.innerState() }.reduce(0) { $0 + $1.nbytes }
     }
 
     func requestEviction(tokens: Int) {
@@ -97,11 +117,34 @@ final class CacheSet: @unchecked Sendable {
         lock.unlock()
     }
 
-    /// Applies MLX's KV quantization once a cache passes quantized_kv_start (equal K and V bits only).
-    func quantizeIfDue() {
-        maybeQuantizeKVCache(
-            cache: &caches, kvBits: plan.kvBits, kvGroupSize: plan.kvGroupSize,
-            quantizedKVStart: plan.quantizedKVStart)
+    /// Converts plain caches to MLX's QuantizedKVCache once they pass quantized_kv_start (equal K and V bits
+    /// only; mixed widths convert inside MixedBitsKVCache). The whole buffer is quantized, capacity kept, as
+    /// mlx-lm's `to_quantized` does (MLX Swift's `toQuantized` drops the unfilled tail: the bytes would then
+    /// depend on where the start point fell, and differ from what the planner counts).
+    /// Returns whether a cache was converted.
+    @discardableResult
+    func quantizeIfDue() -> Bool {
+        guard let bits = plan.kvBits else { return false }
+        var converted = false
+        for index in caches.indices {
+            guard let simple = caches[index] as? KVCacheSimple, !(simple is ChunkedKVCache),
+                simple.offset > plan.quantizedKVStart
+            else { continue }
+            caches[index] = Self.quantizedKeepingCapacity(simple, bits: bits, groupSize: plan.kvGroupSize)
+            converted = true
+        }
+        return converted
+    }
+
+    static func quantizedKeepingCapacity(_ cache: KVCacheSimple, bits: Int, groupSize: Int) -> QuantizedKVCache {
+        let out = QuantizedKVCache(groupSize: groupSize, bits: bits)
+        let buffers = cache.innerState()
+        guard buffers.count == 2 else { return out }
+        let k = quantized(buffers[0], groupSize: groupSize, bits: bits)
+        let v = quantized(buffers[1], groupSize: groupSize, bits: bits)
+        out.state = [k.wq, k.scales, k.biases, v.wq, v.scales, v.biases].compactMap { $0 }
+        out.offset = cache.offset
+        return out
     }
 
     /// Runs a pending eviction; returns the tokens dropped (0 when none was asked for or possible).

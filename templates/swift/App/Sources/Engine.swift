@@ -38,27 +38,37 @@ final class Engine {
     @ObservationIgnored private var pressure: PressureMonitor?
     @ObservationIgnored private var decider: PressureDecider?
     @ObservationIgnored private var metricsTimer: Timer?
+    @ObservationIgnored private let host: EngineHost?
+    @ObservationIgnored private var phoneElementBytes: Int?
+    /// Sampling temperature of chat turns and soaks (0: greedy) and the longest reply.
+    @ObservationIgnored var chatTemperature: Float = 0.6
+    @ObservationIgnored var chatMaxTokens = 2048
+    let documents: URL
 
-    static var documents: URL {
-        FileManager.default.urls(for: .documentDirectory, in: .userDomainMask)[0]
+    /// `host`: set only when a host runs the engine in place of the phone (kvrig's headless runner).
+    init(host: EngineHost? = nil) {
+        self.host = host
+        documents = host?.documents ?? FileManager.default.urls(for: .documentDirectory, in: .userDomainMask)[0]
     }
 
     func start(arguments: [String]) async {
-        let bundleURL = Self.documents.appendingPathComponent(AppConfig.bundleFolder, isDirectory: true)
+        let bundleURL =
+            host?.bundle ?? documents.appendingPathComponent(AppConfig.bundleFolder, isDirectory: true)
         do {
-            let config = try ContractJSON.load(
-                KVCacheConfig.self, from: bundleURL.appendingPathComponent("kvcache.json"))
-            self.config = config
             var plan: SoakPlan?
-            if let planURL = SoakPlan.planURL(arguments: arguments, base: Self.documents) {
+            if let planURL = SoakPlan.planURL(arguments: arguments, base: documents) {
                 plan = try ContractJSON.load(SoakPlan.self, from: planURL)
             }
             let runId = plan?.runId ?? "chat-\(Int(Date().timeIntervalSince1970))"
             let telemetryURL =
-                plan?.telemetryURL(base: Self.documents) ?? Self.documents.appendingPathComponent("telemetry.jsonl")
-            telemetry = try TelemetryLog(runId: runId, url: telemetryURL) { line in
-                Log.telemetry.log("\(line, privacy: .public)")
+                plan?.telemetryURL(base: documents) ?? documents.appendingPathComponent("telemetry.jsonl")
+            telemetry = try TelemetryLog(runId: runId, url: telemetryURL, mirror: { line in Log.telemetry.log(line) })
+            let configURL = bundleURL.appendingPathComponent("kvcache.json")
+            guard FileManager.default.fileExists(atPath: configURL.path) else {
+                throw EngineError.noBundle(bundleURL.lastPathComponent)
             }
+            let config = try ContractJSON.load(KVCacheConfig.self, from: configURL)
+            self.config = config
             decider = PressureDecider(config: config, onCritical: plan?.onCritical ?? .stopAndSave)
             let believedLimit = configureMemory(config)
             pressure = PressureMonitor { [weak self] level in
@@ -69,11 +79,25 @@ final class Engine {
             let container = try await LLMModelFactory.shared.loadContainer(
                 from: bundleURL, using: TransformersTokenizerLoader())
             self.container = container
+            var converted: [String] = []
+            if let host {
+                let prepared = try await container.perform { context in
+                    try host.prepare(model: context.model, bundle: bundleURL)
+                }
+                phoneElementBytes = prepared.phoneElementBytes
+                converted = prepared.converted
+            }
+            await newChat()
+            // With a host kernel, the first report (weights loaded) may already be fatal, as on the phone.
+            var limit = believedLimit
+            if let host, let caches, let verdict = KernelHub.shared.report({ host.sample(caches: caches) }) {
+                limit = verdict.footprint + verdict.available
+            }
             try telemetry?.record(
                 .start(
-                    model: AppConfig.bundleFolder, scheme: config.scheme, productType: DeviceMemory.productType(),
-                    osVersion: DeviceMemory.osVersion(), limitBytes: believedLimit, converted: []))
-            await newChat()
+                    model: bundleURL.lastPathComponent, scheme: config.scheme,
+                    productType: DeviceMemory.productType(), osVersion: DeviceMemory.osVersion(), limitBytes: limit,
+                    converted: converted))
             isReady = true
             status = "Ready: \(AppConfig.modelType), KV \(config.scheme)"
             startMetricsTimer()
@@ -82,7 +106,9 @@ final class Engine {
             }
         } catch {
             status = "Error: \(error)"
-            Log.app.error("start failed: \(String(describing: error), privacy: .public)")
+            Log.app.error("start failed: \(String(describing: error))")
+            // The soak driver reads why the run ended from the telemetry file.
+            try? telemetry?.record(.end(reason: .error, contextTokens: 0, message: String(describing: error)))
         }
     }
 
@@ -106,9 +132,13 @@ final class Engine {
 
     func newChat() async {
         guard let container, let config else { return }
+        let temperature = chatTemperature
+        let phoneElementBytes = self.phoneElementBytes
         messages = []
         caches = await container.perform { context in
-            CacheSet(model: context.model, config: config)
+            CacheSet(
+                model: context.model, config: config, temperature: temperature,
+                phoneElementBytes: phoneElementBytes)
         }
         Memory.clearCache()
         refreshMetrics()
@@ -118,7 +148,8 @@ final class Engine {
         caches?.requestStop()
     }
 
-    func send(_ prompt: String) async {
+    /// One chat turn; `onToken` (on the generation thread) sees each generated token id.
+    func send(_ prompt: String, onToken: (@Sendable (Int) -> Void)? = nil) async {
         guard let container, let caches, !prompt.isEmpty else { return }
         messages.append(ChatMessage(role: .user, text: prompt))
         messages.append(ChatMessage(role: .assistant, text: ""))
@@ -126,28 +157,33 @@ final class Engine {
         isGenerating = true
         caches.clearStop()
         let telemetry = self.telemetry
+        let host = self.host
+        let maxTokens = chatMaxTokens
         do {
             let rate = try await container.perform { context in
                 let tokens = try context.tokenizer.applyChatTemplate(messages: [["role": "user", "content": prompt]])
                 var loop = TokenLoop(context: context, caches: caches)
-                loop.betweenSteps = { Self.afterStep(caches: caches, telemetry: telemetry) }
+                loop.betweenSteps = { Self.afterStep(caches: caches, telemetry: telemetry, host: host) }
                 var prefill = TokenLoop.Timing()
                 var decode = TokenLoop.Timing()
                 guard let logits = try loop.prefill(tokens, timing: &prefill) else { return nil as Double? }
                 var detokenizer = NaiveStreamingDetokenizer(tokenizer: context.tokenizer)
-                _ = try loop.decode(from: logits, count: 2048, timing: &decode) { id in
+                _ = try loop.decode(from: logits, count: maxTokens, timing: &decode) { id in
+                    onToken?(id)
                     detokenizer.append(token: id)
                     if let piece = detokenizer.next() {
                         Task { @MainActor in self.append(piece, to: index) }
                     }
                     return true
                 }
+                // One step record per turn: a chat's context and KV bytes, as a soak writes them.
+                try telemetry?.record(.step(Self.stepMetrics(caches: caches, prefill: prefill, decode: decode)))
                 return decode.rate
             }
             metrics.decodeTps = rate
         } catch {
             status = "Generation failed: \(error)"
-            Log.app.error("generation failed: \(String(describing: error), privacy: .public)")
+            Log.app.error("generation failed: \(String(describing: error))")
         }
         isGenerating = false
         refreshMetrics()
@@ -159,7 +195,9 @@ final class Engine {
     }
 
     /// On the generation thread, after every forward pass: pending evictions, then the metrics snapshot.
-    nonisolated private static func afterStep(caches: CacheSet, telemetry: TelemetryLog?) {
+    /// With a host kernel attached (the virtual iPhone), it is told the memory after every step, as the
+    /// phone's kernel watches it; it may end the process right there.
+    nonisolated private static func afterStep(caches: CacheSet, telemetry: TelemetryLog?, host: EngineHost?) {
         let dropped = caches.applyPendingEviction()
         if dropped > 0 {
             Memory.clearCache()
@@ -167,13 +205,27 @@ final class Engine {
                 .evict(tokensEvicted: dropped, contextTokens: caches.contextTokens, kvBytes: caches.kvBytes))
         }
         caches.recordSnapshot()
+        if let host {
+            KernelHub.shared.report { host.sample(caches: caches) }
+        }
+    }
+
+    nonisolated private static func stepMetrics(
+        caches: CacheSet, prefill: TokenLoop.Timing, decode: TokenLoop.Timing
+    ) -> StepMetrics {
+        let memory = Memory.snapshot()
+        return StepMetrics(
+            contextTokens: caches.contextTokens, decodeTps: decode.rate, prefillTps: prefill.rate,
+            physFootprintBytes: DeviceMemory.footprint(), availableBytes: DeviceMemory.available(),
+            mlxActiveBytes: memory.activeMemory, mlxCacheBytes: memory.cacheMemory, mlxPeakBytes: memory.peakMemory,
+            kvBytes: caches.kvBytes, thermalState: DeviceMemory.thermalState())
     }
 
     private func onPressure(_ level: PressureLevel) {
         let contextTokens = caches?.snapshot.contextTokens ?? 0
         try? telemetry?.record(
             .memoryPressure(level: level, contextTokens: contextTokens, physFootprintBytes: DeviceMemory.footprint()))
-        Log.app.notice("memory pressure \(level.rawValue, privacy: .public) at \(contextTokens) tokens")
+        Log.app.notice("memory pressure \(level.rawValue) at \(contextTokens) tokens")
         guard let decider, let caches else { return }
         switch decider.respond(to: level, contextTokens: contextTokens) {
         case .nothing:
@@ -181,7 +233,7 @@ final class Engine {
         case .evict(let tokens):
             caches.requestEviction(tokens: tokens)
             if !isGenerating {
-                Self.afterStep(caches: caches, telemetry: telemetry)
+                Self.afterStep(caches: caches, telemetry: telemetry, host: host)
             }
         case .stopAndSave:
             caches.requestStop()
@@ -195,12 +247,12 @@ final class Engine {
     private func save(reason: EndReason, runId: String, contextTokens: Int) {
         let checkpoint = SoakCheckpoint(
             runId: runId, contextTokens: contextTokens, reason: reason, t: Date().timeIntervalSince1970)
-        let url = ContainerPath.resolve("checkpoint.json", in: Self.documents)
+        let url = ContainerPath.resolve("checkpoint.json", in: documents)
         if let url {
             do {
                 try checkpoint.write(to: url)
             } catch {
-                Log.app.error("checkpoint not written: \(String(describing: error), privacy: .public)")
+                Log.app.error("checkpoint not written: \(String(describing: error))")
             }
         }
     }
@@ -211,9 +263,10 @@ final class Engine {
         isGenerating = true
         caches.clearStop()
         let began = Date()
+        let host = self.host
         let outcome: (reason: EndReason, message: String?) = await container.perform { context in
             var loop = TokenLoop(context: context, caches: caches)
-            loop.betweenSteps = { Self.afterStep(caches: caches, telemetry: telemetry) }
+            loop.betweenSteps = { Self.afterStep(caches: caches, telemetry: telemetry, host: host) }
             let textTokens = context.tokenizer.encode(text: plan.text, addSpecialTokens: false)
             guard !textTokens.isEmpty else { return (.error, "the soak text encodes to no tokens") }
             var cursor = 0
@@ -239,16 +292,9 @@ final class Engine {
                         logits = try loop.decode(
                             from: current, count: plan.schedule.decodeTokens, timing: &decode) { _ in true }
                     }
-                    let footprint = DeviceMemory.footprint()
-                    let memory = Memory.snapshot()
-                    try telemetry.record(
-                        .step(
-                            StepMetrics(
-                                contextTokens: caches.contextTokens, decodeTps: decode.rate,
-                                prefillTps: prefill.rate, physFootprintBytes: footprint,
-                                availableBytes: DeviceMemory.available(), mlxActiveBytes: memory.activeMemory,
-                                mlxCacheBytes: memory.cacheMemory, mlxPeakBytes: memory.peakMemory,
-                                kvBytes: caches.kvBytes, thermalState: DeviceMemory.thermalState())))
+                    let step = Self.stepMetrics(caches: caches, prefill: prefill, decode: decode)
+                    let footprint = step.physFootprintBytes
+                    try telemetry.record(.step(step))
                     if let why = plan.stop.check(
                         decodeTps: decode.rate, footprint: footprint, elapsed: Date().timeIntervalSince(began))
                     {
@@ -288,5 +334,29 @@ final class Engine {
         metrics.availableBytes = DeviceMemory.available()
         metrics.contextTokens = snapshot.contextTokens
         metrics.kvBytes = snapshot.kvBytes
+    }
+}
+
+/// A host running the engine in place of the phone (kvrig's headless runner on Linux): where the bundle and
+/// Documents are, what it converts after loading, and what its kernel is told after each step. The phone has
+/// none: these are the phone's own folders, formats and kernel.
+protocol EngineHost: AnyObject, Sendable {
+    var documents: URL { get }
+    var bundle: URL { get }
+    /// Converts the loaded model for the host. Returns the element size the phone stores the host's float32
+    /// buffers at (nil: no conversion) and the telemetry fields that then carry the phone's format.
+    func prepare(model: any LanguageModel, bundle: URL) throws -> (phoneElementBytes: Int?, converted: [String])
+    /// The memory sample a host kernel is told after a step.
+    func sample(caches: CacheSet) -> MemorySample
+}
+
+enum EngineError: Error, CustomStringConvertible {
+    case noBundle(String)
+
+    var description: String {
+        switch self {
+        case .noBundle(let folder):
+            "no model bundle in Documents/\(folder) (no kvcache.json): push it with `kvrig deploy`"
+        }
     }
 }

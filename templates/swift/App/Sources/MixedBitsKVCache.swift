@@ -5,14 +5,18 @@ import MLXLMCommon
 /// A KV cache whose keys and values are quantized at rest with their own bit widths (MLX's QuantizedKVCache
 /// and quantized attention take one width for both), dequantized when attention reads them. The dequantized
 /// copy of one layer is transient: the planner counts it. nil bits keep that side in the activation dtype.
-final class MixedBitsKVCache: BaseKVCache {
+///
+/// It conforms to mlx-swift-lm's `KVCache` protocol directly: `BaseKVCache` is `open` but its initializer
+/// is internal, so no other module can subclass it (and `KVCacheSimple` is not `open`).
+final class MixedBitsKVCache: KVCache, @unchecked Sendable {
+    private(set) var offset = 0
     private var keyStore: QuantizedStore
     private var valueStore: QuantizedStore
     private let keyBits: Int?
     private let valueBits: Int?
     private let groupSize: Int
     private let quantizedStart: Int
-    private let step = 256
+    static let step = 256
 
     init(keyBits: Int?, valueBits: Int?, groupSize: Int, quantizedStart: Int) {
         self.keyBits = keyBits
@@ -23,40 +27,58 @@ final class MixedBitsKVCache: BaseKVCache {
         let quantizeNow = quantizedStart == 0
         keyStore = QuantizedStore(bits: quantizeNow ? keyBits : nil, groupSize: groupSize)
         valueStore = QuantizedStore(bits: quantizeNow ? valueBits : nil, groupSize: groupSize)
-        super.init()
     }
 
-    override func update(keys: MLXArray, values: MLXArray) -> (MLXArray, MLXArray) {
+    var maxSize: Int? { nil }
+
+    func innerState() -> [MLXArray] { keyStore.parts + valueStore.parts }
+
+    func update(keys: MLXArray, values: MLXArray) -> (MLXArray, MLXArray) {
         let previous = offset
-        keyStore.append(keys, at: previous, step: step)
-        valueStore.append(values, at: previous, step: step)
+        keyStore.append(keys, at: previous)
+        valueStore.append(values, at: previous)
         offset = previous + keys.dim(2)
         if offset > quantizedStart, keyStore.bits != keyBits || valueStore.bits != valueBits {
-            keyStore = keyStore.requantized(bits: keyBits, count: offset, dtype: keys.dtype, step: step)
-            valueStore = valueStore.requantized(bits: valueBits, count: offset, dtype: values.dtype, step: step)
+            keyStore = keyStore.requantized(bits: keyBits, dtype: keys.dtype)
+            valueStore = valueStore.requantized(bits: valueBits, dtype: values.dtype)
         }
         return (keyStore.read(count: offset, dtype: keys.dtype), valueStore.read(count: offset, dtype: values.dtype))
     }
 
-    override var state: [MLXArray] {
+    var state: [MLXArray] {
         get { keyStore.slices(count: offset) + valueStore.slices(count: offset) }
         set {
             let half = newValue.count / 2
             keyStore.parts = Array(newValue[..<half])
             valueStore.parts = Array(newValue[half...])
+            offset = keyStore.capacity
         }
     }
 
-    override var isTrimmable: Bool { true }
+    var metaState: [String] {
+        get { [String(offset)] }
+        set { offset = newValue.first.flatMap { Int($0) } ?? offset }
+    }
+
+    var isTrimmable: Bool { true }
 
     @discardableResult
-    override func trim(_ n: Int) -> Int {
+    func trim(_ n: Int) -> Int {
         let trimmed = min(offset, n)
         offset -= trimmed
         return trimmed
     }
 
-    override func copy() -> any KVCache {
+    /// Same masks as mlx-swift-lm's base cache: none for one token, causal (or an array) otherwise.
+    func makeMask(n: Int, windowSize: Int?, returnArray: Bool) -> MLXFast.ScaledDotProductAttentionMaskMode {
+        if n == 1 { return .none }
+        if returnArray || (windowSize.map { n > $0 } ?? false) {
+            return .array(createCausalMask(n: n, offset: offset, windowSize: windowSize))
+        }
+        return .causal
+    }
+
+    func copy() -> any KVCache {
         let new = MixedBitsKVCache(
             keyBits: keyBits, valueBits: valueBits, groupSize: groupSize, quantizedStart: quantizedStart)
         new.keyStore = keyStore.copied()
@@ -74,20 +96,18 @@ final class MixedBitsKVCache: BaseKVCache {
         offset -= n
         return n
     }
-
-    /// Bytes held, allocated capacity included.
-    var storedBytes: Int { keyStore.nbytes + valueStore.nbytes }
 }
 
 /// One side (keys or values) of a layer: [wq, scales, biases] when quantized, [raw] otherwise; each array is
-/// [batch, heads, capacity, width], grown in steps of 256 tokens like MLX's caches.
+/// [batch, heads, capacity, width], grown exactly as mlx-lm's and MLX Swift's caches grow (and so as kvrig's
+/// planner counts): on overflow by n tokens, a ragged tail is trimmed to the offset, then ceil(n/256)*256
+/// tokens are added.
 struct QuantizedStore {
     let bits: Int?
     let groupSize: Int
     var parts: [MLXArray] = []
 
     var capacity: Int { parts.first?.dim(2) ?? 0 }
-    var nbytes: Int { parts.reduce(0) { $0 + $1.nbytes } }
 
     func encode(_ x: MLXArray) -> [MLXArray] {
         guard let bits else { return [x] }
@@ -102,15 +122,19 @@ struct QuantizedStore {
             p[0], scales: p[1], biases: p.count > 2 ? p[2] : nil, groupSize: groupSize, bits: bits, dtype: dtype)
     }
 
-    mutating func append(_ x: MLXArray, at offset: Int, step: Int) {
+    mutating func append(_ x: MLXArray, at offset: Int) {
+        let step = MixedBitsKVCache.step
         let n = x.dim(2)
         let encoded = encode(x)
         if parts.isEmpty || offset + n > capacity {
             let grow = (n + step - 1) / step * step
             let fresh = encoded.map { MLXArray.zeros([$0.dim(0), $0.dim(1), grow, $0.dim(3)], dtype: $0.dtype) }
-            parts = parts.isEmpty
-                ? fresh
-                : zip(parts, fresh).map { concatenated([$0[.ellipsis, ..<offset, 0...], $1], axis: 2) }
+            if parts.isEmpty {
+                parts = fresh
+            } else {
+                let kept = offset % step != 0 ? parts.map { $0[.ellipsis, ..<offset, 0...] } : parts
+                parts = zip(kept, fresh).map { concatenated([$0, $1], axis: 2) }
+            }
         }
         for i in parts.indices {
             parts[i][.ellipsis, offset ..< (offset + n), 0...] = encoded[i]
@@ -125,9 +149,10 @@ struct QuantizedStore {
         decode(slices(count: count), dtype: dtype)
     }
 
-    func requantized(bits newBits: Int?, count: Int, dtype: DType, step: Int) -> QuantizedStore {
+    /// The whole buffer re-encoded at `newBits`, capacity kept (as mlx-lm's `to_quantized` keeps it).
+    func requantized(bits newBits: Int?, dtype: DType) -> QuantizedStore {
         var store = QuantizedStore(bits: newBits, groupSize: groupSize)
-        store.append(read(count: count, dtype: dtype), at: 0, step: step)
+        store.parts = store.encode(read(count: capacity, dtype: dtype))
         return store
     }
 

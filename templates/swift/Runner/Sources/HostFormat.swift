@@ -1,0 +1,77 @@
+import Foundation
+import MLX
+import MLXLMCommon
+import MLXNN
+
+/// What only a host does to run the engine at a usable speed, and how its numbers become the phone's.
+/// MLX on an x86 CPU emulates float16 arithmetic (about 0.16 tok/s for SmolLM2-135M), so a host converts the
+/// model's floating-point parameters to float32 (packed quantized weights stay packed): activations and KV
+/// buffers are then float32 too. kvrig's Python host runtime computes in float32 the same way, and counts
+/// the same way: weights as stored in the bundle, float32 buffers at the phone's element size.
+/// The phone never builds one of these.
+struct HostFormat: Sendable {
+    /// Telemetry fields that carry the phone's format rather than the host's (the start event lists them).
+    static let convertedFields = ["kv_bytes", "mlx_active_bytes", "phys_footprint_bytes"]
+    static let hostElementBytes = 4
+
+    let phoneElementBytes: Int
+    let hostWeightBytes: Int
+    let phoneWeightBytes: Int
+
+    /// Converts `model`'s floating parameters to float32 in place; `bundle` holds the weights as stored.
+    static func convert(_ model: Module, bundle: URL, phoneDType: String) throws -> HostFormat {
+        let converted = model.parameters().flattened().map { name, array in
+            (name, array.dtype.isFloatingPoint && array.dtype != .float32 ? array.asType(.float32) : array)
+        }
+        model.update(parameters: ModuleParameters.unflattened(converted))
+        let parameters = model.parameters().flattenedValues()
+        eval(parameters)
+        return HostFormat(
+            phoneElementBytes: phoneDType == "float32" ? 4 : 2,
+            hostWeightBytes: parameters.reduce(0) { $0 + $1.nbytes },
+            phoneWeightBytes: try storedWeightBytes(bundle))
+    }
+
+    /// Phone minus host bytes for `hostBytes` of MLX memory holding the weights, the KV buffers and float32
+    /// activations (the rest), each at the phone's element size.
+    func delta(hostBytes: Int, hostKV: Int, phoneKV: Int) -> Int {
+        let hostActivations = max(0, hostBytes - hostWeightBytes - hostKV)
+        let phoneActivations = hostActivations * phoneElementBytes / Self.hostElementBytes
+        return (phoneWeightBytes - hostWeightBytes) + (phoneKV - hostKV) + (phoneActivations - hostActivations)
+    }
+
+    /// Bytes of every tensor in the bundle's safetensors files, read from their headers (no data loaded).
+    static func storedWeightBytes(_ bundle: URL) throws -> Int {
+        let files = try FileManager.default.contentsOfDirectory(at: bundle, includingPropertiesForKeys: nil)
+            .filter { $0.pathExtension == "safetensors" }
+        var total = 0
+        for file in files {
+            let handle = try FileHandle(forReadingFrom: file)
+            defer { try? handle.close() }
+            let sizeBytes = try handle.read(upToCount: 8) ?? Data()
+            guard sizeBytes.count == 8 else { throw HostFormatError.badHeader(file.lastPathComponent) }
+            let size = sizeBytes.enumerated().reduce(0) { $0 | Int($1.element) << (8 * $1.offset) }
+            let header = try handle.read(upToCount: size) ?? Data()
+            guard let entries = try JSONSerialization.jsonObject(with: header) as? [String: Any] else {
+                throw HostFormatError.badHeader(file.lastPathComponent)
+            }
+            for (name, entry) in entries where name != "__metadata__" {
+                guard let offsets = (entry as? [String: Any])?["data_offsets"] as? [Int], offsets.count == 2 else {
+                    throw HostFormatError.badHeader(file.lastPathComponent)
+                }
+                total += offsets[1] - offsets[0]
+            }
+        }
+        return total
+    }
+}
+
+enum HostFormatError: Error, CustomStringConvertible {
+    case badHeader(String)
+
+    var description: String {
+        switch self {
+        case .badHeader(let file): "\(file): not a safetensors header"
+        }
+    }
+}

@@ -1,0 +1,171 @@
+import Foundation
+import KvrigCore
+import MLX
+import MLXLMCommon
+
+struct RunnerOptions {
+    var bundle: URL?
+    var documents: URL
+    var soakPlan: String?
+    var chat: [String] = []
+    var temperature: Float = 0.6
+    var maxTokens = 2048
+    var printTokens = false
+    var hostKernel = false
+    var float32 = true
+    var exitWhenDone = false
+
+    struct UsageError: Error, CustomStringConvertible {
+        let description: String
+    }
+
+    init(_ arguments: some Sequence<String>) throws {
+        let environment = ProcessInfo.processInfo.environment
+        let container = environment["KVRIG_CONTAINER"].map { URL(fileURLWithPath: $0) }
+        documents = (container ?? URL(fileURLWithPath: FileManager.default.currentDirectoryPath))
+            .appendingPathComponent("Documents", isDirectory: true)
+        var iterator = arguments.makeIterator()
+        func value(_ flag: String) throws -> String {
+            guard let next = iterator.next() else { throw UsageError(description: "\(flag) needs a value") }
+            return next
+        }
+        while let argument = iterator.next() {
+            switch argument {
+            case "--bundle": bundle = URL(fileURLWithPath: try value(argument), isDirectory: true)
+            case "--kvrig-bundle": bundle = documents.appendingPathComponent(try value(argument), isDirectory: true)
+            case "--documents": documents = URL(fileURLWithPath: try value(argument), isDirectory: true)
+            case AppConfig.soakPlanArgument: soakPlan = try value(argument)
+            case "--chat": chat.append(try value(argument))
+            case "--temperature":
+                guard let t = Float(try value(argument)), t >= 0 else {
+                    throw UsageError(description: "--temperature: expected a number >= 0")
+                }
+                temperature = t
+            case "--max-tokens":
+                guard let n = Int(try value(argument)), n >= 0 else {
+                    throw UsageError(description: "--max-tokens: expected a whole number >= 0")
+                }
+                maxTokens = n
+            case "--print-tokens": printTokens = true
+            case "--host-kernel": hostKernel = true
+            case "--no-float32": float32 = false
+            case "--exit-when-done": exitWhenDone = true
+            default: throw UsageError(description: "unknown argument \(argument)")
+            }
+        }
+        if bundle == nil {
+            // Else the folder the app was generated for (AppConfig.bundleFolder), as on the phone.
+            bundle = Self.findBundle(in: documents)
+        }
+    }
+
+    /// The arguments the app itself understands (what a launch passes the phone's app).
+    var engineArguments: [String] {
+        soakPlan.map { [AppConfig.soakPlanArgument, $0] } ?? []
+    }
+
+    /// The single folder in Documents holding kvcache.json (what `kvrig deploy` pushes), if there is one.
+    static func findBundle(in documents: URL) -> URL? {
+        let entries = (try? FileManager.default.contentsOfDirectory(at: documents, includingPropertiesForKeys: nil)) ?? []
+        let found = entries.filter {
+            FileManager.default.fileExists(atPath: $0.appendingPathComponent("kvcache.json").path)
+        }
+        return found.count == 1 ? found[0] : nil
+    }
+}
+
+/// The runner's side of the Engine's host hooks: its folders, the float32 conversion, the kernel's samples.
+final class RunnerHost: EngineHost, @unchecked Sendable {
+    let documents: URL
+    let bundle: URL
+    private let float32: Bool
+    private let lock = NSLock()
+    private var format: HostFormat?
+
+    init(options: RunnerOptions) {
+        documents = options.documents
+        bundle = options.bundle ?? options.documents.appendingPathComponent(AppConfig.bundleFolder, isDirectory: true)
+        float32 = options.float32
+    }
+
+    func prepare(model: any LanguageModel, bundle: URL) throws -> (phoneElementBytes: Int?, converted: [String]) {
+        guard float32 else { return (nil, []) }
+        let config = try ContractJSON.load(KVCacheConfig.self, from: bundle.appendingPathComponent("kvcache.json"))
+        let format = try HostFormat.convert(model, bundle: bundle, phoneDType: config.dtype.rawValue)
+        lock.lock()
+        self.format = format
+        lock.unlock()
+        return (format.phoneElementBytes, HostFormat.convertedFields)
+    }
+
+    func sample(caches: CacheSet) -> MemorySample {
+        lock.lock()
+        let format = self.format
+        lock.unlock()
+        let active = Memory.activeMemory
+        // The peak since the previous sample: the step's transients, which the kernel charges.
+        let peak = max(Memory.peakMemory, active)
+        Memory.peakMemory = 0
+        let hostKV = caches.hostKVBytes
+        let phoneKV = caches.kvBytes
+        return MemorySample(
+            mlxActiveBytes: active, mlxCacheBytes: Memory.cacheMemory, mlxPeakBytes: peak, kvBytes: phoneKV,
+            weightBytes: format?.phoneWeightBytes ?? 0, contextTokens: caches.contextTokens,
+            phoneFormatDeltaBytes: format?.delta(hostBytes: active, hostKV: hostKV, phoneKV: phoneKV) ?? 0,
+            phoneFormatPeakDeltaBytes: format?.delta(hostBytes: peak, hostKV: hostKV, phoneKV: phoneKV) ?? 0)
+    }
+}
+
+/// The virtual iPhone's kernel, over the JSON-line channel on stdin/stdout.
+final class ChannelKernel: HostKernel, @unchecked Sendable {
+    private let lock = NSLock()
+
+    private func send(_ object: [String: Any]) {
+        guard let data = try? JSONSerialization.data(withJSONObject: object) else { return }
+        FileHandle.standardOutput.write(data + Data("\n".utf8))
+    }
+
+    func log(category: String, text: String) {
+        lock.lock()
+        defer { lock.unlock() }
+        send(["log": category == "telemetry" ? "telemetry \(text)" : text])
+    }
+
+    func report(_ sample: MemorySample) -> KernelVerdict? {
+        lock.lock()
+        defer { lock.unlock() }
+        send([
+            "measure": [
+                "mlx_active_bytes": sample.mlxActiveBytes, "mlx_cache_bytes": sample.mlxCacheBytes,
+                "mlx_peak_bytes": sample.mlxPeakBytes, "kv_bytes": sample.kvBytes,
+                "weight_bytes": sample.weightBytes, "context_tokens": sample.contextTokens,
+                "phone_format_delta_bytes": sample.phoneFormatDeltaBytes,
+                "phone_format_peak_delta_bytes": sample.phoneFormatPeakDeltaBytes,
+            ]
+        ])
+        guard let line = readLine() else { exit(0) }  // the emulator went away
+        guard let data = line.data(using: .utf8),
+            let reply = try? JSONSerialization.jsonObject(with: data) as? [String: Any],
+            let footprint = reply["footprint"] as? Int, let available = reply["available"] as? Int,
+            let level = (reply["pressure"] as? String).flatMap(PressureLevel.init(rawValue:))
+        else { return nil }
+        return KernelVerdict(footprint: footprint, available: available, pressure: level)
+    }
+}
+
+final class TokenCollector: @unchecked Sendable {
+    private let lock = NSLock()
+    private var collected: [Int] = []
+
+    func append(_ token: Int) {
+        lock.lock()
+        collected.append(token)
+        lock.unlock()
+    }
+
+    var tokens: [Int] {
+        lock.lock()
+        defer { lock.unlock() }
+        return collected
+    }
+}
