@@ -26,7 +26,7 @@ from toolchain.virtual.host import EmulatorHost
 
 APP_ID = "dev.kvrig.swiftsoak"
 PROFILE = "iPhone16,1"
-KILL_CONTEXT = 768
+KILL_CONTEXT = 512
 OPTIONS = SoakOptions(poll_interval_s=0.2, hang_after_s=300, report_wait_s=10)
 
 

@@ -67,9 +67,9 @@ def test_not_a_project_is_a_clear_error(tmp_path: Path) -> None:
 def test_app_runtime_option_names_what_the_virtual_iphone_runs(reference_project: Path, tmp_path: Path) -> None:
     for choice, value in (("swift", "swift"), ("python", "llm")):
         out = tmp_path / choice
+        cmd = [sys.executable, "-m", "toolchain", "build", str(reference_project), "--virtual", "-o", str(out)]
         proc = subprocess.run(
-            [sys.executable, "-m", "toolchain", "build", str(reference_project), "--virtual", "-o", str(out)]
-            + ["--app-runtime", choice],
+            [*cmd, "--app-runtime", choice],
             capture_output=True,
             text=True,
         )

@@ -62,7 +62,10 @@ final class Engine {
             let runId = plan?.runId ?? "chat-\(Int(Date().timeIntervalSince1970))"
             let telemetryURL =
                 plan?.telemetryURL(base: documents) ?? documents.appendingPathComponent("telemetry.jsonl")
-            telemetry = try TelemetryLog(runId: runId, url: telemetryURL, mirror: { line in Log.telemetry.log(line) })
+            // @Sendable: records are written on the generation thread, so the mirror must not be main-actor
+            // isolated (Swift 6 checks that at run time and traps).
+            telemetry = try TelemetryLog(
+                runId: runId, url: telemetryURL, mirror: { @Sendable line in Log.telemetry.log(line) })
             let configURL = bundleURL.appendingPathComponent("kvcache.json")
             guard FileManager.default.fileExists(atPath: configURL.path) else {
                 throw EngineError.noBundle(bundleURL.lastPathComponent)

@@ -4,11 +4,13 @@ import MLXLMCommon
 import MLXNN
 
 /// What only a host does to run the engine at a usable speed, and how its numbers become the phone's.
-/// MLX on an x86 CPU emulates float16 arithmetic (about 0.16 tok/s for SmolLM2-135M), so a host converts the
-/// model's floating-point parameters to float32 (packed quantized weights stay packed): activations and KV
-/// buffers are then float32 too. kvrig's Python host runtime computes in float32 the same way, and counts
-/// the same way: weights as stored in the bundle, float32 buffers at the phone's element size.
-/// The phone never builds one of these.
+/// MLX on an x86 CPU emulates float16 arithmetic, and its quantized matmul is a plain loop (with the MLX core
+/// built in debug, SmolLM2-135M decodes well under 1 tok/s), so a host keeps a float32 copy of the weights:
+/// quantized layers dequantized as mlx-lm's `dequantize_model` does (in the scales' dtype), then every
+/// floating parameter cast to float32, so matmuls go to the system BLAS (OpenBLAS). Activations and KV
+/// buffers are then float32 too. kvrig's Python host runtime computes in float32 the same way (it dequantizes
+/// per call instead of once), and counts the same way: weights as stored in the bundle, float32 buffers at
+/// the phone's element size. The phone never builds one of these.
 struct HostFormat: Sendable {
     /// Telemetry fields that carry the phone's format rather than the host's (the start event lists them).
     static let convertedFields = ["kv_bytes", "mlx_active_bytes", "phys_footprint_bytes"]
@@ -18,8 +20,22 @@ struct HostFormat: Sendable {
     let hostWeightBytes: Int
     let phoneWeightBytes: Int
 
-    /// Converts `model`'s floating parameters to float32 in place; `bundle` holds the weights as stored.
+    /// Converts `model` in place; `bundle` holds the weights as stored.
     static func convert(_ model: Module, bundle: URL, phoneDType: String) throws -> HostFormat {
+        let dequantized = model.leafModules().flattened().compactMap { path, module -> (String, Module)? in
+            if let q = module as? QuantizedLinear {
+                let w = MLX.dequantized(
+                    q.weight, scales: q.scales, biases: q.biases, groupSize: q.groupSize, bits: q.bits, mode: q.mode)
+                return (path, Linear(weight: w, bias: q.bias))
+            }
+            if let q = module as? QuantizedEmbedding {
+                let w = MLX.dequantized(
+                    q.weight, scales: q.scales, biases: q.biases, groupSize: q.groupSize, bits: q.bits, mode: q.mode)
+                return (path, Embedding(weight: w))
+            }
+            return nil
+        }
+        model.update(modules: ModuleChildren.unflattened(dequantized))
         let converted = model.parameters().flattened().map { name, array in
             (name, array.dtype.isFloatingPoint && array.dtype != .float32 ? array.asType(.float32) : array)
         }
