@@ -6,7 +6,7 @@ STAMP := $(VENV)/.kvrig-setup-1
 # libopenblas0-pthread: MLX CPU matmul; the rest: the Linux build of the Swift engine (MLX Swift links BLAS/LAPACK).
 DEBIAN_PACKAGES := libopenblas0-pthread libblas-dev liblapacke-dev libopenblas-dev liblapack-dev gfortran g++
 
-.PHONY: setup test demo lint typecheck bench clean
+.PHONY: setup test demo lint typecheck clean
 
 setup: $(STAMP)
 
@@ -21,6 +21,7 @@ $(STAMP): pyproject.toml Makefile
 
 test: $(STAMP)
 	$(BIN)/ruff check toolchain tests
+	$(BIN)/ruff format --check toolchain tests
 	$(BIN)/mypy
 	# The app's engine for Linux against MLX Swift (debug; incremental in .build/swift-engine).
 	$(BIN)/kvrig engine
