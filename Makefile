@@ -28,7 +28,6 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 demo: $(STAMP)
-	$(BIN)/kvrig engine
 	$(BIN)/kvrig demo -o build/demo
 
 lint: $(STAMP)

@@ -24,6 +24,9 @@ from toolchain.soak import SoakOptions, make_plan, run_soak
 from toolchain.virtual.device import VirtualDevice
 from toolchain.virtual.host import EmulatorHost
 
+# Slow here (the debug engine loads for minutes on 2 shared cores); run with -m slow.
+pytestmark = pytest.mark.slow
+
 APP_ID = "dev.kvrig.swiftsoak"
 PROFILE = "iPhone16,1"
 KILL_CONTEXT = 512
@@ -69,7 +72,12 @@ def phones(engine_binary: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 
 def _soak(device: VirtualDevice, plan, out: Path):  # type: ignore[no-untyped-def]
-    return run(on_device(device.identity.udid, lambda d: run_soak(d, APP_ID, plan, out, OPTIONS)))
+    try:
+        return run(on_device(device.identity.udid, lambda d: run_soak(d, APP_ID, plan, out, OPTIONS)))
+    except BaseException:
+        for line in list(device.syslog.history)[-40:]:  # what the app and the kernel said, for the report
+            print(f"{line.t:.1f} {line.process}[{line.pid}] {line.message[:300]}")
+        raise
 
 
 def test_swift_engine_soaks_on_the_virtual_iphone(phones: Phones, tmp_path: Path) -> None:

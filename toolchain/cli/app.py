@@ -60,8 +60,8 @@ def app(
     "--app-runtime",
     type=click.Choice(["swift", "python"]),
     default=None,
-    help="With --virtual: run the app's Swift engine compiled for this host (default where `kvrig engine` "
-    "built it) or kvrig's Python runtime.",
+    help="With --virtual: run the app's Swift engine compiled for this host (`kvrig engine`) or kvrig's Python "
+    "runtime (default: $KVRIG_APP_RUNTIME, else python).",
 )
 @json_option
 def build(

@@ -180,7 +180,7 @@ final class Engine {
                     return true
                 }
                 // One step record per turn: a chat's context and KV bytes, as a soak writes them.
-                try telemetry?.record(.step(Self.stepMetrics(caches: caches, prefill: prefill, decode: decode)))
+                try telemetry?.record(.step(Self.stepMetrics(caches: caches, prefill: prefill, decode: decode, host: host)))
                 return decode.rate
             }
             metrics.decodeTps = rate
@@ -213,14 +213,17 @@ final class Engine {
         }
     }
 
+    /// A step record; MLX's numbers in the phone's format when a host converted the model.
     nonisolated private static func stepMetrics(
-        caches: CacheSet, prefill: TokenLoop.Timing, decode: TokenLoop.Timing
+        caches: CacheSet, prefill: TokenLoop.Timing, decode: TokenLoop.Timing, host: EngineHost?
     ) -> StepMetrics {
         let memory = Memory.snapshot()
+        let active = host?.phoneBytes(mlxBytes: memory.activeMemory, caches: caches) ?? memory.activeMemory
+        let peak = host?.phoneBytes(mlxBytes: memory.peakMemory, caches: caches) ?? memory.peakMemory
         return StepMetrics(
             contextTokens: caches.contextTokens, decodeTps: decode.rate, prefillTps: prefill.rate,
             physFootprintBytes: DeviceMemory.footprint(), availableBytes: DeviceMemory.available(),
-            mlxActiveBytes: memory.activeMemory, mlxCacheBytes: memory.cacheMemory, mlxPeakBytes: memory.peakMemory,
+            mlxActiveBytes: active, mlxCacheBytes: memory.cacheMemory, mlxPeakBytes: peak,
             kvBytes: caches.kvBytes, thermalState: DeviceMemory.thermalState())
     }
 
@@ -295,7 +298,7 @@ final class Engine {
                         logits = try loop.decode(
                             from: current, count: plan.schedule.decodeTokens, timing: &decode) { _ in true }
                     }
-                    let step = Self.stepMetrics(caches: caches, prefill: prefill, decode: decode)
+                    let step = Self.stepMetrics(caches: caches, prefill: prefill, decode: decode, host: host)
                     let footprint = step.physFootprintBytes
                     try telemetry.record(.step(step))
                     if let why = plan.stop.check(
@@ -351,6 +354,8 @@ protocol EngineHost: AnyObject, Sendable {
     func prepare(model: any LanguageModel, bundle: URL) throws -> (phoneElementBytes: Int?, converted: [String])
     /// The memory sample a host kernel is told after a step.
     func sample(caches: CacheSet) -> MemorySample
+    /// `mlxBytes` of MLX memory (weights, caches, activations) as the phone would hold them.
+    func phoneBytes(mlxBytes: Int, caches: CacheSet) -> Int
 }
 
 enum EngineError: Error, CustomStringConvertible {

@@ -6,14 +6,14 @@ import MLXNN
 /// What only a host does to run the engine at a usable speed, and how its numbers become the phone's.
 /// MLX on an x86 CPU emulates float16 arithmetic, and its quantized matmul is a plain loop (with the MLX core
 /// built in debug, SmolLM2-135M decodes well under 1 tok/s), so a host keeps a float32 copy of the weights:
-/// quantized layers dequantized as mlx-lm's `dequantize_model` does (in the scales' dtype), then every
-/// floating parameter cast to float32, so matmuls go to the system BLAS (OpenBLAS). Activations and KV
+/// quantized layers dequantized with their scales and biases in float32 (float16 arithmetic would be
+/// emulated), then every floating parameter cast to float32, so matmuls go to the system BLAS (OpenBLAS). Activations and KV
 /// buffers are then float32 too. kvrig's Python host runtime computes in float32 the same way (it dequantizes
 /// per call instead of once), and counts the same way: weights as stored in the bundle, float32 buffers at
 /// the phone's element size. The phone never builds one of these.
 struct HostFormat: Sendable {
     /// Telemetry fields that carry the phone's format rather than the host's (the start event lists them).
-    static let convertedFields = ["kv_bytes", "mlx_active_bytes", "phys_footprint_bytes"]
+    static let convertedFields = ["kv_bytes", "mlx_active_bytes", "mlx_peak_bytes"]
     static let hostElementBytes = 4
 
     let phoneElementBytes: Int
@@ -25,12 +25,14 @@ struct HostFormat: Sendable {
         let dequantized = model.leafModules().flattened().compactMap { path, module -> (String, Module)? in
             if let q = module as? QuantizedLinear {
                 let w = MLX.dequantized(
-                    q.weight, scales: q.scales, biases: q.biases, groupSize: q.groupSize, bits: q.bits, mode: q.mode)
+                    q.weight, scales: q.scales.asType(.float32), biases: q.biases?.asType(.float32),
+                    groupSize: q.groupSize, bits: q.bits, mode: q.mode)
                 return (path, Linear(weight: w, bias: q.bias))
             }
             if let q = module as? QuantizedEmbedding {
                 let w = MLX.dequantized(
-                    q.weight, scales: q.scales, biases: q.biases, groupSize: q.groupSize, bits: q.bits, mode: q.mode)
+                    q.weight, scales: q.scales.asType(.float32), biases: q.biases?.asType(.float32),
+                    groupSize: q.groupSize, bits: q.bits, mode: q.mode)
                 return (path, Embedding(weight: w))
             }
             return nil

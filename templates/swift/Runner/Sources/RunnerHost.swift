@@ -79,6 +79,7 @@ final class RunnerHost: EngineHost, @unchecked Sendable {
     let documents: URL
     let bundle: URL
     private let float32: Bool
+    private let hostKernel: Bool
     private let lock = NSLock()
     private var format: HostFormat?
 
@@ -86,6 +87,7 @@ final class RunnerHost: EngineHost, @unchecked Sendable {
         documents = options.documents
         bundle = options.bundle ?? options.documents.appendingPathComponent(AppConfig.bundleFolder, isDirectory: true)
         float32 = options.float32
+        hostKernel = options.hostKernel
     }
 
     func prepare(model: any LanguageModel, bundle: URL) throws -> (phoneElementBytes: Int?, converted: [String]) {
@@ -95,7 +97,17 @@ final class RunnerHost: EngineHost, @unchecked Sendable {
         lock.lock()
         self.format = format
         lock.unlock()
-        return (format.phoneElementBytes, HostFormat.convertedFields)
+        // The footprint is the phone's only when a host kernel (the virtual iPhone) accounts it.
+        let converted = HostFormat.convertedFields + (hostKernel ? ["phys_footprint_bytes"] : [])
+        return (format.phoneElementBytes, converted)
+    }
+
+    func phoneBytes(mlxBytes: Int, caches: CacheSet) -> Int {
+        lock.lock()
+        let format = self.format
+        lock.unlock()
+        guard let format else { return mlxBytes }
+        return max(0, mlxBytes + format.delta(hostBytes: mlxBytes, hostKV: caches.hostKVBytes, phoneKV: caches.kvBytes))
     }
 
     func sample(caches: CacheSet) -> MemorySample {
