@@ -7,22 +7,19 @@ as a real 17.0 phone does, and 16.7 keeps serving developer services over lockdo
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 from pymobiledevice3.exceptions import InvalidServiceError, UserspaceTunnelUnavailableError
 from pymobiledevice3.lockdown import create_using_usbmux
 from pymobiledevice3.remote.remote_service_discovery import RemoteServiceDiscoveryService
 from pymobiledevice3.remote.tunnel_service import CoreDeviceTunnelProxy
-from pymobiledevice3.remote.userspace_tunnel import UserspaceRsdTunnel
 from pymobiledevice3.services.afc import AfcService
 from pymobiledevice3.services.dvt.instruments.dvt_provider import DvtProvider
 from pymobiledevice3.services.dvt.instruments.process_control import ProcessControl
 from pymobiledevice3.services.installation_proxy import InstallationProxyService
 
-from tests.virtual.conftest import BUNDLE_ID, TESTAPP_ARGS, Emulator
+from tests.virtual.conftest import BUNDLE_ID, TESTAPP_ARGS, Emulator, through_tunnel
 from toolchain.virtual.device import VirtualDevice
 from toolchain.virtual.faults import FaultPlan
 
@@ -36,14 +33,6 @@ def phones(emulator: Emulator) -> dict[str, VirtualDevice]:
         "18.6": emulator.host.add_device(emulator.root / "iphone186", ios="18.6", profile="iPhone17,1"),
         "26.1": emulator.host.add_device(emulator.root / "iphone261", ios="26.1"),
     }
-
-
-def through_tunnel(device: VirtualDevice, body: Callable[[RemoteServiceDiscoveryService], Awaitable[Any]]) -> Any:
-    async def main() -> Any:
-        async with UserspaceRsdTunnel(serial=device.identity.udid, remotepairing_fallback=False) as rsd:
-            return await body(rsd)
-
-    return asyncio.run(asyncio.wait_for(main(), 120))
 
 
 def test_rsd_names_the_phone_and_its_services(phones: dict[str, VirtualDevice]) -> None:

@@ -13,7 +13,8 @@ BATTERY_CLASSES = {"AppleSmartBattery", "IOPMPowerSource"}
 
 
 def ioregistry(battery_entry: dict[str, Any], request: dict[str, Any]) -> dict[str, Any]:
-    name, klass = request.get("EntryName"), request.get("EntryClass")
+    # libimobiledevice sends an empty string for the criterion it does not use
+    name, klass = request.get("EntryName") or None, request.get("EntryClass") or None
     if name is None and klass is None:
         return {"IORegistryEntryName": "Root", "IOObjectClass": "IORegistryEntry"}
     if (name is None or name == "AppleSmartBattery") and (klass is None or klass in BATTERY_CLASSES):
