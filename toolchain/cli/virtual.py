@@ -156,7 +156,8 @@ def status(address: str, as_json: bool) -> None:
     from rich.table import Table
 
     table = Table(title=f"virtual iPhones on {result['Address']} (pid {result['Pid']})")
-    for column in ("UDID", "ProductType", "iOS", "limit", "plugged", "running apps", "state"):
+    columns = ("UDID", "ProductType", "iOS", "limit", "plugged", "dev mode", "image", "running apps", "state")
+    for column in columns:
         table.add_column(column)
     for d in result["Devices"]:
         running = ", ".join(f"{name}[{pid}]" for pid, name in d["running"].items()) or "-"
@@ -166,6 +167,8 @@ def status(address: str, as_json: bool) -> None:
             d["ios"],
             human_bytes(d["limit_bytes"]),
             str(d["plugged"]),
+            "on" if d["developer_mode"] else "off",
+            "mounted" if d["image_mounted"] else "missing",
             running,
             d["state"],
         )

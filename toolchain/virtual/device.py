@@ -158,6 +158,7 @@ class VirtualDevice:
     @faults.setter
     def faults(self, plan: FaultPlan) -> None:
         """Faults that are device state (Developer Mode off, image missing) change that state when set."""
+        plan.check(self.identity.product_version)
         self._faults = plan
         self.tunnel_bytes = 0  # a tunnel-drop limit counts from when it was set
         if plan.developer_mode_off or plan.image_missing:

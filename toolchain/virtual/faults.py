@@ -30,6 +30,20 @@ class FaultPlan:
     handshake_timeout: bool = False
     launch_errors: int = 0
 
+    def check(self, ios: str) -> None:
+        """Refuses faults a phone of this iOS version cannot have."""
+        from toolchain.exceptions import VirtualFaultError
+
+        version = tuple(int(part) for part in ios.split(".")[:2])
+        if (self.tunnel_drop_after_bytes is not None or self.handshake_timeout) and version < (17, 4):
+            raise VirtualFaultError(
+                f"iOS {ios} has no CoreDeviceProxy tunnel to fault",
+                field="faults",
+                expected="--ios 17.4 or later for tunnel faults",
+            )
+        if self.developer_mode_off and version < (16, 0):
+            raise VirtualFaultError(f"iOS {ios} has no Developer Mode", field="faults", expected="--ios 16.0 or later")
+
     def to_json(self) -> dict[str, Any]:
         """Only the faults that are set (plists have no null)."""
         data = {k: v for k, v in asdict(self).items() if v is not None and v is not False}
