@@ -7,6 +7,11 @@ as a real 17.0 phone does, and 16.7 keeps serving developer services over lockdo
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -92,6 +97,34 @@ def test_process_control_launches_and_kills_through_the_tunnel(phones: dict[str,
     assert pid > 0 and looked_up == pid
     assert after_kill == 0
     assert phone.apps.finished[pid].outcome == "killed"
+
+
+def test_pymobiledevice3_cli_goes_through_the_tunnel_by_itself(
+    emulator: Emulator, phones: dict[str, VirtualDevice], ipa: Path
+) -> None:
+    phone = phones["18.6"]
+    env = dict(os.environ, USBMUXD_SOCKET_ADDRESS=emulator.address, PYMOBILEDEVICE3_UDID=phone.identity.udid)
+    env.pop("PYMOBILEDEVICE3_DEFAULT_FALLBACK", None)  # the CLI's own default: the no-root userspace tunnel
+
+    def cli(*args: str) -> str:
+        result = subprocess.run(
+            [sys.executable, "-m", "pymobiledevice3", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+            check=False,
+        )
+        assert result.returncode == 0, f"{args}: {result.stdout}\n{result.stderr}"
+        return result.stdout
+
+    cli("apps", "install", str(ipa))
+    launched = cli("developer", "dvt", "launch", f"{BUNDLE_ID} --max-tokens 256 --layers 2")
+    pid = int(re.search(r"pid (\d+)", launched).group(1))  # type: ignore[union-attr]
+    assert phone.apps.pid_for_bundle(BUNDLE_ID) == pid
+    cli("developer", "dvt", "kill", str(pid))
+    assert emulator.host.run(phone.apps.wait(pid, 20)).outcome == "killed"
+    assert json.loads(cli("amfi", "developer-mode-status")) is True
 
 
 def test_instruments_only_while_the_image_is_mounted(phones: dict[str, VirtualDevice]) -> None:
