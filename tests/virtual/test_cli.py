@@ -57,7 +57,7 @@ def test_crash_ls_and_pull(emulator: Emulator, tmp_path: Path) -> None:
     assert (tmp_path / "out" / "JetsamEvent-2026-01-02-030405.ips").exists()
 
 
-def test_syslog_live_streams(emulator: Emulator) -> None:
+def test_syslog_live_streams_for_a_few_seconds(emulator: Emulator) -> None:
     env = dict(os.environ, USBMUXD_SOCKET_ADDRESS=emulator.address, PYMOBILEDEVICE3_UDID=emulator.udid)
     proc = subprocess.Popen(
         [*PYMOBILEDEVICE3, "syslog", "live"],
