@@ -94,8 +94,6 @@ class Tunnel:
         self.device.tunnel_bytes += n
         limit = self.device.faults.tunnel_drop_after_bytes
         if limit is not None and self.device.tunnel_bytes >= limit:
-            # Fires once, as a cable glitch would: the next tunnel is fine.
-            self.device.faults.tunnel_drop_after_bytes = None
             self.device.syslog.emit("remoted", "tunnel dropped", level="error")
             self.link.close()
             return False
