@@ -1,0 +1,205 @@
+"""`kvrig prepare`: make a phone ready for soak and lab, one reported step at a time.
+
+1. Developer Mode: switched on only with `enable_developer_mode` (AMFI; the phone restarts, and a phone with a
+   passcode refuses: then it is a switch in Settings). Never silently.
+2. Developer disk image: pymobiledevice3's `auto_mount` (the personalized image from iOS 17). The image comes
+   from pymobiledevice3's cache (downloaded once from GitHub) and its personalization from the phone's stored
+   manifest, or once from Apple's signing server.
+3. Tunnel (iOS 17+): opened once to check the instruments service is there, then closed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from packaging.version import Version
+from pymobiledevice3 import exceptions as pmd3
+from pymobiledevice3.lockdown_service_provider import LockdownServiceProvider
+from pymobiledevice3.services.amfi import AmfiService
+from pymobiledevice3.services.mobile_image_mounter import CRYPTEX_IMAGE_MIN_VERSION, auto_mount
+
+from toolchain.device import preflight
+from toolchain.device.discovery import Device, DeviceInfo, connect
+from toolchain.device.errors import DEVELOPER_MODE_HINT, problem_json
+from toolchain.device.tunnel import HANDSHAKE_TIMEOUT_S, Tunnel, TunnelMode, _usbmux_env, plan_tunnel
+from toolchain.exceptions import (
+    DeveloperModeOffError,
+    DeviceError,
+    ImageNotMountedError,
+    KvrigError,
+    NoTunnelError,
+)
+
+Status = Literal["done", "already", "skipped", "blocked"]
+INSTRUMENTS_RSD_SERVICE = "com.apple.instruments.dtservicehub"
+
+
+@dataclass
+class Step:
+    name: str
+    status: Status
+    detail: str
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class PrepareResult:
+    device: DeviceInfo
+    steps: list[Step] = field(default_factory=list)
+    tunnel: dict[str, Any] | None = None
+    problem: KvrigError | None = None  # the step that blocked (raised after the report is complete)
+
+    @property
+    def ready(self) -> bool:
+        return self.problem is None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "device": self.device.to_json(),
+            "steps": [s.to_json() for s in self.steps],
+            "tunnel": self.tunnel,
+            "ready": self.ready,
+            "problem": None if self.problem is None else problem_json(self.problem),
+        }
+
+
+async def prepare(
+    udid: str | None = None,
+    *,
+    enable_developer_mode: bool = False,
+    tunnel: TunnelMode | str | None = None,
+    usbmux_address: str | None = None,
+    handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+    on_step: Callable[[Step], None] | None = None,
+) -> PrepareResult:
+    """Runs the steps on one phone; stops at the first that blocks (its typed error in `problem`)."""
+    device = await connect(udid, usbmux_address=usbmux_address)
+    result = PrepareResult(device.info)
+
+    def report(name: str, status: Status, detail: str) -> None:
+        step = Step(name, status, detail)
+        result.steps.append(step)
+        if on_step is not None:
+            on_step(step)
+
+    async with device:
+        try:
+            await _developer_mode(device, enable_developer_mode, usbmux_address, report)
+            plan = await plan_tunnel(device.udid, device.info.os_version, tunnel)
+            device.tunnel = Tunnel(
+                device.udid,
+                plan,
+                os_version=device.info.os_version,
+                usbmux_address=usbmux_address,
+                handshake_timeout_s=handshake_timeout_s,
+            )
+            await _image(device, report)
+            await _tunnel(device, report)
+            result.tunnel = device.tunnel.to_json()
+        except KvrigError as exc:
+            result.problem = exc
+    return result
+
+
+async def _developer_mode(
+    device: Device, enable: bool, usbmux_address: str | None, report: Callable[[str, Status, str], None]
+) -> None:
+    name = "developer mode"
+    state = await preflight.developer_mode(device)
+    if state is None:
+        report(name, "skipped", f"iOS {device.info.os_version} has no Developer Mode (or the phone did not say)")
+        return
+    if state:
+        report(name, "already", "on")
+        return
+    if not enable:
+        report(name, "blocked", "off; kvrig switches it on only with --enable-developer-mode (the phone restarts)")
+        raise DeveloperModeOffError(f"{device.udid}: Developer Mode is off; {DEVELOPER_MODE_HINT}")
+    try:
+        async with device.errors("switching Developer Mode on"):
+            with _usbmux_env(usbmux_address):  # AMFI waits for the restarted phone through usbmuxd
+                await AmfiService(device.lockdown).enable_developer_mode()
+    except DeviceError as exc:
+        if isinstance(exc.__cause__, pmd3.DeviceHasPasscodeSetError):
+            report(name, "blocked", "the phone has a passcode, so AMFI will not switch it on remotely")
+            raise DeveloperModeOffError(
+                f"{device.udid}: Developer Mode is off and the phone has a passcode: switch it on in "
+                "Settings > Privacy & Security > Developer Mode"
+            ) from exc
+        raise
+    await device.reconnect()  # the phone restarted
+    if not await preflight.developer_mode(device):
+        report(name, "blocked", "asked to switch on, but the phone still reports it off")
+        raise DeveloperModeOffError(f"{device.udid}: Developer Mode is still off; {DEVELOPER_MODE_HINT}")
+    report(name, "done", "switched on (the phone restarted and the prompt was confirmed)")
+
+
+async def _image(device: Device, report: Callable[[str, Status, str], None]) -> None:
+    name = "developer disk image"
+    mounted, image_type = await preflight.image_mounted(device)
+    if mounted:
+        report(name, "already", f"{image_type} image mounted")
+        return
+    if mounted is None:
+        report(name, "skipped", "the phone offers no image mounter service")
+        return
+    provider: LockdownServiceProvider = device.lockdown
+    if Version(device.lockdown.product_version) >= CRYPTEX_IMAGE_MIN_VERSION:
+        # From there the image installs as a cryptex, which only a tunnel reaches.
+        assert device.tunnel is not None
+        provider = await device.tunnel.open() or device.lockdown
+    try:
+        async with device.errors(f"mounting the {image_type} developer disk image"):
+            await auto_mount(provider)
+    except DeviceError as exc:
+        cause = exc.__cause__
+        if isinstance(cause, pmd3.AlreadyMountedError):
+            report(name, "already", f"{image_type} image mounted")
+            return
+        if isinstance(cause, pmd3.DeveloperModeIsNotEnabledError):
+            raise
+        report(name, "blocked", str(exc))
+        raise ImageNotMountedError(
+            f"{device.udid}: the {image_type} developer disk image could not be mounted: {exc}{_download_hint(cause)}"
+        ) from exc
+    except OSError as exc:  # the one-time download (GitHub, Apple's signing server) could not be made
+        report(name, "blocked", f"download failed: {exc}")
+        raise ImageNotMountedError(
+            f"{device.udid}: downloading the developer disk image failed ({exc}); {_download_hint(exc)}"
+        ) from exc
+    report(name, "done", f"{image_type} image mounted")
+
+
+def _download_hint(cause: BaseException | None) -> str:
+    if isinstance(cause, pmd3.DeveloperDiskImageNotFoundError | OSError):
+        return (
+            "; mounting needs the internet once (the image from GitHub's DeveloperDiskImage repository, "
+            "its personalization from Apple's signing server); run `kvrig prepare` where that is reachable"
+        )
+    return ""
+
+
+async def _tunnel(device: Device, report: Callable[[str, Status, str], None]) -> None:
+    name = "tunnel"
+    tunnel = device.tunnel
+    assert tunnel is not None
+    if tunnel.kind is None:
+        report(name, "blocked", tunnel.plan.reason)
+        raise NoTunnelError(f"{device.udid}: no tunnel possible: {tunnel.plan.reason}")
+    if not tunnel.needed:
+        report(name, "skipped", tunnel.plan.reason)
+        return
+    rsd = await tunnel.open()
+    assert rsd is not None
+    services = rsd.peer_info.get("Services", {}) if isinstance(rsd.peer_info, dict) else {}
+    if INSTRUMENTS_RSD_SERVICE not in services:
+        report(name, "blocked", f"{tunnel.kind} tunnel opened, but the phone lists no instruments service")
+        raise ImageNotMountedError(
+            f"{device.udid}: the tunnel is up but the instruments service is missing: the developer disk image "
+            "is not mounted"
+        )
+    report(name, "done", f"{tunnel.kind} tunnel opened ({tunnel.plan.reason}); the instruments service is there")
