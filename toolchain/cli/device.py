@@ -90,9 +90,17 @@ def devices(tunnel: str, as_json: bool) -> None:
     is_flag=True,
     help="Switch Developer Mode on if it is off (the phone restarts; refused on a phone with a passcode).",
 )
+@click.option(
+    "--image",
+    "image_dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="Mount from this folder (Image.dmg, BuildManifest.plist, Image.trustcache; before iOS 17 "
+    "DeveloperDiskImage.dmg + .signature) instead of pymobiledevice3's download cache.",
+)
 @tunnel_option
 @json_option
-def prepare(udid: str | None, enable_developer_mode: bool, tunnel: str, as_json: bool) -> None:
+def prepare(udid: str | None, enable_developer_mode: bool, image_dir: Path | None, tunnel: str, as_json: bool) -> None:
     """Make a phone ready for soak and lab: Developer Mode, the developer disk image, the tunnel; each step
     reported. Developer Mode is switched on only with --enable-developer-mode."""
     from toolchain.device.prepare import prepare as run_prepare
@@ -102,7 +110,13 @@ def prepare(udid: str | None, enable_developer_mode: bool, tunnel: str, as_json:
             click.echo(f"{step.name}: {step.status}: {step.detail}")
 
     result = run_async(
-        run_prepare(udid, enable_developer_mode=enable_developer_mode, tunnel=parse_tunnel(tunnel), on_step=on_step)
+        run_prepare(
+            udid,
+            enable_developer_mode=enable_developer_mode,
+            tunnel=parse_tunnel(tunnel),
+            image_dir=image_dir,
+            on_step=on_step,
+        )
     )
     if as_json:
         echo_json(result.to_json())

@@ -4,7 +4,9 @@
    passcode refuses: then it is a switch in Settings). Never silently.
 2. Developer disk image: pymobiledevice3's `auto_mount` (the personalized image from iOS 17). The image comes
    from pymobiledevice3's cache (downloaded once from GitHub) and its personalization from the phone's stored
-   manifest, or once from Apple's signing server.
+   manifest, or once from Apple's signing server. `image_dir` mounts from local files instead: a folder with
+   Image.dmg, BuildManifest.plist and Image.trustcache (iOS 17+, pymobiledevice3's cache layout) or
+   DeveloperDiskImage.dmg and its .signature (before iOS 17, Xcode's layout).
 3. Tunnel (iOS 17+): opened once to check the instruments service is there, then closed.
 """
 
@@ -12,13 +14,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from packaging.version import Version
 from pymobiledevice3 import exceptions as pmd3
 from pymobiledevice3.lockdown_service_provider import LockdownServiceProvider
 from pymobiledevice3.services.amfi import AmfiService
-from pymobiledevice3.services.mobile_image_mounter import CRYPTEX_IMAGE_MIN_VERSION, auto_mount
+from pymobiledevice3.services.mobile_image_mounter import (
+    CRYPTEX_IMAGE_MIN_VERSION,
+    DeveloperDiskImageMounter,
+    PersonalizedImageMounter,
+    auto_mount,
+)
 
 from toolchain.device import preflight
 from toolchain.device.discovery import Device, DeviceInfo, connect
@@ -28,6 +36,7 @@ from toolchain.exceptions import (
     DeveloperModeOffError,
     DeviceError,
     ImageNotMountedError,
+    InputError,
     KvrigError,
     NoTunnelError,
 )
@@ -74,6 +83,7 @@ async def prepare(
     tunnel: TunnelMode | str | None = None,
     usbmux_address: str | None = None,
     handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+    image_dir: str | Path | None = None,
     on_step: Callable[[Step], None] | None = None,
 ) -> PrepareResult:
     """Runs the steps on one phone; stops at the first that blocks (its typed error in `problem`)."""
@@ -97,7 +107,7 @@ async def prepare(
                 usbmux_address=usbmux_address,
                 handshake_timeout_s=handshake_timeout_s,
             )
-            await _image(device, report)
+            await _image(device, report, Path(image_dir) if image_dir is not None else None)
             await _tunnel(device, report)
             result.tunnel = device.tunnel.to_json()
         except KvrigError as exc:
@@ -138,7 +148,31 @@ async def _developer_mode(
     report(name, "done", "switched on (the phone restarted and the prompt was confirmed)")
 
 
-async def _image(device: Device, report: Callable[[str, Status, str], None]) -> None:
+PERSONALIZED_FILES = ("Image.dmg", "BuildManifest.plist", "Image.trustcache")
+DEVELOPER_FILES = ("DeveloperDiskImage.dmg", "DeveloperDiskImage.dmg.signature")
+
+
+def image_files(folder: Path, image_type: str) -> list[Path]:
+    """The local image files for this image type, or InputError naming what is missing."""
+    names = PERSONALIZED_FILES if image_type == "Personalized" else DEVELOPER_FILES
+    missing = [n for n in names if not (folder / n).is_file()]
+    if missing:
+        expected = f"a {image_type} image folder with {', '.join(names)}"
+        raise InputError(f"missing {', '.join(missing)}", file=folder, expected=expected)
+    return [folder / n for n in names]
+
+
+async def _mount_local(device: Device, image_type: str, folder: Path) -> None:
+    files = image_files(folder, image_type)
+    if image_type == "Personalized":
+        async with PersonalizedImageMounter(device.lockdown) as personalized:
+            await personalized.mount(files[0], files[1], files[2])
+    else:
+        async with DeveloperDiskImageMounter(device.lockdown) as developer:
+            await developer.mount(files[0], files[1])
+
+
+async def _image(device: Device, report: Callable[[str, Status, str], None], image_dir: Path | None) -> None:
     name = "developer disk image"
     mounted, image_type = await preflight.image_mounted(device)
     if mounted:
@@ -148,13 +182,18 @@ async def _image(device: Device, report: Callable[[str, Status, str], None]) -> 
         report(name, "skipped", "the phone offers no image mounter service")
         return
     provider: LockdownServiceProvider = device.lockdown
-    if Version(device.lockdown.product_version) >= CRYPTEX_IMAGE_MIN_VERSION:
+    if image_dir is not None:
+        image_files(image_dir, image_type)  # a wrong folder is the user's input, not the phone's refusal
+    elif Version(device.lockdown.product_version) >= CRYPTEX_IMAGE_MIN_VERSION:
         # From there the image installs as a cryptex, which only a tunnel reaches.
         assert device.tunnel is not None
         provider = await device.tunnel.open() or device.lockdown
     try:
         async with device.errors(f"mounting the {image_type} developer disk image"):
-            await auto_mount(provider)
+            if image_dir is not None:
+                await _mount_local(device, image_type, image_dir)
+            else:
+                await auto_mount(provider)
     except DeviceError as exc:
         cause = exc.__cause__
         if isinstance(cause, pmd3.AlreadyMountedError):
@@ -171,7 +210,8 @@ async def _image(device: Device, report: Callable[[str, Status, str], None]) -> 
         raise ImageNotMountedError(
             f"{device.udid}: downloading the developer disk image failed ({exc}); {_download_hint(exc)}"
         ) from exc
-    report(name, "done", f"{image_type} image mounted")
+    source = f"from {image_dir}" if image_dir is not None else "with pymobiledevice3's auto_mount"
+    report(name, "done", f"{image_type} image mounted {source}")
 
 
 def _download_hint(cause: BaseException | None) -> str:

@@ -201,7 +201,11 @@ class Tunnel:
             ) from exc
         except pmd3.UserspaceTunnelUnavailableError as exc:
             await self.close()
-            raise NoTunnelError(f"{what} to {self.udid}: " + OLD_17_HINT.format(version=self.os_version)) from exc
+            if version_tuple(self.os_version) >= CORE_DEVICE_PROXY_FROM:
+                why = f"the phone (iOS {self.os_version}) refused the CoreDeviceProxy service; {TUNNELD_HINT}"
+            else:
+                why = OLD_17_HINT.format(version=self.os_version)
+            raise NoTunnelError(f"{what} to {self.udid}: {why}") from exc
         except KvrigError:
             await self.close()
             raise
