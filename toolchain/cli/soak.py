@@ -42,6 +42,13 @@ from toolchain.cli.render import echo_json, human_bytes, json_option
     help="Seconds a dropped tunnel or an unplugged phone may take to come back before the run ends as lost.",
 )
 @click.option(
+    "--handshake-timeout",
+    type=click.FloatRange(min=0.1),
+    default=20.0,
+    show_default=True,
+    help="Seconds the phone gets to finish the tunnel handshake (iOS 17+).",
+)
+@click.option(
     "--battery-interval",
     type=click.FloatRange(min=0.5),
     default=5.0,
@@ -70,6 +77,7 @@ def soak(
     timeout: float | None,
     tunnel: str,
     reconnect_s: float,
+    handshake_timeout: float,
     battery_interval: float,
     out_dir: Path,
     as_json: bool,
@@ -94,6 +102,7 @@ def soak(
         on_event=echo,
         battery_interval_s=battery_interval,
         tunnel=parse_tunnel(tunnel),
+        handshake_timeout_s=handshake_timeout,
     )
     result = run_async(run(app_id, plan, out_dir, udid=udid, options=options))
     if as_json:

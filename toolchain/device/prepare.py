@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import requests
 from packaging.version import Version
 from pymobiledevice3 import exceptions as pmd3
 from pymobiledevice3.lockdown_service_provider import LockdownServiceProvider
@@ -41,6 +42,11 @@ from toolchain.exceptions import (
     NoTunnelError,
 )
 
+DOWNLOAD_HINT = (
+    "mounting needs the internet once (the image from GitHub's DeveloperDiskImage repository, its "
+    "personalization from Apple's signing server): run `kvrig prepare` where that is reachable, or give the "
+    "image files with --image DIR"
+)
 Status = Literal["done", "already", "skipped", "blocked"]
 INSTRUMENTS_RSD_SERVICE = "com.apple.instruments.dtservicehub"
 
@@ -190,37 +196,31 @@ async def _image(device: Device, report: Callable[[str, Status, str], None], ima
         provider = await device.tunnel.open() or device.lockdown
     try:
         async with device.errors(f"mounting the {image_type} developer disk image"):
-            if image_dir is not None:
-                await _mount_local(device, image_type, image_dir)
-            else:
-                await auto_mount(provider)
+            try:
+                if image_dir is not None:
+                    await _mount_local(device, image_type, image_dir)
+                else:
+                    await auto_mount(provider)
+            except requests.RequestException as exc:  # the one-time download, not the phone's link
+                report(name, "blocked", f"download failed: {exc}")
+                raise ImageNotMountedError(
+                    f"{device.udid}: the {image_type} developer disk image is not mounted: downloading it failed "
+                    f"({exc}); {DOWNLOAD_HINT}"
+                ) from exc
     except DeviceError as exc:
         cause = exc.__cause__
         if isinstance(cause, pmd3.AlreadyMountedError):
             report(name, "already", f"{image_type} image mounted")
             return
-        if isinstance(cause, pmd3.DeveloperModeIsNotEnabledError):
+        if isinstance(exc, ImageNotMountedError | DeveloperModeOffError):
             raise
         report(name, "blocked", str(exc))
+        hint = f"; {DOWNLOAD_HINT}" if isinstance(cause, pmd3.DeveloperDiskImageNotFoundError) else ""
         raise ImageNotMountedError(
-            f"{device.udid}: the {image_type} developer disk image could not be mounted: {exc}{_download_hint(cause)}"
-        ) from exc
-    except OSError as exc:  # the one-time download (GitHub, Apple's signing server) could not be made
-        report(name, "blocked", f"download failed: {exc}")
-        raise ImageNotMountedError(
-            f"{device.udid}: downloading the developer disk image failed ({exc}); {_download_hint(exc)}"
+            f"{device.udid}: the {image_type} developer disk image could not be mounted: {exc}{hint}"
         ) from exc
     source = f"from {image_dir}" if image_dir is not None else "with pymobiledevice3's auto_mount"
     report(name, "done", f"{image_type} image mounted {source}")
-
-
-def _download_hint(cause: BaseException | None) -> str:
-    if isinstance(cause, pmd3.DeveloperDiskImageNotFoundError | OSError):
-        return (
-            "; mounting needs the internet once (the image from GitHub's DeveloperDiskImage repository, "
-            "its personalization from Apple's signing server); run `kvrig prepare` where that is reachable"
-        )
-    return ""
 
 
 async def _tunnel(device: Device, report: Callable[[str, Status, str], None]) -> None:
