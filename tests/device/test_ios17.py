@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +32,9 @@ from toolchain.exceptions import (
     NoTunnelError,
     TunnelHandshakeTimeoutError,
 )
+from toolchain.schemas import load_model_file
+from toolchain.schemas.results import ResultsFile
+from toolchain.soak import SoakOptions, make_plan, soak
 from toolchain.virtual.faults import FaultPlan
 from toolchain.virtual.host import EmulatorHost
 
@@ -236,3 +240,89 @@ def test_handshake_timeout(clean: Phones, tmp_path: Path) -> None:
     )
     assert soak.returncode == 27, soak.stderr
     assert "handshake" in soak.stderr and "Traceback" not in soak.stderr
+
+
+# --- soak over the tunnel -------------------------------------------------------------------------------------
+
+FAST = {"poll_interval_s": 0.2, "hang_after_s": 30, "report_wait_s": 5, "battery_interval_s": 0.5}
+
+
+def telemetry_steps(phone: Any) -> int:
+    path = phone.state.container(BUNDLE_ID) / "Documents" / "telemetry.jsonl"
+    return path.read_text().count('"event":"step"') if path.exists() else 0
+
+
+def after_steps(phone: Any, steps: int, action: Any) -> threading.Thread:
+    """Runs `action()` on a thread once the app has written `steps` step records."""
+
+    def wait() -> None:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            if telemetry_steps(phone) >= steps:
+                action()
+                return
+            time.sleep(0.05)
+
+    (phone.state.container(BUNDLE_ID) / "Documents" / "telemetry.jsonl").unlink(missing_ok=True)
+    thread = threading.Thread(target=wait)
+    thread.start()
+    return thread
+
+
+def test_soak_over_the_tunnel_until_jetsam_with_battery(clean: Phones, tmp_path: Path) -> None:
+    phone = clean.ios18
+    plan = make_plan(max_tokens=1_000_000, step_tokens=512, decode_tokens=1, scheme="fp16")
+    result = run(soak(BUNDLE_ID, plan, tmp_path, udid=udid(phone), options=SoakOptions(**FAST)))
+
+    assert result.outcome == "jetsam", result.outcome_detail
+    assert result.tunnel is not None and result.tunnel.kind == "userspace" and result.tunnel.mode == "auto"
+    assert result.tunnel.opened == 1 and result.interruptions == [] and result.lost is None
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["schema"] == 2 and saved["runs"][0]["tunnel"]["kind"] == "userspace"
+    # Battery: read over the diagnostics relay throughout the run, timestamped within it.
+    assert result.started is not None and result.finished is not None
+    assert len(result.battery) >= 3
+    times = [b.t for b in result.battery]
+    assert times == sorted(times) and result.started <= times[0] and times[-1] <= result.finished
+    assert all(b.temperature_c is not None and 10 < b.temperature_c < 60 for b in result.battery)
+    assert all(b.level_percent is not None and 0 <= b.level_percent <= 100 for b in result.battery)
+    assert saved["runs"][0]["battery"][0]["temperature_c"] == result.battery[0].temperature_c
+
+
+def test_tunnel_drop_mid_soak_resumes(clean: Phones, tmp_path: Path) -> None:
+    phone = clean.ios18
+
+    def drop_then_allow() -> None:
+        phone.faults = FaultPlan(tunnel_drop_after_bytes=1)  # the next packet drops the tunnel
+        time.sleep(1.0)
+        phone.faults = FaultPlan()  # a new tunnel works again
+
+    cable = after_steps(phone, 2, drop_then_allow)
+    plan = make_plan(max_tokens=1_000_000, step_tokens=64, decode_tokens=1, scheme="fp16")  # ~15 steps to jetsam
+    options = SoakOptions(**FAST, reconnect_s=30)
+    result = run(soak(BUNDLE_ID, plan, tmp_path, udid=udid(phone), options=options))
+    cable.join()
+
+    assert result.outcome == "jetsam", result.outcome_detail
+    (drop,) = result.interruptions
+    assert drop.cause == "tunnel" and drop.resumed and drop.app_running is True
+    assert result.tunnel is not None and result.tunnel.opened == 2
+    assert result.max_context_reached is not None and result.max_context_reached > 2 * 64  # it went on growing
+
+
+def test_tunnel_that_does_not_come_back_is_tunnel_lost(clean: Phones, tmp_path: Path) -> None:
+    phone = clean.ios18
+    cable = after_steps(phone, 2, lambda: setattr(phone, "faults", FaultPlan(tunnel_drop_after_bytes=1)))
+    lost = cli(
+        clean,
+        *("soak", "--app-id", BUNDLE_ID, "--udid", udid(phone), "--step", "64", "--decode-tokens", "1"),
+        *("--reconnect", "3", "--handshake-timeout", "3", "--battery-interval", "1", "-o", str(tmp_path)),
+    )
+    cable.join()
+    assert lost.returncode == 29, lost.stderr
+    assert "tunnel lost" in lost.stderr and "Traceback" not in lost.stderr
+    saved = load_model_file(ResultsFile, tmp_path / "results.json").runs[0]
+    assert saved.outcome == "device_lost" and saved.lost == "tunnel"
+    assert saved.interruptions and saved.interruptions[-1].cause == "tunnel" and not saved.interruptions[-1].resumed
+    assert saved.max_context_reached is not None and saved.files.telemetry == "telemetry.jsonl"  # what was learned
+    assert saved.battery  # samples taken before the drop are kept
