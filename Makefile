@@ -2,10 +2,10 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.kvrig-setup-1
-DEBIAN_PACKAGES := libopenblas0-pthread
+STAMP := $(VENV)/.kvrig-setup-2
+DEBIAN_PACKAGES := libopenblas0-pthread libimobiledevice-utils ideviceinstaller
 
-.PHONY: setup test demo lint typecheck bench clean
+.PHONY: setup test demo lint typecheck clean
 
 setup: $(STAMP)
 
@@ -20,6 +20,7 @@ $(STAMP): pyproject.toml Makefile
 
 test: $(STAMP)
 	$(BIN)/ruff check toolchain tests
+	$(BIN)/ruff format --check toolchain tests
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
 

@@ -243,3 +243,19 @@ class TunnelLostError(DeviceLostError):
     """The tunnel to an iOS 17+ phone dropped and could not be reopened within the reconnect window."""
 
     exit_code = 29
+
+
+# --- the virtual iPhone (exit 48-49) -----------------------------------------------------------------------
+
+
+class VirtualPhoneError(KvrigError):
+    """The virtual iPhone server cannot run: its socket is taken by another server, or it did not start."""
+
+    exit_code = 48
+
+
+class VirtualFaultError(InputError):
+    """A fault the virtual iPhone cannot have at its iOS version (a tunnel fault on a phone without
+    CoreDeviceProxy, Developer Mode before iOS 16)."""
+
+    exit_code = 49

@@ -44,7 +44,9 @@ def _yes_no(value: bool | None, yes: str = "on", no: str = "off") -> str:
     return "?" if value is None else (f"[green]{yes}[/green]" if value else f"[red]{no}[/red]")
 
 
-@click.command("devices")
+@click.command(
+    "devices", short_help="List attached iPhones (real or virtual): profile, iOS, Developer Mode, image, tunnel."
+)
 @tunnel_option
 @json_option
 def devices(tunnel: str, as_json: bool) -> None:
@@ -83,7 +85,9 @@ def devices(tunnel: str, as_json: bool) -> None:
             console.print(f"[red]{p.device.udid}[/red]: {problem}", markup=True, highlight=False)
 
 
-@click.command("prepare")
+@click.command(
+    "prepare", short_help="Make a phone ready: Developer Mode (only if asked), developer disk image, tunnel."
+)
 @_udid_option
 @click.option(
     "--enable-developer-mode",
@@ -127,7 +131,7 @@ def prepare(udid: str | None, enable_developer_mode: bool, image_dir: Path | Non
         raise result.problem
 
 
-@click.command("deploy")
+@click.command("deploy", short_help="Install the app and push a model bundle into its Documents (resumable).")
 @click.argument("bundle", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--app", "ipa", type=click.Path(exists=True, path_type=Path), help="The app (.ipa) to install first.")
 @click.option("--app-id", default=None, help="Push into this installed app instead of installing one.")
