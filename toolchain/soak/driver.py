@@ -199,7 +199,8 @@ async def run_soak(
         if watch.lost_cause == "tunnel":
             detail = (
                 f"tunnel lost: the phone stayed attached but its tunnel did not come back within "
-                f"{opts.reconnect_s:g} s; everything learned until then is kept"
+                f"{opts.reconnect_s:g} s (the app may still run: kvrig cannot stop it without one); everything "
+                "learned until then is kept"
             )
     result.outcome_detail = detail
     result.finished = time.time()
@@ -330,8 +331,16 @@ class _Watch:
             except (DeviceLostError, DeviceNotFoundError):
                 if not await self._recover():
                     self.lost = True
+                    if self.lost_cause == "tunnel":
+                        await self._last_look()
                     return
                 last_change = time.monotonic()
+
+    async def _last_look(self) -> None:
+        """Only the tunnel is gone: lockdown still reaches the app's files, so pull what it wrote last."""
+        with contextlib.suppress(KvrigError):
+            async with Container(self.device, self.bundle_id) as container:
+                await _call(self._poll_telemetry(container), "pulling telemetry")
 
     async def _poll_telemetry(self, container: Container) -> bool:
         """Pulls the telemetry file when it grew; True if it changed."""
