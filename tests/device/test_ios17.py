@@ -327,3 +327,15 @@ def test_tunnel_that_does_not_come_back_is_tunnel_lost(clean: Phones, tmp_path: 
     assert saved.interruptions and saved.interruptions[-1].cause == "tunnel" and not saved.interruptions[-1].resumed
     assert saved.max_context_reached is not None and saved.files.telemetry == "telemetry.jsonl"  # what was learned
     assert saved.battery  # samples taken before the drop are kept
+
+
+def test_soak_whose_launch_keeps_failing_exits_28_with_partial_results(clean: Phones, tmp_path: Path) -> None:
+    phone = clean.ios18
+    phone.faults = FaultPlan(launch_errors=10)
+    failed = cli(clean, "soak", "--app-id", BUNDLE_ID, "--udid", udid(phone), "-o", str(tmp_path))
+    assert failed.returncode == 28, failed.stderr
+    assert "refused 3 times" in failed.stderr and "Traceback" not in failed.stderr
+    saved = load_model_file(ResultsFile, tmp_path / "results.json").runs[0]
+    assert saved.error is not None and saved.error.startswith("launch: ")
+    assert saved.steps_done == ["find app", "list crash reports", "write soak plan"]
+    assert saved.tunnel is not None and saved.tunnel.kind == "userspace"
