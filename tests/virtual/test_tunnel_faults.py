@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from pymobiledevice3 import usbmux
 from pymobiledevice3.dtx import DTXNsError
+from pymobiledevice3.exceptions import PyMobileDevice3Exception
 from pymobiledevice3.remote.remote_service_discovery import RemoteServiceDiscoveryService
 from pymobiledevice3.remote.userspace_tunnel import UserspaceRsdTunnel
 from pymobiledevice3.services.dvt.instruments.dvt_provider import DvtProvider
@@ -59,6 +60,8 @@ def test_tunnel_drop_mid_run(clean: VirtualDevice) -> None:
     assert error is not None and not isinstance(error, asyncio.TimeoutError)
     assert phone.apps.pid_for_bundle(BUNDLE_ID) == pid  # the app outlives the tunnel
     assert phone.identity.udid in {d.serial for d in asyncio.run(usbmux.list_devices())}
+    with pytest.raises((PyMobileDevice3Exception, ConnectionError)):  # while the fault is set, new tunnels drop too
+        through_tunnel(phone, lambda rsd: rsd.get_value(key="ProductVersion"))
     phone.faults = FaultPlan()
 
     async def again(rsd: RemoteServiceDiscoveryService) -> int:

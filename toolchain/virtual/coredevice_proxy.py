@@ -18,9 +18,10 @@ import json
 import struct
 from typing import TYPE_CHECKING
 
+from pymobiledevice3.remote.remote_service_discovery import RSD_PORT
 from pymobiledevice3.remote.tunnel_service import CDTUNNEL_MAGIC, CDTunnelPacket
 
-from toolchain.virtual.rsd import RSD_PORT, serve_rsd, service_at
+from toolchain.virtual.rsd import serve_rsd, service_at
 from toolchain.virtual.tunnel_tcp import Accept, TcpEndpoint
 from toolchain.virtual.wire import Link, ProtocolViolation
 

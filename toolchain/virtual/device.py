@@ -157,7 +157,8 @@ class VirtualDevice:
 
     @faults.setter
     def faults(self, plan: FaultPlan) -> None:
-        """Faults that are device state (Developer Mode off, image missing) change that state when set."""
+        """Faults that are device state (Developer Mode off, image missing) change that state when set; RSD
+        reads that state on every handshake and connection, so a tunnel sees the change at once."""
         plan.check(self.identity.product_version)
         self._faults = plan
         self.tunnel_bytes = 0  # a tunnel-drop limit counts from when it was set
@@ -165,12 +166,8 @@ class VirtualDevice:
             developer = self.state.developer()
             if plan.developer_mode_off:
                 developer.developer_mode = False
-            developer.mounted = {} if (plan.image_missing or plan.developer_mode_off) else developer.mounted
+            developer.mounted = {}  # Developer Mode off takes the image with it, as its restart does
             self.state.save_developer(developer)
-            self.on_developer_change()
-
-    def on_developer_change(self) -> None:
-        """Developer Mode or the mounted image changed: what is served over a tunnel changes with it."""
 
     def developer_ready(self) -> bool:
         developer = self.state.developer()
@@ -190,7 +187,6 @@ class VirtualDevice:
             developer = self.state.developer()
             developer.mounted = {}
             self.state.save_developer(developer)
-            self.on_developer_change()
             if come_back:
                 await asyncio.sleep(REBOOT_DOWN_S)
                 await self.replug()

@@ -6,7 +6,8 @@
 - stall the app at N tokens (the process is stopped: it hangs, alive, and answers nothing)
 - slow link (every service connection is paced to N bytes per second)
 - Developer Mode off / developer disk image missing (device state: AMFI and the image mounter restore it)
-- tunnel drop after N bytes through the CoreDeviceProxy tunnel (the phone stays plugged; a new tunnel works)
+- tunnel drop after N bytes through the CoreDeviceProxy tunnel (the phone stays plugged; while the fault stays
+  set every new tunnel drops too, a tunnel that does not come back; clear it and the next tunnel works)
 - handshake timeout (CoreDeviceProxy accepts the connection but never answers the CDTunnel handshake)
 - transient launch errors (the next N launches fail with an NSError of com.apple.dt.deviceprocesscontrolservice)
 """

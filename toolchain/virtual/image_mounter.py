@@ -145,7 +145,6 @@ class MounterSession:
                 if MOUNT_PATHS[mounted_kind] == path:
                     del developer.mounted[mounted_kind]
                     state.save_developer(developer)
-                    device.on_developer_change()
                     return {"Status": "Complete"}
             return self._fail("InternalError", f"There is no matching entry in the device map for {path}.")
         if personalized and command == "QueryNonce":
@@ -204,7 +203,6 @@ class MounterSession:
             return self._fail("ImageSignatureMismatch", f"the {kind} image failed signature verification")
         developer.mounted[kind] = signature.hex()
         device.state.save_developer(developer)
-        device.on_developer_change()
         device.syslog.emit("mobile_storage_proxy", f"Mounted {kind} image at {MOUNT_PATHS[kind]}")
         return {"Status": "Complete"}
 

@@ -15,7 +15,6 @@ The host opens TCP to the RSD port and speaks HTTP/2 carrying RemoteXPC messages
 from __future__ import annotations
 
 import functools
-import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -36,9 +35,6 @@ from toolchain.virtual.wire import Link, ProtocolViolation
 if TYPE_CHECKING:
     from toolchain.virtual.device import VirtualDevice
 
-log = logging.getLogger(__name__)
-
-RSD_PORT = 58783
 FRAME_HEADER = 9
 MAX_FRAME = 1 << 20
 WINDOW = 16 * 1024 * 1024

@@ -308,6 +308,9 @@ class TcpEndpoint:
         if seg is None or seg.dst != self.address:
             return
         connection = self.connections.get((seg.src, seg.src_port, seg.dst_port))
+        if connection is not None and seg.flags & SYN and (seg.seq + 1) & 0xFFFFFFFF != connection.rcv_nxt:
+            connection.close()  # a new connection from a port whose old one was never closed
+            connection = None
         if connection is not None:
             await connection.on_segment(seg)
             return
