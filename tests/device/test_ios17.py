@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from tests.device.conftest import run
+from tests.raw_telemetry import raw_steps
 from tests.virtual.conftest import BUNDLE_ID, LIMIT_BYTES, make_ipa
 from toolchain.device import apps, ostrace
 from toolchain.device.discovery import connect
@@ -287,6 +288,10 @@ def test_soak_over_the_tunnel_until_jetsam_with_battery(clean: Phones, tmp_path:
     assert all(b.temperature_c is not None and 10 < b.temperature_c < 60 for b in result.battery)
     assert all(b.level_percent is not None and 0 <= b.level_percent <= 100 for b in result.battery)
     assert saved["runs"][0]["battery"][0]["temperature_c"] == result.battery[0].temperature_c
+    # tok/s points carry the time the app wrote them, on the battery samples' axis
+    steps = raw_steps(tmp_path / "telemetry.jsonl")
+    assert [p.t for p in result.tps_curve] == [s["t"] for s in steps]
+    assert all(times[0] - 5 <= p.t <= times[-1] + 5 for p in result.tps_curve if p.t is not None)
 
 
 def test_tunnel_drop_mid_soak_resumes(clean: Phones, tmp_path: Path) -> None:
@@ -339,3 +344,25 @@ def test_soak_whose_launch_keeps_failing_exits_28_with_partial_results(clean: Ph
     assert saved.error is not None and saved.error.startswith("launch: ")
     assert saved.steps_done == ["find app", "list crash reports", "write soak plan"]
     assert saved.tunnel is not None and saved.tunnel.kind == "userspace"
+
+
+def test_one_userspace_tunnel_per_process(clean: Phones) -> None:
+    """pymobiledevice3's userspace network stack is process-wide: a second iOS 17.4+ phone in the same process is
+    refused with what to do (a lab runs one worker process per phone); the first keeps working."""
+
+    async def job() -> tuple[NoTunnelError | None, int]:
+        async with open_session(udid(clean.ios18)) as first:
+            refused = None
+            try:
+                async with open_session(udid(clean.ios26)):
+                    pass
+            except NoTunnelError as exc:
+                refused = exc
+            async with Processes(first) as processes:
+                return refused, await processes.pid_for(BUNDLE_ID)
+
+    refused, pid = run(job())
+    assert refused is not None and refused.exit_code == 25
+    assert udid(clean.ios18) in str(refused) and "own process" in str(refused)
+    assert pid == 0  # the first phone's tunnel still answers
+    assert session(clean.ios26).tunnel is not None  # once the first is closed, the second phone gets its tunnel

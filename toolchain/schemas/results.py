@@ -29,6 +29,9 @@ class DeviceRef(StrictModel):
 
 class TpsPoint(StrictModel):
     context_tokens: int = Field(ge=0)
+    t: float | None = Field(
+        default=None, description="when the app wrote this step (its clock, seconds since the Unix epoch)"
+    )
     decode_tps: float | None = Field(default=None, ge=0)
     prefill_tps: float | None = Field(default=None, ge=0)
     phys_footprint_bytes: int | None = Field(default=None, ge=0)

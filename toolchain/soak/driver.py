@@ -182,6 +182,9 @@ async def run_soak(
     run = telemetry_run(out / TELEMETRY_OUT, plan.run_id)
     if run is not None:
         apply_telemetry(result, run)
+        # Step times put tok/s on the battery samples' time axis (a report plots both: heat slows decoding).
+        for point, step in zip(result.tps_curve, run.steps, strict=True):
+            point.t = step.t
     kill = find_kill(jetsam_paths, app.executable, watch.pid) if not watch.end_seen else None
     result.outcome, detail = classify(
         end_seen=watch.end_seen,
