@@ -2,9 +2,11 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.kvrig-setup-1
-# libopenblas0-pthread: MLX CPU matmul; the rest: the Linux build of the Swift engine (MLX Swift links BLAS/LAPACK).
-DEBIAN_PACKAGES := libopenblas0-pthread libblas-dev liblapacke-dev libopenblas-dev liblapack-dev gfortran g++
+STAMP := $(VENV)/.kvrig-setup-2
+# libopenblas0-pthread: MLX CPU matmul; libimobiledevice: the device tools; the rest: the Linux build of the
+# Swift engine (MLX Swift links BLAS/LAPACK; g++ for MLX's compile JIT).
+DEBIAN_PACKAGES := libopenblas0-pthread libimobiledevice-utils ideviceinstaller \
+	libblas-dev liblapacke-dev libopenblas-dev liblapack-dev gfortran g++
 
 .PHONY: setup test demo lint typecheck clean
 
