@@ -327,3 +327,9 @@ def layer_specs(probe: CacheProbe) -> list[Any]:
                 out.append(LayerSpec(i, "shared", source_layer=probe.layer_sources[i]))
         return out
     return [spec(n, tops[index]) for n, index in enumerate(sorted(tops))]
+
+
+def forget_replays() -> None:
+    """Drops remembered replays (a benchmark measures answering from scratch)."""
+    _MEMO.clear()
+    _zeros.cache_clear()
