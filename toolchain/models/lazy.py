@@ -65,7 +65,9 @@ def mlx_classes(config: dict[str, Any], source: str | Path | None = None) -> tup
     except (ImportError, SystemExit):
         # A module that needs a package mlx-lm does not install (olmo exits without ai2-olmo).
         name = str(config.get("model_type"))
-        reason = REFUSED.get(name, "mlx-lm's module for it cannot be imported (it needs a package mlx-lm does not install)")
+        reason = REFUSED.get(
+            name, "mlx-lm's module for it cannot be imported (it needs a package mlx-lm does not install)"
+        )
         raise UnsupportedArchitectureError(name, mlx_lm_architectures(), file=source, reason=reason) from None
 
 
