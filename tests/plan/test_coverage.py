@@ -8,6 +8,10 @@ crossings included. Modules kvrig cannot plan are refused by name with the reaso
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import mlx.core as mx
 import pytest
 from arch_configs import architectures, tiny_config
@@ -61,6 +65,13 @@ NO_TINY_CONFIG = set(
 )
 
 
+# phi3small corrupts the heap of the process that ran it (glibc aborts with "double free or corruption" at the
+# next allocations or at exit, here and with mlx-lm alone): it runs in a process of its own, whose test result
+# counts and whose abort afterwards does not.
+OWN_PROCESS = {"phi3small"}
+_CHILD = "KVRIG_COVERAGE_CHILD"
+
+
 def _cases() -> list[object]:
     out: list[object] = []
     for name in architectures():
@@ -71,6 +82,10 @@ def _cases() -> list[object]:
     return out
 
 
+def _node(name: str) -> str:
+    return f"test_architecture_plans_exactly[{name}]"
+
+
 def test_the_sweep_covers_what_mlx_lm_ships() -> None:
     assert len(architectures()) > 100
     assert set(architectures()) >= NO_TINY_CONFIG
@@ -78,6 +93,15 @@ def test_the_sweep_covers_what_mlx_lm_ships() -> None:
 
 @pytest.mark.parametrize("name", _cases())
 def test_architecture_plans_exactly(name: str) -> None:
+    if name in OWN_PROCESS and not os.environ.get(_CHILD):
+        child = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::{_node(name)}"],
+            env={**os.environ, _CHILD: "1"},
+            capture_output=True,
+            text=True,
+        )
+        assert child.returncode == 0 or "1 passed" in child.stdout.splitlines()[-1], child.stdout[-2000:]
+        return
     if name in REFUSED and not (name == "bitnet" and mx.metal.is_available()):
         with pytest.raises(UnsupportedArchitectureError) as err:
             spec_from_config({"model_type": name})
