@@ -104,6 +104,18 @@ class VerifyError(BundleError):
     exit_code = 8
 
 
+class BundleExistsError(BundleError):
+    """The output folder exists (replace a bundle only with --force; never a folder that is not a bundle)."""
+
+    exit_code = 36
+
+
+class BundleWriteError(BundleError):
+    """Writing the bundle failed (disk full, no permission); nothing was kept."""
+
+    exit_code = 37
+
+
 # --- platform (exit 9) -------------------------------------------------------------------------------------
 
 
@@ -157,7 +169,8 @@ class AppError(DeviceError):
 
 
 class SoakFailedError(KvrigError):
-    """A soak run ended in a crash, a hang or a lost device (results were still written)."""
+    """A soak run ended in a crash, a hang, a lost device or the app's own error end (results were still
+    written)."""
 
     exit_code = 16
 

@@ -57,6 +57,7 @@ def soak(
     """Grow the app's context until it completes or iOS kills it; pull telemetry and the jetsam report."""
     from toolchain.exceptions import SoakFailedError
     from toolchain.schemas import load_model_file
+    from toolchain.schemas.results import BAD_OUTCOMES
     from toolchain.schemas.soakplan import SoakPlan
     from toolchain.soak import SoakOptions, make_plan
     from toolchain.soak import soak as run
@@ -72,7 +73,7 @@ def soak(
         echo_json(result)
     else:
         _render(result, out_dir)
-    if result.outcome in ("crash", "hang", "device_lost"):
+    if result.outcome in BAD_OUTCOMES:
         raise SoakFailedError(f"soak {result.run_id} ended in {result.outcome}: {result.outcome_detail}")
 
 
