@@ -7,23 +7,23 @@ from typing import Any, Final, Literal
 from pydantic import Field
 
 from toolchain.exceptions import PlanInputError
-from toolchain.models.lazy import build_lazy_model
 from toolchain.models.spec import ModelSpec
 from toolchain.plan.kv import (
     ALL_NAMED_SCHEMES,
+    MLX_STEP,
     KVScheme,
-    allocated_bytes,
     bytes_per_token,
     check_dims,
     context_schedule,
     dequantized_read_bytes,
-    layer_allocated_bytes,
+    kv_bytes,
+    kv_bytes_detail,
     parse_scheme,
+    row_bytes,
 )
 from toolchain.plan.runtime import (
     DEFAULT_BUFFER_CACHE_BYTES,
     DEFAULT_PREFILL_STEP,
-    growth_copy_bytes,
     kv_read_bytes,
     prefill_activation_bytes,
 )
@@ -132,39 +132,70 @@ def _peak_bytes(
     spec: ModelSpec, scheme: KVScheme, context: int, fixed: int, prefill_step: int, dtype: str
 ) -> SchemeBudget:
     schedule = context_schedule(context, prefill_step)
-    kv_peak = sum(layer_allocated_bytes(layer, scheme, schedule)[1] for layer in spec.layers)
-    copy = growth_copy_bytes(spec, scheme, schedule)
+    kv = kv_bytes_detail(spec, scheme, schedule)
+    copy = kv.largest_cache if any(layer.grows for layer in spec.layers) else 0
     deq = dequantized_read_bytes(spec, scheme, context)
     act = prefill_activation_bytes(spec, prefill_step, context, dtype)
     return SchemeBudget(
         context=context,
         weights_bytes=0,
-        kv_bytes=kv_peak,
+        kv_bytes=kv.peak,
         kv_growth_copy_bytes=copy,
         kv_dequantized_read_bytes=deq,
         prefill_activation_bytes=act,
         buffer_cache_bytes=0,
         baseline_bytes=0,
-        total_bytes=fixed + kv_peak + copy + deq + act,
+        total_bytes=fixed + kv.peak + copy + deq + act,
     )
+
+
+def _estimate(
+    spec: ModelSpec, scheme: KVScheme, budget: int, fixed: int, prefill_step: int, dtype: str, cap: int
+) -> int:
+    """Closed form: every term is affine in the context (caches in whole 256-token steps), so solve
+    fixed + constant + per_token × C ≤ budget; the exact check in `max_context_for` settles the last step."""
+    per_token = bytes_per_token(spec, scheme)
+    copy_row = max((row_bytes(spec, scheme, layer) for layer in spec.layers if layer.grows), default=0)
+    deq_row = dequantized_read_bytes(spec, scheme, 1)
+    ref = max(prefill_step, MLX_STEP) * 4
+    act_ref, act_next = (prefill_activation_bytes(spec, prefill_step, c, dtype) for c in (ref, ref + MLX_STEP))
+    act_row = (act_next - act_ref) / MLX_STEP
+    constant = kv_bytes(spec, scheme, context_schedule(ref, prefill_step)) - per_token * ref
+    slope = per_token + copy_row + deq_row + act_row
+    room = budget - fixed - constant - (act_ref - act_row * ref)
+    if slope <= 0:
+        return cap
+    return max(1, min(cap, int(room // slope) // MLX_STEP * MLX_STEP))
 
 
 def max_context_for(
     spec: ModelSpec, scheme: KVScheme, budget: int, fixed: int, prefill_step: int, dtype: str, cap: int
 ) -> tuple[int, Literal["memory", "model", "weights"]]:
-    """Largest context whose peak fits the budget (binary search; peak grows with context)."""
-    if _peak_bytes(spec, scheme, 1, fixed, prefill_step, dtype).total_bytes > budget:
+    """Largest context whose peak fits the budget: the closed-form solve, then MLX's exact bytes around it
+    (peak grows with context, so a short bracket and a bisection inside it are exact)."""
+
+    def fits(c: int) -> bool:
+        return _peak_bytes(spec, scheme, c, fixed, prefill_step, dtype).total_bytes <= budget
+
+    if not fits(1):
         return 0, "weights"
-    if _peak_bytes(spec, scheme, cap, fixed, prefill_step, dtype).total_bytes <= budget:
+    if fits(cap):
         return cap, "model"
-    lo, hi = 1, cap
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if _peak_bytes(spec, scheme, mid, fixed, prefill_step, dtype).total_bytes <= budget:
-            lo = mid
+    good, bad = 1, cap
+    c = _estimate(spec, scheme, budget, fixed, prefill_step, dtype, cap)
+    while good + 1 < bad:
+        if fits(c):
+            good = c
+            c = min(c + MLX_STEP, bad - 1)
         else:
-            hi = mid - 1
-    return lo, "memory"
+            bad = c
+            c = max(c - MLX_STEP, good + 1)
+        if bad - good <= MLX_STEP:
+            break
+    while good + 1 < bad:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if fits(mid) else (good, mid)
+    return good, "memory"
 
 
 def recommend(
@@ -262,10 +293,9 @@ def plan_memory(
     for scheme in parsed.values():
         check_dims(spec, scheme)
 
-    model = build_lazy_model(spec.config)
     recipe_names = list(dict.fromkeys([weights, *recipes]))
     accounts: dict[str, WeightsAccount] = {
-        name: account_weights(spec.config, parse_recipe(name, group_size), dtype, model=model) for name in recipe_names
+        name: account_weights(spec, parse_recipe(name, group_size), dtype) for name in recipe_names
     }
     chosen_weights = accounts[weights]
 
@@ -303,14 +333,18 @@ def plan_memory(
     listed = sorted(set(contexts))
     bandwidth = profile.memory_bandwidth
     notes = list(spec.notes)
-    notes.append(
-        "Weights and KV bytes are exact (MLX layout); prefill activations, baseline and the decode ceiling are "
-        "estimates. The baseline comes from the device profile."
-        if baseline_bytes is None
-        else "estimates. The baseline is calibrated from measured soaks"
-        + (f" ({baseline_source})" if baseline_source else "")
-        + f"; the profile's estimate is {profile.baseline} bytes."
+    exact = (
+        "Weights and KV bytes are exact (MLX's own nbytes); prefill activations, baseline and the decode "
+        "ceiling are estimates."
     )
+    if baseline_bytes is None:
+        notes.append(f"{exact} The baseline comes from the device profile.")
+    else:
+        source_text = f" ({baseline_source})" if baseline_source else ""
+        notes.append(
+            f"{exact} The baseline is calibrated from measured soaks{source_text}; the profile's estimate is "
+            f"{profile.baseline} bytes."
+        )
     if trained is None:
         notes.append("config has no max_position_embeddings; max context is bounded by memory only.")
     plan = MemoryPlan(
@@ -352,16 +386,9 @@ def plan_memory(
             prefill_activation_bytes={str(c): prefill_activation_bytes(spec, prefill_step, c, dtype) for c in listed},
         ),
         kv_bytes_per_token={name: bytes_per_token(spec, s) for name, s in parsed.items()},
-        kv_constant_bytes={
-            name: sum(
-                layer_allocated_bytes(layer, s, context_schedule(max(layer.window or 1, 1), prefill_step))[0]
-                for layer in spec.layers
-                if layer.kind in ("sliding", "linear")
-            )
-            for name, s in parsed.items()
-        },
+        kv_constant_bytes={name: constant_kv_bytes(spec, s, prefill_step) for name, s in parsed.items()},
         kv_bytes={
-            name: {str(c): allocated_bytes(spec, s, context_schedule(c, prefill_step)) for c in listed}
+            name: {str(c): kv_bytes(spec, s, context_schedule(c, prefill_step)) for c in listed}
             for name, s in parsed.items()
         },
         max_context=max_context,
@@ -378,6 +405,14 @@ def plan_memory(
         notes=notes,
     )
     return plan
+
+
+def constant_kv_bytes(spec: ModelSpec, scheme: KVScheme, prefill_step: int) -> int:
+    """Rings and recurrent state at full size: their bytes once the context passes every window."""
+    windows = [layer.window or 1 for layer in spec.layers if layer.kind in ("sliding", "linear")]
+    if not windows:
+        return 0
+    return kv_bytes(spec, scheme, context_schedule(max(windows) + 1, prefill_step), kinds=("sliding", "linear"))
 
 
 def plan_to_json(plan: MemoryPlan) -> dict[str, Any]:
