@@ -3,8 +3,9 @@
 Package the embedded SmolLM2 (weights and KV scheme as given), plan it, render its app and build the .ipa for
 the virtual iPhone, start a virtual iPhone 15 Pro whose app limit is the plan's peak footprint at
 `room_tokens` (weights, KV, MLX buffer cache, the prefill transient, the profile's baseline; so jetsam comes in
-a minute or two on a laptop CPU), deploy the app and the bundle, soak until jetsam, and compare the planner's prediction with what the
-soak measured and what the JetsamEvent report says. The virtual iPhone is stopped at the end.
+a minute or two on a laptop CPU), deploy the app and the bundle, soak until jetsam, and compare the planner's
+prediction with what the soak measured and what the JetsamEvent report says. The virtual iPhone is stopped at
+the end.
 """
 
 from __future__ import annotations
