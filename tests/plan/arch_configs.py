@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import io
+import importlib
 from typing import Any
 
 from toolchain.models.lazy import mlx_lm_architectures
