@@ -70,11 +70,19 @@ class UnsupportedArchitectureError(KvrigError):
 
     exit_code = 4
 
-    def __init__(self, architecture: str, supported: list[str], *, file: str | Path | None = None) -> None:
+    def __init__(
+        self, architecture: str, supported: list[str], *, file: str | Path | None = None, reason: str | None = None
+    ) -> None:
         self.architecture = architecture
         self.supported = supported
+        self.reason = reason
         where = f"{file}: " if file else ""
-        super().__init__(f"{where}unsupported architecture '{architecture}'; supported: {', '.join(sorted(supported))}")
+        if reason:  # a module mlx-lm ships that kvrig cannot plan here, and why
+            super().__init__(f"{where}cannot plan architecture '{architecture}': {reason}")
+        else:
+            super().__init__(
+                f"{where}unsupported architecture '{architecture}'; supported: {', '.join(sorted(supported))}"
+            )
 
 
 class QuantizationError(KvrigError):

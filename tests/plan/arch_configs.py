@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
 import importlib
+import io
 from typing import Any
 
 from toolchain.models.lazy import mlx_lm_architectures
@@ -73,9 +73,35 @@ WHEN_NONE: dict[str, Any] = {
 }
 
 # Wrappers whose `text_config` is another module's ModelArgs.
-TEXT_MODULES: dict[str, str] = {"gemma3": "gemma3_text", "kimi_k25": "deepseek_v3", "kimi_k3": "deepseek_v3"}
+TEXT_MODULES: dict[str, str] = {
+    "gemma3": "gemma3_text",
+    "kimi_k25": "deepseek_v3",
+    "kimi_k3": "deepseek_v3",
+    "kimi_vl": "deepseek_v3",
+    "qwen2_vl": "qwen2",
+    "qwen3_vl": "qwen3",
+    "qwen3_vl_moe": "qwen3_moe",
+    "mistral3": "llama",
+    "pixtral": "llama",
+    "llama4": "llama4_text",
+    "lfm2-vl": "lfm2",
+}
 
-EXTRA: dict[str, dict[str, Any]] = {}
+# Fields a module needs beyond its ModelArgs' required ones (layer patterns, rope fractions that must give
+# even dims).
+EXTRA: dict[str, dict[str, Any]] = {
+    "phi": {"partial_rotary_factor": 0.5},
+    "lfm2": {"full_attn_idxs": [1], "block_ff_dim": 256, "intermediate_size": 256},
+    "lfm2_moe": {"full_attn_idxs": [1], "num_dense_layers": 1},
+    "ministral3": {"layer_types": ["sliding_attention", "full_attention"], "rope_parameters": {"rope_theta": 1e4}},
+    "olmo3": {"layer_types": ["sliding_attention", "full_attention"]},
+    "afmoe": {"layer_types": ["sliding_attention", "full_attention"]},
+    "gear": {"layer_types": ["sliding_attention", "full_attention"]},
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
+    "nemotron_h": {"hybrid_override_pattern": "M*", "mamba_num_heads": 4, "mamba_head_dim": 32, "n_groups": 1},
+    "cohere2": {"sliding_window_pattern": 2, "layer_types": ["sliding_attention", "full_attention"]},
+    "gemma3_text": {"sliding_window_pattern": 2},
+}
 
 
 def _by_name(name: str, kind: str) -> Any:

@@ -25,6 +25,22 @@ HF_TIE_DEFAULT = True
 LM_HEAD = "lm_head.weight"
 
 
+# Modules the installed mlx-lm ships that kvrig cannot plan here, and why (checked by the coverage test).
+REFUSED: dict[str, str] = {
+    "olmo": "mlx-lm's olmo module needs the ai2-olmo package, which mlx-lm does not install",
+    "bitnet": "its layers are custom Metal kernels, which MLX cannot build without a GPU (plan it on a Mac)",
+}
+
+
+def refuse_if_unplannable(model_type: str, source: str | Path | None = None) -> None:
+    import mlx.core as mx
+
+    if model_type == "bitnet" and mx.metal.is_available():
+        return
+    if model_type in REFUSED:
+        raise UnsupportedArchitectureError(model_type, mlx_lm_architectures(), file=source, reason=REFUSED[model_type])
+
+
 def mlx_lm_architectures() -> list[str]:
     """Model modules the installed mlx-lm ships (its own list: the package's modules)."""
     import pkgutil
@@ -40,16 +56,19 @@ def mlx_classes(config: dict[str, Any], source: str | Path | None = None) -> tup
     """mlx-lm's (Model, ModelArgs) for a config, with its own model-type remapping."""
     from mlx_lm.utils import _get_classes
 
+    refuse_if_unplannable(str(config.get("model_type")), source)
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             return _get_classes(config)
     except (ValueError, KeyError):
         raise UnsupportedArchitectureError(str(config.get("model_type")), mlx_lm_architectures(), file=source) from None
-    except (ImportError, SystemExit) as exc:
+    except (ImportError, SystemExit):
         # A module that needs a package mlx-lm does not install (olmo exits without ai2-olmo).
-        raise ModelConfigError(
-            f"mlx-lm's {config.get('model_type')} module cannot be imported here: {exc!r}", file=source
-        ) from None
+        name = str(config.get("model_type"))
+        reason = REFUSED.get(
+            name, "mlx-lm's module for it cannot be imported (it needs a package mlx-lm does not install)"
+        )
+        raise UnsupportedArchitectureError(name, mlx_lm_architectures(), file=source, reason=reason) from None
 
 
 def safetensors_tensors(folder: Path) -> dict[str, tuple[tuple[int, ...], str]]:

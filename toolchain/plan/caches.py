@@ -239,30 +239,38 @@ class CacheProbe:
         """The most bytes one slot's cache held after any update of `schedule`."""
         return _replay(self, slot, tuple(schedule), make)[1]
 
+    def slot_largest_array(self, slot: Slot, schedule: Sequence[int], make: Callable[[Slot], Any] | None = None) -> int:
+        """The largest single array in one slot's cache after `schedule` (one Metal buffer)."""
+        return _replay(self, slot, tuple(schedule), make)[2]
+
     def slot_of_layer(self, layer: int) -> Slot | None:
         return next((s for s in self.slots if s.layer == layer), None)
 
 
 def _replay(
     probe: CacheProbe, slot: Slot, schedule: tuple[int, ...], make: Callable[[Slot], Any] | None
-) -> tuple[int, int]:
+) -> tuple[int, int, int]:
     if not slot.updates:
         held = slot.state_bytes if schedule else 0
-        return held, held
+        return held, held, held
     key = (slot.signature, schedule, getattr(make, "key", None))
     if key not in _MEMO:
+        import mlx.core as mx
+
         cache = next(c for s, c in probe.fresh(make) if s is slot)
         peak = 0
         for n in schedule:
             for update in slot.updates:
                 cache.update_and_fetch(*update.arrays(n))
             peak = max(peak, cache.nbytes)
-        _MEMO[key] = (cache.nbytes, peak)
+        # The buffers themselves (a cache's `state` may be a view trimmed to its offset).
+        arrays = [a for a in _flatten(list(vars(cache).values())) if isinstance(a, mx.array)]
+        _MEMO[key] = (cache.nbytes, peak, max((a.nbytes for a in arrays), default=0))
     return _MEMO[key]
 
 
 # Replays keyed by what determines them (cache class, update shapes, schedule, scheme): layers alike share one.
-_MEMO: dict[Any, tuple[int, int]] = {}
+_MEMO: dict[Any, tuple[int, int, int]] = {}
 
 
 def quantized_step_runs(probe: CacheProbe, model_type: str) -> bool:
@@ -319,3 +327,9 @@ def layer_specs(probe: CacheProbe) -> list[Any]:
                 out.append(LayerSpec(i, "shared", source_layer=probe.layer_sources[i]))
         return out
     return [spec(n, tops[index]) for n, index in enumerate(sorted(tops))]
+
+
+def forget_replays() -> None:
+    """Drops remembered replays (a benchmark measures answering from scratch)."""
+    _MEMO.clear()
+    _zeros.cache_clear()

@@ -166,6 +166,8 @@ class KVBytes:
     """largest total at any point of the schedule (a rotating cache briefly holds window-1+n tokens)."""
     largest_cache: int
     """bytes of the largest single cache at the end (one layer's buffer: what a growth copy duplicates)."""
+    largest_array: int
+    """the largest single array (one Metal buffer: a layer's keys or values) at the end."""
 
 
 def kv_bytes_detail(spec: ModelSpec, scheme: KVScheme, schedule: Sequence[int]) -> KVBytes:
@@ -176,7 +178,8 @@ def kv_bytes_detail(spec: ModelSpec, scheme: KVScheme, schedule: Sequence[int]) 
         raise PlanInputError(f"update sizes must be positive token counts, got {min(sched)}", field="schedule")
     finals = [probe.slot_bytes(slot, sched, make) for slot in probe.slots]
     peaks = [probe.slot_peak(slot, sched, make) for slot in probe.slots]
-    return KVBytes(sum(finals), sum(peaks), max(finals, default=0))
+    largest = max((probe.slot_largest_array(slot, sched, make) for slot in probe.slots), default=0)
+    return KVBytes(sum(finals), sum(peaks), max(finals, default=0), largest)
 
 
 def bytes_per_token(spec: ModelSpec, scheme: KVScheme) -> int:

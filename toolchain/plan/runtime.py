@@ -35,10 +35,19 @@ def prefill_activation_bytes(spec: ModelSpec, prefill_step: int, context: int, d
     stream = 4 * s * hidden * width
     projections = s * (heads + 2 * kv) * head_dim * width
     mlp = 3 * s * inter * width
-    fused = all(layer.k_head_dim in FUSED_HEAD_DIMS for layer in spec.layers if layer.grows or layer.kind == "sliding")
-    scores = 0 if fused else heads * s * context * width
+    scores = prefill_scores_bytes(spec, prefill_step, context, dtype)
     logits = spec.vocab_size * 4  # only the last position's logits are evaluated
     return stream + projections + mlp + scores + logits
+
+
+def prefill_scores_bytes(spec: ModelSpec, prefill_step: int, context: int, dtype: str = "float16") -> int:
+    """One layer's attention scores for a prefill chunk (chunk × context per head) when Metal materializes
+    them (head dims its fused kernel does not take); a single buffer, so Metal's largest-buffer limit applies."""
+    fused = all(layer.k_head_dim in FUSED_HEAD_DIMS for layer in spec.layers if layer.grows or layer.kind == "sliding")
+    if fused:
+        return 0
+    heads = int(_cfg(spec).get("num_attention_heads") or 1)
+    return heads * min(prefill_step, max(context, 1)) * context * DTYPE_BYTES[dtype]
 
 
 def kv_read_bytes(spec: ModelSpec, scheme: KVScheme, context: int) -> int:

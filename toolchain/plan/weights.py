@@ -69,6 +69,8 @@ class WeightsAccount:
     """parameters stored quantized."""
     active_bytes: int
     """bytes read per generated token: all weights but only the routed share of MoE experts."""
+    largest_array: int = 0
+    """the largest single parameter array (one Metal buffer: the embedding table, a stacked expert weight)."""
 
 
 def _routed_fraction(config: dict[str, Any]) -> float:
@@ -112,14 +114,16 @@ def account_weights(spec: ModelSpec, recipe: WeightRecipe, dtype: str = "float16
     total = active = qparams = 0
     flat: list[tuple[str, Any]] = tree_flatten(model.parameters())  # type: ignore[assignment]
     quantized = {path.rpartition(".")[0] for path, _ in flat if path.endswith(".scales")}
+    largest = 0
     for full, p in flat:
         owner, _, name = full.rpartition(".")
         b = p.nbytes
+        largest = max(largest, b)
         total += b
         active += int(b * routed) if owner in experts else b
         if owner in quantized and name == "weight":
             qparams += p.size * 32 // _bits_of(model, owner)
-    return WeightsAccount(total, params, qparams, active)
+    return WeightsAccount(total, params, qparams, active, largest)
 
 
 def _bits_of(model: Any, path: str) -> int:
