@@ -20,6 +20,8 @@ SIZES: dict[str, Any] = {
     "hidden_size": 128,
     "d_model": 128,
     "n_embd": 128,
+    "model_dim": 128,
+    "num_vocab": 256,
     "dim": 128,
     "intermediate_size": 256,
     "ffn_hidden_size": 256,
@@ -104,6 +106,15 @@ EXTRA: dict[str, dict[str, Any]] = {
 }
 
 
+def _qwen3_5_moe() -> dict[str, Any]:
+    from tiny_configs import TINY_CONFIGS
+
+    text = dict(TINY_CONFIGS["qwen3_5"]["text_config"])
+    moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1}
+    text.update(moe, model_type="qwen3_5_moe_text", shared_expert_intermediate_size=64, mlp_only_layers=[])
+    return {"text_config": text}
+
+
 def _by_name(name: str, kind: str) -> Any:
     """A small value for a required field the SIZES table does not name, from its name and type."""
     n = name.lower()
@@ -172,6 +183,8 @@ def tiny_config(name: str) -> dict[str, Any]:
         elif f.default is None and f.name in WHEN_NONE:
             config[f.name] = WHEN_NONE[f.name]
     config.update(EXTRA.get(name, {}))
+    if name == "qwen3_5_moe":
+        config.update(_qwen3_5_moe())
     return config
 
 

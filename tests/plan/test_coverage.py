@@ -85,6 +85,7 @@ def test_architecture_plans_exactly(name: str) -> None:
         return
     config = tiny_config(name)
     spec = spec_from_config(config)
+    assert spec.parameter_count() < 20_000_000, "the sweep's models must stay tiny"
     model = build_lazy_model(config)
     mx.eval(model.parameters())  # a real model: MLX allocates and computes everything below
     caches = make_prompt_cache(model)

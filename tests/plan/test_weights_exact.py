@@ -22,6 +22,9 @@ def quantized_nbytes(config: dict, recipe_name: str, group_size: int) -> int:
     """What mlx-lm's convert does: cast floats to fp16 (honouring cast_predicate), quantize, evaluate."""
     model_cls, args_cls = _get_classes(config)
     model = model_cls(args_cls.from_dict(config))
+    if config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings")):
+        # What mlx-lm's load does with a tied checkpoint (no lm_head tensor): gemma3 drops its head in sanitize.
+        model.sanitize({k: v for k, v in tree_flatten(model.parameters()) if not k.endswith("lm_head.weight")})
     cast = getattr(model, "cast_predicate", lambda _: True)
     model.update(
         tree_map_with_path(

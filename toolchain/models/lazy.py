@@ -124,6 +124,10 @@ def build_lazy_model(
             f"mlx-lm cannot build a {config.get('model_type')} model from it: {type(exc).__name__}: {exc}",
             file=source or None,
         ) from None
+    finally:
+        # Every lazy parameter draws from MLX's global random key, an unevaluated chain that grows with each
+        # model built; evaluating the two-word key cuts it (a deep chain crashes MLX when it is freed).
+        mx.eval(mx.random.state)
     if not hasattr(model, "sanitize"):
         return model
     if tensors:

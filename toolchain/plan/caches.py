@@ -58,6 +58,8 @@ class Slot:
     layer: int | None = None
     """decoder layer that updates this cache."""
     window: int | None = None
+    params: tuple[tuple[str, Any], ...] = ()
+    """the fresh cache's scalar settings (step, keep, chunk size...): replays differ when they do."""
 
     @property
     def kind(self) -> str:
@@ -71,7 +73,7 @@ class Slot:
 
     @property
     def signature(self) -> tuple[Any, ...]:
-        return (self.cls, tuple(self.updates), self.window, self.state_bytes)
+        return (self.cls, tuple(self.updates), self.window, self.state_bytes, self.params)
 
 
 def _leaves(cache: Any, path: tuple[int, ...] = ()) -> Iterator[tuple[tuple[int, ...], Any]]:
@@ -149,7 +151,10 @@ class CacheProbe:
         returned: dict[int, Slot] = {}
         for index, cache in enumerate(caches):
             for path, leaf in _leaves(cache, (index,)):
-                slot = Slot(index, path, type(leaf), window=getattr(leaf, "max_size", None))
+                settings = tuple(
+                    sorted((k, v) for k, v in vars(leaf).items() if v is None or isinstance(v, (bool, int, float, str)))
+                )
+                slot = Slot(index, path, type(leaf), window=getattr(leaf, "max_size", None), params=settings)
                 self.slots.append(slot)
                 by_id[id(leaf)] = slot
                 if hasattr(leaf, "update_and_fetch"):
