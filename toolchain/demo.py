@@ -35,6 +35,7 @@ class DemoOptions:
     decode_tokens: int = 4
     max_tokens: int = 16384
     max_seconds: float = 900.0
+    ios: str = "18.6"
 
 
 @dataclass
@@ -54,6 +55,7 @@ class DemoResult:
     kv: str = ""
     prefill_step: int = 0
     step_tokens: int = 0
+    ios: str = ""
 
     @property
     def killed_in_step(self) -> tuple[int, int] | None:
@@ -159,6 +161,7 @@ def run_demo(options: DemoOptions, on_event: Event | None = None) -> DemoResult:
         kv=kv.scheme,
         prefill_step=kv.prefill_step_size,
         step_tokens=options.step_tokens,
+        ios=options.ios,
     )
 
 
@@ -179,9 +182,11 @@ def _soak_on_virtual_iphone(
     # A unix socket path must stay short; the state folder lives in the output folder.
     address = f"/tmp/kvrig-demo-{os.getpid()}.sock"
     state = options.out / "virtual-iphone"
-    _say(on_event, f"starting a virtual iPhone ({options.device}, app limit {limit / 2**20:.1f} MiB) on {address}")
+    phone = f"{options.device}, iOS {options.ios}, app limit {limit / 2**20:.1f} MiB"
+    _say(on_event, f"starting a virtual iPhone ({phone}) on {address}")
     with EmulatorHost(address) as host:
-        device = host.add_device(state, profile=options.device, limit_bytes=limit)
+        # By default an iOS 18 phone: developer services go through the CoreDeviceProxy tunnel, as on most phones.
+        device = host.add_device(state, profile=options.device, limit_bytes=limit, ios=options.ios)
         udid = device.identity.udid
 
         _say(on_event, "deploying the app and the bundle ...")

@@ -37,6 +37,13 @@ if TYPE_CHECKING:
     "--step-tokens", type=click.IntRange(min=1), default=256, show_default=True, help="Context added per soak step."
 )
 @click.option("--decode-tokens", type=click.IntRange(min=1), default=4, show_default=True, help="Timed per step.")
+@click.option(
+    "--ios",
+    type=click.Choice(["16.7", "17.0", "17.4", "18.6", "26.1"]),
+    default="18.6",
+    show_default=True,
+    help="The virtual iPhone's iOS; from 17.4 the app is launched through the CoreDeviceProxy tunnel.",
+)
 @json_option
 def demo(
     out: Path,
@@ -47,6 +54,7 @@ def demo(
     room_tokens: int,
     step_tokens: int,
     decode_tokens: int,
+    ios: str,
     as_json: bool,
 ) -> None:
     """Package SmolLM2, plan it, build its app for a virtual iPhone with a small limit, deploy, soak until
@@ -69,6 +77,7 @@ def demo(
             room_tokens=room_tokens,
             step_tokens=step_tokens,
             decode_tokens=decode_tokens,
+            ios=ios,
         )
         say = None if as_json else (lambda line, tag=f"{scheme}/p{step}": click.echo(f"  [{tag}] {line}", err=True))
         results.append(run_demo(options, on_event=say))
@@ -115,8 +124,17 @@ def _as_dict(result: DemoResult) -> dict[str, Any]:
         "kill_footprint_over_limit_bytes": result.kill_footprint_over_limit_bytes,
         "limit_from_report_bytes": soak.limit_bytes,
         "decode_tps_last": last_tps,
+        "ios": result.ios,
+        "tunnel": soak.tunnel.kind if soak.tunnel else None,
+        "battery_samples": len(soak.battery),
+        "battery_max_temperature_c": _max_temperature(result),
         "soak_dir": str(result.soak_dir),
     }
+
+
+def _max_temperature(result: DemoResult) -> float | None:
+    temps = [b.temperature_c for b in result.soak.battery if b.temperature_c is not None]
+    return max(temps) if temps else None
 
 
 def _render_one(result: DemoResult) -> None:
@@ -125,7 +143,11 @@ def _render_one(result: DemoResult) -> None:
     killed = result.killed_in_step
     over = result.kill_footprint_over_limit_bytes
     rows = [
-        ("virtual iPhone", f"{result.device}, app limit {human_bytes(result.limit_bytes)} ({result.limit_bytes} B)"),
+        (
+            "virtual iPhone",
+            f"{result.device}, iOS {result.ios}, app limit {human_bytes(result.limit_bytes)} ({result.limit_bytes} B)",
+        ),
+        ("developer services through", soak.tunnel.kind if soak.tunnel else "-"),
         ("KV scheme, prefill step, soak step", f"{result.kv}, {result.prefill_step}, {result.step_tokens} tokens"),
         ("outcome", f"{soak.outcome} ({soak.outcome_detail})"),
         ("planned max context (no margin)", str(result.predicted_max_context)),
@@ -144,6 +166,10 @@ def _render_one(result: DemoResult) -> None:
         ),
         ("planned footprint at the planned context", human_bytes(result.predicted_footprint_bytes)),
         ("decode tok/s at the last step (host CPU)", f"{last_tps:.1f}" if last_tps else "-"),
+        (
+            "battery (diagnostics relay)",
+            f"{len(soak.battery)} samples, up to {_max_temperature(result)} °C" if soak.battery else "-",
+        ),
         ("results", str(result.soak_dir / "results.json")),
     ]
     width = max(len(k) for k, _ in rows)
