@@ -61,7 +61,7 @@ def enforce(check: QualityCheck, *, force: bool, recipe: str, kv: str) -> Qualit
     )
     if not force:
         raise QualityGateError(
-            message + "; choose a better recipe (e.g. --weights q4 --group-size 32 is not enough for SmolLM2; "
-            "see `kvrig bench quality`), raise --max-ppl-increase, or use --force"
+            message + "; choose a recipe with more bits (`kvrig bench quality` compares them), raise "
+            "--max-ppl-increase, or use --force"
         )
     return check.model_copy(update={"forced": True})
