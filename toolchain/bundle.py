@@ -65,9 +65,9 @@ MLX_CACHE_STEP = MLX_STEP
 
 @dataclass(frozen=True)
 class PackageOptions:
-    weights: str = "q6"
-    """q6 rather than q4: on SmolLM2 q4 g64 raises perplexity 18-34 % and gets simple facts wrong; q5 is +6 %
-    on the gate text but +16 % on the GPL-3 text (`kvrig bench quality`)."""
+    weights: str = "q8"
+    """q8 rather than q4: on SmolLM2 q4 g64 raises perplexity 18-34 % and gets simple facts wrong; q5 is +16 %
+    on the GPL-3 text, and q6 (+6-7 %) still answers 'capital of France' wrong (`kvrig bench quality`)."""
     group_size: int = 64
     kv: str = "k8v4"
     kv_group_size: int = 64
