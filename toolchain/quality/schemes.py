@@ -95,7 +95,7 @@ def make_variant_caches(model: Any, spec: ModelSpec, variant: KVVariant) -> list
 
 def extra_bytes(spec: ModelSpec, variant: KVVariant, dtype: str) -> int:
     """Bytes of the sink and recent-window copies (activation dtype) on every quantized full layer: fixed once
-    the first token is in. The quantized store itself is the planner's (`allocated_bytes`)."""
+    the first token is in. The quantized store itself is the planner's (`kv_bytes`)."""
     n = variant.sink_tokens + variant.recent_tokens
     if not n or not variant.scheme.quantized:
         return 0
@@ -111,7 +111,7 @@ def predicted_bytes(spec: ModelSpec, variant: KVVariant, schedule: list[int], dt
     """The planner's allocation for the schedule (at `dtype`) plus the variant's fixed float copies."""
     from dataclasses import replace
 
-    from toolchain.plan.kv import allocated_bytes
+    from toolchain.plan.kv import kv_bytes
 
     scheme = replace(variant.scheme, dtype=dtype)
-    return allocated_bytes(spec, scheme, schedule) + (extra_bytes(spec, variant, dtype) if schedule else 0)
+    return kv_bytes(spec, scheme, schedule) + (extra_bytes(spec, variant, dtype) if schedule else 0)
