@@ -280,3 +280,25 @@ class VirtualFaultError(InputError):
     CoreDeviceProxy, Developer Mode before iOS 16)."""
 
     exit_code = 49
+
+
+# --- quality (exit 45-47) ----------------------------------------------------------------------------------
+
+
+class QualityGateError(KvrigError):
+    """The bundle's perplexity is too far above its source's (`kvrig package` refuses it unless forced)."""
+
+    exit_code = 45
+
+
+class QualityInputError(InputError):
+    """A quality measurement cannot run: the evaluation or calibration text is missing or too short."""
+
+    exit_code = 46
+
+
+class KVSchemeError(QuantizationError):
+    """A kvcache.json scheme option cannot be applied (rotation on a head dim that is not a power of two,
+    sinks or a recent window on a model whose attention kvrig cannot route)."""
+
+    exit_code = 47

@@ -55,7 +55,8 @@ def _arrays(tree: Any) -> list[Any]:
 def cache_buffers(cache: Any) -> list[Any]:
     """The arrays a cache has allocated (whole buffers, not the filled slice `state` returns)."""
     if hasattr(cache, "keys") and hasattr(cache, "values") and not callable(cache.keys):
-        return _arrays([cache.keys, cache.values])
+        # kvrig's scheme cache also holds float copies of its sink and recent tokens.
+        return _arrays([cache.keys, cache.values, getattr(cache, "sink", None), getattr(cache, "recent", None)])
     if hasattr(cache, "cache"):  # mlx-lm ArraysCache (linear-attention state)
         return _arrays(list(cache.cache))
     return _arrays(cache.state)
@@ -129,8 +130,11 @@ def evictable(cache: Any) -> bool:
     Rotating rings are bounded already; recurrent and shared state has no tokens to drop."""
     from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-    from toolchain.runtime.kv_cache import DequantizingKVCache
+    from toolchain.runtime.kv_cache import DequantizingKVCache, SchemeKVCache
 
+    if type(cache) is SchemeKVCache:
+        # Its recent-window ring is indexed by position: dropping tokens from the front would misplace it.
+        return not cache.recent_tokens
     return type(cache) in (KVCache, QuantizedKVCache, DequantizingKVCache)
 
 
