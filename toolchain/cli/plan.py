@@ -47,6 +47,12 @@ def _str_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
     help="Upper bound on max context: 'trained' (max_position_embeddings), 'none' or a number.",
 )
 @click.option(
+    "--quality",
+    "quality_file",
+    type=click.Path(path_type=Path),
+    help="quality.json from `kvrig bench quality`: recommend only schemes within 2 % measured perplexity.",
+)
+@click.option(
     "--calibration",
     type=click.Path(path_type=Path),
     help="Calibration file from `kvrig calibrate`: use its measured baseline for this device's profile.",
@@ -69,6 +75,7 @@ def plan(
     target_context: int | None,
     cap: str,
     calibration: Path | None,
+    quality_file: Path | None,
     as_json: bool,
 ) -> None:
     """Plan memory for MODEL on a device: exact weight bytes per recipe, KV bytes per scheme, the app memory
@@ -114,6 +121,10 @@ def plan(
         max_context_cap=cap_value,
         **baseline,
     )
+    if quality_file is not None:
+        from toolchain.quality.plan_hook import apply_quality
+
+        result = apply_quality(result, quality_file)
     if as_json:
         echo_json(result)
         return
