@@ -6,10 +6,14 @@ from pathlib import Path
 
 import click
 
+from toolchain.cli.plan import plan_bench
 from toolchain.cli.render import echo_json, human_bytes, json_option
 
 
-@click.group("bench", short_help="Benchmarks (runtime: our host runtime vs plain mlx-lm on one bundle).")
+@click.group(
+    "bench",
+    short_help="Benchmarks: host runtime vs mlx-lm, quality of recipes x KV schemes, the planner's own cost.",
+)
 def bench() -> None:
     """Benchmarks."""
 
@@ -179,3 +183,7 @@ def _print_quality(report: object, paths: list[Path]) -> None:
     for g in report.goals:
         click.echo(f"  [{'met' if g['met'] else 'MISSED'}] {g['goal']}: {g['best']}")
     click.echo("\nwrote " + ", ".join(str(p) for p in paths))
+
+
+# `kvrig bench plan` lives beside the plan command it measures.
+bench.add_command(plan_bench, "plan")

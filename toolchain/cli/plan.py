@@ -200,7 +200,7 @@ def render_plan(p) -> None:  # type: ignore[no-untyped-def]
         console.print(f"[dim]note: {note}[/]")
 
 
-@click.command("plan-bench", short_help="Time and memory of planning, side by side with doing the same for real.")
+@click.command("plan", short_help="Time and memory of planning, side by side with doing the same for real.")
 @click.argument("model", required=False, type=click.Path(path_type=Path))
 @click.option("--device", "-d", default="iPhone16,1", show_default=True, help="ProductType, profile name or file.")
 @click.option("--no-real", is_flag=True, help="Skip the evaluated KV and the measured prefill (large models).")

@@ -1,4 +1,4 @@
-"""`kvrig plan-bench`: how fast planning is and how little it allocates, side by side with doing it for real.
+"""`kvrig bench plan`: how fast planning is and how little it allocates, side by side with doing it for real.
 
 Planning asks MLX about arrays it never evaluates, so the bytes it allocates are MLX's peak memory during the
 plan (graph bookkeeping only) and Python's own (tracemalloc). The same KV answer is then produced for real
