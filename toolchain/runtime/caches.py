@@ -21,26 +21,99 @@ def make_caches(model: Any, kv: KVCacheConfig, model_type: str = "") -> list[Any
         raise QuantizationError(
             f"kvcache.json lists {len(owners)} cache-holding layers but the model makes {len(base)} caches"
         )
+    extras = scheme_extras(kv)
     caches = []
     for entry, cache in zip(owners, base, strict=True):
         full = entry.kind == "full" and type(cache) is mlx_cache.KVCache
         if full and kv.quantized_kv_start == 0 and (entry.key_bits or entry.value_bits):
-            cache = quantized_cache(entry.key_bits, entry.value_bits, kv.group_size, model_type)
+            cache = quantized_cache(entry.key_bits, entry.value_bits, kv.group_size, model_type, **extras)
         caches.append(cache)
+    if any(_is_scheme_cache(c) for c in caches) or (kv.quantized_kv_start and _needs_scheme_cache(kv, model_type)):
+        check_scheme(model, kv, model_type)
+        from toolchain.runtime.kv_cache import install_attention
+
+        install_attention(model)
     return caches
 
 
-def quantized_cache(key_bits: int | None, value_bits: int | None, group_size: int, model_type: str = "") -> Any:
+def scheme_extras(kv: KVCacheConfig) -> dict[str, Any]:
+    """The kvcache.json options beyond bit widths, as SchemeKVCache keywords."""
+    return {"rotation": kv.rotation, "sink_tokens": kv.sink_tokens, "recent_tokens": kv.recent_tokens}
+
+
+def _needs_scheme_cache(kv: KVCacheConfig, model_type: str) -> bool:
+    from toolchain.models.families import NO_QUANTIZED_ATTENTION
+
+    extras = kv.rotation != "none" or kv.sink_tokens or kv.recent_tokens
+    mixed = kv.key_bits != kv.value_bits or any(e.key_bits != e.value_bits for e in kv.layers if e.kind == "full")
+    return model_type not in NO_QUANTIZED_ATTENTION and bool(extras or mixed)
+
+
+def _is_scheme_cache(cache: Any) -> bool:
+    from toolchain.runtime.kv_cache import SchemeKVCache
+
+    return isinstance(cache, SchemeKVCache)
+
+
+def check_scheme(model: Any, kv: KVCacheConfig, model_type: str) -> None:
+    """Rotation needs a power-of-two head dim (the Hadamard transform is then its own inverse, on the host and
+    in MLX Swift); the extras need attention kvrig can route."""
+    from toolchain.exceptions import KVSchemeError
+    from toolchain.models.families import NO_QUANTIZED_ATTENTION
+
+    extras = kv.rotation != "none" or kv.sink_tokens or kv.recent_tokens
+    if extras and model_type in NO_QUANTIZED_ATTENTION:
+        raise KVSchemeError(
+            f"kvcache.json: rotation, sink_tokens and recent_tokens are not supported for {model_type} "
+            "(its attention cannot read kvrig's quantized cache); set them to none/0"
+        )
+    if kv.rotation == "none":
+        return
+    layers = getattr(model, "layers", None) or getattr(getattr(model, "model", None), "layers", [])
+    for i, layer in enumerate(layers):
+        attn = getattr(layer, "self_attn", None)
+        dim = getattr(attn, "head_dim", None)
+        if dim is None and attn is not None and hasattr(attn, "k_proj") and hasattr(attn, "n_kv_heads"):
+            dim = attn.k_proj.weight.shape[0] // attn.n_kv_heads
+        if dim is not None and (dim <= 0 or dim & (dim - 1)):
+            raise KVSchemeError(
+                f"kvcache.json: field 'rotation' is {kv.rotation} but layer {i} has head dim {dim}, not a power "
+                "of two (expected rotation none)"
+            )
+
+
+def quantized_cache(
+    key_bits: int | None,
+    value_bits: int | None,
+    group_size: int,
+    model_type: str = "",
+    *,
+    rotation: str = "none",
+    sink_tokens: int = 0,
+    recent_tokens: int = 0,
+) -> Any:
+    """mlx-lm's QuantizedKVCache for one width and no extras; kvrig's SchemeKVCache (quantized attention at
+    two widths, rotation, sinks, recent window) otherwise; the dequantize-on-read cache for models whose
+    attention cannot read quantized keys."""
     from mlx_lm.models.cache import QuantizedKVCache
 
     from toolchain.models.families import NO_QUANTIZED_ATTENTION
-    from toolchain.runtime.kv_cache import DequantizingKVCache
+    from toolchain.runtime.kv_cache import DequantizingKVCache, SchemeKVCache
 
     if key_bits is None or value_bits is None:
         raise QuantizationError("a quantized KV cache needs both key and value bits (use k16vN only with fp16 keys)")
-    if key_bits == value_bits and model_type not in NO_QUANTIZED_ATTENTION:
+    if model_type in NO_QUANTIZED_ATTENTION:
+        return DequantizingKVCache(key_bits, value_bits, group_size)
+    if key_bits == value_bits and rotation == "none" and not sink_tokens and not recent_tokens:
         return QuantizedKVCache(group_size=group_size, bits=key_bits)
-    return DequantizingKVCache(key_bits, value_bits, group_size)
+    return SchemeKVCache(
+        key_bits,
+        value_bits,
+        group_size,
+        rotation=rotation,
+        sink_tokens=sink_tokens,
+        recent_tokens=recent_tokens,
+    )
 
 
 def maybe_quantize(caches: list[Any], kv: KVCacheConfig, model_type: str = "") -> None:
@@ -49,7 +122,7 @@ def maybe_quantize(caches: list[Any], kv: KVCacheConfig, model_type: str = "") -
         return
     from mlx_lm.models import cache as mlx_cache
 
-    from toolchain.runtime.kv_cache import DequantizingKVCache
+    from toolchain.runtime.kv_cache import DequantizingKVCache, SchemeKVCache
 
     owners = [entry for entry in kv.layers if entry.kind != "shared"]
     for i, (entry, cache) in enumerate(zip(owners, caches, strict=True)):
@@ -57,9 +130,11 @@ def maybe_quantize(caches: list[Any], kv: KVCacheConfig, model_type: str = "") -
             continue
         if entry.key_bits is None or entry.value_bits is None:
             continue
-        target = quantized_cache(entry.key_bits, entry.value_bits, kv.group_size, model_type)
+        target = quantized_cache(entry.key_bits, entry.value_bits, kv.group_size, model_type, **scheme_extras(kv))
         if isinstance(target, DequantizingKVCache):
             caches[i] = DequantizingKVCache.from_kv_cache(cache, entry.key_bits, entry.value_bits, kv.group_size)
+        elif isinstance(target, SchemeKVCache):
+            caches[i] = SchemeKVCache.from_kv_cache(cache, target)
         else:
             caches[i] = cache.to_quantized(group_size=kv.group_size, bits=entry.key_bits)
 
@@ -78,9 +153,14 @@ def make_kv_caches(model: Any, spec: Any, key_bits: int | None, value_bits: int 
         raise QuantizationError(
             f"the model made {len(base)} caches but its spec has {len(owners)} cache-holding layers"
         )
-    return [
+    caches = [
         quantized_cache(key_bits, value_bits, group_size, spec.model_type)
         if layer.kind == "full" and type(cache) is mlx_cache.KVCache
         else cache
         for layer, cache in zip(owners, base, strict=True)
     ]
+    if any(_is_scheme_cache(c) for c in caches):
+        from toolchain.runtime.kv_cache import install_attention
+
+        install_attention(model)
+    return caches

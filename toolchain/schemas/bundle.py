@@ -48,6 +48,21 @@ class Prediction(StrictModel):
     forced: bool = Field(description="packaged with --force although the plan said it does not fit")
 
 
+class QualityCheck(StrictModel):
+    """The package quality gate: perplexity of the bundle (its weights and KV scheme) against the unquantized
+    source on a short built-in text."""
+
+    text: str
+    tokens: int = Field(ge=1)
+    source_ppl: float
+    bundle_ppl: float
+    ppl_delta_pct: float
+    max_increase_pct: float
+    passed: bool
+    forced: bool = Field(description="packaged with --force although the gate failed")
+    seconds: float
+
+
 class Manifest(StrictModel):
     schema_version: Literal[1] = Field(default=MANIFEST_SCHEMA_VERSION, alias="schema")
     tool: str = "kvrig"
@@ -56,4 +71,5 @@ class Manifest(StrictModel):
     source: SourceModel
     recipe: Recipe
     prediction: Prediction | None = Field(description="null when packaged without a device")
+    quality: QualityCheck | None = Field(default=None, description="null when the gate was skipped")
     files: list[ManifestFile]

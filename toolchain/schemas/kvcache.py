@@ -8,7 +8,9 @@ from pydantic import Field, model_validator
 
 from toolchain.schemas import StrictModel
 
-KVCACHE_SCHEMA_VERSION: Final = 1
+KVCACHE_SCHEMA_VERSION: Final = 2
+"""2: rotation gains `hadamard_keys` (and `hadamard` now rotates keys and values); `sink_tokens` and
+`recent_tokens` keep the first and the latest tokens in the activation dtype."""
 
 CacheKind = Literal["full", "sliding", "shared", "linear", "latent"]
 """full: grows with context; sliding: ring of `window` tokens; shared: reuses `source_layer`'s cache;
@@ -39,14 +41,24 @@ class PressurePolicy(StrictModel):
 
 
 class KVCacheConfig(StrictModel):
-    schema_version: Literal[1] = Field(default=KVCACHE_SCHEMA_VERSION, alias="schema")
+    schema_version: Literal[2] = Field(default=KVCACHE_SCHEMA_VERSION, alias="schema")
     scheme: str = Field(description="name such as k8v4, fp16")
     dtype: Literal["float16", "bfloat16", "float32"] = "float16"
     key_bits: int | None = Field(description="null: keys unquantized")
     value_bits: int | None
     group_size: int = Field(ge=1)
     quantized_kv_start: int = Field(ge=0, description="context length at which quantization begins")
-    rotation: Literal["none", "hadamard"] = "none"
+    rotation: Literal["none", "hadamard_keys", "hadamard"] = Field(
+        default="none",
+        description="Walsh-Hadamard rotation before quantization: hadamard_keys rotates keys (and queries); "
+        "hadamard also rotates values and un-rotates the attention output. Needs a power-of-two head dim.",
+    )
+    sink_tokens: int = Field(
+        default=0, ge=0, description="first tokens also kept in the activation dtype; attention reads those"
+    )
+    recent_tokens: int = Field(
+        default=0, ge=0, description="ring of the latest tokens kept in the activation dtype; attention reads those"
+    )
     step: int = Field(default=256, ge=1, description="cache growth step in tokens (MLX: 256)")
     page_tokens: int = Field(ge=1, description="eviction granularity in tokens")
     max_context: int = Field(ge=1, description="from the plan, with its safety margin")

@@ -55,7 +55,8 @@ def _arrays(tree: Any) -> list[Any]:
 def cache_buffers(cache: Any) -> list[Any]:
     """The arrays a cache has allocated (whole buffers, not the filled slice `state` returns)."""
     if hasattr(cache, "keys") and hasattr(cache, "values") and not callable(cache.keys):
-        return _arrays([cache.keys, cache.values])
+        # kvrig's scheme cache also holds float copies of its sink and recent tokens.
+        return _arrays([cache.keys, cache.values, getattr(cache, "sink", None), getattr(cache, "recent", None)])
     if hasattr(cache, "cache"):  # mlx-lm ArraysCache (linear-attention state)
         return _arrays(list(cache.cache))
     return _arrays(cache.state)
@@ -88,22 +89,32 @@ class PhoneAccount:
         import mlx.core as mx
 
         active = int(mx.get_active_memory())
+        # The peak since the previous measurement: the step's transients (activations, the old buffers a
+        # growing cache copies from), which the kernel charges as iOS does.
+        peak = max(int(mx.get_peak_memory()), active)
+        mx.reset_peak_memory()
         host_kv, phone_kv = kv_bytes(caches, self.phone_dtype)
-        host_activations = max(0, active - self.host_weight_bytes - host_kv)
+        return {
+            "mlx_active_bytes": active,
+            "mlx_cache_bytes": int(mx.get_cache_memory()),
+            "mlx_peak_bytes": peak,
+            "kv_bytes": phone_kv,
+            "weight_bytes": self.phone_weight_bytes,
+            "context_tokens": context_tokens,
+            "phone_format_delta_bytes": self._delta(active, host_kv, phone_kv),
+            "phone_format_peak_delta_bytes": self._delta(peak, host_kv, phone_kv),
+        }
+
+    def _delta(self, host_bytes: int, host_kv: int, phone_kv: int) -> int:
+        """Phone minus host bytes for `host_bytes` of MLX memory holding the weights, the caches and float32
+        activations (the rest), each at the phone's element size."""
+        host_activations = max(0, host_bytes - self.host_weight_bytes - host_kv)
         phone_activations = host_activations * PHONE_DTYPE_BYTES[self.phone_dtype] // HOST_ACTIVATION_BYTES
-        delta = (
+        return (
             (self.phone_weight_bytes - self.host_weight_bytes)
             + (phone_kv - host_kv)
             + (phone_activations - host_activations)
         )
-        return {
-            "mlx_active_bytes": active,
-            "mlx_cache_bytes": int(mx.get_cache_memory()),
-            "kv_bytes": phone_kv,
-            "weight_bytes": self.phone_weight_bytes,
-            "context_tokens": context_tokens,
-            "phone_format_delta_bytes": delta,
-        }
 
 
 def phone_active_bytes(measurement: dict[str, int]) -> int:
@@ -119,8 +130,11 @@ def evictable(cache: Any) -> bool:
     Rotating rings are bounded already; recurrent and shared state has no tokens to drop."""
     from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-    from toolchain.runtime.kv_cache import DequantizingKVCache
+    from toolchain.runtime.kv_cache import DequantizingKVCache, SchemeKVCache
 
+    if type(cache) is SchemeKVCache:
+        # Its recent-window ring is indexed by position: dropping tokens from the front would misplace it.
+        return not cache.recent_tokens
     return type(cache) in (KVCache, QuantizedKVCache, DequantizingKVCache)
 
 

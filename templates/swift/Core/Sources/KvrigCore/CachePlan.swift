@@ -68,8 +68,13 @@ public struct CachePlan: Equatable, Sendable {
             }
             notes.append("key bits differ from value bits: using kvrig's quantized cache (dequantized when read)")
         }
-        if config.rotation == .hadamard {
-            notes.append("rotation 'hadamard' requested: not applied on the phone (keys stored unrotated)")
+        if config.rotation != .none {
+            notes.append("rotation '\(config.rotation.rawValue)' requested: not applied on the phone yet (stored unrotated)")
+        }
+        if config.sinkTokens > 0 || config.recentTokens > 0 {
+            notes.append(
+                "sink_tokens \(config.sinkTokens) / recent_tokens \(config.recentTokens) requested: not applied on the "
+                    + "phone yet (every token quantized)")
         }
         let onlyAffine = choices.values.allSatisfy {
             switch $0 {

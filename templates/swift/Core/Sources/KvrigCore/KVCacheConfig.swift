@@ -1,6 +1,6 @@
 import Foundation
 
-/// kvcache.json, schema 1: mirrors toolchain/schemas/kvcache.py field for field (snake_case on disk).
+/// kvcache.json, schema 2: mirrors toolchain/schemas/kvcache.py field for field (snake_case on disk).
 
 public enum CacheKind: String, Codable, Sendable, CaseIterable {
     case full, sliding, shared, linear, latent
@@ -17,8 +17,16 @@ public enum ActivationDType: String, Codable, Sendable {
     }
 }
 
+/// Walsh-Hadamard rotation before KV quantization (schema 2): `hadamardKeys` stores H·k and attention uses H·q;
+/// `hadamard` also stores H·v and applies H to the attention output (H is orthonormal and its own inverse for the
+/// power-of-two head dims kvrig allows).
 public enum Rotation: String, Codable, Sendable {
-    case none, hadamard
+    case none
+    case hadamardKeys = "hadamard_keys"
+    case hadamard
+
+    public var rotatesKeys: Bool { self != .none }
+    public var rotatesValues: Bool { self == .hadamard }
 }
 
 public struct LayerCache: Codable, Equatable, Sendable {
@@ -130,7 +138,7 @@ public struct PressurePolicy: Codable, Equatable, Sendable {
 }
 
 public struct KVCacheConfig: Codable, Equatable, Sendable {
-    public static let schemaVersion = 1
+    public static let schemaVersion = 2
 
     public var schema: Int
     public var scheme: String
@@ -140,6 +148,10 @@ public struct KVCacheConfig: Codable, Equatable, Sendable {
     public var groupSize: Int
     public var quantizedKVStart: Int
     public var rotation: Rotation
+    /// First tokens also kept in the activation dtype; attention reads those copies (schema 2).
+    public var sinkTokens: Int
+    /// A ring of the latest tokens kept in the activation dtype, read instead of their quantized rows (schema 2).
+    public var recentTokens: Int
     public var step: Int
     public var pageTokens: Int
     public var maxContext: Int
@@ -156,7 +168,10 @@ public struct KVCacheConfig: Codable, Equatable, Sendable {
         case valueBits = "value_bits"
         case groupSize = "group_size"
         case quantizedKVStart = "quantized_kv_start"
-        case rotation, step
+        case rotation
+        case sinkTokens = "sink_tokens"
+        case recentTokens = "recent_tokens"
+        case step
         case pageTokens = "page_tokens"
         case maxContext = "max_context"
         case keepTokens = "keep_tokens"
@@ -168,7 +183,8 @@ public struct KVCacheConfig: Codable, Equatable, Sendable {
 
     public init(
         scheme: String, dtype: ActivationDType = .float16, keyBits: Int?, valueBits: Int?, groupSize: Int,
-        quantizedKVStart: Int, rotation: Rotation = .none, step: Int = 256, pageTokens: Int, maxContext: Int,
+        quantizedKVStart: Int, rotation: Rotation = .none, sinkTokens: Int = 0, recentTokens: Int = 0,
+        step: Int = 256, pageTokens: Int, maxContext: Int,
         keepTokens: Int, prefillStepSize: Int, bufferCacheLimitBytes: Int, memoryLimitBytes: Int,
         pressure: PressurePolicy = PressurePolicy(), layers: [LayerCache]
     ) {
@@ -180,6 +196,8 @@ public struct KVCacheConfig: Codable, Equatable, Sendable {
         self.groupSize = groupSize
         self.quantizedKVStart = quantizedKVStart
         self.rotation = rotation
+        self.sinkTokens = sinkTokens
+        self.recentTokens = recentTokens
         self.step = step
         self.pageTokens = pageTokens
         self.maxContext = maxContext
@@ -212,6 +230,8 @@ public struct KVCacheConfig: Codable, Equatable, Sendable {
         groupSize = try c.decode(Int.self, forKey: .groupSize)
         quantizedKVStart = try c.decode(Int.self, forKey: .quantizedKVStart)
         rotation = try c.decodeIfPresent(Rotation.self, forKey: .rotation) ?? .none
+        sinkTokens = try c.decodeIfPresent(Int.self, forKey: .sinkTokens) ?? 0
+        recentTokens = try c.decodeIfPresent(Int.self, forKey: .recentTokens) ?? 0
         step = try c.decodeIfPresent(Int.self, forKey: .step) ?? 256
         pageTokens = try c.decode(Int.self, forKey: .pageTokens)
         maxContext = try c.decode(Int.self, forKey: .maxContext)
@@ -234,6 +254,8 @@ public struct KVCacheConfig: Codable, Equatable, Sendable {
         try c.encode(groupSize, forKey: .groupSize)
         try c.encode(quantizedKVStart, forKey: .quantizedKVStart)
         try c.encode(rotation, forKey: .rotation)
+        try c.encode(sinkTokens, forKey: .sinkTokens)
+        try c.encode(recentTokens, forKey: .recentTokens)
         try c.encode(step, forKey: .step)
         try c.encode(pageTokens, forKey: .pageTokens)
         try c.encode(maxContext, forKey: .maxContext)
@@ -249,6 +271,8 @@ public struct KVCacheConfig: Codable, Equatable, Sendable {
         try require(schema == Self.schemaVersion, "schema", "expected \(Self.schemaVersion), got \(schema)")
         try require(groupSize >= 1, "group_size", "must be >= 1")
         try require(quantizedKVStart >= 0, "quantized_kv_start", "must be >= 0")
+        try require(sinkTokens >= 0, "sink_tokens", "must be >= 0")
+        try require(recentTokens >= 0, "recent_tokens", "must be >= 0")
         try require(step >= 1, "step", "must be >= 1")
         try require(pageTokens >= 1, "page_tokens", "must be >= 1")
         try require(maxContext >= 1, "max_context", "must be >= 1")

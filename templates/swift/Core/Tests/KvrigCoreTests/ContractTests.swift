@@ -38,7 +38,8 @@ final class ContractTests: XCTestCase {
 
     func testKVCacheJSONFromPython() throws {
         let config = try assertRoundTrip(KVCacheConfig.self, file: "kvcache.json")
-        XCTAssertEqual(config.schema, 1)
+        XCTAssertEqual(config.schema, 2)
+        XCTAssertEqual(config.schema, KVCacheConfig.schemaVersion)
         XCTAssertFalse(config.layers.isEmpty)
         XCTAssertEqual(config.layers.map(\.layer), Array(0 ..< config.layers.count))
     }
@@ -57,6 +58,17 @@ final class ContractTests: XCTestCase {
             try ContractJSON.decoder().decode(
                 KVCacheConfig.self, from: JSONSerialization.data(withJSONObject: object)))
         object.removeValue(forKey: "unexpected")
+        // Schema 1 files predate hadamard_keys / sink_tokens / recent_tokens: repackage rather than guess.
+        var old = object
+        old["schema"] = 1
+        XCTAssertThrowsError(
+            try ContractJSON.decoder().decode(
+                KVCacheConfig.self, from: JSONSerialization.data(withJSONObject: old)))
+        var negative = object
+        negative["recent_tokens"] = -1
+        XCTAssertThrowsError(
+            try ContractJSON.decoder().decode(
+                KVCacheConfig.self, from: JSONSerialization.data(withJSONObject: negative)))
         object.removeValue(forKey: "key_bits")
         XCTAssertThrowsError(
             try ContractJSON.decoder().decode(

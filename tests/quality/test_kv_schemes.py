@@ -1,0 +1,172 @@
+"""kvrig's KV schemes: quantization error per bit width, the rotation keeping attention unchanged, cache bytes
+equal to the plan, and clear errors for schemes that cannot be applied. Tiny mlx-lm models built from
+arguments; expected values from MLX itself (nbytes, mx.fast.scaled_dot_product_attention) or from the data."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import llama
+
+from toolchain.exceptions import KVSchemeError, QuantizationError
+from toolchain.models import spec_from_config
+from toolchain.quality.schemes import kv_config, make_variant_caches, parse_kv_variant, predicted_bytes
+from toolchain.runtime.caches import make_caches
+from toolchain.runtime.kv_cache import SchemeKVCache, rotate
+
+CONFIG = {
+    "model_type": "llama",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "num_hidden_layers": 2,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": 97,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": True,
+}
+
+
+def tiny(**overrides: object) -> tuple[llama.Model, object]:
+    config = {**CONFIG, **overrides}
+    mx.random.seed(3)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return model, spec_from_config(config)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_stored_rows_are_within_one_quantization_step(bits: int) -> None:
+    """Affine quantization per group of 64: every value comes back within one step, (max-min)/(2^bits-1), of its
+    group's own range (MLX fits scale and bias so the error can exceed half a step, never a whole one)."""
+    mx.random.seed(bits)
+    keys = mx.random.normal((1, 2, 40, 64)) * 3.0
+    cache = SchemeKVCache(bits, bits, 64)
+    cache.update_and_fetch(keys, keys)
+    assert cache.keys is not None
+    w, s, b = (x[..., :40, :] for x in cache.keys)
+    back = np.array(mx.dequantize(w, s, b, group_size=64, bits=bits))
+    data = np.array(keys)
+    step = (data.max(-1, keepdims=True) - data.min(-1, keepdims=True)) / (2**bits - 1)
+    err = np.abs(back - data)
+    assert (err <= step + 1e-4).all()
+    # and the bound is tight enough to mean something: the error is a real fraction of a step
+    assert err.max() > step.min() / 8
+
+
+def test_rotation_leaves_attention_scores_unchanged() -> None:
+    mx.random.seed(0)
+    q, k = mx.random.normal((1, 2, 5, 64)), mx.random.normal((1, 2, 9, 64))
+    plain = q @ k.swapaxes(-1, -2)
+    rotated = rotate(q) @ rotate(k).swapaxes(-1, -2)
+    np.testing.assert_allclose(np.array(rotated), np.array(plain), atol=1e-4)
+    # the transform really moves the vectors (not the identity) and is its own inverse
+    assert float(mx.abs(rotate(k) - k).max()) > 0.1
+    np.testing.assert_allclose(np.array(rotate(rotate(k))), np.array(k), atol=1e-5)
+
+
+@pytest.mark.parametrize("rotation", ["none", "hadamard_keys", "hadamard"])
+def test_cache_attention_equals_mlx_attention_when_nothing_is_quantized_away(rotation: str) -> None:
+    """With sinks and the recent window covering every token, the scheme cache reads only float copies: its
+    attention (rotated queries, un-rotated outputs) must equal MLX's fused attention on the raw tensors, for a
+    causal prefill chunk and then single decode steps (GQA: 6 query heads on 2 KV heads)."""
+    mx.random.seed(1)
+    q, k, v = (mx.random.normal((1, h, 40, 64)) for h in (6, 2, 2))
+    scale = 64**-0.5
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")
+    cache = SchemeKVCache(4, 4, 64, rotation=rotation, sink_tokens=8, recent_tokens=32)
+    cache.update_and_fetch(k[..., :30, :], v[..., :30, :])
+    out = cache.attention(q[..., :30, :], scale, "causal")
+    np.testing.assert_allclose(np.array(out), np.array(ref[..., :30, :]), atol=2e-5)
+    for t in range(30, 40):
+        cache.update_and_fetch(k[..., t : t + 1, :], v[..., t : t + 1, :])
+        out = cache.attention(q[..., t : t + 1, :], scale, None)
+        np.testing.assert_allclose(np.array(out), np.array(ref[..., t : t + 1, :]), atol=2e-5)
+
+
+def test_rotation_makes_4_bit_keys_closer_on_outlier_channels() -> None:
+    """Keys with a few large channels (as real models have) quantize better after the rotation: the cache's
+    attention output is closer to the float attention with rotation than without."""
+    mx.random.seed(2)
+    k = mx.random.normal((1, 2, 64, 64))
+    k = k + mx.zeros((64,)).at[mx.array([3, 17])].add(25.0)
+    v, q = mx.random.normal((1, 2, 64, 64)), mx.random.normal((1, 2, 1, 64))
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125)
+    errors = {}
+    for rotation in ("none", "hadamard"):
+        cache = SchemeKVCache(4, 4, 64, rotation=rotation)
+        cache.update_and_fetch(k, v)
+        errors[rotation] = float(mx.abs(cache.attention(q, 0.125, None) - ref).max())
+    assert errors["hadamard"] < errors["none"]
+
+
+SCHEDULE = [1] * 5 + [100, 151, 1, 1, 40, 214, 1, 2]
+
+
+@pytest.mark.parametrize(
+    "name", ["fp16", "k8v4", "k8v8+rot", "k4v4+rotk+s4", "k4v3+rot+s4+w64", "k4v4g32+w16", "k8v4+s300"]
+)
+def test_cache_bytes_equal_the_plan(name: str) -> None:
+    """After every update of a ragged schedule, MLX's nbytes over the model's caches equals the planner's
+    allocation for the same schedule plus the scheme's fixed float copies."""
+    model, spec = tiny()
+    variant = parse_kv_variant(name)
+    caches = make_variant_caches(model, spec, variant)
+    fed: list[int] = []
+    for n in SCHEDULE:
+        model(mx.random.randint(0, 97, (1, n)), cache=caches)
+        mx.eval([c.state for c in caches])
+        fed.append(n)
+        measured = sum(c.nbytes for c in caches)
+        assert measured == predicted_bytes(spec, variant, fed, "float32"), (name, fed)
+    if variant.has_extras or variant.scheme.mixed:
+        assert all(type(c) is SchemeKVCache for c in caches)
+
+
+def test_k8v8_keeps_greedy_tokens_on_a_tiny_model() -> None:
+    """Greedy tokens through the scheme cache at 8 bits (rotated) match an fp cache's (see also the SmolLM2
+    test in test_quality_model.py)."""
+    model, spec = tiny()
+    prompt = mx.array([[5, 9, 13, 2, 77, 40, 41, 3]])
+
+    def greedy(caches: list[object]) -> list[int]:
+        logits = model(prompt, cache=caches)
+        out = []
+        for _ in range(12):
+            tok = int(mx.argmax(logits[0, -1]).item())
+            out.append(tok)
+            logits = model(mx.array([[tok]]), cache=caches)
+        return out
+
+    ref = greedy(make_variant_caches(model, spec, parse_kv_variant("fp16")))
+    assert greedy(make_variant_caches(model, spec, parse_kv_variant("k8v8+rot"))) == ref
+
+
+def test_unsupported_schemes_are_clear_errors() -> None:
+    with pytest.raises(QuantizationError, match="key bits 7"):
+        parse_kv_variant("k7v4")
+    with pytest.raises(QuantizationError, match="group size 48"):
+        parse_kv_variant("k8v4g48")
+    with pytest.raises(KVSchemeError, match=r"\+x9"):
+        parse_kv_variant("k8v4+x9")
+    with pytest.raises(KVSchemeError, match="quantized schemes only"):
+        parse_kv_variant("fp16+rot")
+    assert KVSchemeError.exit_code == 47 and issubclass(KVSchemeError, QuantizationError)
+
+    # head dim 96: the 64 group does not divide it (the planner's check names the layer and a fix) ...
+    from toolchain.plan.kv import check_dims
+
+    model, spec = tiny(head_dim=96)
+    with pytest.raises(QuantizationError, match="layer 0: key head dim 96 is not divisible by KV group size 64"):
+        check_dims(spec, parse_kv_variant("k8v4").scheme)
+    # ... and a Hadamard rotation needs a power-of-two head dim
+    kv = kv_config(spec, parse_kv_variant("k8v4g32+rot"))
+    with pytest.raises(KVSchemeError, match="field 'rotation' is hadamard but layer 0 has head dim 96"):
+        make_caches(model, kv, "llama")
+    # without the rotation the same scheme is fine
+    make_caches(model, kv.model_copy(update={"rotation": "none"}), "llama")

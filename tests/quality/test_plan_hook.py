@@ -1,0 +1,50 @@
+"""`kvrig plan --quality`: the recommendation only takes KV schemes whose measured perplexity change is within
+2 %, and names a weight recipe that fails the package gate."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from toolchain.exceptions import QualityInputError
+from toolchain.quality.plan_hook import apply_quality
+
+
+def report(tmp_path: Path, kv: dict[str, float]) -> Path:
+    path = tmp_path / "quality.json"
+    rows = [{"kv": k, "ppl_delta_pct": d} for k, d in kv.items()]
+    weights = [
+        {"recipe": "q4", "ppl_delta_pct": 18.4, "bits_per_weight": 4.5},
+        {"recipe": "q6", "ppl_delta_pct": 6.2, "bits_per_weight": 6.5},
+    ]
+    path.write_text(json.dumps({"kv": rows, "weights": weights}))
+    return path
+
+
+def test_recommendation_skips_schemes_measured_over_the_limit(tmp_path: Path) -> None:
+    from toolchain.plan import plan
+
+    p = plan(None, "iPhone16,1", schemes=("fp16", "k8v8", "k8v4", "k4v4"), weights="q4")
+    # only k8v8 is within 2 % here, so whatever the planner picked by bytes, k8v8 is recommended
+    measured = {"fp16": 3.0, "k8v8": 0.13, "k8v4": 2.5, "k4v4": 12.0}
+    out = apply_quality(p, report(tmp_path, measured))
+    assert out.recommendation.scheme == "k8v8"
+    assert out.recommendation.max_context == p.max_context["k8v8"] > 0
+    assert p.recommendation.reasons == out.recommendation.reasons[: len(p.recommendation.reasons)]
+    assert any("q4" in r and "q6" in r for r in out.recommendation.reasons)
+
+    # the CLI takes the same file; a broken file is exit 46 naming it
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(QualityInputError):
+        apply_quality(p, bad)
+    proc = subprocess.run(
+        [sys.executable, "-m", "toolchain", "plan", "--device", "iPhone16,1", "--quality", str(bad)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == QualityInputError.exit_code == 46 and str(bad) in proc.stderr
