@@ -30,6 +30,7 @@ COMMANDS: dict[str, str] = {
     "virtual": "toolchain.cli.virtual:virtual",
     "demo": "toolchain.cli.demo:demo",
     "calibrate": "toolchain.cli.calibrate:calibrate",
+    "export": "toolchain.cli.export:export",
 }
 
 
@@ -68,6 +69,7 @@ _SHORT_HELP: dict[str, str] = {
     "telemetry": "Summarise the app's JSONL telemetry per run; correlate a run with its jetsam report.",
     "virtual": "Run a virtual USB iPhone that pymobiledevice3 drives (start, stop, status).",
     "calibrate": "Fit the planner's baseline per device profile to measured soaks; write calibration.json.",
+    "export": "Write a bundle for another runtime: a stateful Core ML program (coreml).",
     "demo": "The main job on a virtual iPhone: package, plan, build, deploy, soak until jetsam, compare.",
 }
 
