@@ -4,6 +4,7 @@ it to the plan (toolchain/plan/coreml.py)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
@@ -12,7 +13,7 @@ from typing import Any
 
 from pydantic import Field
 
-from toolchain.exceptions import CoreMLExportError, CoreMLToolsMissingError, CoreMLUnsupportedError
+from toolchain.exceptions import BundleError, CoreMLExportError, CoreMLToolsMissingError, CoreMLUnsupportedError
 from toolchain.plan.coreml import CoreMLPlan, coreml_arch, plan_coreml
 from toolchain.schemas import StrictModel
 
@@ -91,9 +92,12 @@ def export_coreml(
         raise CoreMLExportError(f"{output}: already exists (pass --force to replace it)")
     if output.suffix != ".mlpackage":
         raise CoreMLExportError(f"{output}: the output must end in .mlpackage")
-    weights = read_bundle_weights(bundle)
     config_path = bundle / "config.json"
-    arch = coreml_arch(weights.config, config_path)
+    if not config_path.is_file():
+        raise BundleError(f"{bundle}: no config.json; expected a bundle written by `kvrig package`")
+    # The architecture first: a family the exporter cannot express is refused before any weight is read.
+    arch = coreml_arch(json.loads(config_path.read_text()), config_path)
+    weights = read_bundle_weights(bundle)
     if context is not None:
         source = "--context"
     elif weights.kv_max_context:
