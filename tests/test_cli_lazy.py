@@ -45,3 +45,15 @@ def test_export_help_device_commands_and_coreml_plan_do_not_import_coremltools()
     out = subprocess.run([sys.executable, "-c", CORE_ML_LIGHT], capture_output=True, text=True, check=True).stdout
     assert "Core ML program" in out or '"backend": "coreml"' in out
     assert out.rstrip().endswith("COREML=")
+
+
+def test_every_command_has_one_summary():
+    """Help lists each command's click `short_help`, the one place its summary lives."""
+    import click
+
+    from toolchain.cli import COMMANDS, cli
+
+    ctx = click.Context(cli)
+    for name in COMMANDS:
+        cmd = cli.get_command(ctx, name)
+        assert cmd is not None and cmd.short_help, name

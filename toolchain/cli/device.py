@@ -17,7 +17,7 @@ def _udid_option(func):  # type: ignore[no-untyped-def]
     return click.option("--udid", default=None, help="The device's UDID (needed when several are attached).")(func)
 
 
-@click.command("devices")
+@click.command("devices", short_help="List attached iPhones (real or virtual) with their device profile.")
 @json_option
 def devices(as_json: bool) -> None:
     """List attached iPhones: UDID, model, iOS version and the device profile kvrig maps them to."""
@@ -49,7 +49,7 @@ def devices(as_json: bool) -> None:
     Console(width=max(120, Console().width)).print(table)
 
 
-@click.command("deploy")
+@click.command("deploy", short_help="Install the app and push a model bundle into its Documents (resumable).")
 @click.argument("bundle", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--app", "ipa", type=click.Path(exists=True, path_type=Path), help="The app (.ipa) to install first.")
 @click.option("--app-id", default=None, help="Push into this installed app instead of installing one.")

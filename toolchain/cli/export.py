@@ -9,7 +9,7 @@ import click
 from toolchain.cli.render import echo_json, human_bytes, json_option
 
 
-@click.group("export")
+@click.group("export", short_help="Write a bundle for another runtime: a stateful Core ML program (coreml).")
 def export() -> None:
     """Write a bundle for another runtime."""
 
