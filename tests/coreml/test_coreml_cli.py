@@ -63,6 +63,7 @@ def test_export_json_and_existing_output(
         ({"bits": 6}, "quantization.bits"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
         ({"layer_types": ["sliding_attention"] * 30}, "layer_types"),
+        ({"attention_bias": True}, "attention_bias"),
     ],
 )
 def test_refusals_name_the_file_and_field(
@@ -113,3 +114,20 @@ def test_plan_backend_coreml(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 39 and "6-bit" in err
     code, stdout, _ = _run(["plan", "--device", "iPhone16,1", "--backend", "coreml"], capsys)
     assert code == 0 and "weight.bin" in stdout
+
+
+def test_a_weight_the_program_would_drop_is_refused(
+    tiny_exports: dict[str, ExportResult], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    import mlx.core as mx
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(tiny_exports["qwen2-q4"].bundle, bundle)
+    mx.save_safetensors(
+        str(bundle / "extra.safetensors"), {"model.layers.0.mlp.extra.weight": mx.ones((4,), mx.float16)}
+    )
+    code, _, err = _run(["export", "coreml", str(bundle), "-o", str(tmp_path / "M.mlpackage")], capsys)
+    assert code == 39 and "model.layers.0.mlp.extra.weight" in err
+    assert not (tmp_path / "M.mlpackage").exists()

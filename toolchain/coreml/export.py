@@ -112,6 +112,13 @@ def export_coreml(
         )
     opset = _target(ct, target)
     prog = build_program(weights, arch, context, opset)
+    unused = sorted(set(weights.tensors) - weights.used)
+    if unused:
+        # A weight the program does not read would be silently dropped: refuse rather than export a different model.
+        raise CoreMLUnsupportedError(
+            f"the exporter does not use {len(unused)} weight(s) of the bundle, e.g. {', '.join(unused[:3])}",
+            file=bundle,
+        )
     model = _quiet_convert(
         ct,
         prog,

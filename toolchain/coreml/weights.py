@@ -4,7 +4,7 @@ fp16 scales and biases, nothing re-quantized."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +39,15 @@ class BundleWeights:
     group_size: int
     tensors: dict[str, Tensor]
     kv_max_context: int | None
+    used: set[str] = field(default_factory=set)
 
     def get(self, name: str) -> Tensor:
         try:
-            return self.tensors[name]
+            value = self.tensors[name]
         except KeyError:
             raise BundleError(f"{self.path}: weight '{name}' is missing from the bundle's safetensors") from None
+        self.used.add(name)
+        return value
 
     def vector(self, name: str) -> np.ndarray:
         t = self.get(name)

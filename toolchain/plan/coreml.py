@@ -112,6 +112,9 @@ def coreml_arch(config: dict[str, Any], source: str | Path = "config.json") -> C
             )
     if config.get("rope_traditional"):
         raise CoreMLUnsupportedError("interleaved RoPE is not exported", file=src, field="rope_traditional")
+    if model_type != "qwen2" and (config.get("attention_bias") or config.get("mlp_bias")):
+        field = "attention_bias" if config.get("attention_bias") else "mlp_bias"
+        raise CoreMLUnsupportedError("projection biases are only exported for qwen2", file=src, field=field)
     heads = _int(config, "num_attention_heads", src)
     hidden = _int(config, "hidden_size", src)
     kv_heads = _int(config, "num_key_value_heads", src, heads)
@@ -128,7 +131,7 @@ def coreml_arch(config: dict[str, Any], source: str | Path = "config.json") -> C
         head_dim=int(head_dim),
         vocab=_int(config, "vocab_size", src),
         tied=bool(config.get("tie_word_embeddings", True)),  # mlx-lm's default
-        attention_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
+        attention_bias=model_type == "qwen2",
         qk_norm=model_type == "qwen3",
         rope_theta=float(config.get("rope_theta", 10000.0)),
         rope_scale=rope_scale,
