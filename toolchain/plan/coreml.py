@@ -264,7 +264,7 @@ def plan_coreml_model(
 ) -> CoreMLPlan:
     """`kvrig plan --backend coreml`: the program `kvrig export coreml` writes for MODEL packaged with
     `weights` (q4, q8 or fp16), beside the device's app memory limit."""
-    from toolchain.models import default_model_path, mlx_model_type, read_config
+    from toolchain.models import default_model_path, read_config
     from toolchain.plan.weights import parse_recipe
     from toolchain.profiles import load_profile
 
@@ -274,7 +274,6 @@ def plan_coreml_model(
             f"weight recipe '{recipe.name}' has no exact Core ML form (use q4, q8 or fp16)", field="weights"
         )
     config, path = read_config(model if model is not None else default_model_path())
-    config = {**config, "model_type": mlx_model_type(config, path)}
     profile = load_profile(device)
     result = plan_coreml(config, path, bits=recipe.bits, group_size=group_size, contexts=contexts)
     limit = profile.limit_entitled or profile.limit_default
