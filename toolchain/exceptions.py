@@ -320,3 +320,32 @@ class KVSchemeError(QuantizationError):
     sinks or a recent window on a model whose attention kvrig cannot route)."""
 
     exit_code = 47
+
+
+# --- Core ML export (exit 39–41) -------------------------------------------------------------------------
+
+
+class CoreMLUnsupportedError(KvrigError):
+    """The bundle cannot be expressed as a stateful Core ML program as it is: its family, its quantization
+    (only 4- and 8-bit affine groups map onto Core ML's block-wise ops), its dtype, the target or the context."""
+
+    exit_code = 39
+
+    def __init__(self, message: str, *, file: str | Path | None = None, field: str | None = None) -> None:
+        self.file = str(file) if file is not None else None
+        self.field = field
+        where = ": ".join(p for p in (self.file, f"field '{field}'" if field else None) if p)
+        super().__init__(f"{where}: {message}" if where else message)
+
+
+class CoreMLToolsMissingError(KvrigError):
+    """coremltools is not installed, or its version is outside the range kvrig's exporter was written for."""
+
+    exit_code = 40
+
+
+class CoreMLExportError(KvrigError):
+    """The export could not be written (output exists, disk) or the saved package does not read back as the
+    program promised (specs, weight bytes against the plan)."""
+
+    exit_code = 41

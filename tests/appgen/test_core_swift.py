@@ -92,6 +92,10 @@ def test_python_reads_core_telemetry(swift_run: dict[str, Path]) -> None:
     assert [e.event for e in events] == [*kinds, "end", "end", "end", "end", "end"]
     assert [e.seq for e in events] == list(range(13))
     assert events[0].model == 'Smol "LM" \\ 135M' and events[0].limit_bytes == 3_221_225_472
+    # Schema 2: `start` names the backend (the Core default is MLX; the second start ran Core ML).
+    assert {e.schema_version for e in events} == {2}
+    assert [e.backend for e in events if e.event == "start"] == ["mlx", "coreml"]
+    assert json.loads(lines[0])["backend"] == "mlx"  # written by Swift, not filled in by the Python default
     assert events[2].decode_tps == 31.5 and events[2].thermal_state == "fair"
     assert events[3].decode_tps is None
     assert {e.reason for e in events if e.event == "end"} == {

@@ -42,6 +42,10 @@ SOAK_EXAMPLE_TEXT = (
     "context grows step by step until the phone runs out of memory or the plan says stop. "
 )
 
+# The Core ML program's name inside the app (Xcode compiles it to KvrigModel.mlmodelc), and its engine's folder.
+COREML_RESOURCE = "KvrigModel.mlpackage"
+COREML_SOURCES = ("App", "CoreML")
+
 _BUNDLE_ID = re.compile(r"^[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)+$")
 _TEAM_ID = re.compile(r"^[A-Z0-9]{10}$")
 
@@ -53,6 +57,8 @@ class AppOptions:
     team: str | None = None
     extended_virtual_addressing: bool = False
     headroom_bytes: int = DEFAULT_HEADROOM_BYTES
+    coreml_model: Path | None = None
+    """A .mlpackage from `kvrig export coreml` to ship beside the MLX bundle (with App/CoreML's engine)."""
 
 
 @dataclass
@@ -144,6 +150,7 @@ def template_context(
         "generator": f"kvrig {__version__}",
         "soak_plan_argument": "--kvrig-soak-plan",
         "soak_plan_file": SOAKPLAN_FILE,
+        "coreml_model": COREML_RESOURCE if options.coreml_model else None,
     }
 
 
@@ -183,6 +190,10 @@ def render_app(bundle: str | Path, out: str | Path, options: AppOptions, *, forc
             raise AppGenError(f"{out}: folder is not empty (use --force to overwrite)")
         shutil.rmtree(out)
 
+    if options.coreml_model is not None and not (options.coreml_model / "Manifest.json").is_file():
+        raise InputError(
+            "not a Core ML package", file=options.coreml_model, expected="a .mlpackage written by `kvrig export coreml`"
+        )
     root = templates_root()
     env = _environment(root)
     context = template_context(options, kv, model_config, bundle)
@@ -190,6 +201,8 @@ def render_app(bundle: str | Path, out: str | Path, options: AppOptions, *, forc
     for source in sorted(root.rglob("*")):
         rel = source.relative_to(root)
         if source.is_dir() or rel.parts[0] == "_meta" or "__pycache__" in rel.parts:
+            continue
+        if rel.parts[:2] == COREML_SOURCES and options.coreml_model is None:
             continue
         if source.suffix == ".j2":
             try:
@@ -199,6 +212,10 @@ def render_app(bundle: str | Path, out: str | Path, options: AppOptions, *, forc
             _write(out / rel.with_suffix(""), text, result.files)
         else:
             _write(out / rel, source.read_text(), result.files)
+
+    if options.coreml_model is not None:
+        shutil.copytree(options.coreml_model, out / "App" / "Resources" / COREML_RESOURCE)
+        result.files.append(out / "App" / "Resources" / COREML_RESOURCE)
 
     # Contract files: the Core tests decode exactly what Python wrote; the schemas document them for Swift.
     plan = example_soak_plan(kv)

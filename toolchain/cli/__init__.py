@@ -33,6 +33,7 @@ COMMANDS: dict[str, str] = {
     "virtual": "toolchain.cli.virtual:virtual",
     "demo": "toolchain.cli.demo:demo",
     "calibrate": "toolchain.cli.calibrate:calibrate",
+    "export": "toolchain.cli.export:export",
 }
 
 

@@ -21,6 +21,12 @@ from toolchain.cli.render import echo_json, json_option
 )
 @click.option("-o", "--output", "output", type=click.Path(path_type=Path), required=True, help="Project folder.")
 @click.option("--force", is_flag=True, help="Replace the output folder if it holds files.")
+@click.option(
+    "--coreml",
+    "coreml_model",
+    type=click.Path(path_type=Path),
+    help="Also ship this .mlpackage (from `kvrig export coreml`) and its Core ML engine beside the MLX bundle.",
+)
 @json_option
 def app(
     bundle: Path,
@@ -30,13 +36,18 @@ def app(
     extended_virtual_addressing: bool,
     output: Path,
     force: bool,
+    coreml_model: Path | None,
     as_json: bool,
 ) -> None:
     """Generate the MLX-Swift iPhone app (XcodeGen project + Core package) for a bundle."""
     from toolchain.appgen.render import AppOptions, render_app
 
     options = AppOptions(
-        name=name, bundle_id=bundle_id, team=team, extended_virtual_addressing=extended_virtual_addressing
+        name=name,
+        bundle_id=bundle_id,
+        team=team,
+        extended_virtual_addressing=extended_virtual_addressing,
+        coreml_model=coreml_model,
     )
     result = render_app(bundle, output, options, force=force)
     if as_json:

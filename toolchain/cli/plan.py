@@ -57,6 +57,13 @@ def _str_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
     type=click.Path(path_type=Path),
     help="Calibration file from `kvrig calibrate`: use its measured baseline for this device's profile.",
 )
+@click.option(
+    "--backend",
+    type=click.Choice(["mlx", "coreml"]),
+    default="mlx",
+    show_default=True,
+    help="coreml: bytes of the stateful Core ML program `kvrig export coreml` writes (weights, KV state).",
+)
 @json_option
 def plan(
     model: Path | None,
@@ -76,6 +83,7 @@ def plan(
     cap: str,
     calibration: Path | None,
     quality_file: Path | None,
+    backend: str,
     as_json: bool,
 ) -> None:
     """Plan memory for MODEL on a device: exact weight bytes per recipe, KV bytes per scheme, the app memory
@@ -87,6 +95,11 @@ def plan(
     from toolchain.plan.memory import DEFAULT_CONTEXTS
     from toolchain.plan.weights import DEFAULT_RECIPES
 
+    if backend == "coreml":
+        from toolchain.cli.export import show_coreml_plan
+
+        show_coreml_plan(model, device, weights, group_size, list(contexts or DEFAULT_CONTEXTS), as_json)
+        return
     if cap == "trained":
         cap_value = None
     elif cap == "none":

@@ -7,16 +7,17 @@ from __future__ import annotations
 
 from typing import Annotated, Final, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from toolchain.schemas import StrictModel
 
-TELEMETRY_SCHEMA_VERSION: Final = 1
+# 2: `start` names the backend that ran (mlx or coreml). Schema-1 files (MLX-only apps) still read, as mlx.
+TELEMETRY_SCHEMA_VERSION: Final = 2
 TELEMETRY_FILE = "telemetry.jsonl"
 
 
 class _Event(StrictModel):
-    schema_version: Literal[1] = Field(default=TELEMETRY_SCHEMA_VERSION, alias="schema")
+    schema_version: Literal[1, 2] = Field(default=TELEMETRY_SCHEMA_VERSION, alias="schema")
     run_id: str
     seq: int = Field(ge=0, description="record number within the run, from 0")
     t: float = Field(description="seconds since the Unix epoch")
@@ -29,10 +30,19 @@ class StartEvent(_Event):
     product_type: str
     os_version: str
     limit_bytes: int | None = Field(default=None, description="app memory limit the app believes in")
+    backend: Literal["mlx", "coreml"] = Field(
+        default="mlx", description="the runtime that ran: MLX, or the Core ML program from `kvrig export coreml`"
+    )
     converted: list[str] = Field(
         default_factory=list,
         description="fields the virtual iPhone converted to the phone's format (e.g. fp32 host activations)",
     )
+
+    @model_validator(mode="after")
+    def _backend_needs_schema_2(self) -> StartEvent:
+        if self.schema_version == 1 and "backend" in self.model_fields_set:
+            raise ValueError("'backend' is a schema-2 field; a schema-1 record cannot carry it")
+        return self
 
 
 class StepEvent(_Event):

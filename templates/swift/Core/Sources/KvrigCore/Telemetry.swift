@@ -1,9 +1,14 @@
 import Foundation
 
-/// Telemetry, schema 1: mirrors toolchain/schemas/telemetry.py. One JSON object per line, `event` says which.
+/// Telemetry, schema 2: mirrors toolchain/schemas/telemetry.py. One JSON object per line, `event` says which.
+/// Schema 2 added `backend` to `start`: which runtime ran the soak (MLX, or the Core ML program).
 
 public enum ThermalState: String, Codable, Sendable {
     case nominal, fair, serious, critical
+}
+
+public enum TelemetryBackend: String, Codable, Sendable {
+    case mlx, coreml
 }
 
 public enum PressureLevel: String, Codable, Sendable {
@@ -21,7 +26,7 @@ public enum EndReason: String, Codable, Sendable {
 public enum TelemetryPayload: Equatable, Sendable {
     case start(
         model: String, scheme: String, productType: String, osVersion: String, limitBytes: Int?,
-        converted: [String])
+        converted: [String], backend: TelemetryBackend = .mlx)
     case step(StepMetrics)
     case memoryPressure(level: PressureLevel, contextTokens: Int, physFootprintBytes: Int?)
     case evict(tokensEvicted: Int, contextTokens: Int, kvBytes: Int?)
@@ -69,7 +74,7 @@ public struct StepMetrics: Equatable, Sendable {
 }
 
 public struct TelemetryEvent: Encodable, Equatable, Sendable {
-    public static let schemaVersion = 1
+    public static let schemaVersion = 2
 
     public var runId: String
     public var seq: Int
@@ -84,7 +89,7 @@ public struct TelemetryEvent: Encodable, Equatable, Sendable {
     }
 
     enum Key: String, CodingKey {
-        case schema, event, seq, t, model, scheme, converted, level, reason, message
+        case schema, event, seq, t, model, scheme, converted, level, reason, message, backend
         case runId = "run_id"
         case productType = "product_type"
         case osVersion = "os_version"
@@ -116,13 +121,15 @@ public struct TelemetryEvent: Encodable, Equatable, Sendable {
         try c.encode(seq, forKey: .seq)
         try c.encode(t, forKey: .t)
         switch payload {
-        case .start(let model, let scheme, let productType, let osVersion, let limitBytes, let converted):
+        case .start(
+            let model, let scheme, let productType, let osVersion, let limitBytes, let converted, let backend):
             try c.encode(model, forKey: .model)
             try c.encode(scheme, forKey: .scheme)
             try c.encode(productType, forKey: .productType)
             try c.encode(osVersion, forKey: .osVersion)
             try c.encode(limitBytes, forKey: .limitBytes)
             try c.encode(converted, forKey: .converted)
+            try c.encode(backend, forKey: .backend)
         case .step(let m):
             try c.encode(m.contextTokens, forKey: .contextTokens)
             try c.encode(Self.finite(m.decodeTps), forKey: .decodeTps)

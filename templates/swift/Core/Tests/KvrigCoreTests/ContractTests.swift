@@ -90,7 +90,7 @@ final class ContractTests: XCTestCase {
                 limitBytes: 3_221_225_472, converted: []))
         try log.record(
             .start(model: "m", scheme: "fp16", productType: "iPhone15,2", osVersion: "16.7", limitBytes: nil,
-                   converted: ["activations"]))
+                   converted: ["activations"], backend: .coreml))
         try log.record(
             .step(
                 StepMetrics(

@@ -1,0 +1,133 @@
+"""`kvrig export coreml` and `kvrig plan --backend coreml` from the command line: output, refusals and their
+exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from toolchain.cli import main
+from toolchain.coreml.export import ExportResult
+from toolchain.exceptions import CoreMLExportError, CoreMLToolsMissingError, CoreMLUnsupportedError
+
+
+def _run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    try:
+        main(args)
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _config_only_bundle(tmp_path: Path, smol_bundle: Path, **changes: object) -> Path:
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    cfg = json.loads((smol_bundle / "config.json").read_text())
+    for key, value in changes.items():
+        if key == "bits":
+            cfg["quantization"]["bits"] = value
+        else:
+            cfg[key] = value
+    (bundle / "config.json").write_text(json.dumps(cfg))
+    return bundle
+
+
+def test_export_json_and_existing_output(
+    tiny_exports: dict[str, ExportResult], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bundle = tiny_exports["qwen3-q8"].bundle
+    out = tmp_path / "Q.mlpackage"
+    code, stdout, _ = _run(["export", "coreml", bundle, "-o", str(out), "--context", "32", "--json"], capsys)
+    assert code == 0
+    data = json.loads(stdout)
+    assert data["context"] == 32 and data["context_source"] == "--context"
+    assert data["package"]["weight_file_bytes"] == (out / "Data/com.apple.CoreML/weights/weight.bin").stat().st_size
+    assert {s["shape"][2] for s in data["package"]["states"]} == {32}
+    code, _, err = _run(["export", "coreml", bundle, "-o", str(out)], capsys)
+    assert code == CoreMLExportError.exit_code == 41
+    assert str(out) in err and "--force" in err
+    code, stdout, _ = _run(["export", "coreml", bundle, "-o", str(out), "--force"], capsys)
+    assert code == 0 and "context 64 (kvcache.json)" in stdout
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"model_type": "gemma2"}, "model_type"),
+        ({"bits": 6}, "quantization.bits"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
+        ({"layer_types": ["sliding_attention"] * 30}, "layer_types"),
+        ({"attention_bias": True}, "attention_bias"),
+    ],
+)
+def test_refusals_name_the_file_and_field(
+    changes: dict[str, object],
+    field: str,
+    smol_bundle: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    bundle = _config_only_bundle(tmp_path, smol_bundle, **changes)
+    code, _, err = _run(["export", "coreml", str(bundle), "-o", str(tmp_path / "M.mlpackage")], capsys)
+    assert code == CoreMLUnsupportedError.exit_code == 39
+    assert str(bundle / "config.json") in err and f"field '{field}'" in err
+    assert not (tmp_path / "M.mlpackage").exists()
+
+
+def test_context_and_target_are_checked(smol_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "M.mlpackage"
+    code, _, err = _run(["export", "coreml", str(smol_bundle), "-o", str(out), "--context", "100000"], capsys)
+    assert code == 39 and "context 100000" in err
+    code, _, err = _run(["export", "coreml", str(smol_bundle), "-o", str(out), "--target", "iOS17"], capsys)
+    assert code == 39 and "iOS17" in err
+    assert not out.exists()
+
+
+def test_without_coremltools_exit_40(smol_bundle: Path, tmp_path: Path) -> None:
+    code = (
+        "import sys; sys.modules['coremltools'] = None\n"
+        "from toolchain.cli import main\n"
+        f"main(['export', 'coreml', {str(smol_bundle)!r}, '-o', {str(tmp_path / 'M.mlpackage')!r}])\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == CoreMLToolsMissingError.exit_code == 40
+    assert "kvrig[coreml]" in proc.stderr
+
+
+def test_plan_backend_coreml(capsys: pytest.CaptureFixture[str]) -> None:
+    code, stdout, _ = _run(
+        ["plan", "--device", "iPhone16,1", "--backend", "coreml", "--contexts", "256,4096", "--json"], capsys
+    )
+    assert code == 0
+    data = json.loads(stdout)
+    assert data["backend"] == "coreml" and data["bits"] == 4 and data["device"] == "iphone-15-pro"
+    # SmolLM2: 30 layers × 3 KV heads × 64 dims, keys and values in fp16.
+    assert data["state_bytes_per_token"] == 30 * 3 * 64 * 2 * 2
+    assert data["state_bytes"]["4096"] == 4096 * data["state_bytes_per_token"]
+    code, _, err = _run(["plan", "--device", "iPhone16,1", "--backend", "coreml", "--weights", "q6"], capsys)
+    assert code == 39 and "6-bit" in err
+    code, stdout, _ = _run(["plan", "--device", "iPhone16,1", "--backend", "coreml"], capsys)
+    assert code == 0 and "weight.bin" in stdout
+
+
+def test_a_weight_the_program_would_drop_is_refused(
+    tiny_exports: dict[str, ExportResult], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    import mlx.core as mx
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(tiny_exports["qwen2-q4"].bundle, bundle)
+    mx.save_safetensors(
+        str(bundle / "extra.safetensors"), {"model.layers.0.mlp.extra.weight": mx.ones((4,), mx.float16)}
+    )
+    code, _, err = _run(["export", "coreml", str(bundle), "-o", str(tmp_path / "M.mlpackage")], capsys)
+    assert code == 39 and "model.layers.0.mlp.extra.weight" in err
+    assert not (tmp_path / "M.mlpackage").exists()
