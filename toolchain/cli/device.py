@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from toolchain.cli.bridge import run_async
-from toolchain.cli.render import echo_json, human_bytes, json_option
+from toolchain.cli.render import echo_json, human_bytes, json_option, usbmuxd_option
 
 
 def _udid_option(func):  # type: ignore[no-untyped-def]
@@ -18,12 +18,20 @@ def _udid_option(func):  # type: ignore[no-untyped-def]
 
 
 @click.command("devices")
+@usbmuxd_option
 @json_option
-def devices(as_json: bool) -> None:
-    """List attached iPhones: UDID, model, iOS version and the device profile kvrig maps them to."""
-    from toolchain.device.discovery import list_devices
+def devices(usbmuxd: tuple[str, ...], as_json: bool) -> None:
+    """List attached iPhones: UDID, model, iOS version, the device profile kvrig maps them to, and the host."""
+    from toolchain.device.hosts import list_devices_on, parse_hosts
 
-    found = run_async(list_devices())
+    hosts = parse_hosts(usbmuxd)
+    found, unreachable = run_async(list_devices_on(hosts))
+    for name, why in unreachable.items():
+        click.echo(f"host {name}: {why}", err=True)
+    if unreachable and len(unreachable) == len(hosts):
+        from toolchain.exceptions import DeviceNotFoundError
+
+        raise DeviceNotFoundError(f"no usbmuxd could be reached ({', '.join(unreachable)})")
     if as_json:
         echo_json([d.to_json() for d in found])
         return
@@ -33,10 +41,10 @@ def devices(as_json: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table("UDID", "ProductType", "iOS", "profile", "name", "connection")
+    table = Table("UDID", "ProductType", "iOS", "profile", "name", "connection", "host")
     for d in found:
         if d.error:
-            table.add_row(d.udid, "?", "?", "?", f"[red]{d.error}[/red]", d.connection)
+            table.add_row(d.udid, "?", "?", "?", f"[red]{d.error}[/red]", d.connection, d.host)
         else:
             table.add_row(
                 d.udid,
@@ -45,6 +53,7 @@ def devices(as_json: bool) -> None:
                 d.profile or "(no profile)",
                 d.name or "",
                 d.connection,
+                d.host,
             )
     Console(width=max(120, Console().width)).print(table)
 

@@ -28,6 +28,7 @@ class DeviceInfo:
     name: str | None = None
     profile: str | None = None
     error: str | None = None  # why lockdownd could not be asked (not trusted, refused)
+    host: str | None = None  # the usbmuxd host it was found on (device/hosts.py)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -12,6 +12,7 @@ from typing import Final, Literal
 from pydantic import Field
 
 from toolchain.schemas import StrictModel
+from toolchain.schemas.lab import LabRecord
 
 RESULTS_SCHEMA_VERSION: Final = 1
 RESULTS_FILE = "results.json"
@@ -24,6 +25,7 @@ class DeviceRef(StrictModel):
     product_type: str | None = None
     os_version: str | None = None
     profile: str | None = Field(default=None, description="our device profile for the ProductType")
+    host: str | None = Field(default=None, description="the usbmuxd host the phone was reached through (lab)")
 
 
 class TpsPoint(StrictModel):
@@ -105,3 +107,4 @@ class ResultsFile(StrictModel):
     schema_version: Literal[1] = Field(default=RESULTS_SCHEMA_VERSION, alias="schema")
     tool_version: str
     runs: list[SoakResult]
+    lab: LabRecord | None = Field(default=None, description="the lab (and shard) these runs belong to")
