@@ -14,7 +14,6 @@ Nothing heavy is imported until a kvrig fixture is used: the plugin loads in eve
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,9 +26,11 @@ class Phone:
     udid: str
     host: str | None
     address: str | None  # the usbmuxd to reach it through (None: this machine's)
-    profile: str | None
-    product_type: str | None
-    os_version: str | None
+    info: Any  # toolchain.device.discovery.DeviceInfo
+
+    @property
+    def profile(self) -> str | None:
+        return self.info.profile  # type: ignore[no-any-return]
 
     def __str__(self) -> str:
         return f"{self.udid[:8]}@{self.host}" if self.host else self.udid[:8]
@@ -85,11 +86,7 @@ def _phones(config: pytest.Config) -> list[Phone]:
         attached, _ = run_async(list_devices_on(hosts))
         if config.getoption("kvrig_lab") is not None:
             attached = [t.info for t in select_targets(_lab(config), attached) if t.problem is None and t.info]
-        cached = [
-            Phone(d.udid, d.host, address.get(d.host or ""), d.profile, d.product_type, d.os_version)
-            for d in attached
-            if d.error is None
-        ]
+        cached = [Phone(d.udid, d.host, address.get(d.host or ""), d) for d in attached if d.error is None]
         config._kvrig_phones = cached  # type: ignore[attr-defined]
     return cached
 
@@ -143,10 +140,12 @@ def _kvrig_properties(request: pytest.FixtureRequest) -> None:
     # Host and phone on every phone test's JUnit case, as `kvrig lab run` writes them.
     if "kvrig_phone" in request.fixturenames:
         phone: Phone = request.getfixturevalue("kvrig_phone")
-        for key in ("host", "udid", "profile", "product_type", "os_version"):
-            value = getattr(phone, key)
+        for key, value in (("host", phone.host), ("udid", phone.udid)):
             if value is not None:
                 request.node.user_properties.append((key, value))
+        for key in ("profile", "product_type", "os_version"):
+            if getattr(phone.info, key) is not None:
+                request.node.user_properties.append((key, getattr(phone.info, key)))
 
 
 def _entry(lab: Any, case: tuple[str, str]) -> tuple[Any, Any]:
@@ -183,42 +182,23 @@ def kvrig_soak(
     """The case's soak on the phone (with the threshold search and the lab's gates evaluated): a
     toolchain.schemas.results.SoakResult."""
     from toolchain.cli.bridge import run_async
-    from toolchain.lab.model import LabRun
-    from toolchain.lab.save import evaluate_gates
-    from toolchain.lab.worker import PhoneJob, drive_phone
-    from toolchain.schemas.lab import slug
-    from toolchain.schemas.results import DeviceRef, ResultsFile, SoakResult
+    from toolchain.device.hosts import UsbmuxHost
+    from toolchain.lab.model import device_ref, new_run
+    from toolchain.lab.schedule import Scheduler
+    from toolchain.lab.worker import PhoneJob
 
     phone = kvrig_bundle.phone
     entry, scheme = _entry(kvrig_lab, kvrig_case)
     given = pytestconfig.getoption("kvrig_out")
     out = Path(given) if given else tmp_path
     out.mkdir(parents=True, exist_ok=True)
-    ref = DeviceRef(
-        udid=phone.udid,
-        product_type=phone.product_type,
-        os_version=phone.os_version,
-        profile=phone.profile,
-        host=phone.host,
-    )
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    result = SoakResult(
-        run_id="-".join(slug(p) for p in (entry.label, scheme.name, phone.udid[:8], stamp)),
-        device=ref,
-        app_id=entry.app_id,
-        bundle=entry.bundle_name,
-        scheme=scheme.name,
-        entry=entry.label,
-    )
-    folder = f"runs/{slug(phone.udid)}/{slug(entry.label)}/{slug(scheme.name)}"
-    run = LabRun(entry.model_copy(update={"ipa": None, "bundle_path": None}), scheme, folder, result)
-    run_async(drive_phone(PhoneJob(kvrig_lab, out, phone.udid, phone.address, [run]), lambda message: None))
-    results = ResultsFile(tool_version="", runs=[run.result])
-    from toolchain.lab.model import LabResults
-
-    results.lab = LabResults(kvrig_lab, out, []).record
-    evaluate_gates(results)
-    soaked = results.runs[0]
+    deployed = entry.model_copy(update={"ipa": None, "bundle_path": None})  # kvrig_bundle did that
+    # The lab's own scheduler: the soak runs in a worker process of its own, and OUT gets results.json too.
+    scheduler = Scheduler(kvrig_lab, out, None, [UsbmuxHost(phone.host or "local", phone.address)])
+    run = new_run(deployed, scheme, device_ref(phone.udid, phone.info, phone.host), scheduler.stamp)
+    scheduler.results.runs = [run]
+    run_async(scheduler.drive([PhoneJob(kvrig_lab, out, phone.udid, phone.address, [run])]))
+    soaked = run.result
     record_property("outcome", soaked.outcome)
     record_property("max_safe_context", soaked.max_safe_context)
     return soaked

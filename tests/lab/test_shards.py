@@ -282,3 +282,20 @@ def test_a_phone_lost_on_one_host_fails_only_that_hosts_runs(
     assert [p for p in problems if p.startswith("failed on host")] == [
         f"failed on host {lost_host.name}: {lost} short[fp16]: device_lost"
     ]
+
+
+def test_a_shard_without_phones_runs_nothing_and_passes(hosts: list[Host], tmp_path: Path) -> None:
+    lab = write_lab(tmp_path / "lab.yaml", make_ipa(tmp_path / "KVSoak.ipa"))
+    usbmuxd = [arg for h in hosts for arg in ("--usbmuxd", h.usbmuxd)]
+    # this runner holds one phone of shard 1 only: shard 2 owns nothing here
+    only = ["--devices", hosts[0].udids[0]]
+    proc = kvrig("lab", "run", str(lab), "--shard", "2/2", *only, *usbmuxd, "-o", str(tmp_path / "s2"))
+    assert proc.returncode == 0, proc.stderr
+    results = load_model_file(ResultsFile, tmp_path / "s2" / "results.json")
+    assert results.runs == [] and results.lab is not None and results.lab.shard == "2/2"
+    assert any("owns none of the phones" in note for note in results.lab.notes)
+    # a runner whose only phone is not there cannot run: the phone is reported missing
+    nobody = kvrig("lab", "run", str(lab), "--devices", "0000-GONE", *usbmuxd, "-o", str(tmp_path / "x"))
+    assert nobody.returncode == 18, nobody.stderr
+    (missing,) = load_model_file(ResultsFile, tmp_path / "x" / "results.json").runs[:1]
+    assert missing.device.udid == "0000-GONE" and "is not attached" in (missing.error or "")

@@ -14,16 +14,15 @@ def lab() -> None:
     """Run a matrix of apps, bundles and KV schemes on many phones; gate on max safe context and tok/s."""
 
 
+def _out_option(help: str):  # type: ignore[no-untyped-def]
+    return click.option(
+        "-o", "--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True, help=help
+    )
+
+
 @lab.command("run")
 @click.argument("lab_file", type=click.Path(dir_okay=False, path_type=Path))
-@click.option(
-    "-o",
-    "--out",
-    "out_dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    required=True,
-    help="Output folder (results.json, junit.xml, report.html, runs/).",
-)
+@_out_option("Output folder (results.json, junit.xml, report.html, runs/).")
 @click.option(
     "--shard",
     default=None,
@@ -63,19 +62,12 @@ def run(
         echo_json(results.results)
     else:
         _render(results.results, title=f"lab {results.lab.name}", out_dir=out_dir)
-    _exit_for(results.results, out_dir)
+    _exit_for(results.results, out_dir, empty_shard_ok=share is not None)
 
 
 @lab.command("merge")
 @click.argument("folders", nargs=-1, required=True, type=click.Path(file_okay=False, path_type=Path))
-@click.option(
-    "-o",
-    "--out",
-    "out_dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    required=True,
-    help="Output folder for the merged results.json, junit.xml and report.html.",
-)
+@_out_option("Output folder for the merged results.json, junit.xml, report.html and shards/.")
 @json_option
 def merge(folders: tuple[Path, ...], out_dir: Path, as_json: bool) -> None:
     """Merge the output folders of a lab's shards into one results.json, junit.xml and report.html.
@@ -101,11 +93,14 @@ def merge(folders: tuple[Path, ...], out_dir: Path, as_json: bool) -> None:
     _exit_for(merged.results, out_dir)
 
 
-def _exit_for(results, out_dir: Path) -> None:  # type: ignore[no-untyped-def]
-    """Exit codes shared by `lab run` and `lab merge`: 18 nothing ran, 17 a run failed (naming host and phone)."""
+def _exit_for(results, out_dir: Path, *, empty_shard_ok: bool = False) -> None:  # type: ignore[no-untyped-def]
+    """Exit codes shared by `lab run` and `lab merge`: 18 nothing ran, 17 a run failed (naming host and phone).
+    A shard that owns none of the phones has no runs and passes."""
     from toolchain.exceptions import GateFailedError, LabError
     from toolchain.lab.model import fails
 
+    if empty_shard_ok and not results.runs:
+        return
     if not any(r.outcome is not None for r in results.runs):
         raise LabError(f"no run could be made; see {out_dir / 'results.json'}")
     failed = [r for r in results.runs if fails(r)]
@@ -120,9 +115,7 @@ def _where(r) -> str:  # type: ignore[no-untyped-def]
 
 @lab.command("report")
 @click.argument("results_file", type=click.Path(dir_okay=False, path_type=Path))
-@click.option(
-    "-o", "--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True, help="Output folder."
-)
+@_out_option("Output folder.")
 @click.option("--title", default="kvrig results", show_default=True)
 def report(results_file: Path, out_dir: Path, title: str) -> None:
     """Render report.html (and its PNGs) from a results.json again."""

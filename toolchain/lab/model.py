@@ -8,8 +8,9 @@ from pathlib import Path
 
 import toolchain
 from toolchain import gates as gate_checks
-from toolchain.schemas.lab import Lab, LabRecord, MatrixEntry, SchemeSpec
-from toolchain.schemas.results import ResultsFile, SoakResult
+from toolchain.device.discovery import DeviceInfo
+from toolchain.schemas.lab import Lab, LabRecord, MatrixEntry, SchemeSpec, slug
+from toolchain.schemas.results import DeviceRef, Prediction, ResultsFile, SoakResult
 
 JUNIT_FILE = "junit.xml"
 RUNS_DIR = "runs"
@@ -30,6 +31,34 @@ class LabRun:
     scheme: SchemeSpec
     folder: str  # relative to the output folder
     result: SoakResult
+
+
+def device_ref(udid: str, info: DeviceInfo | None, host: str | None) -> DeviceRef:
+    """How results name a phone: what lockdownd said of it (if it was found) and the host it is on."""
+    return DeviceRef(
+        udid=udid,
+        product_type=info.product_type if info else None,
+        os_version=info.os_version if info else None,
+        profile=info.profile if info else None,
+        host=host,
+    )
+
+
+def new_run(
+    entry: MatrixEntry, scheme: SchemeSpec, device: DeviceRef, stamp: str, predicted: Prediction | None = None
+) -> LabRun:
+    """A run not made yet: its folder under runs/, its id, and a result with no outcome."""
+    folder = f"{RUNS_DIR}/{slug(device.udid)}/{slug(entry.label)}/{slug(scheme.name)}"
+    result = SoakResult(
+        run_id="-".join(slug(p) for p in (entry.label, scheme.name, device.udid[:8], stamp)),
+        device=device,
+        app_id=entry.app_id,
+        bundle=entry.bundle_name,
+        scheme=scheme.name,
+        entry=entry.label,
+        predicted=predicted,
+    )
+    return LabRun(entry, scheme, folder, result)
 
 
 @dataclass

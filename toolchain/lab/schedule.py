@@ -11,18 +11,18 @@ from pathlib import Path
 
 from toolchain.device.hosts import UsbmuxHost, list_devices_on, local_host
 from toolchain.exceptions import LabError
-from toolchain.lab.model import RUNS_DIR, Event, LabResults, LabRun
+from toolchain.lab.model import Event, LabResults, LabRun, device_ref, new_run
 from toolchain.lab.predict import Predictor
 from toolchain.lab.save import save_results
 from toolchain.lab.targets import Shard, Target, select_targets
 from toolchain.lab.worker import PhoneJob, worker_main
-from toolchain.schemas.lab import Lab, slug
-from toolchain.schemas.results import DeviceRef, SoakResult
+from toolchain.schemas.lab import Lab
+from toolchain.schemas.results import SoakResult
 
 POLL_S = 0.5
 
 
-class _Scheduler:
+class Scheduler:
     def __init__(self, lab: Lab, out: Path, on_event: Event | None, hosts: list[UsbmuxHost]) -> None:
         self.lab, self.out, self.on_event, self.hosts = lab, out, on_event, hosts
         self.results = LabResults(lab, out, [], hosts=[h.name for h in hosts])
@@ -43,34 +43,17 @@ class _Scheduler:
         only_host = self.hosts[0].name if len(self.hosts) == 1 else None
         per_device: dict[str, list[LabRun]] = {}
         for target in targets:
-            info = target.info
-            ref = DeviceRef(
-                udid=target.udid,
-                product_type=info.product_type if info else None,
-                os_version=info.os_version if info else None,
-                profile=info.profile if info else None,
-                host=target.host or only_host,
-            )
+            ref = device_ref(target.udid, target.info, target.host or only_host)
             runs = per_device.setdefault(target.udid, [])
             for entry in self.lab.matrix:
                 for scheme in entry.schemes:
-                    folder = f"{RUNS_DIR}/{slug(target.udid)}/{slug(entry.label)}/{slug(scheme.name)}"
-                    run_id = "-".join(slug(p) for p in (entry.label, scheme.name, target.udid[:8], self.stamp))
                     predicted = None
                     if target.problem is None:
                         predicted = predictor.predict(entry, scheme, ref.profile, target.spec)
-                    result = SoakResult(
-                        run_id=run_id,
-                        device=ref,
-                        app_id=entry.app_id,
-                        bundle=entry.bundle_name,
-                        scheme=scheme.name,
-                        entry=entry.label,
-                        predicted=predicted,
-                    )
+                    run = new_run(entry, scheme, ref, self.stamp, predicted)
                     if target.problem is not None:
-                        result.error = f"device: {target.problem}"
-                    runs.append(LabRun(entry, scheme, folder, result))
+                        run.result.error = f"device: {target.problem}"
+                    runs.append(run)
         self.results.runs = [r for runs in per_device.values() for r in runs]
         return per_device
 
@@ -82,6 +65,13 @@ class _Scheduler:
         targets = select_targets(self.lab, attached, shard=shard, devices=devices)
         per_device = self.plan_runs(targets)
         self.save()
+        if not targets and shard is not None and select_targets(self.lab, attached, devices=devices):
+            # Hashing leaves some shards without phones (3 phones, 4 shards): nothing to do is not a failure.
+            note = f"shard {shard} owns none of the phones the lab selects; nothing to run"
+            self.results.notes.append(note)
+            self.say(note)
+            self.save()
+            return self.results
         if not targets:
             seen = ", ".join(f"{d.udid} ({d.profile}) on {d.host}" for d in attached) or "none"
             share = f" in shard {shard}" if shard else ""
@@ -160,7 +150,7 @@ async def run_lab(
     and report.html into out_dir."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    scheduler = _Scheduler(lab, out, on_event, hosts or [local_host()])
+    scheduler = Scheduler(lab, out, on_event, hosts or [local_host()])
     scheduler.results.shard = str(shard) if shard else None
     results = await scheduler.run(shard, devices)
     from toolchain.report import write_report
