@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvrig-setup-1
 DEBIAN_PACKAGES := libopenblas0-pthread
 
-.PHONY: setup test demo lint typecheck bench clean
+.PHONY: setup test demo lint typecheck clean
 
 setup: $(STAMP)
 
@@ -20,6 +20,7 @@ $(STAMP): pyproject.toml Makefile
 
 test: $(STAMP)
 	$(BIN)/ruff check toolchain tests
+	$(BIN)/ruff format --check toolchain tests
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
 

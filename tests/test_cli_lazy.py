@@ -25,3 +25,15 @@ def test_unknown_command_is_usage_error():
     proc = subprocess.run([sys.executable, "-m", "toolchain", "no-such-command"], capture_output=True, text=True)
     assert proc.returncode == 2
     assert "no-such-command" in proc.stderr
+
+
+def test_every_command_has_one_summary():
+    """Help lists each command's click `short_help`, the one place its summary lives."""
+    import click
+
+    from toolchain.cli import COMMANDS, cli
+
+    ctx = click.Context(cli)
+    for name in COMMANDS:
+        cmd = cli.get_command(ctx, name)
+        assert cmd is not None and cmd.short_help, name

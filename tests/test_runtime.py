@@ -105,7 +105,7 @@ def test_rebuilt_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> None:
     from toolchain.models.gguf import embedded_default_model, read_gguf_header
 
     tok = Tokenizer.from_file(str(converted_source(tmp_path_factory) / "tokenizer.json"))
-    tokens = read_gguf_header(embedded_default_model(), tensors=False).metadata["tokenizer.ggml.tokens"]
+    tokens = read_gguf_header(embedded_default_model()).metadata["tokenizer.ggml.tokens"]
     text = "Hello world! 12345 café ünïcode\n  indented"
     enc = tok.encode(text)
     assert tok.decode(enc.ids) == text

@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -63,11 +64,24 @@ def test_syslog_live_streams_for_a_few_seconds(emulator: Emulator) -> None:
         text=True,
         env=env,
     )
+    # Read until the device's own lines arrive: the client's start-up alone can take seconds on a loaded machine.
+    out = ""
+    watchdog = threading.Timer(60, proc.kill)  # readline would wait forever on a silent client
+    watchdog.start()
     try:
-        out, _ = proc.communicate(timeout=5)
-    except subprocess.TimeoutExpired:
+        assert proc.stdout is not None
+        while "SpringBoard" not in out:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            out += line
+    finally:
+        watchdog.cancel()
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=10)
+        try:
+            proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
     assert "SpringBoard" in out  # the device's own log lines arrived
 
 

@@ -9,7 +9,7 @@ import click
 from toolchain.cli.render import echo_json, json_option
 
 
-@click.command("app")
+@click.command("app", short_help="Generate the MLX-Swift iPhone app (Xcode project + Core package) for a bundle.")
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--name", required=True, help="App display name (any text; escaped wherever it lands).")
 @click.option("--bundle-id", required=True, help="Bundle identifier, e.g. com.example.myllm.")
@@ -47,7 +47,7 @@ def app(
     click.echo(f"push the bundle into the app's Documents/{bundle.resolve().name}/ (file sharing is on)")
 
 
-@click.command("build")
+@click.command("build", short_help="Build a generated app into an .ipa with xcodegen and xcodebuild (macOS only).")
 @click.argument("project", type=click.Path(path_type=Path))
 @click.option("--team", default=None, help="Signing team ID (default: $KVRIG_TEAM_ID, then the project's).")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None, help="Folder for the .ipa.")

@@ -9,7 +9,7 @@ import click
 from toolchain.cli.render import echo_json, human_bytes, json_option
 
 
-@click.group("bench")
+@click.group("bench", short_help="Benchmarks (runtime: our host runtime vs plain mlx-lm on one bundle).")
 def bench() -> None:
     """Benchmarks."""
 

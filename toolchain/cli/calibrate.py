@@ -10,7 +10,10 @@ import click
 from toolchain.cli.render import echo_json, human_bytes, json_option
 
 
-@click.command("calibrate")
+@click.command(
+    "calibrate",
+    short_help="Fit the planner's baseline per device profile to measured soaks; write calibration.json.",
+)
 @click.argument("results", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--bundle", type=click.Path(path_type=Path), help="Bundle the runs ran (default: the one each names).")
 @click.option("--model", type=click.Path(path_type=Path), help="Model for runs without a bundle (dir, config, GGUF).")

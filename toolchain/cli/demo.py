@@ -9,7 +9,10 @@ import click
 from toolchain.cli.render import echo_json, human_bytes, json_option
 
 
-@click.command("demo")
+@click.command(
+    "demo",
+    short_help="The main job on a virtual iPhone: package, plan, build, deploy, soak until jetsam, compare.",
+)
 @click.option(
     "-o", "--out", type=click.Path(file_okay=False, path_type=Path), default=Path("build/demo"), show_default=True
 )

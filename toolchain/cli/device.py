@@ -17,7 +17,9 @@ def _udid_option(func):  # type: ignore[no-untyped-def]
     return click.option("--udid", default=None, help="The device's UDID (needed when several are attached).")(func)
 
 
-@click.command("devices")
+@click.command(
+    "devices", short_help="List attached iPhones (real or virtual, on one or several hosts) with their profile."
+)
 @usbmuxd_option
 @json_option
 def devices(usbmuxd: tuple[str, ...], as_json: bool) -> None:
@@ -58,7 +60,7 @@ def devices(usbmuxd: tuple[str, ...], as_json: bool) -> None:
     Console(width=max(120, Console().width)).print(table)
 
 
-@click.command("deploy")
+@click.command("deploy", short_help="Install the app and push a model bundle into its Documents (resumable).")
 @click.argument("bundle", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--app", "ipa", type=click.Path(exists=True, path_type=Path), help="The app (.ipa) to install first.")
 @click.option("--app-id", default=None, help="Push into this installed app instead of installing one.")

@@ -14,7 +14,10 @@ if TYPE_CHECKING:
     from toolchain.jetsam import JetsamProcess, JetsamReport, Verdict
 
 
-@click.command("jetsam")
+@click.command(
+    "jetsam",
+    short_help="Read JetsamEvent reports: memory, killed processes and why, the verdict for our app.",
+)
 @click.argument("reports", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--process", "process", metavar="NAME", help="Give the verdict for this process (our app).")
 @json_option

@@ -9,7 +9,9 @@ import click
 from toolchain.cli.render import echo_json, json_option, usbmuxd_option
 
 
-@click.group()
+@click.group(
+    short_help="Run a matrix of apps, bundles and KV schemes on many phones as CI: results, JUnit, report, gates.",
+)
 def lab() -> None:
     """Run a matrix of apps, bundles and KV schemes on many phones; gate on max safe context and tok/s."""
 

@@ -9,7 +9,7 @@ import click
 from toolchain.cli.render import echo_json, human_bytes, json_option
 
 
-@click.command("package")
+@click.command("package", short_help="Quantize a model into a bundle for the phone (weights, kvcache.json, manifest).")
 @click.argument("model", required=False, type=click.Path(path_type=Path))
 @click.option("--device", "-d", help="Device profile to plan for (refuses a bundle that does not fit).")
 @click.option(

@@ -25,7 +25,7 @@ def _str_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
     return None if value is None else [v.strip() for v in value.split(",") if v.strip()]
 
 
-@click.command("plan")
+@click.command("plan", short_help="Plan memory for a model on a device: weights, KV cache per scheme, max context.")
 @click.argument("model", required=False, type=click.Path(path_type=Path))
 @click.option("--device", "-d", required=True, help="ProductType (iPhone16,1), profile name or profile file.")
 @click.option("--schemes", callback=_str_list, help="KV schemes, e.g. fp16,k8v4,k6v4g32 (default: all named).")

@@ -15,7 +15,7 @@ from toolchain.schemas import json_schema
 MIB = 1 << 20
 
 
-@click.group()
+@click.group(short_help="List and show the device profiles kvrig knows.")
 def profiles() -> None:
     """List and show the device profiles kvrig knows."""
 

@@ -9,7 +9,7 @@ import click
 from toolchain.cli.render import echo_json, human_bytes, json_option
 
 
-@click.command("run")
+@click.command("run", short_help="Generate on the host with a bundle's KV configuration; print tok/s and peak memory.")
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--prompt", "-p", required=True, help="Prompt text (wrapped in the chat template unless --raw).")
 @click.option("--max-tokens", "-n", default=128, show_default=True, type=int)

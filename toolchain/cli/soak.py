@@ -10,7 +10,10 @@ from toolchain.cli.bridge import run_async
 from toolchain.cli.render import echo_json, human_bytes, json_option
 
 
-@click.command("soak")
+@click.command(
+    "soak",
+    short_help="Grow the app's context on a device until it completes or jetsam kills it; write results.json.",
+)
 @click.option("--app-id", required=True, help="Bundle id of the installed app to soak.")
 @click.option("--udid", default=None, help="The device's UDID (needed when several are attached).")
 @click.option(

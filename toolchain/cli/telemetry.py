@@ -15,7 +15,10 @@ if TYPE_CHECKING:
     from toolchain.telemetry import Correlation, RunSummary, TelemetryLog
 
 
-@click.command("telemetry")
+@click.command(
+    "telemetry",
+    short_help="Summarise the app's JSONL telemetry per run; correlate a run with its jetsam report.",
+)
 @click.argument("files", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--report", "report_path", type=click.Path(path_type=Path), help="A JetsamEvent report to correlate.")
 @click.option("--process", metavar="NAME", help="The app's process name in the report (needed with --report).")

@@ -9,7 +9,7 @@ import click
 from toolchain.cli.render import echo_json, json_option
 
 
-@click.command("verify")
+@click.command("verify", short_help="Re-check every bundle file against its manifest.")
 @click.argument("bundle", type=click.Path(path_type=Path))
 @json_option
 def verify(bundle: Path, as_json: bool) -> None:

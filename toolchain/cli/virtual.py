@@ -9,7 +9,7 @@ import click
 from toolchain.cli.render import echo_json, human_bytes, json_option
 
 
-@click.group()
+@click.group(short_help="Run a virtual USB iPhone that pymobiledevice3 drives (start, stop, status).")
 def virtual() -> None:
     """Run a virtual USB iPhone (usbmuxd socket, lockdownd, AFC, apps, crash reports, DTX)."""
 

@@ -1,8 +1,9 @@
-"""GGUF header reading: metadata and tensor infos with a small pure-Python reader.
+"""GGUF header reading with gguf-py (llama.cpp's own reader), and the mapping of its metadata to config.json.
 
-Planning a multi-GB GGUF must not load its tensors, so this reads only the header (magic, version, metadata
-key/values, tensor names/shapes/types/offsets) with `struct`. `read_gguf_config` maps llama.cpp metadata keys
-to a Hugging Face-style config.json dict.
+Planning a multi-GB GGUF must not load its tensors: `GGUFReader` memory-maps the file and builds views, so
+only the header pages are read. Its errors are plain `ValueError`/`IndexError`s; here they become
+`ModelConfigError`s that name the file. `read_gguf_config` maps llama.cpp metadata keys to a Hugging
+Face-style config.json dict.
 """
 
 from __future__ import annotations
@@ -10,56 +11,11 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from toolchain.exceptions import ModelConfigError, UnsupportedArchitectureError
 
 GGUF_MAGIC = b"GGUF"
-
-# GGUF metadata value types -> struct format (scalars); 8 = string, 9 = array.
-_SCALAR_FORMATS = {
-    0: "<B",
-    1: "<b",
-    2: "<H",
-    3: "<h",
-    4: "<I",
-    5: "<i",
-    6: "<f",
-    7: "<?",
-    10: "<Q",
-    11: "<q",
-    12: "<d",
-}
-_STRING, _ARRAY = 8, 9
-
-# ggml tensor types: name, elements per block, bytes per block (ggml.c type_traits).
-GGML_TYPES: dict[int, tuple[str, int, int]] = {
-    0: ("F32", 1, 4),
-    1: ("F16", 1, 2),
-    2: ("Q4_0", 32, 18),
-    3: ("Q4_1", 32, 20),
-    6: ("Q5_0", 32, 22),
-    7: ("Q5_1", 32, 24),
-    8: ("Q8_0", 32, 34),
-    9: ("Q8_1", 32, 36),
-    10: ("Q2_K", 256, 84),
-    11: ("Q3_K", 256, 110),
-    12: ("Q4_K", 256, 144),
-    13: ("Q5_K", 256, 176),
-    14: ("Q6_K", 256, 210),
-    15: ("Q8_K", 256, 292),
-    24: ("I8", 1, 1),
-    25: ("I16", 1, 2),
-    26: ("I32", 1, 4),
-    27: ("I64", 1, 8),
-    28: ("F64", 1, 8),
-    30: ("BF16", 1, 2),
-}
-
-# Strings and arrays longer than this mean a corrupt header, not a real file (keeps a bad file from
-# making us allocate gigabytes).
-_MAX_STRING = 1 << 26
-_MAX_ARRAY = 1 << 28
 
 
 @dataclass(frozen=True)
@@ -73,7 +29,12 @@ class GGUFTensorInfo:
 
     @property
     def type_name(self) -> str:
-        return GGML_TYPES.get(self.ggml_type, (f"type{self.ggml_type}", 0, 0))[0]
+        from gguf import GGMLQuantizationType
+
+        try:
+            return GGMLQuantizationType(self.ggml_type).name
+        except ValueError:
+            return f"type{self.ggml_type}"
 
     @property
     def n_elements(self) -> int:
@@ -84,10 +45,12 @@ class GGUFTensorInfo:
 
     @property
     def nbytes(self) -> int | None:
-        traits = GGML_TYPES.get(self.ggml_type)
-        if traits is None:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        try:
+            block, size = GGML_QUANT_SIZES[GGMLQuantizationType(self.ggml_type)]
+        except (ValueError, KeyError):
             return None
-        _, block, size = traits
         return self.n_elements // block * size
 
 
@@ -108,49 +71,6 @@ class GGUFHeader:
         return arch
 
 
-class _Reader:
-    def __init__(self, fh: BinaryIO, path: Path) -> None:
-        self.fh = fh
-        self.path = path
-
-    def read(self, n: int) -> bytes:
-        data = self.fh.read(n)
-        if len(data) != n:
-            raise ModelConfigError(
-                f"truncated GGUF header (wanted {n} bytes at offset {self.fh.tell() - len(data)})",
-                file=self.path,
-            )
-        return data
-
-    def unpack(self, fmt: str) -> Any:
-        return struct.unpack(fmt, self.read(struct.calcsize(fmt)))[0]
-
-    def string(self) -> str:
-        n = self.unpack("<Q")
-        if n > _MAX_STRING:
-            raise ModelConfigError(f"corrupt GGUF header: string of {n} bytes", file=self.path)
-        return self.read(n).decode("utf-8", errors="replace")
-
-    def value(self, vtype: int, key: str) -> Any:
-        if vtype == 6:
-            return _short_float32(self.unpack("<f"))
-        if vtype in _SCALAR_FORMATS:
-            return self.unpack(_SCALAR_FORMATS[vtype])
-        if vtype == _STRING:
-            return self.string()
-        if vtype == _ARRAY:
-            item_type = self.unpack("<I")
-            count = self.unpack("<Q")
-            if count > _MAX_ARRAY:
-                raise ModelConfigError(f"corrupt GGUF header: array of {count} items", file=self.path, field=key)
-            if item_type in _SCALAR_FORMATS:
-                fmt = _SCALAR_FORMATS[item_type]
-                size = struct.calcsize(fmt)
-                return list(struct.unpack(f"<{count}{fmt[1]}", self.read(size * count)))
-            return [self.value(item_type, key) for _ in range(count)]
-        raise ModelConfigError(f"unknown GGUF value type {vtype}", file=self.path, field=key)
-
-
 def _short_float32(x: float) -> float:
     """The shortest decimal that is the same float32 (1e-05, not 9.999999747378752e-06)."""
     packed = struct.pack("<f", x)
@@ -161,48 +81,50 @@ def _short_float32(x: float) -> float:
     return x
 
 
-def read_gguf_header(path: str | Path, *, tensors: bool = True) -> GGUFHeader:
-    """Reads the metadata (and tensor infos) of a GGUF file without touching its tensor data."""
+def read_gguf_header(path: str | Path) -> GGUFHeader:
+    """Reads the metadata and tensor infos of a GGUF file without reading its tensor data."""
+    from gguf import GGUFReader, GGUFValueType
+
     path = Path(path)
     try:
-        fh = path.open("rb")
+        with path.open("rb") as fh:
+            magic = fh.read(4)
+            version_bytes = fh.read(4)
     except FileNotFoundError:
         raise ModelConfigError("file not found", file=path) from None
     except OSError as exc:
         raise ModelConfigError(f"cannot read: {exc.strerror or exc}", file=path) from None
-    with fh:
-        r = _Reader(fh, path)
-        magic = fh.read(4)
-        if magic != GGUF_MAGIC:
-            raise ModelConfigError(
-                f"not a GGUF file (starts with {magic!r})", file=path, expected="the magic bytes b'GGUF'"
-            )
-        version = r.unpack("<I")
-        if version not in (2, 3):
-            raise ModelConfigError(f"unsupported GGUF version {version}", file=path, expected="version 2 or 3")
-        n_tensors = r.unpack("<Q")
-        n_kv = r.unpack("<Q")
-        if n_tensors > _MAX_ARRAY or n_kv > _MAX_ARRAY:
-            raise ModelConfigError(f"corrupt GGUF header: {n_tensors} tensors, {n_kv} keys", file=path)
+    if magic != GGUF_MAGIC:
+        raise ModelConfigError(
+            f"not a GGUF file (starts with {magic!r})", file=path, expected="the magic bytes b'GGUF'"
+        )
+    version = int.from_bytes(version_bytes, "little") if len(version_bytes) == 4 else None
+    if version not in (2, 3):
+        raise ModelConfigError(f"unsupported GGUF version {version}", file=path, expected="version 2 or 3")
+    try:
+        reader = GGUFReader(path)
         metadata: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key = r.string()
-            metadata[key] = r.value(r.unpack("<I"), key)
-        header = GGUFHeader(path=path, version=version, metadata=metadata)
-        if not tensors:
-            return header
-        for _ in range(n_tensors):
-            name = r.string()
-            n_dims = r.unpack("<I")
-            if n_dims > 8:
-                raise ModelConfigError(f"corrupt GGUF header: tensor '{name}' has {n_dims} dims", file=path)
-            dims = [r.unpack("<Q") for _ in range(n_dims)]
-            ggml_type = r.unpack("<I")
-            offset = r.unpack("<Q")
-            header.tensors[name] = GGUFTensorInfo(name, tuple(reversed(dims)), ggml_type, offset)
-        alignment = int(metadata.get("general.alignment", 32))
-        pos = fh.tell()
-        header.data_offset = (pos + alignment - 1) // alignment * alignment
+        for key, fld in reader.fields.items():
+            if key.startswith("GGUF."):  # the reader's own entries for version and counts
+                continue
+            value = fld.contents()
+            if fld.types == [GGUFValueType.FLOAT32]:
+                value = _short_float32(value)
+            metadata[key] = value
+    # gguf-py reads past the end of a cut file or follows a corrupt length into garbage and fails with
+    # whatever numpy raises there; we cannot tell the two apart from outside.
+    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as exc:
+        raise ModelConfigError(
+            f"cannot read the GGUF header: truncated or corrupt ({exc})",
+            file=path,
+            expected="a complete GGUF v2/v3 file",
+        ) from None
+    header = GGUFHeader(path=path, version=version, metadata=metadata, data_offset=int(reader.data_offset))
+    for t in reader.tensors:
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        header.tensors[t.name] = GGUFTensorInfo(
+            t.name, shape, int(t.tensor_type), int(t.data_offset) - int(reader.data_offset)
+        )
     return header
 
 

@@ -13,32 +13,45 @@ import re
 from pathlib import Path
 from typing import Any
 
+from gguf import MODEL_TENSOR, TENSOR_NAMES
+
 from toolchain.exceptions import ModelConfigError, QuantizationError, UnsupportedArchitectureError
 from toolchain.models.gguf import GGUFHeader, gguf_config_from_header, read_gguf_header
 
-# Tensor name pieces: GGUF block suffix -> Hugging Face module path inside model.layers.N.
-_LAYER_NAMES: dict[str, dict[str, str]] = {
+# llama.cpp's tensor kinds (gguf-py names them; `TENSOR_NAMES` gives each its GGUF name) -> the Hugging Face
+# module path mlx-lm loads, inside model.layers.N for per-block tensors.
+_T = MODEL_TENSOR
+_LAYER_MODULES: dict[str, dict[MODEL_TENSOR, str]] = {
     "common": {
-        "attn_q": "self_attn.q_proj",
-        "attn_k": "self_attn.k_proj",
-        "attn_v": "self_attn.v_proj",
-        "attn_output": "self_attn.o_proj",
-        "ffn_gate": "mlp.gate_proj",
-        "ffn_up": "mlp.up_proj",
-        "ffn_down": "mlp.down_proj",
-        "attn_norm": "input_layernorm",
-        "ffn_norm": "post_attention_layernorm",
-        "attn_q_norm": "self_attn.q_norm",
-        "attn_k_norm": "self_attn.k_norm",
+        _T.ATTN_Q: "self_attn.q_proj",
+        _T.ATTN_K: "self_attn.k_proj",
+        _T.ATTN_V: "self_attn.v_proj",
+        _T.ATTN_OUT: "self_attn.o_proj",
+        _T.FFN_GATE: "mlp.gate_proj",
+        _T.FFN_UP: "mlp.up_proj",
+        _T.FFN_DOWN: "mlp.down_proj",
+        _T.ATTN_NORM: "input_layernorm",
+        _T.FFN_NORM: "post_attention_layernorm",
+        _T.ATTN_Q_NORM: "self_attn.q_norm",
+        _T.ATTN_K_NORM: "self_attn.k_norm",
     },
     "gemma2": {
-        "ffn_norm": "pre_feedforward_layernorm",
-        "post_attention_norm": "post_attention_layernorm",
-        "post_ffw_norm": "post_feedforward_layernorm",
+        _T.FFN_NORM: "pre_feedforward_layernorm",
+        _T.ATTN_POST_NORM: "post_attention_layernorm",
+        _T.FFN_POST_NORM: "post_feedforward_layernorm",
     },
-    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "phi3": {_T.ATTN_QKV: "self_attn.qkv_proj", _T.FFN_UP: "mlp.gate_up_proj"},
 }
-_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_GLOBAL_MODULES = {_T.TOKEN_EMBD: "model.embed_tokens", _T.OUTPUT_NORM: "model.norm", _T.OUTPUT: "lm_head"}
+_BLOCK_PREFIX = "blk.{bid}."
+
+
+def _gguf_to_hf(arch: str) -> tuple[dict[str, str], dict[str, str]]:
+    """(block suffix -> module, global base -> module) with the GGUF side spelled by gguf-py."""
+    table = {**_LAYER_MODULES["common"], **_LAYER_MODULES.get(arch, {})}
+    per_block = {TENSOR_NAMES[t].removeprefix(_BLOCK_PREFIX): module for t, module in table.items()}
+    return per_block, {TENSOR_NAMES[t]: module for t, module in _GLOBAL_MODULES.items()}
+
 
 CONVERTIBLE = ["llama", "qwen2", "qwen3", "gemma", "gemma2", "phi3"]
 # llama.cpp permutes Q/K rows only for architectures it runs with interleaved ("normal") rope.
@@ -54,14 +67,13 @@ GGUF_GROUP_SIZE = 32
 def hf_tensor_name(arch: str, gguf_name: str) -> str | None:
     """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight' (None for tensors we drop)."""
     base, _, suffix = gguf_name.rpartition(".")
+    per_block, global_modules = _gguf_to_hf(arch)
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
     if m:
-        table = {**_LAYER_NAMES["common"], **_LAYER_NAMES.get(arch, {})}
-        module = table.get(m.group(2))
+        module = per_block.get(m.group(2))
         return f"model.layers.{m.group(1)}.{module}.{suffix}" if module else None
-    if base == "rope_freqs":  # precomputed rope factors; mlx-lm recomputes them from config
-        return None
-    module = _GLOBAL_NAMES.get(base)
+    # Anything else (e.g. rope_freqs: precomputed rope factors that mlx-lm recomputes from config) is dropped.
+    module = global_modules.get(base)
     return f"{module}.{suffix}" if module else None
 
 
