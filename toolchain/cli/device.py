@@ -28,12 +28,14 @@ def devices(usbmuxd: tuple[str, ...], as_json: bool) -> None:
 
     hosts = parse_hosts(usbmuxd)
     found, unreachable = run_async(list_devices_on(hosts))
-    for name, why in unreachable.items():
-        click.echo(f"host {name}: {why}", err=True)
     if unreachable and len(unreachable) == len(hosts):
         from toolchain.exceptions import DeviceNotFoundError
 
-        raise DeviceNotFoundError(f"no usbmuxd could be reached ({', '.join(unreachable)})")
+        raise DeviceNotFoundError(
+            "; ".join(unreachable.values() if len(hosts) == 1 else map(": ".join, unreachable.items()))
+        )
+    for name, why in unreachable.items():
+        click.echo(f"host {name}: {why}", err=True)
     if as_json:
         echo_json([d.to_json() for d in found])
         return
