@@ -2,8 +2,8 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.kvrig-setup-1
-DEBIAN_PACKAGES := libopenblas0-pthread
+STAMP := $(VENV)/.kvrig-setup-2
+DEBIAN_PACKAGES := libopenblas0-pthread libimobiledevice-utils ideviceinstaller
 
 .PHONY: setup test demo lint typecheck clean
 

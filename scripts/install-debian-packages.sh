@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs the Debian packages kvrig relies on (OpenBLAS for MLX's CPU matmul); does nothing when present.
+# Installs the Debian packages kvrig relies on (OpenBLAS for MLX's CPU matmul, libimobiledevice's tools that the
+# tests drive against the virtual iPhone); does nothing when present.
 set -euo pipefail
 missing=()
 for pkg in "$@"; do

@@ -199,6 +199,52 @@ class CalibrationError(InputError):
     exit_code = 22
 
 
+# --- iOS 17+ developer services: preflight, tunnels, launch (exit 23-29) -----------------------------------
+
+
+class DeveloperModeOffError(DeviceError):
+    """Developer Mode is off: the phone offers no developer services (process control) until it is on."""
+
+    exit_code = 23
+
+
+class ImageNotMountedError(DeviceError):
+    """The developer disk image is not mounted, so the instruments service (process control) is missing."""
+
+    exit_code = 24
+
+
+class NoTunnelError(DeviceError):
+    """iOS 17+ developer services need a tunnel and none can be opened (17.0-17.3 without tunneld, tunneld
+    unreachable, or a second userspace tunnel in one process)."""
+
+    exit_code = 25
+
+
+class DeviceLockedError(DeviceError):
+    """The phone is locked (passcode needed) or does not trust this computer."""
+
+    exit_code = 26
+
+
+class TunnelHandshakeTimeoutError(NoTunnelError):
+    """The phone accepted the tunnel (CoreDeviceProxy or RSD) but never finished the handshake."""
+
+    exit_code = 27
+
+
+class LaunchError(AppError):
+    """Process control kept refusing to launch the app (transient device errors, retried) or returned no pid."""
+
+    exit_code = 28
+
+
+class TunnelLostError(DeviceLostError):
+    """The tunnel to an iOS 17+ phone dropped and could not be reopened within the reconnect window."""
+
+    exit_code = 29
+
+
 # --- lab shards and merge (exit 42-44) ---------------------------------------------------------------------
 
 
@@ -219,3 +265,19 @@ class MissingShardError(KvrigError):
     """The merged folders do not cover every shard of the lab (the merged files were written anyway)."""
 
     exit_code = 44
+
+
+# --- the virtual iPhone (exit 48-49) -----------------------------------------------------------------------
+
+
+class VirtualPhoneError(KvrigError):
+    """The virtual iPhone server cannot run: its socket is taken by another server, or it did not start."""
+
+    exit_code = 48
+
+
+class VirtualFaultError(InputError):
+    """A fault the virtual iPhone cannot have at its iOS version (a tunnel fault on a phone without
+    CoreDeviceProxy, Developer Mode before iOS 16)."""
+
+    exit_code = 49

@@ -53,6 +53,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="[NAME=]HOST:PORT",
         help="a usbmuxd to find phones on (repeatable; default: this machine's)",
     )
+    group.addoption(
+        "--kvrig-tunnel",
+        default="auto",
+        metavar="auto|userspace|tunneld[=HOST:PORT]|none",
+        help="how the soak reaches iOS 17+ developer services (as `kvrig lab run --tunnel`)",
+    )
     group.addoption("--kvrig-out", metavar="DIR", default=None, help="where soak folders go (default: a tmp dir)")
 
 
@@ -183,6 +189,7 @@ def kvrig_soak(
     toolchain.schemas.results.SoakResult."""
     from toolchain.cli.bridge import run_async
     from toolchain.device.hosts import UsbmuxHost
+    from toolchain.device.tunnel import TunnelMode
     from toolchain.lab.model import device_ref, new_run
     from toolchain.lab.schedule import Scheduler
     from toolchain.lab.worker import PhoneJob
@@ -194,10 +201,11 @@ def kvrig_soak(
     out.mkdir(parents=True, exist_ok=True)
     deployed = entry.model_copy(update={"ipa": None, "bundle_path": None})  # kvrig_bundle did that
     # The lab's own scheduler: the soak runs in a worker process of its own, and OUT gets results.json too.
-    scheduler = Scheduler(kvrig_lab, out, None, [UsbmuxHost(phone.host or "local", phone.address)])
+    tunnel = str(TunnelMode.parse(pytestconfig.getoption("kvrig_tunnel")))
+    scheduler = Scheduler(kvrig_lab, out, None, [UsbmuxHost(phone.host or "local", phone.address)], tunnel)
     run = new_run(deployed, scheme, device_ref(phone.udid, phone.info, phone.host), scheduler.stamp)
     scheduler.results.runs = [run]
-    run_async(scheduler.drive([PhoneJob(kvrig_lab, out, phone.udid, phone.address, [run])]))
+    run_async(scheduler.drive([PhoneJob(kvrig_lab, out, phone.udid, phone.address, [run], tunnel)]))
     soaked = run.result
     record_property("outcome", soaked.outcome)
     record_property("max_safe_context", soaked.max_safe_context)

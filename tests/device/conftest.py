@@ -19,7 +19,8 @@ T = TypeVar("T")
 
 
 def run(coro: Awaitable[T]) -> T:
-    return asyncio.run(asyncio.wait_for(coro, 120))  # type: ignore[arg-type]
+    # A safety net, not a timing check: a real SmolLM2 soak on a loaded 2-core machine takes minutes.
+    return asyncio.run(asyncio.wait_for(coro, 900))  # type: ignore[arg-type]
 
 
 async def on_device(udid: str, job):  # type: ignore[no-untyped-def]

@@ -177,8 +177,13 @@ def sharded(hosts: list[Host], tmp_path_factory: pytest.TempPathFactory) -> dict
 def test_devices_lists_every_phone_with_its_host(hosts: list[Host]) -> None:
     proc = kvrig("devices", "--json", *[arg for h in hosts for arg in ("--usbmuxd", h.usbmuxd)])
     assert proc.returncode == 0, proc.stderr
-    found = {d["udid"]: d["host"] for d in json.loads(proc.stdout)}
+    shown = json.loads(proc.stdout)
+    found = {d["udid"]: d["host"] for d in shown}
     assert found == {udid: h.name for h in hosts for udid in h.udids}
+    # the preflight beside the host: these virtual phones run iOS 16.7, which serves process control over
+    # lockdown (no tunnel) and has Developer Mode, on by default
+    for d in shown:
+        assert d["tunnel"]["kind"] == "lockdown" and d["developer_mode"] is True and d["ready"] is True, d
 
 
 def test_each_shard_drives_its_own_phones_on_both_hosts(sharded: dict[str, Any], hosts: list[Host]) -> None:

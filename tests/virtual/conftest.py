@@ -3,14 +3,19 @@ driven with the real pymobiledevice3 library and command line through USBMUXD_SO
 
 from __future__ import annotations
 
+import asyncio
 import os
 import plistlib
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from pymobiledevice3.remote.remote_service_discovery import RemoteServiceDiscoveryService
+from pymobiledevice3.remote.userspace_tunnel import UserspaceRsdTunnel
 
+from toolchain.virtual.device import VirtualDevice
 from toolchain.virtual.host import EmulatorHost
 
 BUNDLE_ID = "dev.kvrig.soak"
@@ -65,3 +70,13 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
 @pytest.fixture(scope="module")
 def ipa(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_ipa(tmp_path_factory.mktemp("ipa") / "KVSoak.ipa")
+
+
+def through_tunnel(device: VirtualDevice, body: Callable[[RemoteServiceDiscoveryService], Awaitable[Any]]) -> Any:
+    """Runs `body` with an RSD reached through pymobiledevice3's no-root userspace tunnel (never Wi-Fi)."""
+
+    async def main() -> Any:
+        async with UserspaceRsdTunnel(serial=device.identity.udid, remotepairing_fallback=False) as rsd:
+            return await body(rsd)
+
+    return asyncio.run(asyncio.wait_for(main(), 120))

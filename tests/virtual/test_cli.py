@@ -3,10 +3,12 @@ that survives a restart."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -60,7 +62,7 @@ def test_syslog_live_streams_for_a_few_seconds(emulator: Emulator) -> None:
     proc = subprocess.Popen(
         [*PYMOBILEDEVICE3, "syslog", "live"],
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
         text=True,
         env=env,
     )
@@ -173,3 +175,59 @@ def test_kvrig_virtual_status_without_server_is_a_clear_error(tmp_path: Path) ->
 def test_kvrig_virtual_rejects_unknown_ios(tmp_path: Path, ios: str) -> None:
     result = kvrig("virtual", "start", "--socket", str(tmp_path / "x.sock"), "--state", str(tmp_path), "--ios", ios)
     assert result.returncode == 2 and "17.4" in result.stderr
+
+
+def test_kvrig_virtual_refuses_a_tunnel_fault_on_a_phone_without_tunnel(tmp_path: Path) -> None:
+    address = str(tmp_path / "t.sock")
+    result = kvrig("virtual", "start", "--socket", address, "--state", str(tmp_path / "s"), "--handshake-timeout")
+    assert result.returncode == 49, result.stderr
+    assert "CoreDeviceProxy" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_kvrig_virtual_start_on_a_socket_another_server_holds(tmp_path: Path) -> None:
+    address = f"/tmp/kvrig-busy-{os.getpid()}.sock"
+    other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        other.bind(address)
+        other.listen(4)
+        result = kvrig("virtual", "start", "--socket", address, "--state", str(tmp_path / "s"), timeout=60)
+    finally:
+        other.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(address)
+    assert result.returncode == 48, result.stderr
+    assert "already listening" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_kvrig_virtual_status_shows_developer_state(tmp_path: Path) -> None:
+    address = f"/tmp/kvrig-dev-{os.getpid()}.sock"
+    try:
+        started = kvrig(
+            "virtual",
+            "start",
+            "--socket",
+            address,
+            "--state",
+            str(tmp_path / "s"),
+            "--ios",
+            "18.6",
+            "--image-missing",
+            "--detach",
+            "--json",
+        )
+        assert started.returncode == 0, started.stderr
+        device = json.loads(started.stdout)
+        assert (device["ios"], device["developer_mode"], device["image_mounted"]) == ("18.6", True, False)
+        assert Path(device["ddi"]["image"]).is_file()
+        table = subprocess.run(
+            [sys.executable, "-m", "toolchain", "virtual", "status", "--socket", address],
+            capture_output=True,
+            text=True,
+            timeout=90,
+            env=dict(os.environ, COLUMNS="250"),  # one row per phone, unwrapped
+            check=False,
+        )
+        row = next(line for line in table.stdout.splitlines() if device["udid"] in line)
+        assert "18.6" in row and "missing" in row and " on " in row
+    finally:
+        kvrig("virtual", "stop", "--socket", address)

@@ -19,6 +19,7 @@ COMMANDS: dict[str, str] = {
     "app": "toolchain.cli.app:app",
     "deploy": "toolchain.cli.device:deploy",
     "devices": "toolchain.cli.device:devices",
+    "prepare": "toolchain.cli.device:prepare",
     "build": "toolchain.cli.app:build",
     "plan": "toolchain.cli.plan:plan",
     "profiles": "toolchain.cli.profiles:profiles",

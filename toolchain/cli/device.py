@@ -17,17 +17,48 @@ def _udid_option(func):  # type: ignore[no-untyped-def]
     return click.option("--udid", default=None, help="The device's UDID (needed when several are attached).")(func)
 
 
+def tunnel_option(func):  # type: ignore[no-untyped-def]
+    """`--tunnel`: how iOS 17+ developer services are reached (shared by devices, prepare, soak)."""
+    return click.option(
+        "--tunnel",
+        "tunnel",
+        default="auto",
+        show_default=True,
+        metavar="auto|userspace|tunneld[=HOST:PORT]|none",
+        help="How to reach iOS 17+ developer services: auto picks tunneld if it serves the phone, else the "
+        "no-root userspace tunnel (iOS 17.4+).",
+    )(func)
+
+
+def parse_tunnel(value: str):  # type: ignore[no-untyped-def]
+    from toolchain.device.tunnel import TunnelMode
+    from toolchain.exceptions import InputError
+
+    try:
+        return TunnelMode.parse(value)
+    except InputError as exc:
+        raise click.BadParameter(str(exc), param_hint="--tunnel") from None
+
+
+def _yes_no(value: bool | None, yes: str = "on", no: str = "off") -> str:
+    return "?" if value is None else (f"[green]{yes}[/green]" if value else f"[red]{no}[/red]")
+
+
 @click.command(
-    "devices", short_help="List attached iPhones (real or virtual, on one or several hosts) with their profile."
+    "devices",
+    short_help="List attached iPhones (real or virtual, on one or several hosts): profile, iOS, Developer Mode, "
+    "image, tunnel.",
 )
+@tunnel_option
 @usbmuxd_option
 @json_option
-def devices(usbmuxd: tuple[str, ...], as_json: bool) -> None:
-    """List attached iPhones: UDID, model, iOS version, the device profile kvrig maps them to, and the host."""
-    from toolchain.device.hosts import list_devices_on, parse_hosts
+def devices(tunnel: str, usbmuxd: tuple[str, ...], as_json: bool) -> None:
+    """List attached iPhones: UDID, model, iOS, Developer Mode, developer disk image, the tunnel kvrig would
+    use and the usbmuxd host, with what blocks a soak on each."""
+    from toolchain.device.hosts import parse_hosts, preflight_on
 
     hosts = parse_hosts(usbmuxd)
-    found, unreachable = run_async(list_devices_on(hosts))
+    found, unreachable = run_async(preflight_on(hosts, parse_tunnel(tunnel)))
     if unreachable and len(unreachable) == len(hosts):
         from toolchain.exceptions import DeviceNotFoundError
 
@@ -45,21 +76,72 @@ def devices(usbmuxd: tuple[str, ...], as_json: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table("UDID", "ProductType", "iOS", "profile", "name", "connection", "host")
-    for d in found:
-        if d.error:
-            table.add_row(d.udid, "?", "?", "?", f"[red]{d.error}[/red]", d.connection, d.host)
-        else:
-            table.add_row(
-                d.udid,
-                d.product_type or "?",
-                d.os_version or "?",
-                d.profile or "(no profile)",
-                d.name or "",
-                d.connection,
-                d.host,
-            )
-    Console(width=max(120, Console().width)).print(table)
+    table = Table("UDID", "ProductType", "iOS", "profile", "dev mode", "image", "tunnel", "connection", "host")
+    for p in found:
+        d = p.device
+        tunnel_text = "?" if p.tunnel is None else (p.tunnel.kind or "[red]none possible[/red]")
+        table.add_row(
+            d.udid,
+            d.product_type or "?",
+            d.os_version or "?",
+            d.profile or "(no profile)",
+            _yes_no(p.developer_mode),
+            _yes_no(p.image_mounted, "mounted", "not mounted"),
+            tunnel_text,
+            d.connection,
+            d.host,
+        )
+    console = Console(width=max(120, Console().width))
+    console.print(table)
+    for p in found:
+        for problem in p.problems:
+            console.print(f"[red]{p.device.udid}[/red]: {problem}", markup=True, highlight=False)
+
+
+@click.command(
+    "prepare", short_help="Make a phone ready: Developer Mode (only if asked), developer disk image, tunnel."
+)
+@_udid_option
+@click.option(
+    "--enable-developer-mode",
+    is_flag=True,
+    help="Switch Developer Mode on if it is off (the phone restarts; refused on a phone with a passcode).",
+)
+@click.option(
+    "--image",
+    "image_dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="Mount from this folder (Image.dmg, BuildManifest.plist, Image.trustcache; before iOS 17 "
+    "DeveloperDiskImage.dmg + .signature) instead of pymobiledevice3's download cache.",
+)
+@tunnel_option
+@json_option
+def prepare(udid: str | None, enable_developer_mode: bool, image_dir: Path | None, tunnel: str, as_json: bool) -> None:
+    """Make a phone ready for soak and lab: Developer Mode, the developer disk image, the tunnel; each step
+    reported. Developer Mode is switched on only with --enable-developer-mode."""
+    from toolchain.device.prepare import prepare as run_prepare
+
+    def on_step(step) -> None:  # type: ignore[no-untyped-def]
+        if not as_json:
+            click.echo(f"{step.name}: {step.status}: {step.detail}")
+
+    result = run_async(
+        run_prepare(
+            udid,
+            enable_developer_mode=enable_developer_mode,
+            tunnel=parse_tunnel(tunnel),
+            image_dir=image_dir,
+            on_step=on_step,
+        )
+    )
+    if as_json:
+        echo_json(result.to_json())
+    elif result.ready:
+        d = result.device
+        click.echo(f"{d.udid} ({d.product_type}, iOS {d.os_version}) is ready")
+    if result.problem is not None:
+        raise result.problem
 
 
 @click.command("deploy", short_help="Install the app and push a model bundle into its Documents (resumable).")

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from toolchain.cli.device import parse_tunnel, tunnel_option
 from toolchain.cli.render import echo_json, json_option, usbmuxd_option
 
 
@@ -39,15 +40,23 @@ def _out_option(help: str):  # type: ignore[no-untyped-def]
     help="Only these phones (this runner's); one not attached is reported missing.",
 )
 @usbmuxd_option
+@tunnel_option
 @json_option
 def run(
-    lab_file: Path, out_dir: Path, shard: str | None, devices: tuple[str, ...], usbmuxd: tuple[str, ...], as_json: bool
+    lab_file: Path,
+    out_dir: Path,
+    shard: str | None,
+    devices: tuple[str, ...],
+    usbmuxd: tuple[str, ...],
+    tunnel: str,
+    as_json: bool,
 ) -> None:
     """Run LAB_FILE on the attached phones (or this runner's share of them).
 
     Exit codes: 0 every run passed its gates; 17 a gate failed or a run ended badly (crash, hang, device
     lost, could not run); 18 the lab could not run at all (no device matched, no run could start);
-    3 the lab file is wrong; 42 --shard, --devices or --usbmuxd is wrong."""
+    3 the lab file is wrong; 42 --shard, --devices or --usbmuxd is wrong. A phone whose preflight fails
+    (Developer Mode off, no image, no tunnel) fails its runs with that cause."""
     from toolchain.cli.bridge import run_async
     from toolchain.device.hosts import parse_hosts
     from toolchain.lab import run_lab
@@ -58,8 +67,9 @@ def run(
     hosts = parse_hosts(usbmuxd)
     share = Shard.parse(shard) if shard else None
     udids = [u for text in devices for u in text.replace(",", " ").split()] or None
+    mode = str(parse_tunnel(tunnel))
     echo = None if as_json else (lambda line: click.echo(line, err=True))
-    results = run_async(run_lab(spec, out_dir, on_event=echo, hosts=hosts, shard=share, devices=udids))
+    results = run_async(run_lab(spec, out_dir, on_event=echo, hosts=hosts, shard=share, devices=udids, tunnel=mode))
     if as_json:
         echo_json(results.results)
     else:

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from toolchain.cli.bridge import run_async
+from toolchain.cli.device import parse_tunnel, tunnel_option
 from toolchain.cli.render import echo_json, human_bytes, json_option
 
 
@@ -34,6 +35,29 @@ from toolchain.cli.render import echo_json, human_bytes, json_option
     help="Seconds without telemetry (app alive) before the run counts as hung.",
 )
 @click.option("--timeout", type=click.FloatRange(min=1), default=None, help="Seconds for the whole run.")
+@tunnel_option
+@click.option(
+    "--reconnect",
+    "reconnect_s",
+    type=click.FloatRange(min=0),
+    default=30.0,
+    show_default=True,
+    help="Seconds a dropped tunnel or an unplugged phone may take to come back before the run ends as lost.",
+)
+@click.option(
+    "--handshake-timeout",
+    type=click.FloatRange(min=0.1),
+    default=20.0,
+    show_default=True,
+    help="Seconds the phone gets to finish the tunnel handshake (iOS 17+).",
+)
+@click.option(
+    "--battery-interval",
+    type=click.FloatRange(min=0.5),
+    default=5.0,
+    show_default=True,
+    help="Seconds between battery temperature/level reads (diagnostics relay).",
+)
 @click.option(
     "-o",
     "--out",
@@ -54,11 +78,15 @@ def soak(
     scheme: str,
     hang_after: float,
     timeout: float | None,
+    tunnel: str,
+    reconnect_s: float,
+    handshake_timeout: float,
+    battery_interval: float,
     out_dir: Path,
     as_json: bool,
 ) -> None:
     """Grow the app's context until it completes or iOS kills it; pull telemetry and the jetsam report."""
-    from toolchain.exceptions import SoakFailedError
+    from toolchain.exceptions import SoakFailedError, TunnelLostError
     from toolchain.schemas import load_model_file
     from toolchain.schemas.soakplan import SoakPlan
     from toolchain.soak import SoakOptions, make_plan
@@ -69,12 +97,23 @@ def soak(
     else:
         plan = make_plan(max_tokens=max_tokens, step_tokens=step, decode_tokens=decode_tokens, scheme=scheme)
     echo = None if as_json else (lambda line: click.echo(line, err=True))
-    options = SoakOptions(hang_after_s=hang_after, timeout_s=timeout, bundle=bundle_name, on_event=echo)
+    options = SoakOptions(
+        hang_after_s=hang_after,
+        timeout_s=timeout,
+        reconnect_s=reconnect_s,
+        bundle=bundle_name,
+        on_event=echo,
+        battery_interval_s=battery_interval,
+        tunnel=parse_tunnel(tunnel),
+        handshake_timeout_s=handshake_timeout,
+    )
     result = run_async(run(app_id, plan, out_dir, udid=udid, options=options))
     if as_json:
         echo_json(result)
     else:
         _render(result, out_dir)
+    if result.outcome == "device_lost" and result.lost == "tunnel":
+        raise TunnelLostError(f"soak {result.run_id}: {result.outcome_detail} (results: {out_dir / 'results.json'})")
     if result.outcome in ("crash", "hang", "device_lost"):
         raise SoakFailedError(f"soak {result.run_id} ended in {result.outcome}: {result.outcome_detail}")
 
@@ -95,4 +134,12 @@ def _render(result, out_dir: Path) -> None:  # type: ignore[no-untyped-def]
     if points:
         shown = points[:: max(1, len(points) // 8)]
         click.echo("  decode tok/s: " + ", ".join(f"{p.context_tokens}:{p.decode_tps:.1f}" for p in shown))
+    if result.tunnel is not None:
+        click.echo(f"  tunnel: {result.tunnel.kind} ({result.tunnel.reason}), opened {result.tunnel.opened}x")
+    for i in result.interruptions:
+        state = f"resumed after {i.after_s:g} s" if i.resumed and i.after_s is not None else "did not come back"
+        click.echo(f"  interrupted ({i.cause}): {state}")
+    temps = [b.temperature_c for b in result.battery if b.temperature_c is not None]
+    if temps:
+        click.echo(f"  battery {temps[0]:.1f} -> {temps[-1]:.1f} °C (max {max(temps):.1f}) over {len(temps)} reads")
     click.echo(f"  results: {out_dir / 'results.json'}")

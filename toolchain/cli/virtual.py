@@ -40,7 +40,13 @@ def _socket_option(func):  # type: ignore[no-untyped-def]
 @click.option(
     "--baseline-mb", type=float, default=None, help="App footprint before weights and KV, MiB (default: the profile's)."
 )
-@click.option("--ios", type=click.Choice(["16.7", "17.4"]), default="16.7", show_default=True)
+@click.option(
+    "--ios",
+    type=click.Choice(["16.7", "17.0", "17.4", "18.6", "26.1"]),
+    default="16.7",
+    show_default=True,
+    help="iOS release; from 17.4 developer services are reached through a CoreDeviceProxy tunnel.",
+)
 @click.option("--detach", is_flag=True, help="Run in the background and return.")
 @click.option(
     "--tcp",
@@ -53,6 +59,15 @@ def _socket_option(func):  # type: ignore[no-untyped-def]
 @click.option("--crash-at-tokens", type=int, default=None, help="Fault: the app crashes at N context tokens.")
 @click.option("--hang-at-tokens", type=int, default=None, help="Fault: the app hangs at N context tokens.")
 @click.option("--slow-link-bps", type=float, default=None, help="Fault: pace every connection to N bytes/s.")
+@click.option("--developer-mode-off", is_flag=True, help="Fault: Developer Mode is off (AMFI can enable it).")
+@click.option(
+    "--image-missing", is_flag=True, help="Fault: no developer disk image mounted (the mounter can mount it)."
+)
+@click.option(
+    "--tunnel-drop-after-bytes", type=int, default=None, help="Fault: the CoreDeviceProxy tunnel drops after N bytes."
+)
+@click.option("--handshake-timeout", is_flag=True, help="Fault: the CDTunnel handshake is never answered.")
+@click.option("--launch-errors", type=int, default=0, help="Fault: the next N launches fail (transient NSError).")
 @json_option
 def start(
     profile: str,
@@ -68,13 +83,29 @@ def start(
     crash_at_tokens: int | None,
     hang_at_tokens: int | None,
     slow_link_bps: float | None,
+    developer_mode_off: bool,
+    image_missing: bool,
+    tunnel_drop_after_bytes: int | None,
+    handshake_timeout: bool,
+    launch_errors: int,
     as_json: bool,
 ) -> None:
     """Start a virtual iPhone and print its socket address."""
     from toolchain.virtual import control
     from toolchain.virtual.faults import FaultPlan
 
-    faults = FaultPlan(unplug_after_afc_bytes, set(refuse_service), crash_at_tokens, hang_at_tokens, slow_link_bps)
+    faults = FaultPlan(
+        unplug_after_afc_bytes,
+        set(refuse_service),
+        crash_at_tokens,
+        hang_at_tokens,
+        slow_link_bps,
+        developer_mode_off=developer_mode_off,
+        image_missing=image_missing,
+        tunnel_drop_after_bytes=tunnel_drop_after_bytes,
+        handshake_timeout=handshake_timeout,
+        launch_errors=launch_errors,
+    )
 
     def ready() -> None:
         click.echo(f"USBMUXD_SOCKET_ADDRESS={address}", err=False)
@@ -136,7 +167,8 @@ def status(address: str, as_json: bool) -> None:
     from rich.table import Table
 
     table = Table(title=f"virtual iPhones on {result['Address']} (pid {result['Pid']})")
-    for column in ("UDID", "ProductType", "iOS", "limit", "plugged", "running apps", "state"):
+    columns = ("UDID", "ProductType", "iOS", "limit", "plugged", "dev mode", "image", "running apps", "state")
+    for column in columns:
         table.add_column(column)
     for d in result["Devices"]:
         running = ", ".join(f"{name}[{pid}]" for pid, name in d["running"].items()) or "-"
@@ -146,6 +178,8 @@ def status(address: str, as_json: bool) -> None:
             d["ios"],
             human_bytes(d["limit_bytes"]),
             str(d["plugged"]),
+            "on" if d["developer_mode"] else "off",
+            "mounted" if d["image_mounted"] else "missing",
             running,
             d["state"],
         )

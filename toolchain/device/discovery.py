@@ -8,14 +8,19 @@ our device profiles.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
 from pymobiledevice3 import usbmux
 from pymobiledevice3.lockdown import LockdownClient, create_using_usbmux
+from pymobiledevice3.lockdown_service_provider import LockdownServiceProvider
 
 from toolchain.device.errors import device_errors, translate
 from toolchain.exceptions import DeviceError, DeviceNotFoundError
+
+if TYPE_CHECKING:
+    from toolchain.device.preflight import Preflight
+    from toolchain.device.tunnel import Tunnel
 
 
 @dataclass(frozen=True)
@@ -29,9 +34,10 @@ class DeviceInfo:
     profile: str | None = None
     error: str | None = None  # why lockdownd could not be asked (not trusted, refused)
     host: str | None = None  # the usbmuxd host it was found on (device/hosts.py)
+    problem: DeviceError | None = field(default=None, compare=False, repr=False)  # the same, typed
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "problem"}
 
     @property
     def os_major(self) -> int:
@@ -87,7 +93,7 @@ async def list_devices(*, usbmux_address: str | None = None) -> list[DeviceInfo]
                 finally:
                     await lockdown.close()
         except DeviceError as exc:
-            found.append(DeviceInfo(udid=mux.serial, connection=mux.connection_type, error=str(exc)))
+            found.append(DeviceInfo(udid=mux.serial, connection=mux.connection_type, error=str(exc), problem=exc))
             continue
         found.append(_info(mux.serial, mux.connection_type, values))
     return found
@@ -111,16 +117,29 @@ async def select_device(udid: str | None = None, *, usbmux_address: str | None =
 
 
 class Device:
-    """An open lockdown session to one phone; every service starts from it. Use `async with connect(...)`."""
+    """An open lockdown session to one phone; every service starts from it. Use `async with connect(...)`.
 
-    def __init__(self, info: DeviceInfo, lockdown: LockdownClient, usbmux_address: str | None) -> None:
+    `tunnel` (iOS 17+) carries the developer services; `developer` is the provider they start from: the
+    tunnel's RSD when there is one, lockdown otherwise."""
+
+    def __init__(
+        self, info: DeviceInfo, lockdown: LockdownClient, usbmux_address: str | None, tunnel: Tunnel | None = None
+    ) -> None:
         self.info = info
         self.lockdown = lockdown
         self.usbmux_address = usbmux_address
+        self.tunnel = tunnel
+        self.preflight: Preflight | None = None  # set by session.open_session
 
     @property
     def udid(self) -> str:
         return self.info.udid
+
+    @property
+    def developer(self) -> LockdownServiceProvider:
+        if self.tunnel is not None and self.tunnel.rsd is not None:
+            return self.tunnel.rsd
+        return self.lockdown
 
     def errors(self, what: str):  # type: ignore[no-untyped-def]
         """`async with device.errors("pushing"):` — pymobiledevice3 errors as kvrig's, naming this device."""
@@ -130,12 +149,21 @@ class Device:
         return translate(exc, what, udid=self.udid, os_version=self.info.os_version)
 
     async def reconnect(self) -> None:
-        """A fresh lockdown session (after the phone was unplugged and came back)."""
+        """A fresh lockdown session and tunnel (after the phone was unplugged and came back)."""
         await self.close()
         async with self.errors("reconnecting"):
             self.lockdown = await create_using_usbmux(serial=self.udid, usbmux_address=self.usbmux_address)
+        if self.tunnel is not None:
+            await self.tunnel.open()
+
+    async def reopen_tunnel(self) -> None:
+        """The phone is still there but its tunnel dropped: open a new one over the same lockdown session."""
+        if self.tunnel is not None:
+            await self.tunnel.reopen()
 
     async def close(self) -> None:
+        if self.tunnel is not None:
+            await self.tunnel.close()
         with contextlib.suppress(Exception):  # closing a session whose link is already gone
             await self.lockdown.close()
 
@@ -149,8 +177,10 @@ class Device:
 async def connect(udid: str | None = None, *, usbmux_address: str | None = None) -> Device:
     """Opens a lockdown session to the selected device (pairing through usbmuxd's pair record)."""
     info = await select_device(udid, usbmux_address=usbmux_address)
-    if info.error:
-        raise DeviceError(info.error)
+    # A phone lockdownd could not describe (locked, not trusted) is asked again: the typed error says why.
     async with device_errors("connecting", udid=info.udid, os_version=info.os_version):
         lockdown = await create_using_usbmux(serial=info.udid, usbmux_address=usbmux_address)
+    if info.error:
+        with contextlib.suppress(Exception):
+            info = _info(info.udid, info.connection, dict(lockdown.all_values))
     return Device(info, lockdown, usbmux_address)

@@ -12,7 +12,9 @@ from pymobiledevice3.dtx.exceptions import DTXNsError, DTXProtocolError
 
 from toolchain.exceptions import (
     AppError,
+    DeveloperModeOffError,
     DeviceError,
+    DeviceLockedError,
     DeviceLostError,
     DeviceNotFoundError,
     KvrigError,
@@ -20,15 +22,19 @@ from toolchain.exceptions import (
 )
 
 TUNNEL_HINT = (
-    "iOS 17 and later serve developer services (process control) only over a RemoteXPC tunnel: start one with "
-    "`sudo python3 -m pymobiledevice3 remote tunneld` (kvrig does not use tunnels yet)"
+    "iOS 17 and later serve developer services (process control) only through a tunnel: let kvrig open one "
+    "(--tunnel auto, the default) and run `kvrig devices` to see which it would use"
+)
+
+DEVELOPER_MODE_HINT = (
+    "turn it on in Settings > Privacy & Security > Developer Mode (the phone restarts), or run "
+    "`kvrig prepare --enable-developer-mode` on a phone without a passcode"
 )
 
 _NOT_FOUND = (pmd3.ConnectionFailedToUsbmuxdError, pmd3.DeviceNotFoundError, pmd3.NoDeviceConnectedError)
 _REFUSED = (
     pmd3.InvalidServiceError,
     pmd3.StartServiceError,
-    pmd3.DeveloperModeIsNotEnabledError,
     pmd3.RSDRequiredError,
     pmd3.DeviceFeatureNotSupportedError,
 )
@@ -60,8 +66,13 @@ def translate(exc: BaseException, what: str, *, udid: str | None = None, os_vers
         if os_version and _major(os_version) >= 17:
             message += f"; {TUNNEL_HINT}"
         return ServiceRefusedError(message)
+    if isinstance(exc, pmd3.DeveloperModeIsNotEnabledError):
+        return DeveloperModeOffError(f"{what}: Developer Mode is off{on}; {DEVELOPER_MODE_HINT}")
     if isinstance(exc, _PAIRING):
-        return DeviceError(f"{what}: the device{on} is not paired or trusted ({_text(exc)}); unlock it and trust")
+        return DeviceLockedError(
+            f"{what}: the device{on} is locked or does not trust this computer ({_text(exc)}); unlock it, tap "
+            "Trust when it asks, and run the command again"
+        )
     if isinstance(exc, pmd3.AppInstallError):
         return AppError(f"{what}: installation failed{on}: {_text(exc)}")
     if isinstance(exc, pmd3.AppNotInstalledError):
@@ -88,6 +99,11 @@ async def device_errors(what: str, *, udid: str | None = None, os_version: str |
         raise
     except Exception as exc:
         raise translate(exc, what, udid=udid, os_version=os_version) from exc
+
+
+def problem_json(exc: KvrigError) -> dict[str, object]:
+    """A typed error as data for --json output: its class (the cause), exit code and message."""
+    return {"cause": type(exc).__name__, "exit_code": exc.exit_code, "message": str(exc)}
 
 
 def _text(exc: BaseException) -> str:

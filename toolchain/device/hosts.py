@@ -7,9 +7,14 @@ from __future__ import annotations
 import dataclasses
 import socket
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from toolchain.device.discovery import DeviceInfo, list_devices
 from toolchain.exceptions import DeviceError, LabShardError
+
+if TYPE_CHECKING:
+    from toolchain.device.preflight import Preflight
+    from toolchain.device.tunnel import TunnelMode
 
 
 @dataclass(frozen=True)
@@ -64,4 +69,28 @@ async def list_devices_on(hosts: list[UsbmuxHost]) -> tuple[list[DeviceInfo], di
             if info.udid not in seen:
                 seen.add(info.udid)
                 found.append(dataclasses.replace(info, host=host.name))
+    return found, unreachable
+
+
+async def preflight_on(
+    hosts: list[UsbmuxHost], tunnel: TunnelMode | str | None = None
+) -> tuple[list[Preflight], dict[str, str]]:
+    """`kvrig devices`: every phone on every host with its preflight (Developer Mode, image, tunnel), tagged
+    with its host, and the hosts that could not be asked. A phone seen on two hosts is kept on the first."""
+    from toolchain.device.preflight import check_all
+
+    found: list[Preflight] = []
+    unreachable: dict[str, str] = {}
+    seen: set[str] = set()
+    for host in hosts:
+        try:
+            reports = await check_all(tunnel, usbmux_address=host.address)
+        except DeviceError as exc:
+            unreachable[host.name] = str(exc)
+            continue
+        for report in reports:
+            if report.device.udid not in seen:
+                seen.add(report.device.udid)
+                report.device = dataclasses.replace(report.device, host=host.name)
+                found.append(report)
     return found, unreachable

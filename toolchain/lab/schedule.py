@@ -23,8 +23,11 @@ POLL_S = 0.5
 
 
 class Scheduler:
-    def __init__(self, lab: Lab, out: Path, on_event: Event | None, hosts: list[UsbmuxHost]) -> None:
+    def __init__(
+        self, lab: Lab, out: Path, on_event: Event | None, hosts: list[UsbmuxHost], tunnel: str = "auto"
+    ) -> None:
         self.lab, self.out, self.on_event, self.hosts = lab, out, on_event, hosts
+        self.tunnel = tunnel  # each worker opens its phone's own tunnel (`--tunnel`)
         self.results = LabResults(lab, out, [], hosts=[h.name for h in hosts])
         self.stamp = time.strftime("%Y%m%d-%H%M%S")
 
@@ -81,7 +84,7 @@ class Scheduler:
                 self.say(f"{t.udid}: {t.problem}; its runs are not made")
         address = {h.name: h.address for h in self.hosts}
         jobs = [
-            PhoneJob(self.lab, self.out, t.udid, address.get(t.host or ""), per_device[t.udid])
+            PhoneJob(self.lab, self.out, t.udid, address.get(t.host or ""), per_device[t.udid], self.tunnel)
             for t in targets
             if t.problem is None
         ]
@@ -145,12 +148,13 @@ async def run_lab(
     hosts: list[UsbmuxHost] | None = None,
     shard: Shard | None = None,
     devices: list[str] | None = None,
+    tunnel: str = "auto",
 ) -> LabResults:
-    """Runs the lab (or this runner's share of it) on the phones of `hosts`; writes results.json, junit.xml
-    and report.html into out_dir."""
+    """Runs the lab (or this runner's share of it) on the phones of `hosts`, each through the tunnel `tunnel`
+    asks for (auto, userspace, tunneld[=HOST:PORT], none); writes results.json, junit.xml and report.html."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    scheduler = Scheduler(lab, out, on_event, hosts or [local_host()])
+    scheduler = Scheduler(lab, out, on_event, hosts or [local_host()], tunnel)
     scheduler.results.shard = str(shard) if shard else None
     results = await scheduler.run(shard, devices)
     from toolchain.report import write_report

@@ -39,12 +39,17 @@ class PhoneJob:
     udid: str
     usbmux_address: str | None
     runs: list[LabRun]
+    tunnel: str = "auto"  # --tunnel: auto, userspace, tunneld[=HOST:PORT], none (each worker opens its own)
 
 
 async def drive_phone(job: PhoneJob, emit: Emit) -> None:
     """Runs the phone's runs one after another: install and push once per entry, then each run with its
-    threshold search. A lost phone fails the run it was in; later runs wait for it to come back."""
-    from toolchain.device.discovery import connect
+    threshold search. A lost phone fails the run it was in; later runs wait for it to come back.
+
+    The phone is opened as a soak opens it (`open_session`): preflight first, whose blocking cause fails every
+    run, then the tunnel (iOS 17+), held for all of them and recorded in each run's result."""
+    from toolchain.device.session import open_session
+    from toolchain.soak.driver import tunnel_ref
 
     tag = job.udid[:8]
 
@@ -55,14 +60,20 @@ async def drive_phone(job: PhoneJob, emit: Emit) -> None:
         emit(("run", job.udid, (job.runs.index(run), run.result.model_dump_json(by_alias=True))))
 
     bench = Bench(job.lab, job.out, say, saved)
-    try:
-        device = await connect(job.udid, usbmux_address=job.usbmux_address)
-    except KvrigError as exc:
-        for run in job.runs:
-            not_run(run, exc)
-            saved(run)
-        return
-    async with device:
+    async with contextlib.AsyncExitStack() as stack:
+        try:
+            device = await stack.enter_async_context(
+                open_session(job.udid, tunnel=job.tunnel, usbmux_address=job.usbmux_address)
+            )
+        except KvrigError as exc:
+            for run in job.runs:
+                not_run(run, exc)
+                saved(run)
+            return
+        if device.tunnel is not None:
+            say(f"{tag}: tunnel {device.tunnel.kind} ({device.tunnel.plan.reason})")
+        for run in job.runs:  # a run that fails before its soak still says which tunnel it had
+            run.result.tunnel = tunnel_ref(device)
         prepared: set[str] = set()
         lost: KvrigError | None = None
         for run in job.runs:

@@ -14,7 +14,8 @@ from pydantic import Field
 from toolchain.schemas import StrictModel
 from toolchain.schemas.lab import LabRecord
 
-RESULTS_SCHEMA_VERSION: Final = 1
+# 2: the tunnel a run used, battery samples, interruptions (tunnel drops) and what was lost.
+RESULTS_SCHEMA_VERSION: Final = 2
 RESULTS_FILE = "results.json"
 
 Outcome = Literal["completed", "jetsam", "crash", "hang", "device_lost"]
@@ -30,6 +31,9 @@ class DeviceRef(StrictModel):
 
 class TpsPoint(StrictModel):
     context_tokens: int = Field(ge=0)
+    t: float | None = Field(
+        default=None, description="when the app wrote this step (its clock, seconds since the Unix epoch)"
+    )
     decode_tps: float | None = Field(default=None, ge=0)
     prefill_tps: float | None = Field(default=None, ge=0)
     phys_footprint_bytes: int | None = Field(default=None, ge=0)
@@ -41,6 +45,36 @@ class Prediction(StrictModel):
     max_context: int | None = Field(default=None, ge=0)
     limit_bytes: int | None = Field(default=None, ge=0)
     footprint_at_max_context_bytes: int | None = Field(default=None, ge=0)
+
+
+class TunnelRef(StrictModel):
+    """The tunnel a run's developer services went through (iOS 17+), or "lockdown" before iOS 17."""
+
+    kind: Literal["lockdown", "userspace", "tunneld"]
+    mode: str = Field(description="what was asked: auto, userspace, tunneld[=HOST:PORT]")
+    reason: str = Field(description="why this kind (auto says which it chose and why)")
+    tunneld: str | None = Field(default=None, description="HOST:PORT of the tunneld used")
+    opened: int = Field(default=0, ge=0, description="times it was opened: 1, plus one per reopen after a drop")
+
+
+class BatterySample(StrictModel):
+    """One diagnostics-relay read of IORegistry AppleSmartBattery during the run."""
+
+    t: float = Field(description="seconds since the Unix epoch (host clock)")
+    temperature_c: float | None = Field(default=None, description="battery temperature, degrees Celsius")
+    level_percent: float | None = Field(default=None, ge=0)
+    charging: bool | None = None
+    external_power: bool | None = None
+
+
+class Interruption(StrictModel):
+    """The link to the phone broke during the run; resumed or not."""
+
+    t: float = Field(description="when it was noticed, seconds since the Unix epoch")
+    cause: Literal["tunnel", "device"] = Field(description="tunnel: the phone stayed attached; device: it went away")
+    resumed: bool
+    after_s: float | None = Field(default=None, ge=0, description="seconds until the run resumed")
+    app_running: bool | None = Field(default=None, description="os_trace's process list after it came back")
 
 
 class SoakFiles(StrictModel):
@@ -99,12 +133,20 @@ class SoakResult(StrictModel):
     files: SoakFiles = Field(default_factory=SoakFiles)
     confirmations: list[Confirmation] = Field(default_factory=list, description="threshold-search runs (lab)")
     gates: list[GateCheck] = Field(default_factory=list, description="lab gates evaluated on this run")
+    tunnel: TunnelRef | None = Field(default=None, description="the tunnel used (None: not recorded)")
+    battery: list[BatterySample] = Field(
+        default_factory=list, description="battery temperature, level and charging state every few seconds"
+    )
+    interruptions: list[Interruption] = Field(default_factory=list, description="tunnel drops and unplugs")
+    lost: Literal["tunnel", "device"] | None = Field(
+        default=None, description="for outcome device_lost: whether the tunnel or the whole phone did not come back"
+    )
     steps_done: list[str] = Field(default_factory=list, description="driver steps that completed, in order")
     error: str | None = Field(default=None, description="the step that failed and why (partial results)")
 
 
 class ResultsFile(StrictModel):
-    schema_version: Literal[1] = Field(default=RESULTS_SCHEMA_VERSION, alias="schema")
+    schema_version: Literal[1, 2] = Field(default=RESULTS_SCHEMA_VERSION, alias="schema")  # 1 still reads
     tool_version: str
     runs: list[SoakResult]
     lab: LabRecord | None = Field(default=None, description="the lab (and shard) these runs belong to")

@@ -8,6 +8,11 @@ is alive but stops writing has hung.
 
 results.json in the output folder is rewritten after every step, so a run that fails half-way leaves what
 it learned (`error` names the step).
+
+On iOS 17+ the run goes through one tunnel (see `toolchain.device.session`), held for the whole run. When
+process control stops answering, os_trace's process list (over lockdown, no tunnel) tells a dropped tunnel
+from a vanished phone; either may come back within `reconnect_s` and the run resumes, else it ends as
+device_lost with `lost` saying which. Battery temperature, level and charging state are sampled throughout.
 """
 
 from __future__ import annotations
@@ -17,24 +22,38 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, TypeVar
 
 import toolchain
-from toolchain.device import crash
+from toolchain.device import crash, ostrace
 from toolchain.device.apps import get_app
+from toolchain.device.battery import BatteryReader
 from toolchain.device.discovery import Device
 from toolchain.device.files import DOCUMENTS, Container
 from toolchain.device.processes import Processes
-from toolchain.exceptions import DeviceLostError, DeviceNotFoundError, KvrigError
-from toolchain.schemas.results import RESULTS_FILE, DeviceRef, Prediction, ResultsFile, SoakResult
+from toolchain.device.tunnel import HANDSHAKE_TIMEOUT_S, TunnelMode
+from toolchain.exceptions import DeviceLostError, DeviceNotFoundError, KvrigError, NoTunnelError
+from toolchain.schemas.results import (
+    RESULTS_FILE,
+    BatterySample,
+    DeviceRef,
+    Interruption,
+    Prediction,
+    ResultsFile,
+    SoakResult,
+    TunnelRef,
+)
 from toolchain.schemas.soakplan import SOAKPLAN_FILE, SOAKPLAN_LAUNCH_ARGUMENT, SoakPlan
 from toolchain.soak.analyse import apply_jetsam, apply_telemetry, classify, find_kill, telemetry_run
 
+T = TypeVar("T")
 TELEMETRY_OUT = "telemetry.jsonl"
 REPORTS_OUT = "reports"
 KILL_WAIT_S = 10.0
+CALL_TIMEOUT_S = 30.0  # one poll of the phone; a tunnel whose transport died may never answer
 
 
 @dataclass
@@ -42,12 +61,15 @@ class SoakOptions:
     poll_interval_s: float = 0.5
     hang_after_s: float = 120.0  # no telemetry for this long while alive: hung
     timeout_s: float | None = None  # whole run; None: the plan's max_seconds plus hang_after_s, or no limit
-    reconnect_s: float = 30.0  # how long a vanished phone may take to come back
+    reconnect_s: float = 30.0  # how long a vanished phone (or a dropped tunnel) may take to come back
     report_wait_s: float = 10.0  # how long the kernel may take to file the JetsamEvent report
     bundle: str | None = None
     extra_arguments: tuple[str, ...] = ()
     predicted: Prediction | None = None
     on_event: Callable[[str], None] | None = None  # progress lines for the CLI
+    battery_interval_s: float | None = 5.0  # None: no battery sampling
+    tunnel: TunnelMode | str | None = None  # for `soak()`: auto, userspace, tunneld[=HOST:PORT], none
+    handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S
 
 
 class _Recorder:
@@ -104,6 +126,7 @@ async def run_soak(
         scheme=plan.scheme,
         predicted=opts.predicted,
         started=time.time(),
+        tunnel=tunnel_ref(device),
     )
     rec = _Recorder(out, result, opts.on_event)
     (out / SOAKPLAN_FILE).write_text(plan.model_dump_json(by_alias=True, indent=2) + "\n")
@@ -124,18 +147,26 @@ async def run_soak(
             await container.write(f"{DOCUMENTS}/{SOAKPLAN_FILE}", plan.model_dump_json(by_alias=True).encode())
         rec.done("write soak plan")
 
-    watch = _Watch(device, app_bundle_id, plan, out / TELEMETRY_OUT, telemetry_remote, opts)
-    with rec.step("launch"):
-        arguments = [SOAKPLAN_LAUNCH_ARGUMENT, SOAKPLAN_FILE, *opts.extra_arguments]
-        async with Processes(device) as processes:
-            watch.pid = await processes.launch(app_bundle_id, arguments=arguments)
-        rec.done("launch", f"launched {app_bundle_id} as pid {watch.pid}")
+    watch = _Watch(device, app_bundle_id, app.executable, plan, out / TELEMETRY_OUT, telemetry_remote, opts)
+    battery = _BatterySampler(device, rec, opts.battery_interval_s)
+    await battery.start()
+    try:
+        with rec.step("launch"):
+            arguments = [SOAKPLAN_LAUNCH_ARGUMENT, SOAKPLAN_FILE, *opts.extra_arguments]
+            async with Processes(device) as processes:
+                watch.pid = await processes.launch(app_bundle_id, arguments=arguments)
+            rec.done("launch", f"launched {app_bundle_id} as pid {watch.pid}")
 
-    with rec.step("watch"):
-        await watch.run()
-        if watch.pulled:
-            result.files.telemetry = TELEMETRY_OUT
-        rec.done("watch", f"run ended: {watch.describe()}")
+        with rec.step("watch"):
+            await watch.run()
+            if watch.pulled:
+                result.files.telemetry = TELEMETRY_OUT
+            rec.done("watch", f"run ended: {watch.describe()}")
+    finally:
+        await battery.stop()
+        result.interruptions = watch.interruptions
+        result.tunnel = tunnel_ref(device)
+        rec.save()
 
     jetsam_paths: list[Path] = []
     crash_paths: list[Path] = []
@@ -151,6 +182,9 @@ async def run_soak(
     run = telemetry_run(out / TELEMETRY_OUT, plan.run_id)
     if run is not None:
         apply_telemetry(result, run)
+        # Step times put tok/s on the battery samples' time axis (a report plots both: heat slows decoding).
+        for point, step in zip(result.tps_curve, run.steps, strict=True):
+            point.t = step.t
     kill = find_kill(jetsam_paths, app.executable, watch.pid) if not watch.end_seen else None
     result.outcome, detail = classify(
         end_seen=watch.end_seen,
@@ -163,20 +197,87 @@ async def run_soak(
     )
     if kill is not None:
         detail = apply_jetsam(result, kill, app.executable, run)
+    if watch.lost:
+        result.lost = watch.lost_cause
+        if watch.lost_cause == "tunnel":
+            detail = (
+                f"tunnel lost: the phone stayed attached but its tunnel did not come back within "
+                f"{opts.reconnect_s:g} s (the app may still run: kvrig cannot stop it without one); everything "
+                "learned until then is kept"
+            )
     result.outcome_detail = detail
     result.finished = time.time()
     rec.done("classify", f"outcome: {result.outcome} ({detail})")
     return result
 
 
+def tunnel_ref(device: Device) -> TunnelRef | None:
+    tunnel = device.tunnel
+    if tunnel is None or tunnel.kind is None:
+        return None
+    plan = tunnel.plan
+    return TunnelRef(kind=tunnel.kind, mode=plan.mode, reason=plan.reason, tunneld=plan.tunneld, opened=tunnel.opened)
+
+
+class _BatterySampler:
+    """Reads the battery every `interval_s` into the result (saving results.json each time); a read that fails
+    (the link is down) is skipped, never fatal."""
+
+    def __init__(self, device: Device, rec: _Recorder, interval_s: float | None) -> None:
+        self.rec, self.interval_s = rec, interval_s
+        self.reader = BatteryReader(device)
+        self.task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        if self.interval_s is not None:
+            await self.sample()  # the state before the app starts
+            self.task = asyncio.create_task(self._loop(), name="kvrig-battery")
+
+    async def sample(self) -> None:
+        try:
+            read = await asyncio.wait_for(self.reader.read(), CALL_TIMEOUT_S)
+        except (KvrigError, TimeoutError):
+            await self.reader.close()
+            return
+        self.rec.result.battery.append(BatterySample(**read.to_json()))
+        self.rec.save()
+
+    async def _loop(self) -> None:
+        assert self.interval_s is not None
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self.sample()
+
+    async def stop(self) -> None:
+        if self.interval_s is None:
+            return
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+            self.task = None
+        await self.sample()  # the state at the end
+        await self.reader.close()
+
+
 class _Watch:
-    """Polls the app's pid and its telemetry file until the run ends; reconnects if the phone comes back."""
+    """Polls the app's pid and its telemetry file until the run ends; resumes after a dropped tunnel or an
+    unplug when the phone comes back in time."""
 
     def __init__(
-        self, device: Device, bundle_id: str, plan: SoakPlan, local: Path, remote: str, opts: SoakOptions
+        self,
+        device: Device,
+        bundle_id: str,
+        process: str,
+        plan: SoakPlan,
+        local: Path,
+        remote: str,
+        opts: SoakOptions,
     ) -> None:
-        self.device, self.bundle_id, self.plan = device, bundle_id, plan
+        self.device, self.bundle_id, self.process, self.plan = device, bundle_id, process, plan
         self.local, self.remote, self.opts = local, remote, opts
+        self.interruptions: list[Interruption] = []
+        self.lost_cause: Literal["tunnel", "device"] | None = None
         self.pid = 0
         self.end_seen = self.hung = self.timed_out = self.lost = self.pulled = False
         self.end_reason: str | None = None
@@ -212,7 +313,7 @@ class _Watch:
                     while True:
                         await asyncio.sleep(self.opts.poll_interval_s)
                         now = time.monotonic()
-                        alive = await processes.pid_for(self.bundle_id)
+                        alive = await _call(processes.pid_for(self.bundle_id), "looking up the app")
                         if await self._poll_telemetry(container):
                             last_change = now
                         if self.end_seen:
@@ -231,10 +332,18 @@ class _Watch:
                             await self._kill(processes, alive)
                             return
             except (DeviceLostError, DeviceNotFoundError):
-                if not await self._reconnect():
+                if not await self._recover():
                     self.lost = True
+                    if self.lost_cause == "tunnel":
+                        await self._last_look()
                     return
                 last_change = time.monotonic()
+
+    async def _last_look(self) -> None:
+        """Only the tunnel is gone: lockdown still reaches the app's files, so pull what it wrote last."""
+        with contextlib.suppress(KvrigError):
+            async with Container(self.device, self.bundle_id) as container:
+                await _call(self._poll_telemetry(container), "pulling telemetry")
 
     async def _poll_telemetry(self, container: Container) -> bool:
         """Pulls the telemetry file when it grew; True if it changed."""
@@ -257,18 +366,52 @@ class _Watch:
         with contextlib.suppress(KvrigError):  # it may have died on its own meanwhile
             await processes.kill(pid)
         deadline = time.monotonic() + KILL_WAIT_S
-        while time.monotonic() < deadline and await processes.pid_for(self.bundle_id) == pid:
+        while time.monotonic() < deadline and await _call(processes.pid_for(self.bundle_id), "looking up") == pid:
             await asyncio.sleep(0.1)
 
-    async def _reconnect(self) -> bool:
-        deadline = time.monotonic() + self.opts.reconnect_s
-        while time.monotonic() < deadline:
+    async def _recover(self) -> bool:
+        """The link broke: wait (up to reconnect_s) for the phone and its tunnel; True once the run can go on.
+
+        os_trace's process list answers over lockdown with no tunnel: if it answers, the phone is still
+        attached and only the tunnel dropped (reopen it); if not, the phone went away (reconnect everything)."""
+        noticed, began = time.time(), time.monotonic()
+        deadline = began + self.opts.reconnect_s
+        cause: Literal["tunnel", "device"] | None = None
+        while True:
             try:
-                await self.device.reconnect()
-                return True
-            except (DeviceLostError, DeviceNotFoundError):
+                try:
+                    app_pid = await _call(ostrace.pid_of(self.device, self.process), "listing processes")
+                    cause = cause or (
+                        "tunnel" if self.device.tunnel is not None and self.device.tunnel.needed else "device"
+                    )
+                    await self.device.reopen_tunnel()
+                except (DeviceLostError, DeviceNotFoundError):
+                    cause = "device" if cause is None else cause
+                    await self.device.reconnect()
+                    app_pid = await _call(ostrace.pid_of(self.device, self.process), "listing processes")
+            except (DeviceLostError, DeviceNotFoundError, NoTunnelError):
+                if time.monotonic() >= deadline:
+                    self.lost_cause = cause or "device"
+                    self.interruptions.append(Interruption(t=noticed, cause=self.lost_cause, resumed=False))
+                    return False
                 await asyncio.sleep(min(1.0, self.opts.poll_interval_s * 2))
-        return False
+                continue
+            after = round(time.monotonic() - began, 3)
+            self.interruptions.append(
+                Interruption(t=noticed, cause=cause or "device", resumed=True, after_s=after, app_running=app_pid != 0)
+            )
+            if self.opts.on_event is not None:
+                running = "running" if app_pid else "not running"
+                self.opts.on_event(f"{cause} came back after {after:g} s; the app is {running}")
+            return True
+
+
+async def _call(awaitable: Awaitable[T], what: str) -> T:
+    """One call to the phone, bounded: a tunnel whose transport died may leave a reply pending forever."""
+    try:
+        return await asyncio.wait_for(awaitable, CALL_TIMEOUT_S)
+    except TimeoutError:
+        raise DeviceLostError(f"{what}: the phone did not answer within {CALL_TIMEOUT_S:g} s") from None
 
 
 async def _pull_new_reports(
@@ -299,9 +442,14 @@ async def soak(
     options: SoakOptions | None = None,
     usbmux_address: str | None = None,
 ) -> SoakResult:
-    """Connects to the selected device and runs one soak (what `kvrig soak` calls)."""
-    from toolchain.device.discovery import connect
+    """Opens a session to the selected device (preflight, then the tunnel on iOS 17+) and runs one soak (what
+    `kvrig soak` calls). A failed preflight raises its typed error before anything is written."""
+    from toolchain.device.session import open_session
 
-    device = await connect(udid, usbmux_address=usbmux_address)
-    async with device:
-        return await run_soak(device, app_bundle_id, plan, out_dir, options)
+    opts = options or SoakOptions()
+    async with open_session(
+        udid, tunnel=opts.tunnel, usbmux_address=usbmux_address, handshake_timeout_s=opts.handshake_timeout_s
+    ) as device:
+        if opts.on_event is not None and device.tunnel is not None:
+            opts.on_event(f"{device.udid}: tunnel {device.tunnel.kind} ({device.tunnel.plan.reason})")
+        return await run_soak(device, app_bundle_id, plan, out_dir, opts)

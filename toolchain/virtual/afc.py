@@ -53,6 +53,7 @@ class Op(IntEnum):
 class Err(IntEnum):
     SUCCESS = 0
     UNKNOWN_ERROR = 1
+    READ_ERROR = 4
     UNKNOWN_PACKET_TYPE = 6
     INVALID_ARG = 7
     OBJECT_NOT_FOUND = 8
@@ -129,7 +130,12 @@ class AfcSession:
             return Op.STATUS, struct.pack("<Q", Err.OBJECT_IS_DIR)
         except FileExistsError:
             return Op.STATUS, struct.pack("<Q", Err.OBJECT_EXISTS)
-        except (NotADirectoryError, PermissionError):
+        except NotADirectoryError:
+            # A path through a regular file: the phone says the object is not there, and when making a
+            # directory, that something (the file) already exists.
+            code = Err.OBJECT_EXISTS if op == Op.MAKE_DIR else Err.OBJECT_NOT_FOUND
+            return Op.STATUS, struct.pack("<Q", code)
+        except PermissionError:
             return Op.STATUS, struct.pack("<Q", Err.PERM_DENIED)
         except (struct.error, ValueError):
             return Op.STATUS, struct.pack("<Q", Err.INVALID_ARG)
@@ -153,7 +159,7 @@ class AfcSession:
             if not folder.exists():
                 raise AfcFailure(Err.OBJECT_NOT_FOUND)
             if not folder.is_dir():
-                raise AfcFailure(Err.INVALID_ARG)
+                raise AfcFailure(Err.READ_ERROR)  # what a phone answers for listing a regular file
             names = [".", "..", *sorted(p.name for p in folder.iterdir())]
             return Op.DATA, b"".join(n.encode() + b"\0" for n in names)
         if op == Op.GET_FILE_INFO:
@@ -162,13 +168,17 @@ class AfcSession:
                 raise AfcFailure(Err.OBJECT_NOT_FOUND)
             st = path.lstat()
             kind = "S_IFLNK" if path.is_symlink() else "S_IFDIR" if path.is_dir() else "S_IFREG"
+            size = st.st_size
+            if kind == "S_IFDIR":
+                # APFS sizes a directory by its entries (64 bytes empty), not in 4 KiB blocks as ext4 does.
+                size = 64 + 32 * sum(1 for _ in path.iterdir())
             info: dict[str, object] = {
-                "st_size": st.st_size,
+                "st_size": size,
                 "st_blocks": st.st_blocks,
                 "st_nlink": st.st_nlink,
                 "st_ifmt": kind,
                 "st_mtime": st.st_mtime_ns,
-                "st_birthtime": st.st_mtime_ns,
+                "st_birthtime": min(st.st_mtime_ns, st.st_ctime_ns),
             }
             if kind == "S_IFLNK":
                 info["LinkTarget"] = os.readlink(path)

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from toolchain.exceptions import DeviceError, DeviceNotFoundError
+from toolchain.exceptions import DeviceError, DeviceNotFoundError, VirtualPhoneError
 from toolchain.virtual.faults import FaultPlan
 
 HEADER = struct.Struct("<IIII")
@@ -103,7 +103,9 @@ def start(
     """Starts a virtual iPhone. With a server already on `address` the device joins it; with `detach` a
     background server starts; otherwise this call serves until stopped. Returns the device's status. A new
     server also listens on the TCP address `tcp` (HOST:PORT, port 0 picks one; `status` tells which)."""
-    options = device_options(state, profile, ios, limit_bytes, faults or FaultPlan(), baseline_bytes)
+    faults = faults or FaultPlan()
+    faults.check(ios)
+    options = device_options(state, profile, ios, limit_bytes, faults, baseline_bytes)
     if tcp is not None:
         options["Tcp"] = tcp
     if server_alive(address):
@@ -123,7 +125,9 @@ def start(
             if server_alive(address):
                 return status(address)["Devices"][0]
             time.sleep(0.1)
-        raise DeviceError(f"the virtual iPhone did not start within {START_TIMEOUT_S:.0f}s; see {state}/emulator.log")
+        raise VirtualPhoneError(
+            f"the virtual iPhone did not start within {START_TIMEOUT_S:.0f}s; see {state}/emulator.log"
+        )
     _serve_foreground(address, options, on_ready)
     return {}
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from toolchain.virtual.battery import Battery
 from toolchain.virtual.faults import FaultPlan
 from toolchain.virtual.lockdownd import LOCKDOWN_PORT, serve_lockdownd
 from toolchain.virtual.pairing import Pairing
@@ -31,15 +32,18 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Link], Awaitable[None]]
-SUPPORTED_IOS = ("16.7", "17.4")
+SUPPORTED_IOS = ("16.7", "17.0", "17.4", "18.6", "26.1")
+REBOOT_DOWN_S = 1.0  # how long a restarting phone stays off usbmuxd
 
 
 @dataclass(frozen=True)
 class ServiceSpec:
     target: str  # "module:function" in toolchain.virtual, imported on first use
     ssl: bool = False
-    developer: bool = False  # refused without a tunnel on iOS 17+
+    developer: bool = False  # needs the image mounted (and Developer Mode); refused without a tunnel on iOS 17+
     counts_afc: bool = False
+    min_ios: tuple[int, int] = (0, 0)  # the first iOS release that serves it
+    tunnel: bool = False  # opens a tunnel; never offered inside one
 
     def handler(self) -> Handler:
         module, func = self.target.split(":")
@@ -56,6 +60,14 @@ SERVICES: dict[str, ServiceSpec] = {
     "com.apple.os_trace_relay": ServiceSpec("syslog:serve_os_trace_relay"),
     "com.apple.instruments.remoteserver.DVTSecureSocketProxy": ServiceSpec(
         "dtx:serve_instruments", ssl=True, developer=True
+    ),
+    "com.apple.mobile.mobile_image_mounter": ServiceSpec("image_mounter:serve_image_mounter"),
+    "com.apple.amfi.lockdown": ServiceSpec("amfi:serve_amfi", min_ios=(16, 0)),
+    "com.apple.mobile.heartbeat": ServiceSpec("heartbeat:serve_heartbeat", ssl=True),
+    "com.apple.mobile.diagnostics_relay": ServiceSpec("diagnostics_relay:serve_diagnostics_relay"),
+    "com.apple.iosdiagnostics.relay": ServiceSpec("diagnostics_relay:serve_diagnostics_relay"),
+    "com.apple.internal.devicecompute.CoreDeviceProxy": ServiceSpec(
+        "coredevice_proxy:serve_coredevice_proxy", ssl=True, min_ios=(17, 4), tunnel=True
     ),
 }
 
@@ -108,10 +120,19 @@ class VirtualDevice:
         # The app's footprint before weights and KV: the profile's baseline (the planner uses the same one).
         self.baseline_bytes = baseline_bytes if baseline_bytes is not None else spec.baseline_bytes
         self.pairing = Pairing.load_or_create(self.state.pairing_dir, self.identity.wifi_mac)
-        self.faults = faults or FaultPlan()
         self.syslog = SyslogBus(self)
+        self.battery = Battery()
         self.plugged = True
+        self._background: set[asyncio.Task[None]] = set()
+        developer = self.state.developer()
+        fresh = not (self.state.root / "developer.json").exists()
+        from toolchain.virtual.image_mounter import boot_state
+
+        boot_state(self, developer, fresh=fresh)
+        self.state.save_developer(developer)
+        self.faults = faults or FaultPlan()
         self.afc_bytes = 0
+        self.tunnel_bytes = 0
         self.device_id = 0
         self.server: UsbmuxServer | None = None
         self._ports = itertools.count(49152)
@@ -125,6 +146,58 @@ class VirtualDevice:
     def ios_major(self) -> int:
         return int(self.identity.product_version.split(".")[0])
 
+    @property
+    def ios_version(self) -> tuple[int, int]:
+        major, minor = self.identity.product_version.split(".")[:2]
+        return int(major), int(minor)
+
+    @property
+    def faults(self) -> FaultPlan:
+        return self._faults
+
+    @faults.setter
+    def faults(self, plan: FaultPlan) -> None:
+        """Faults that are device state (Developer Mode off, image missing) change that state when set; RSD
+        reads that state on every handshake and connection, so a tunnel sees the change at once."""
+        plan.check(self.identity.product_version)
+        self._faults = plan
+        self.tunnel_bytes = 0  # a tunnel-drop limit counts from when it was set
+        if plan.developer_mode_off or plan.image_missing:
+            developer = self.state.developer()
+            if plan.developer_mode_off:
+                developer.developer_mode = False
+            developer.mounted = {}  # Developer Mode off takes the image with it, as its restart does
+            self.state.save_developer(developer)
+
+    def developer_ready(self) -> bool:
+        developer = self.state.developer()
+        mode_ok = developer.developer_mode or self.ios_major < 16
+        from toolchain.virtual.image_mounter import image_type_for
+
+        return mode_ok and image_type_for(self) in developer.mounted
+
+    def schedule_reboot(self, *, come_back: bool = True) -> None:
+        """Restarts the phone shortly after the current reply went out: apps die, every connection drops,
+        usbmuxd loses it, the developer disk image is unmounted; it comes back after `REBOOT_DOWN_S`."""
+
+        async def reboot() -> None:
+            await asyncio.sleep(0.2)
+            await self.apps.kill_all()
+            await self.unplug()
+            developer = self.state.developer()
+            developer.mounted = {}
+            self.state.save_developer(developer)
+            if come_back:
+                await asyncio.sleep(REBOOT_DOWN_S)
+                await self.replug()
+
+        self.background(reboot())
+
+    def background(self, coro: Awaitable[None]) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     # --- lifecycle -------------------------------------------------------------------------------------
 
     def attach(self, server: UsbmuxServer, device_id: int) -> None:
@@ -134,6 +207,8 @@ class VirtualDevice:
         self.syslog.emit("kernel", f"virtual {self.identity.product_type} iOS {self.identity.product_version} up")
 
     async def shutdown(self) -> None:
+        for task in list(self._background):
+            task.cancel()
         await self.apps.kill_all()
         self._drop_links()
 
@@ -148,6 +223,8 @@ class VirtualDevice:
         if not self.plugged:
             return
         self.plugged = False
+        self.battery.sample(self)
+        self.battery.external_connected = False
         self._drop_links()
         if self.server is not None:
             self.server.notify_detached(self.device_id)
@@ -156,6 +233,8 @@ class VirtualDevice:
         if self.plugged:
             return
         self.plugged = True
+        self.battery.sample(self)
+        self.battery.external_connected = True
         self.afc_bytes = 0
         self.faults.unplug_after_afc_bytes = None
         if self.server is not None:
@@ -171,10 +250,11 @@ class VirtualDevice:
     def open_service(self, name: str) -> tuple[int, bool] | str:
         """Opens a one-shot port for a service; returns (port, ssl) or lockdownd's error string."""
         spec = SERVICES.get(name)
-        if spec is None or name in self.faults.refuse_services:
+        if spec is None or name in self.faults.refuse_services or self.ios_version < spec.min_ios:
             return "InvalidService"
-        if spec.developer and self.ios_major >= 17:
-            # iOS 17+ serves developer services only over a RemoteXPC tunnel, never through lockdownd.
+        if spec.developer and (self.ios_major >= 17 or not self.developer_ready()):
+            # iOS 17+ serves developer services only over a RemoteXPC tunnel, never through lockdownd; before
+            # that they exist only while the developer disk image is mounted (and, on 16, Developer Mode on).
             return "InvalidService"
         handler = spec.handler()
         port = next(self._ports)
@@ -203,6 +283,8 @@ class VirtualDevice:
                 link.close()
 
     def status(self) -> dict[str, Any]:
+        from toolchain.virtual.image_mounter import image_mounted, local_image_files
+
         return {
             "udid": self.identity.udid,
             "product_type": self.identity.product_type,
@@ -211,5 +293,8 @@ class VirtualDevice:
             "limit_bytes": self.identity.limit_bytes,
             "plugged": self.plugged,
             "faults": self.faults.to_json(),
+            "developer_mode": self.state.developer().developer_mode,
+            "image_mounted": image_mounted(self),
+            "ddi": {role: str(path) for role, path in local_image_files(self).items()},
             "running": {str(pid): name for pid, name in self.apps.running().items()},
         }

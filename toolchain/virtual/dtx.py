@@ -40,6 +40,7 @@ P_STRING, P_BUFFER, P_INT32, P_INT64, P_DOUBLE, P_NULL, P_DICT = 1, 2, 3, 6, 9, 
 PROCESS_CONTROL = "com.apple.instruments.server.services.processcontrol"
 DEVICE_INFO = "com.apple.instruments.server.services.deviceinfo"
 PROCESS_CONTROL_DOMAIN = "com.apple.dt.deviceprocesscontrolservice"
+TRANSIENT_LAUNCH_ERROR = 1  # the code of the transient launch failure the launch-error fault injects
 # Limit a process gets after requestDisableMemoryLimitsForPid: (the per-process limit is waived).
 NO_LIMIT_BYTES = 1 << 40
 
@@ -277,6 +278,17 @@ class DtxConnection:
         if selector == "launchSuspendedProcessWithDevicePath:bundleIdentifier:environment:arguments:options:":
             _path, bundle_id, environment, arguments, options = (args + [None] * 5)[:5]
             options = options or {}
+            faults = self.device.faults
+            if faults.launch_errors > 0:
+                # A transient failure as a busy phone reports it; the next launch may well succeed.
+                faults.launch_errors -= 1
+                raise DtxFailure(
+                    NSError(
+                        TRANSIENT_LAUNCH_ERROR,
+                        PROCESS_CONTROL_DOMAIN,
+                        f'The request to open "{bundle_id}" failed: the system is busy. Try again.',
+                    )
+                )
             try:
                 pid = await apps.launch(
                     str(bundle_id),

@@ -9,6 +9,7 @@ exception classes.
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +46,10 @@ def device_values(device: VirtualDevice) -> dict[str, Any]:
         "ProductVersion": ident.product_version,
         "ProtocolVersion": "2",
         "SerialNumber": ident.serial_number,
+        "TimeIntervalSince1970": time.time(),
         "TimeZone": "UTC",
+        "TimeZoneOffsetFromUTC": 0.0,
+        "Uses24HourClock": True,
         "TrustedHostAttached": True,
         "UniqueChipID": ident.ecid,
         "UniqueDeviceID": ident.udid,
@@ -57,7 +61,17 @@ def domain_values(device: VirtualDevice, domain: str) -> dict[str, Any] | None:
     if domain == "com.apple.disk_usage":
         return {"TotalDiskCapacity": 128_000_000_000, "AmountDataAvailable": 64_000_000_000}
     if domain == "com.apple.mobile.battery":
-        return {"BatteryCurrentCapacity": 100, "BatteryIsCharging": False}
+        device.battery.sample(device)
+        return {
+            "BatteryCurrentCapacity": int(device.battery.level),
+            "BatteryIsCharging": device.battery.charging,
+            "ExternalChargeCapable": device.battery.external_connected,
+            "ExternalConnected": device.battery.external_connected,
+            "FullyCharged": device.battery.level >= 100,
+            "HasBattery": True,
+        }
+    if domain == "com.apple.security.mac.amfi" and device.ios_major >= 16:
+        return {"DeveloperModeStatus": device.state.developer().developer_mode}
     if domain == "com.apple.PurpleBuddy":
         return {"SetupDone": True}
     if domain == "com.apple.mobile.iTunes":

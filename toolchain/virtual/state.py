@@ -7,6 +7,8 @@ apps.json, apps/<id>/  installed app bundles and their Info.plist attributes
 containers/<id>/       each app's data container: Documents, Library, tmp
 crash/                 CrashReporter store served by crashreportcopymobile
 crash_pending/         reports not yet moved; crashreportmover moves them into crash/
+developer.json         Developer Mode, the mounted developer disk image, stored personalization manifests
+ddi/                   the developer disk image files a host mounts this phone with (see `image_mounter`)
 """
 
 from __future__ import annotations
@@ -15,12 +17,12 @@ import json
 import secrets
 import shutil
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 # ProductVersion -> BuildVersion of the releases the emulator imitates.
-IOS_BUILDS = {"16.7": "20H19", "17.4": "21E219"}
+IOS_BUILDS = {"16.7": "20H19", "17.0": "21A329", "17.4": "21E219", "18.6": "22G86", "26.1": "23B85"}
 # ProductType -> (HardwareModel, ChipID); the UDID of A12-and-later phones is "<ChipID:08X>-<ECID:016X>".
 HARDWARE = {
     "iPhone16,1": ("D83AP", 0x8130),
@@ -55,6 +57,18 @@ class Identity:
     page_size: int
 
 
+@dataclass
+class DeveloperState:
+    """A phone prepared for development, by default: Developer Mode on and the image mounted (the faults
+    `developer_mode_off` and `image_missing` take either away; AMFI and the mounter bring them back)."""
+
+    developer_mode: bool = True
+    # ImageType -> hex of the signature (or personalization manifest) it was mounted with
+    mounted: dict[str, str] = field(default_factory=dict)
+    # hex sha384 of an image -> hex of the personalization manifest this phone stored for it
+    manifests: dict[str, str] = field(default_factory=dict)
+
+
 class DeviceState:
     """The state folder of one virtual device."""
 
@@ -66,6 +80,7 @@ class DeviceState:
         self.crash = root / "crash"
         self.crash_pending = root / "crash_pending"
         self.pairing_dir = root / "pairing"
+        self.ddi_dir = root / "ddi"
 
     @classmethod
     def open(
@@ -111,6 +126,17 @@ class DeviceState:
         identity.limit_bytes = limit_bytes
         identity_file.write_text(json.dumps(asdict(identity), indent=2))
         return state, identity
+
+    # --- developer mode and the developer disk image -------------------------------------------------
+
+    def developer(self) -> DeveloperState:
+        try:
+            return DeveloperState(**json.loads((self.root / "developer.json").read_text()))
+        except FileNotFoundError:
+            return DeveloperState()
+
+    def save_developer(self, developer: DeveloperState) -> None:
+        (self.root / "developer.json").write_text(json.dumps(asdict(developer), indent=2, sort_keys=True))
 
     # --- apps ------------------------------------------------------------------------------------------
 

@@ -74,7 +74,9 @@ class UsbmuxServer:
             path = Path(self.address)
             if path.exists():
                 if _socket_alive(path):
-                    raise OSError(f"{path}: a server is already listening there")
+                    from toolchain.exceptions import VirtualPhoneError
+
+                    raise VirtualPhoneError(f"{path}: another usbmuxd server is already listening there")
                 path.unlink()
             self._server = await asyncio.start_unix_server(self._on_client, str(path))
         if self.tcp is not None:

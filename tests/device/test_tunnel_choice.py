@@ -1,0 +1,115 @@
+"""Choosing a tunnel (`--tunnel auto|userspace|tunneld[=HOST:PORT]|none`) per iOS version, with a tunneld
+stand-in on loopback (port 0) that answers tunneld's `GET /` listing, and refusals that say what to do."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+
+from toolchain.device.tunnel import Tunnel, TunnelMode, TunnelPlan, plan_tunnel
+from toolchain.exceptions import InputError, NoTunnelError
+
+UDID = "00008130-001A2B3C4D5E6F70"
+
+
+@pytest.fixture
+def closed_port() -> Iterator[tuple[str, int]]:
+    """A loopback port nothing listens on (bound, never listening: connections are refused)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    yield sock.getsockname()
+    sock.close()
+
+
+@pytest.fixture
+def tunneld() -> Iterator[tuple[str, int]]:
+    """Answers like a tunneld holding a tunnel to UDID (the listing format of pymobiledevice3's tunneld)."""
+    listing = {UDID: [{"tunnel-address": "fd00::1", "tunnel-port": 55555, "interface": "utun7"}]}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = json.dumps(listing).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.server_address[0], server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+def plan(version: str, mode: TunnelMode, udid: str = UDID) -> TunnelPlan:
+    return asyncio.run(plan_tunnel(udid, version, mode))
+
+
+def test_parse_modes() -> None:
+    assert TunnelMode.parse("auto").mode == "auto"
+    assert TunnelMode.parse(None) == TunnelMode()
+    assert TunnelMode.parse("tunneld") == TunnelMode("tunneld")
+    assert TunnelMode.parse("tunneld=10.0.0.5:5000") == TunnelMode("tunneld", ("10.0.0.5", 5000))
+    assert TunnelMode.parse("tunneld=[::1]:49151").tunneld == ("::1", 49151)
+    assert str(TunnelMode.parse("tunneld=10.0.0.5:5000")) == "tunneld=10.0.0.5:5000"
+    for bad in ("wifi", "userspace=1.2.3.4:5", "tunneld=host", "tunneld=host:0", "tunneld=:80"):
+        with pytest.raises(InputError) as refused:
+            TunnelMode.parse(bad)
+        assert refused.value.field == "--tunnel"
+
+
+def test_before_ios17_no_tunnel_is_needed(closed_port: tuple[str, int]) -> None:
+    for mode in ("auto", "userspace", "none"):
+        chosen = plan("16.7", TunnelMode(mode, closed_port))  # type: ignore[arg-type]
+        assert chosen.kind == "lockdown"
+
+
+def test_auto_picks_userspace_from_17_4_when_tunneld_is_not_there(closed_port: tuple[str, int]) -> None:
+    for version in ("17.4", "18.6", "26.1"):
+        chosen = plan(version, TunnelMode("auto", closed_port))
+        assert chosen.kind == "userspace" and chosen.mode == "auto"
+        assert "CoreDeviceProxy" in chosen.reason
+
+
+def test_auto_refuses_17_0_to_17_3_without_tunneld(closed_port: tuple[str, int]) -> None:
+    for version in ("17.0", "17.3.1"):
+        chosen = plan(version, TunnelMode("auto", closed_port))
+        assert chosen.kind is None
+        assert "tunneld" in chosen.reason and "17.4" in chosen.reason
+    assert plan("17.2", TunnelMode("userspace", closed_port)).kind is None
+
+
+def test_tunneld_when_it_serves_the_phone(tunneld: tuple[str, int]) -> None:
+    for version in ("17.2", "18.6"):
+        chosen = plan(version, TunnelMode("auto", tunneld))
+        assert chosen.kind == "tunneld" and chosen.tunneld == f"{tunneld[0]}:{tunneld[1]}"
+    assert plan("17.2", TunnelMode("tunneld", tunneld)).kind == "tunneld"
+    # A tunneld without this phone: auto goes on to userspace where it can, `tunneld` says so.
+    assert plan("18.6", TunnelMode("auto", tunneld), udid="other").kind == "userspace"
+    refused = plan("18.6", TunnelMode("tunneld", tunneld), udid="other")
+    assert refused.kind is None and "holds no tunnel" in refused.reason
+
+
+def test_explicit_tunneld_unreachable_and_none(closed_port: tuple[str, int]) -> None:
+    refused = plan("18.6", TunnelMode("tunneld", closed_port))
+    assert refused.kind is None and "not reachable" in refused.reason and "remote tunneld" in refused.reason
+    none = plan("18.6", TunnelMode("none", closed_port))
+    assert none.kind is None and "--tunnel none" in none.reason
+
+
+def test_opening_an_impossible_tunnel_is_no_tunnel_error() -> None:
+    tunnel = Tunnel(UDID, TunnelPlan(None, "iOS 17.2 has no CoreDeviceProxy"), os_version="17.2")
+    with pytest.raises(NoTunnelError) as refused:
+        asyncio.run(tunnel.open())
+    assert refused.value.exit_code == 25 and "17.2" in str(refused.value)

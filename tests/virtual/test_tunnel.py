@@ -1,0 +1,175 @@
+"""iOS 17.4+ through the tunnel, driven by pymobiledevice3's own no-root path: `UserspaceRsdTunnel` opens
+CoreDeviceProxy over lockdown, runs the CDTunnel handshake and its userspace TCP/IP stack (pmd-pytcp) against
+the phone's IPv6/TCP endpoint, then RemoteServiceDiscovery over HTTP/2; the services it lists are used with
+their RSD names (remote lockdown, shims with RSD check-in, DTX process control). 17.0 refuses CoreDeviceProxy
+as a real 17.0 phone does, and 16.7 keeps serving developer services over lockdown."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pymobiledevice3.exceptions import InvalidServiceError, UserspaceTunnelUnavailableError
+from pymobiledevice3.lockdown import create_using_usbmux
+from pymobiledevice3.remote.remote_service_discovery import RemoteServiceDiscoveryService
+from pymobiledevice3.remote.tunnel_service import CoreDeviceTunnelProxy
+from pymobiledevice3.services.afc import AfcService
+from pymobiledevice3.services.dvt.instruments.dvt_provider import DvtProvider
+from pymobiledevice3.services.dvt.instruments.process_control import ProcessControl
+from pymobiledevice3.services.installation_proxy import InstallationProxyService
+
+from tests.virtual.conftest import BUNDLE_ID, TESTAPP_ARGS, Emulator, through_tunnel
+from toolchain.virtual.device import VirtualDevice
+from toolchain.virtual.faults import FaultPlan
+
+INSTRUMENTS = "com.apple.instruments.dtservicehub"
+
+
+@pytest.fixture(scope="module")
+def phones(emulator: Emulator) -> dict[str, VirtualDevice]:
+    return {
+        "17.0": emulator.host.add_device(emulator.root / "iphone170", ios="17.0"),
+        "18.6": emulator.host.add_device(emulator.root / "iphone186", ios="18.6", profile="iPhone17,1"),
+        "26.1": emulator.host.add_device(emulator.root / "iphone261", ios="26.1"),
+    }
+
+
+def test_rsd_names_the_phone_and_its_services(phones: dict[str, VirtualDevice]) -> None:
+    phone = phones["18.6"]
+
+    async def body(rsd: RemoteServiceDiscoveryService) -> tuple[dict, str, bool]:
+        return rsd.peer_info or {}, await rsd.get_value(key="ProductVersion"), rsd.is_in_process_tunnel
+
+    peer, remote_version, in_process = through_tunnel(phone, body)
+
+    async def over_lockdown() -> dict:
+        lockdown = await create_using_usbmux(serial=phone.identity.udid)
+        try:
+            return lockdown.all_values
+        finally:
+            await lockdown.close()
+
+    values = asyncio.run(over_lockdown())
+    properties = peer["Properties"]
+    assert properties["UniqueDeviceID"] == values["UniqueDeviceID"]
+    assert properties["ProductType"] == values["ProductType"] == "iPhone17,1"
+    assert properties["OSVersion"] == values["ProductVersion"] == remote_version == "18.6"
+    assert properties["UniqueChipID"] == values["UniqueChipID"]
+    services = peer["Services"]
+    assert {"com.apple.mobile.lockdown.remote.trusted", "com.apple.afc.shim.remote", INSTRUMENTS} <= set(services)
+    assert len({entry["Port"] for entry in services.values()}) == len(services)
+    assert in_process
+
+
+def test_shim_service_over_the_tunnel(phones: dict[str, VirtualDevice]) -> None:
+    async def body(rsd: RemoteServiceDiscoveryService) -> list[str]:
+        async with AfcService(rsd) as afc:
+            await afc.set_file_contents("/Downloads/through-tunnel.txt", b"x" * 100_000)
+            assert await afc.get_file_contents("/Downloads/through-tunnel.txt") == b"x" * 100_000
+            return await afc.listdir("/Downloads")
+
+    assert "through-tunnel.txt" in through_tunnel(phones["18.6"], body)
+    assert (phones["18.6"].state.media / "Downloads/through-tunnel.txt").stat().st_size == 100_000
+
+
+def test_process_control_launches_and_kills_through_the_tunnel(phones: dict[str, VirtualDevice], ipa: Path) -> None:
+    phone = phones["18.6"]
+
+    async def body(rsd: RemoteServiceDiscoveryService) -> tuple[int, int, int]:
+        await InstallationProxyService(rsd).install_from_local(ipa)
+        async with DvtProvider(rsd) as dvt, ProcessControl(dvt) as control:
+            pid = await control.launch(BUNDLE_ID, arguments=[*TESTAPP_ARGS, "--max-tokens", "256"])
+            looked_up = await control.process_identifier_for_bundle_identifier(BUNDLE_ID)
+            await control.kill(pid)
+            for _ in range(100):
+                if not await control.process_identifier_for_bundle_identifier(BUNDLE_ID):
+                    break
+                await asyncio.sleep(0.1)
+            return pid, looked_up, await control.process_identifier_for_bundle_identifier(BUNDLE_ID)
+
+    pid, looked_up, after_kill = through_tunnel(phone, body)
+    assert pid > 0 and looked_up == pid
+    assert after_kill == 0
+    assert phone.apps.finished[pid].outcome == "killed"
+
+
+def test_pymobiledevice3_cli_goes_through_the_tunnel_by_itself(
+    emulator: Emulator, phones: dict[str, VirtualDevice], ipa: Path
+) -> None:
+    phone = phones["18.6"]
+    env = dict(os.environ, USBMUXD_SOCKET_ADDRESS=emulator.address, PYMOBILEDEVICE3_UDID=phone.identity.udid)
+    env.pop("PYMOBILEDEVICE3_DEFAULT_FALLBACK", None)  # the CLI's own default: the no-root userspace tunnel
+
+    def cli(*args: str) -> str:
+        result = subprocess.run(
+            [sys.executable, "-m", "pymobiledevice3", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+            check=False,
+        )
+        assert result.returncode == 0, f"{args}: {result.stdout}\n{result.stderr}"
+        return result.stdout
+
+    cli("apps", "install", str(ipa))
+    launched = cli("developer", "dvt", "launch", f"{BUNDLE_ID} --max-tokens 256 --layers 2")
+    pid = int(re.search(r"pid (\d+)", launched).group(1))  # type: ignore[union-attr]
+    assert phone.apps.pid_for_bundle(BUNDLE_ID) == pid
+    cli("developer", "dvt", "kill", str(pid))
+    assert emulator.host.run(phone.apps.wait(pid, 20)).outcome == "killed"
+    assert json.loads(cli("amfi", "developer-mode-status")) is True
+
+
+def test_instruments_only_while_the_image_is_mounted(phones: dict[str, VirtualDevice]) -> None:
+    phone = phones["26.1"]
+    phone.faults = FaultPlan(image_missing=True)
+
+    async def body(rsd: RemoteServiceDiscoveryService) -> set[str]:
+        with pytest.raises(InvalidServiceError):
+            async with DvtProvider(rsd):
+                pass
+        return set((rsd.peer_info or {})["Services"])
+
+    try:
+        services = through_tunnel(phone, body)
+    finally:
+        phone.faults = FaultPlan()
+    assert INSTRUMENTS not in services
+    assert "com.apple.mobile.mobile_image_mounter.shim.remote" in services
+
+
+def test_17_0_has_no_core_device_proxy(phones: dict[str, VirtualDevice]) -> None:
+    phone = phones["17.0"]
+
+    async def proxy() -> None:
+        lockdown = await create_using_usbmux(serial=phone.identity.udid)
+        try:
+            await CoreDeviceTunnelProxy.create(lockdown)
+        finally:
+            await lockdown.close()
+
+    with pytest.raises(InvalidServiceError):
+        asyncio.run(proxy())
+    with pytest.raises(UserspaceTunnelUnavailableError):
+        through_tunnel(phone, lambda rsd: asyncio.sleep(0))
+
+
+def test_16_7_keeps_developer_services_on_lockdown(emulator: Emulator) -> None:
+    async def main() -> None:
+        lockdown = await create_using_usbmux(serial=emulator.udid)
+        try:
+            async with DvtProvider(lockdown) as dvt, ProcessControl(dvt) as control:
+                assert await control.process_identifier_for_bundle_identifier(BUNDLE_ID) == 0
+            with pytest.raises(InvalidServiceError):
+                await CoreDeviceTunnelProxy.create(lockdown)
+        finally:
+            await lockdown.close()
+
+    asyncio.run(main())
