@@ -22,6 +22,7 @@ from toolchain import bundle as bundle_mod
 from toolchain.bundle import PackageOptions, PlanView, package, verify_bundle
 from toolchain.exceptions import (
     BundleError,
+    BundleExistsError,
     DoesNotFitError,
     ModelConfigError,
     UnsupportedArchitectureError,
@@ -146,8 +147,30 @@ def test_verify_ok_and_catches_truncated_and_edited_files(q4_bundle: Path, tmp_p
 
 
 def test_existing_output_folder(q4_bundle: Path) -> None:
-    with pytest.raises(BundleError, match="already exists"):
+    with pytest.raises(BundleExistsError, match="already exists; use --force to replace it"):
         package(None, q4_bundle, PackageOptions(kv="k8v8"))
+
+
+def test_force_replaces_a_bundle_but_nothing_else(q4_bundle: Path, source_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "bundle"
+    shutil.copytree(q4_bundle, out)
+    result = package(source_dir, out, PackageOptions(kv="k8v4", force=True))
+    assert result.path == out
+    # The new bundle is in place, whole; the old one and the temporary folder are gone.
+    assert load_model_file(KVCacheConfig, out / "kvcache.json").scheme == "k8v4"
+    assert verify_bundle(out).ok
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle"]
+
+    # A folder that is not a bundle is never replaced, even with --force; an empty one is.
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    with pytest.raises(BundleExistsError, match="not a kvrig bundle"):
+        package(source_dir, mine, PackageOptions(kv="k8v4", force=True))
+    assert (mine / "notes.txt").read_text() == "keep me" and len(list(mine.iterdir())) == 1
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert package(source_dir, empty, PackageOptions(kv="k8v4", force=True)).kvcache.scheme == "k8v4"
 
 
 def test_missing_and_incomplete_model_dirs(tmp_path: Path) -> None:
@@ -247,7 +270,7 @@ def test_cli_errors_are_clear(q4_bundle: Path, tmp_path: Path) -> None:
     not_gguf = tmp_path / "weights.bin"
     not_gguf.write_bytes(b"\x00" * 64)
     cases = [
-        (["package", "-o", str(q4_bundle)], 7, "already exists"),
+        (["package", "-o", str(q4_bundle)], BundleExistsError.exit_code, "already exists; use --force"),
         (["package", str(not_gguf), "-o", str(tmp_path / "o1")], 3, "not a GGUF file"),
         (["package", str(tmp_path / "missing"), "-o", str(tmp_path / "o2")], 3, "model not found"),
         (["package", "--kv", "k7v4", "-o", str(tmp_path / "o3")], 5, "k7v4"),

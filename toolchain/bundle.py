@@ -1,7 +1,8 @@
 """Bundles: the directory pushed to the phone (weights, tokenizer, config.json, kvcache.json, manifest.json).
 
 A bundle is written into a hidden temporary folder next to the output and renamed at the end, so a folder
-with the output's name is always complete. `verify_bundle` re-checks every file against the manifest.
+with the output's name is always complete; with `force`, an existing bundle there is swapped for the new one
+in one rename (Linux `renameat2(RENAME_EXCHANGE)`). `verify_bundle` re-checks every file against the manifest.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
@@ -23,6 +25,8 @@ from typing import Any
 from toolchain import __version__
 from toolchain.exceptions import (
     BundleError,
+    BundleExistsError,
+    BundleWriteError,
     DoesNotFitError,
     ModelConfigError,
     SchemaError,
@@ -70,6 +74,7 @@ class PackageOptions:
     kv_group_size: int = 64
     device: str | None = None
     force: bool = False
+    """Package even if the plan says it does not fit, and replace an existing bundle at the output."""
     quantized_kv_start: int = 0
     rotation: str = "none"
     page_tokens: int = MLX_CACHE_STEP
@@ -78,6 +83,8 @@ class PackageOptions:
     buffer_cache_limit_bytes: int = DEFAULT_BUFFER_CACHE_LIMIT
     max_context: int | None = None
     """Without a device: the context written to kvcache.json (default: the model's own maximum)."""
+    pressure: PressurePolicy = field(default_factory=PressurePolicy)
+    """What the app does on memory-pressure levels (kvcache.json `pressure`)."""
 
 
 @dataclass
@@ -170,8 +177,7 @@ def package(model: str | Path | None, out: str | Path, options: PackageOptions) 
     out = Path(out)
     recipe = parse_recipe(options.weights, options.group_size)
     scheme = parse_scheme(options.kv, group_size=options.kv_group_size)
-    if out.exists():
-        raise BundleError(f"{out}: output folder already exists; remove it or choose another -o")
+    _check_output(out, force=options.force)
     source = Path(model) if model is not None else embedded_default_model()
     _check_readable_source(source)
     try:
@@ -212,11 +218,59 @@ def package(model: str | Path | None, out: str | Path, options: PackageOptions) 
                     files=list(_hash_files(tmp)),
                 )
                 (tmp / MANIFEST_NAME).write_text(manifest.model_dump_json(by_alias=True, indent=2) + "\n")
-                os.rename(tmp, out)
+                _install(tmp, out, force=options.force)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return PackageResult(out, manifest, kvcache, warnings)
+
+
+def _check_output(out: Path, *, force: bool) -> None:
+    """An existing output folder is replaced only with `force`, and only if it is a bundle (or empty)."""
+    if not out.exists() and not out.is_symlink():
+        return
+    if not force:
+        raise BundleExistsError(f"{out}: output folder already exists; use --force to replace it, or another -o")
+    if out.is_symlink() or not out.is_dir():
+        raise BundleExistsError(f"{out}: exists and is not a folder; not replacing it")
+    if not (out / MANIFEST_NAME).is_file() and any(out.iterdir()):
+        raise BundleExistsError(f"{out}: exists and is not a kvrig bundle (no {MANIFEST_NAME}); not replacing it")
+
+
+def _install(tmp: Path, out: Path, *, force: bool) -> None:
+    """Renames the finished bundle into place; with `force` an existing one is swapped out, then removed."""
+    if not out.exists():
+        os.rename(tmp, out)
+        return
+    _check_output(out, force=force)  # again: it may have appeared while we quantized
+    if _exchange(tmp, out):
+        shutil.rmtree(tmp, ignore_errors=True)  # now the old bundle
+        return
+    # No atomic exchange on this system: the old bundle moves aside for the moment between two renames.
+    old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+    os.rename(out, old)
+    os.rename(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swaps two paths atomically (Linux renameat2 with RENAME_EXCHANGE); False where that is unavailable."""
+    import ctypes
+    import ctypes.util
+
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL):  # kernel or filesystem without RENAME_EXCHANGE
+        return False
+    raise OSError(code, os.strerror(code), str(b))
 
 
 def _prediction(plan: PlanView | None, *, forced: bool) -> Prediction | None:
@@ -305,19 +359,20 @@ def _disk_errors(where: Path) -> Iterator[None]:
         yield
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            raise BundleError(
+            raise BundleWriteError(
                 f"{where}: disk full while writing the bundle ({exc.strerror}); nothing was kept"
             ) from None
         if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-            raise BundleError(f"{where}: cannot write: {exc.strerror}") from None
+            raise BundleWriteError(f"{where}: cannot write: {exc.strerror}") from None
         raise
-    except RuntimeError as exc:
-        # MLX reports failed writes (safetensors) as RuntimeError without an errno.
-        if "write" not in str(exc).lower():
-            raise
+    except _WeightsWriteFailed as exc:
         free = shutil.disk_usage(where.parent).free
         reason = "disk full" if free < 64 * 2**20 else "write failed"
-        raise BundleError(f"{where}: {reason} while writing the bundle ({exc}); nothing was kept") from None
+        raise BundleWriteError(f"{where}: {reason} while writing the bundle ({exc}); nothing was kept") from None
+
+
+class _WeightsWriteFailed(Exception):
+    """MLX's safetensors writer failed (MLX raises RuntimeError without an errno for it)."""
 
 
 def _check_kv_group(config: dict[str, Any], group: int, scheme: KVScheme, file: Path) -> None:
@@ -334,7 +389,13 @@ def _write_weights(src_dir: Path, dst: Path, recipe: WeightRecipe) -> dict[str, 
 
     model, config = load_source_model(src_dir)
     model, config = quantize(model, config, recipe)
-    save_model(dst, model, donate_model=True)
+    import mlx.core as mx
+
+    mx.eval(model.parameters())  # computed here, so a RuntimeError from the save below is the write's
+    try:
+        save_model(dst, model, donate_model=True)
+    except RuntimeError as exc:  # MLX reports a failed safetensors write without an errno
+        raise _WeightsWriteFailed(str(exc)) from exc
     save_config(config, config_path=dst / "config.json")
     return config
 
@@ -401,7 +462,7 @@ def build_kvcache_config(
         prefill_step_size=options.prefill_step_size,
         buffer_cache_limit_bytes=options.buffer_cache_limit_bytes,
         memory_limit_bytes=memory_limit,
-        pressure=PressurePolicy(),
+        pressure=options.pressure,
         layers=layer_caches(src_dir, scheme),
     )
 

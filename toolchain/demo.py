@@ -1,10 +1,11 @@
 """The main job end to end on a virtual iPhone (what `kvrig demo` and `make demo` run).
 
 Package the embedded SmolLM2 (weights and KV scheme as given), plan it, render its app and build the .ipa for
-the virtual iPhone, start a virtual iPhone 15 Pro whose app limit leaves room for `room_tokens` of KV beyond
-the weights, the MLX buffer cache and the profile's baseline (so jetsam comes in a minute or two on a laptop
-CPU), deploy the app and the bundle, soak until jetsam, and compare the planner's prediction with what the
-soak measured and what the JetsamEvent report says. The virtual iPhone is stopped at the end.
+the virtual iPhone, start a virtual iPhone 15 Pro whose app limit is the plan's peak footprint at
+`room_tokens` (weights, KV, MLX buffer cache, the prefill transient, the profile's baseline; so jetsam comes in
+a minute or two on a laptop CPU), deploy the app and the bundle, soak until jetsam, and compare the planner's
+prediction with what the soak measured and what the JetsamEvent report says. The virtual iPhone is stopped at
+the end.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class DemoOptions:
     weights: str = "q4"
     kv: str = "k8v4"
     room_tokens: int = 2048
+    prefill_step: int = 512
     step_tokens: int = 256
     decode_tokens: int = 4
     max_tokens: int = 16384
@@ -49,6 +51,31 @@ class DemoResult:
     predicted_footprint_bytes: int
     soak: SoakResult
     soak_dir: Path
+    kv: str = ""
+    prefill_step: int = 0
+    step_tokens: int = 0
+
+    @property
+    def killed_in_step(self) -> tuple[int, int] | None:
+        """The soak step the kernel killed the app in: (last context it survived, the context it was growing
+        to); None unless jetsam ended the run."""
+        if self.soak.outcome != "jetsam" or self.soak.max_safe_context is None:
+            return None
+        return self.soak.max_safe_context, self.soak.max_safe_context + self.step_tokens
+
+    @property
+    def plan_within_one_step(self) -> bool | None:
+        """The issue's check: the planned max context (no margin) lies within one soak step of the kill."""
+        step = self.killed_in_step
+        if step is None:
+            return None
+        return abs(self.predicted_max_context - step[0]) <= self.step_tokens
+
+    @property
+    def kill_footprint_over_limit_bytes(self) -> int | None:
+        """The JetsamEvent report's footprint minus the limit (within one page when the kernel is exact)."""
+        at_kill = self.soak.footprint_at_kill_bytes
+        return None if at_kill is None else at_kill - self.limit_bytes
 
 
 def _say(on_event: Event | None, text: str) -> None:
@@ -65,28 +92,37 @@ def run_demo(options: DemoOptions, on_event: Event | None = None) -> DemoResult:
     from toolchain.plan import plan_memory
     from toolchain.plan.memory import DEFAULT_MARGIN
     from toolchain.profiles import AppMemoryLimit, SourcedInt, load_profile
+    from toolchain.schemas.kvcache import PressurePolicy
 
     out = options.out
     out.mkdir(parents=True, exist_ok=True)
-    name = f"smollm2-{options.weights}-{options.kv}"
+    name = f"smollm2-{options.weights}-{options.kv}-p{options.prefill_step}"
     _say(on_event, f"packaging SmolLM2-135M ({options.weights} weights, {options.kv} KV) ...")
     packaged = package(
         embedded_default_model(),
         out / "bundles" / name,
-        PackageOptions(weights=options.weights, kv=options.kv, force=True),
+        PackageOptions(
+            weights=options.weights,
+            kv=options.kv,
+            prefill_step_size=options.prefill_step,
+            # The demo measures where jetsam strikes: an app that evicted under pressure would move it.
+            pressure=PressurePolicy(warning="none", critical="none"),
+            force=True,
+        ),
     )
     bundle, kv = packaged.path, packaged.kvcache
 
     profile = load_profile(options.device)
     spec = load_model_spec(bundle)
-    common = {"schemes": [kv.scheme], "weights": options.weights, "prefill_step": kv.prefill_step_size}
-    sizing = plan_memory(spec, profile, contexts=[options.room_tokens], **common)  # type: ignore[arg-type]
-    limit = (
-        sizing.runtime.baseline_bytes
-        + sizing.weights_bytes
-        + sizing.runtime.buffer_cache_bytes
-        + sizing.kv_bytes[kv.scheme][str(options.room_tokens)]
-    )
+    common = {
+        "schemes": [kv.scheme],
+        "weights": options.weights,
+        "prefill_step": kv.prefill_step_size,
+        "buffer_cache_bytes": kv.buffer_cache_limit_bytes,
+    }
+    # The limit: the plan's own peak footprint at `room_tokens` (capped there, so the plan stops at it).
+    sizing = plan_memory(spec, profile, margin=0.0, max_context_cap=options.room_tokens, **common)  # type: ignore[arg-type]
+    limit = sizing.budget_at_max_context[kv.scheme].total_bytes
     # The planner on the phone the soak runs on: the same profile with the small limit.
     given = SourcedInt(value=limit, basis="reported", source="kvrig demo: the virtual iPhone's limit")
     small = profile.model_copy(update={"app_memory_limit": AppMemoryLimit(default_bytes=given)})
@@ -120,6 +156,9 @@ def run_demo(options: DemoOptions, on_event: Event | None = None) -> DemoResult:
         predicted_footprint_bytes=exact.budget_at_max_context[kv.scheme].total_bytes,
         soak=soak_result,
         soak_dir=out / "soak",
+        kv=kv.scheme,
+        prefill_step=kv.prefill_step_size,
+        step_tokens=options.step_tokens,
     )
 
 

@@ -70,11 +70,19 @@ class UnsupportedArchitectureError(KvrigError):
 
     exit_code = 4
 
-    def __init__(self, architecture: str, supported: list[str], *, file: str | Path | None = None) -> None:
+    def __init__(
+        self, architecture: str, supported: list[str], *, file: str | Path | None = None, reason: str | None = None
+    ) -> None:
         self.architecture = architecture
         self.supported = supported
+        self.reason = reason
         where = f"{file}: " if file else ""
-        super().__init__(f"{where}unsupported architecture '{architecture}'; supported: {', '.join(sorted(supported))}")
+        if reason:  # a module mlx-lm ships that kvrig cannot plan here, and why
+            super().__init__(f"{where}cannot plan architecture '{architecture}': {reason}")
+        else:
+            super().__init__(
+                f"{where}unsupported architecture '{architecture}'; supported: {', '.join(sorted(supported))}"
+            )
 
 
 class QuantizationError(KvrigError):
@@ -102,6 +110,18 @@ class VerifyError(BundleError):
     """A bundle file does not match its manifest (missing, truncated, edited)."""
 
     exit_code = 8
+
+
+class BundleExistsError(BundleError):
+    """The output folder exists (replace a bundle only with --force; never a folder that is not a bundle)."""
+
+    exit_code = 36
+
+
+class BundleWriteError(BundleError):
+    """Writing the bundle failed (disk full, no permission); nothing was kept."""
+
+    exit_code = 37
 
 
 # --- platform (exit 9) -------------------------------------------------------------------------------------
@@ -157,7 +177,8 @@ class AppError(DeviceError):
 
 
 class SoakFailedError(KvrigError):
-    """A soak run ended in a crash, a hang or a lost device (results were still written)."""
+    """A soak run ended in a crash, a hang, a lost device or the app's own error end (results were still
+    written)."""
 
     exit_code = 16
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from toolchain.schemas.lab import Gates
-from toolchain.schemas.results import GateCheck, SoakResult, TpsPoint
+from toolchain.schemas.results import BAD_OUTCOMES, GateCheck, SoakResult, TpsPoint
 
-BAD_OUTCOMES = ("crash", "hang", "device_lost")
+__all__ = ["BAD_OUTCOMES", "evaluate", "failures"]
 
 
 def decode_tps_at(curve: list[TpsPoint], context: int) -> float | None:

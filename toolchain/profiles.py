@@ -55,6 +55,16 @@ class AppMemoryLimit(_Frozen):
     )
 
 
+class GpuLimits(_Frozen):
+    """Metal's own limits, which bind besides jetsam: the GPU working set Metal recommends and the largest
+    single buffer it will allocate. null: not known for this device."""
+
+    recommended_working_set_bytes: SourcedInt | None = Field(
+        default=None, description="MTLDevice.recommendedMaxWorkingSetSize"
+    )
+    max_buffer_bytes: SourcedInt | None = Field(default=None, description="MTLDevice.maxBufferLength")
+
+
 class DeviceProfile(_Frozen):
     schema_version: Literal[1] = Field(alias="schema")
     name: str = Field(pattern=r"^[a-z0-9]+(-[a-z0-9]+)*$", description="kebab-case; the file name")
@@ -70,6 +80,7 @@ class DeviceProfile(_Frozen):
         description="footprint of the MLX-Swift SwiftUI app before weights and KV (Metal, runtime, UI)"
     )
     os_seen: SourcedText | None = Field(default=None, description="OS versions the limits were seen on")
+    gpu: GpuLimits | None = Field(default=None, description="Metal's limits (working set, largest buffer)")
     notes: list[str] = Field(default_factory=list)
     sources: list[str] = Field(default_factory=list, description="references behind the values")
 
@@ -107,6 +118,16 @@ class DeviceProfile(_Frozen):
     @property
     def baseline(self) -> int:
         return self.app_baseline_bytes.value
+
+    @property
+    def gpu_working_set(self) -> int | None:
+        limit = self.gpu.recommended_working_set_bytes if self.gpu else None
+        return limit.value if limit is not None else None
+
+    @property
+    def gpu_max_buffer(self) -> int | None:
+        limit = self.gpu.max_buffer_bytes if self.gpu else None
+        return limit.value if limit is not None else None
 
 
 def profiles_dir() -> Path:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +24,8 @@ from toolchain.appgen.render import AppOptions, render_app
 from toolchain.appgen.virtual_ipa import build_virtual_ipa
 from toolchain.bundle import PackageOptions
 from toolchain.device.deploy import deploy
+from toolchain.exceptions import SoakFailedError
+from toolchain.gates import failures
 from toolchain.plan import plan as make_memory_plan
 from toolchain.schemas.telemetry import TelemetryEvent
 from toolchain.soak import SoakOptions, make_plan, run_soak
@@ -32,7 +36,8 @@ Q4_K8V4 = PackageOptions(weights="q4", group_size=64, kv="k8v4")
 APP_ID = "dev.kvrig.llmsoak"
 EMPTY_APP_ID = "dev.kvrig.nobundle"
 PROFILE = "iPhone16,1"
-KILL_CONTEXT = 1024  # the small limit leaves room for KV allocated up to this context (and no activations)
+KILL_CONTEXT = 1024  # the small limit leaves room for KV allocated up to this context ...
+TRANSIENT_ROOM = 10 * 1024 * 1024  # ... and about this much for what a prefill step holds for a moment
 OPTIONS = SoakOptions(poll_interval_s=0.2, hang_after_s=90, report_wait_s=10)
 EVENT = TypeAdapter(TelemetryEvent)
 
@@ -60,11 +65,13 @@ def _ipa(bundle: Path, out: Path, bundle_id: str) -> Path:
 @pytest.fixture(scope="module")
 def phones(bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Phones]:
     root = tmp_path_factory.mktemp("llmsoak")
-    memory = make_memory_plan(bundle, PROFILE, schemes=["k8v4"], weights="q4", contexts=[KILL_CONTEXT, 768])
+    memory = make_memory_plan(bundle, PROFILE, schemes=["k8v4"], weights="q4", contexts=[KILL_CONTEXT, 512])
     model_bytes = memory.weights_bytes + memory.runtime.buffer_cache_bytes
-    small_limit = memory.runtime.baseline_bytes + model_bytes + memory.kv_bytes["k8v4"][str(KILL_CONTEXT)]
-    # No baseline, and the warning level (80% of the limit) reached once the KV holds 768 tokens: room to evict.
-    roomy_limit = int((model_bytes + memory.kv_bytes["k8v4"]["768"]) / 0.8)
+    kill_kv = memory.kv_bytes["k8v4"][str(KILL_CONTEXT)]
+    small_limit = memory.runtime.baseline_bytes + model_bytes + kill_kv + TRANSIENT_ROOM
+    # No baseline, and the warning level (80% of the limit) reached by the footprint after a prefill chunk
+    # (MLX's buffer cache full) once the KV has grown past 512 tokens: room to evict.
+    roomy_limit = int((model_bytes + memory.kv_bytes["k8v4"]["512"] + 2**20) / 0.8)
     address = f"/tmp/kvrig-llm-{os.getpid()}-{root.name}.sock"
     previous = os.environ.get("USBMUXD_SOCKET_ADDRESS")
     os.environ["USBMUXD_SOCKET_ADDRESS"] = address
@@ -137,12 +144,16 @@ def test_real_bundle_soaks_into_jetsam(phones: Phones, tmp_path: Path) -> None:
     body = _raw_report(report_path)
     (victim,) = [p for p in body["processes"] if p.get("reason")]
     assert victim["name"] == result.process == "SmolLM2Soak"
-    at_kill = victim["rpages"] * body["memoryStatus"]["pageSize"]
-    assert at_kill >= phones.small_limit
+    page = body["memoryStatus"]["pageSize"]
+    at_kill = victim["rpages"] * page
+    # Killed at the page that crossed the limit (the kernel charges each step's peak as it happens).
+    assert phones.small_limit < at_kill <= phones.small_limit + page
     assert result.footprint_at_kill_bytes == at_kill
     assert steps[-1]["phys_footprint_bytes"] < phones.small_limit
-    # The kill came when the KV allocation reached the room the limit left (activations tip it over).
-    assert KILL_CONTEXT - 512 <= result.max_context_reached <= KILL_CONTEXT
+    # The kill came by the time the KV reached the room the limit left (the app evicts a page at critical
+    # pressure, so it can come back to a shorter context first; tests/outcomes/test_planned_vs_killed.py
+    # soaks an app that does not evict, against the plan).
+    assert result.max_context_reached <= KILL_CONTEXT + 256
 
 
 def test_large_limit_completes(phones: Phones, tmp_path: Path) -> None:
@@ -208,4 +219,15 @@ def test_app_without_a_bundle_ends_with_a_clear_error(phones: Phones, tmp_path: 
     assert [e["event"] for e in events] == ["end"]
     assert events[0]["reason"] == "error" and "no model bundle in Documents" in events[0]["message"]
     assert "kvrig deploy" in events[0]["message"]
-    assert result.outcome == "completed" and "error" in result.outcome_detail
+    # The app's own error end is an error, not a completed run: it fails the run in the lab...
+    assert result.outcome == "error" and "no model bundle in Documents" in result.outcome_detail
+    assert [kind for kind, _ in failures(result)] == ["error"]
+    # ... and `kvrig soak` exits with the soak-failed code (16), saying why.
+    env = dict(os.environ, USBMUXD_SOCKET_ADDRESS=phones.host.address)
+    udid = phones.large.identity.udid
+    args = ["soak", "--app-id", EMPTY_APP_ID, "--udid", udid, "--max-tokens", "512", "-o", str(tmp_path / "cli")]
+    proc = subprocess.run([sys.executable, "-m", "toolchain", *args], capture_output=True, text=True, env=env)
+    assert proc.returncode == SoakFailedError.exit_code == 16, proc.stderr
+    assert "error" in proc.stderr and "no model bundle" in proc.stderr and "Traceback" not in proc.stderr
+    saved = json.loads((tmp_path / "cli" / "results.json").read_text())
+    assert saved["runs"][0]["outcome"] == "error"

@@ -79,10 +79,11 @@ def test_soak_until_jetsam(installed: Emulator, tmp_path: Path) -> None:
 
 
 def test_soak_that_completes_kills_the_finished_app(installed: Emulator, tmp_path: Path) -> None:
-    plan = make_plan(max_tokens=768, step_tokens=256, decode_tokens=1)
+    # 512: the step to 768 peaks above the 160 MiB limit while the cache grows (old and new buffers at once)
+    plan = make_plan(max_tokens=512, step_tokens=256, decode_tokens=1)
     result = run(on_device(installed.udid, lambda d: run_soak(d, BUNDLE_ID, plan, tmp_path, FAST)))
     assert result.outcome == "completed"
-    assert result.max_context_reached == 768
+    assert result.max_context_reached == 512
     assert result.files.jetsam_reports == [] and result.footprint_at_kill_bytes is None
     ends = [json.loads(x) for x in (tmp_path / "telemetry.jsonl").read_text().splitlines() if '"end"' in x]
     assert [e["reason"] for e in ends] == ["completed"]

@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "prepare": "toolchain.cli.device:prepare",
     "build": "toolchain.cli.app:build",
     "plan": "toolchain.cli.plan:plan",
+    "plan-bench": "toolchain.cli.plan:plan_bench",
     "profiles": "toolchain.cli.profiles:profiles",
     "package": "toolchain.cli.package:package",
     "run": "toolchain.cli.run:run",

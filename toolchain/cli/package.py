@@ -33,7 +33,11 @@ from toolchain.cli.render import echo_json, human_bytes, json_option
 @click.option("--keep-tokens", default=4, show_default=True, type=int, help="Tokens kept at the start when evicting.")
 @click.option("--prefill-step", default=512, show_default=True, type=int)
 @click.option("--max-context", type=int, help="Without --device: the context written to kvcache.json.")
-@click.option("--force", is_flag=True, help="Package even if the plan says it does not fit.")
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Package even if the plan says it does not fit; replace an existing bundle at -o (swapped in at once).",
+)
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Bundle folder to create.")
 @json_option
 def package(

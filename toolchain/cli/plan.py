@@ -187,3 +187,43 @@ def render_plan(p) -> None:  # type: ignore[no-untyped-def]
         console.print(f"  • {reason}")
     for note in p.notes:
         console.print(f"[dim]note: {note}[/]")
+
+
+@click.command("plan-bench", short_help="Time and memory of planning, side by side with doing the same for real.")
+@click.argument("model", required=False, type=click.Path(path_type=Path))
+@click.option("--device", "-d", default="iPhone16,1", show_default=True, help="ProductType, profile name or file.")
+@click.option("--no-real", is_flag=True, help="Skip the evaluated KV and the measured prefill (large models).")
+@json_option
+def plan_bench(model: Path | None, device: str, no_real: bool, as_json: bool) -> None:
+    """Time and memory of planning MODEL (default: the embedded SmolLM2), side by side with doing the same
+    for real: MLX's peak memory and Python's while planning, the lazily answered KV bytes at 8192 tokens
+    against the evaluated caches, and the prefill transient measured on the real model against the plan's."""
+    from toolchain.runtime.blas import ensure_openblas
+
+    if not no_real:
+        ensure_openblas()  # the measured prefill runs float matmuls on the CPU
+    from toolchain.plan.bench import benchmark_plan
+
+    b = benchmark_plan(model, device, real=not no_real)
+    if as_json:
+        echo_json(b.to_dict())
+        return
+    click.echo(
+        f"{Path(b.model).name}: plan {b.plan_seconds:.2f} s; MLX peak {b.plan_mlx_peak_bytes:,} B, "
+        f"Python peak {human_bytes(b.plan_python_peak_bytes)}"
+    )
+    click.echo(
+        f"KV at {b.kv_context} tokens (fp16): {b.kv_bytes_lazy:,} B answered lazily in "
+        f"{b.kv_lazy_seconds:.3f} s with {b.kv_lazy_mlx_peak_bytes:,} B of MLX memory"
+    )
+    if b.kv_bytes_evaluated is not None and b.kv_evaluated_mlx_peak_bytes:
+        click.echo(
+            f"  evaluated for real: {b.kv_bytes_evaluated:,} B, MLX peak {b.kv_evaluated_mlx_peak_bytes:,} B "
+            f"(lazy allocates {b.kv_lazy_mlx_peak_bytes / b.kv_evaluated_mlx_peak_bytes:.2e} of it)"
+        )
+    if b.transient_measured_bytes is not None and b.transient_planned_bytes:
+        click.echo(
+            f"Prefill transient at {b.transient_context} (512-token chunk, float32, CPU): measured "
+            f"{human_bytes(b.transient_measured_bytes)}, planned {human_bytes(b.transient_planned_bytes)} "
+            f"(ratio {b.transient_measured_bytes / b.transient_planned_bytes:.2f})"
+        )

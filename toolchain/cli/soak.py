@@ -88,6 +88,7 @@ def soak(
     """Grow the app's context until it completes or iOS kills it; pull telemetry and the jetsam report."""
     from toolchain.exceptions import SoakFailedError, TunnelLostError
     from toolchain.schemas import load_model_file
+    from toolchain.schemas.results import BAD_OUTCOMES
     from toolchain.schemas.soakplan import SoakPlan
     from toolchain.soak import SoakOptions, make_plan
     from toolchain.soak import soak as run
@@ -114,7 +115,7 @@ def soak(
         _render(result, out_dir)
     if result.outcome == "device_lost" and result.lost == "tunnel":
         raise TunnelLostError(f"soak {result.run_id}: {result.outcome_detail} (results: {out_dir / 'results.json'})")
-    if result.outcome in ("crash", "hang", "device_lost"):
+    if result.outcome in BAD_OUTCOMES:
         raise SoakFailedError(f"soak {result.run_id} ended in {result.outcome}: {result.outcome_detail}")
 
 

@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
-from toolchain.exceptions import ModelConfigError, UnsupportedArchitectureError
-from toolchain.models.families import (
-    FAMILIES,
-    NO_QUANTIZED_ATTENTION,
-    NOTES,
-    REMAPPING,
-    TEXT_CONFIG_WRAPPERS,
-    ConfigReader,
-)
+from toolchain.exceptions import ModelConfigError
 from toolchain.models.spec import DTYPE_BYTES, LayerSpec, ModelSpec
 
 __all__ = [
@@ -67,46 +60,62 @@ def read_config(ref: str | Path) -> tuple[dict[str, Any], Path]:
     return config, path
 
 
-def mlx_model_type(config: dict[str, Any], source: str | Path) -> str:
-    model_type = config.get("model_type")
-    if not isinstance(model_type, str):
-        raise ModelConfigError("missing", file=source, field="model_type", expected="a model type string")
-    return REMAPPING.get(model_type, model_type)
+def _int_field(text: dict[str, Any], config: dict[str, Any], key: str) -> int:
+    value = text.get(key, config.get(key))
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
-def spec_from_config(config: dict[str, Any], source: str | Path = "<config>") -> ModelSpec:
+def spec_from_config(
+    config: dict[str, Any],
+    source: str | Path = "<config>",
+    tensors: dict[str, tuple[tuple[int, ...], str]] | None = None,
+) -> ModelSpec:
+    """The ModelSpec of the mlx-lm model for `config`: its layers and caches learned from one lazy step of the
+    model itself (plan/caches.py). `tensors` (a checkpoint's names and shapes) decide tied embeddings."""
+    from toolchain.models.lazy import mlx_classes
+    from toolchain.plan.caches import layer_specs
+
     source = str(source)
-    model_type = mlx_model_type(config, source)
-    text = config
-    prefix = ""
-    if isinstance(config.get("text_config"), dict):
-        text, prefix = config["text_config"], "text_config."
-        model_type = TEXT_CONFIG_WRAPPERS.get(model_type, model_type)
-    elif model_type in TEXT_CONFIG_WRAPPERS and model_type != TEXT_CONFIG_WRAPPERS[model_type]:
-        model_type = TEXT_CONFIG_WRAPPERS[model_type]
-    reader = FAMILIES.get(model_type)
-    if reader is None:
-        raise UnsupportedArchitectureError(model_type, list(FAMILIES), file=source)
-    r = ConfigReader(text, source, prefix)
-    layers = reader(r)
+    if not isinstance(config.get("model_type"), str):
+        raise ModelConfigError("missing", file=source, field="model_type", expected="a model type string")
+    model_cls, _ = mlx_classes(config, source)
+    text = config["text_config"] if isinstance(config.get("text_config"), dict) else config
     dtype = str(text.get("torch_dtype") or config.get("torch_dtype") or "float16")
     if dtype not in DTYPE_BYTES:
         dtype = "float16"
-    notes = [NOTES[model_type]] if model_type in NOTES else []
-    return ModelSpec(
-        model_type=model_type,
+    spec = ModelSpec(
+        model_type=model_cls.__module__.rsplit(".", 1)[-1],  # the text model's, once the probe has built it
         source=source,
         config=config,
-        layers=layers,
+        layers=[],
         dtype=dtype,
-        hidden_size=r.integer("hidden_size"),
-        vocab_size=r.integer("vocab_size"),
-        quantized_attention=model_type not in NO_QUANTIZED_ATTENTION,
-        notes=notes,
+        hidden_size=_int_field(text, config, "hidden_size"),
+        vocab_size=_int_field(text, config, "vocab_size"),
+        tensors=tensors,
     )
+    from toolchain.plan.caches import quantized_step_runs
+
+    model = spec.probe().model
+    text_model = getattr(model, "language_model", model)  # multimodal wrappers: the language model's module
+    spec.model_type = type(text_model).__module__.rsplit(".", 1)[-1]
+    layers = layer_specs(spec.probe())
+    if any(layer.kind == "full" for layer in layers) and not quantized_step_runs(spec.probe(), spec.model_type):
+        # Growing caches the model cannot read quantized stay unquantized ("latent", as for MLA).
+        layers = [dataclasses.replace(layer, kind="latent") if layer.kind == "full" else layer for layer in layers]
+        spec.notes.append(
+            f"mlx-lm's {spec.model_type} attention cannot read quantized KV caches; KV schemes leave them unquantized."
+        )
+    spec.layers = layers
+    return spec
 
 
 def load_model_spec(ref: str | Path | None = None) -> ModelSpec:
     """ModelSpec for a model directory, config.json or GGUF file; None means the embedded default."""
     config, path = read_config(ref if ref is not None else default_model_path())
-    return spec_from_config(config, path)
+    folder = path.parent if path.name == "config.json" else None
+    tensors = None
+    if folder is not None and any(folder.glob("*.safetensors")):
+        from toolchain.models.lazy import safetensors_tensors
+
+        tensors = safetensors_tensors(folder)
+    return spec_from_config(config, path, tensors)

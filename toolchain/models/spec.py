@@ -1,4 +1,4 @@
-"""ModelSpec: what a model's caches look like, layer by layer, as the MLX implementation stores them."""
+"""ModelSpec: a model's layers and caches as mlx-lm really builds them, learned from the model itself."""
 
 from __future__ import annotations
 
@@ -7,17 +7,17 @@ from typing import Any, Literal
 
 LayerKind = Literal["full", "sliding", "shared", "linear", "latent"]
 
+# The phone's element sizes (kvrig keeps activations and caches in these dtypes).
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """One decoder layer's cache.
+    """One decoder layer's cache (one entry of the model's make_prompt_cache).
 
-    full/sliding: keys (kv_heads × k_head_dim) and values (kv_heads × v_head_dim) per token; sliding layers
-    keep a ring of `window` tokens. latent (MLA): the compressed latent is stored as "keys" and the rope
-    part as "values", one head each. shared: reuses `source_layer`'s cache, stores nothing. linear: a
-    constant recurrent state, `state` lists each array's (shape, dtype); dtype None means the activation dtype.
+    full: a growing KV cache; sliding: a rotating cache of `window` tokens; linear: recurrent state (or a
+    CacheList mixing kinds) of constant size; shared: reads `source_layer`'s cache and holds none. Heads and
+    head dims are those the model's own step handed the cache.
     """
 
     index: int
@@ -27,9 +27,8 @@ class LayerSpec:
     v_head_dim: int = 0
     window: int | None = None
     source_layer: int | None = None
-    state: tuple[tuple[tuple[int, ...], str | None], ...] = ()
-    keys_as_values: bool = False
-    """the layer's keys double as values (no v_proj) yet MLX still stores both arrays."""
+    quantizable: bool = True
+    """a plain KVCache of its own (kvrig swaps those for quantized caches; not caches nested in a CacheList)."""
 
     @property
     def grows(self) -> bool:
@@ -49,20 +48,44 @@ class ModelSpec:
     """the checkpoint's dtype as declared (torch_dtype); the plan uses the phone's activation dtype."""
     hidden_size: int = 0
     vocab_size: int = 0
-    quantized_attention: bool = True
-    """whether mlx-lm's quantized attention can read this model's KV (else kvrig dequantizes on read)."""
     notes: list[str] = field(default_factory=list)
-    """facts about how MLX stores this model that a user should know (e.g. sliding layers kept full)."""
+    """facts about how MLX stores this model that a user should know."""
+    tensors: dict[str, tuple[tuple[int, ...], str]] | None = None
+    """the checkpoint's tensor names -> (shape, dtype) when planned from a folder (they decide the tie)."""
+    _probes: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
 
+    def lazy_model(self, dtype: str | None = None) -> Any:
+        """A fresh lazily built mlx-lm model (cast like mlx-lm's convert when `dtype` is given)."""
+        from toolchain.models.lazy import build_lazy_model, cast_model
+
+        model = build_lazy_model(self.config, self.tensors, self.source)
+        return cast_model(model, dtype) if dtype else model
+
+    def probe(self, dtype: str = "float16") -> Any:
+        """The model's own caches learned from one lazy step in `dtype` (see plan/caches.py)."""
+        if dtype not in self._probes:
+            from toolchain.plan.caches import CacheProbe
+
+            self._probes[dtype] = CacheProbe(self.lazy_model(dtype), dtype)
+        return self._probes[dtype]
+
+    @property
+    def quantized_attention(self) -> bool:
+        """Whether kvrig's runtime hands this model mlx-lm's QuantizedKVCache (else its dequantize-on-read
+        cache): the runtime's own rule, so plan and runtime agree."""
+        from toolchain.models.families import NO_QUANTIZED_ATTENTION
+
+        return self.model_type not in NO_QUANTIZED_ATTENTION
+
     def parameter_count(self) -> int:
         """Parameters of the mlx-lm model for this config (built lazily; imports MLX)."""
         from toolchain.models.lazy import count_parameters
 
-        return count_parameters(self.config)
+        return count_parameters(self.config, self.lazy_model())
 
     def count(self, kind: LayerKind) -> int:
         return sum(1 for layer in self.layers if layer.kind == kind)

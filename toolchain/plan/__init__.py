@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from toolchain.plan.kv import kv_bytes
 from toolchain.plan.memory import MemoryPlan, plan_memory
 
-__all__ = ["MemoryPlan", "plan", "plan_memory"]
+__all__ = ["MemoryPlan", "kv_bytes", "plan", "plan_memory"]
 
 
 def plan(model: str | Path | None, device: str | Path, **options: Any) -> MemoryPlan:

@@ -1,18 +1,19 @@
-"""KV-cache bytes: schemes, per-token cost per layer, and the allocation MLX really makes as a cache grows.
+"""KV-cache bytes: schemes, update schedules, and what MLX allocates for them (`kv_bytes`).
 
-MLX caches grow in 256-token steps and copy on growth; a sliding (rotating) cache can hold window-1+S
-tokens while a chunk of S tokens is prefilled. `CacheGrowth` replays mlx-lm's growth rules for a schedule
-of update sizes so planned bytes equal MLX's `nbytes` at every offset, step boundaries included.
+The bytes come from mlx-lm's own caches driven lazily (plan/caches.py), so step growth, ragged trims and
+rotating windows are MLX's, not a copy of them.
 """
 
 from __future__ import annotations
 
-import functools
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from toolchain.exceptions import QuantizationError
+from toolchain.exceptions import PlanInputError, QuantizationError
 from toolchain.models.spec import DTYPE_BYTES, LayerSpec, ModelSpec
+from toolchain.plan.caches import Slot
 
 MLX_STEP = 256
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
@@ -70,13 +71,9 @@ def parse_scheme(text: str, *, group_size: int = 64, dtype: str = "float16") -> 
     return KVScheme(canonical, kb, vb, gs, dtype)
 
 
-def quantized_row_bytes(dim: int, bits: int, group_size: int, dtype: str) -> int:
-    """Bytes of one row of `dim` values after mx.quantize: packed uint32 data + scales + biases."""
-    return dim * bits // 8 + 2 * (dim // group_size) * DTYPE_BYTES[dtype]
-
-
 def check_dims(spec: ModelSpec, scheme: KVScheme) -> None:
-    """Quantized KV needs every cached head dim divisible by the group size (and packable into uint32)."""
+    """Quantized KV needs every quantized cache's head dims divisible by the group size (and packable into
+    uint32); the dims are those the model's own step handed its caches."""
     if not scheme.quantized:
         return
     for layer in spec.layers:
@@ -94,40 +91,9 @@ def check_dims(spec: ModelSpec, scheme: KVScheme) -> None:
                 )
 
 
-def layer_row_bytes(layer: LayerSpec, scheme: KVScheme) -> tuple[int, int]:
-    """Bytes per cached token of (keys, values) for one layer as MLX stores them under `scheme`.
-
-    mlx-lm cannot quantize a rotating (sliding) cache, and its MLA cache is used unquantized, so those
-    layers stay in the activation dtype whatever the scheme says.
-    """
-    width = DTYPE_BYTES[scheme.dtype]
-    h = layer.kv_heads
-    if scheme.quantized and layer.kind == "full":
-        assert scheme.key_bits is not None and scheme.value_bits is not None
-        return (
-            h * quantized_row_bytes(layer.k_head_dim, scheme.key_bits, scheme.group_size, scheme.dtype),
-            h * quantized_row_bytes(layer.v_head_dim, scheme.value_bits, scheme.group_size, scheme.dtype),
-        )
-    return h * layer.k_head_dim * width, h * layer.v_head_dim * width
-
-
 def layer_quantized(layer: LayerSpec, scheme: KVScheme) -> bool:
-    return scheme.quantized and layer.kind == "full"
-
-
-def state_bytes(layer: LayerSpec, dtype: str) -> int:
-    total = 0
-    for shape, state_dtype in layer.state:
-        n = 1
-        for d in shape:
-            n *= d
-        total += n * DTYPE_BYTES[state_dtype or dtype]
-    return total
-
-
-def bytes_per_token(spec: ModelSpec, scheme: KVScheme) -> int:
-    """Steady-state bytes per additional context token (growing layers only, no step rounding)."""
-    return sum(sum(layer_row_bytes(layer, scheme)) for layer in spec.layers if layer.grows)
+    """Only plain growing caches are quantized (mlx-lm cannot quantize rotating caches or recurrent state)."""
+    return scheme.quantized and layer.kind == "full" and layer.quantizable
 
 
 # --- allocation as MLX grows caches ---------------------------------------------------------------------
@@ -154,88 +120,88 @@ def context_schedule(context: int, prefill_step: int, prompt_tokens: int | None 
     return prefill_schedule(prompt, prefill_step) + [1] * (context - prompt)
 
 
-class CacheGrowth:
-    """Tracks the tokens a cache has allocated (its capacity), replaying mlx-lm's growth rules."""
+def _factory(spec: ModelSpec, scheme: KVScheme) -> Callable[[Slot], Any] | None:
+    """The caches kvrig makes for a scheme: the model's own, with its plain KVCaches quantized (mlx-lm's
+    QuantizedKVCache, or kvrig's dequantize-on-read cache for mixed bits or attention that cannot read
+    quantized KV). None: the model's own caches unchanged."""
+    if not scheme.quantized:
+        return None
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-    def __init__(self, layer: LayerSpec, step: int = MLX_STEP) -> None:
-        self.layer = layer
-        self.step = step
-        self.offset = 0
-        self.capacity = 0
-        self._idx = 0  # RotatingKVCache write index
-        self.peak_capacity = 0
+    from toolchain.runtime.kv_cache import DequantizingKVCache
 
-    def update(self, n: int) -> None:
-        kind = self.layer.kind
-        if kind in ("full", "latent"):
-            self._grow_linear(n)
-        elif kind == "sliding":
-            assert self.layer.window is not None
-            if n == 1:
-                self._rotate_in_place(self.layer.window)
-            else:
-                self._rotate_concat(n, self.layer.window)
-        self.offset += n
-        self.peak_capacity = max(self.peak_capacity, self.capacity)
+    assert scheme.key_bits is not None and scheme.value_bits is not None
+    kb, vb, gs = scheme.key_bits, scheme.value_bits, scheme.group_size
+    dequantizing = scheme.dequantizes_on_read(spec)
+    # Layers with a cache pair with make_prompt_cache's entries in order (the runtime's own rule).
+    owners = [layer for layer in spec.layers if layer.kind != "shared"]
+    chosen = {i for i, layer in enumerate(owners) if layer_quantized(layer, scheme)}
 
-    def _grow_linear(self, n: int) -> None:
-        # KVCache / QuantizedKVCache.update_and_fetch
-        if self.capacity == 0 or self.offset + n > self.capacity:
-            new = (self.step + n - 1) // self.step * self.step
-            if self.capacity and self.offset % self.step:
-                self.capacity = self.offset
-            self.capacity += new
+    def make(slot: Slot) -> Any:
+        if slot.cls is not KVCache or len(slot.path) != 1 or slot.index not in chosen:
+            return None
+        return DequantizingKVCache(kb, vb, gs) if dequantizing else QuantizedKVCache(group_size=gs, bits=kb)
 
-    def _rotate_concat(self, n: int, window: int) -> None:
-        # RotatingKVCache._update_concat (keep=0): temporal order, trim to window-1, append n.
-        if self.capacity == 0:
-            self.capacity = n
-        else:
-            size = self.capacity
-            if not (self._idx == size or self._idx < self.offset):
-                size = self._idx
-            self.capacity = (window - 1 if size >= window else size) + n
-        self._idx = self.capacity
-
-    def _rotate_in_place(self, window: int) -> None:
-        # RotatingKVCache._update_in_place (keep=0)
-        prev = self.offset
-        if self.capacity == 0 or (prev >= self.capacity and self.capacity < window):
-            self.capacity += min(self.step, window - prev)
-            self._idx = prev
-        if self.capacity > window:
-            self.capacity = window
-            self._idx = window
-        if self._idx == window:
-            self._idx = 0
-        self._idx += 1
+    make.key = (scheme.name, scheme.group_size, dequantizing)  # type: ignore[attr-defined]
+    return make
 
 
-@functools.lru_cache(maxsize=4096)
-def _capacity(kind: str, window: int | None, schedule: tuple[int, ...]) -> tuple[int, int]:
-    # Every layer of one kind (and window) grows the same way, so replay the schedule once per kind.
-    growth = CacheGrowth(LayerSpec(0, kind, window=window))  # type: ignore[arg-type]
-    for n in schedule:
-        growth.update(n)
-    return growth.capacity, growth.peak_capacity
+def kv_bytes(spec: ModelSpec, scheme: KVScheme, schedule: Sequence[int], kinds: tuple[str, ...] | None = None) -> int:
+    """Bytes MLX holds in the model's caches after feeding `schedule` (tokens per update, in order): soak
+    steps, chat turns, prefill chunks. A growing cache that overflows grows to offset + ceil(n/256)*256 (a
+    ragged tail trimmed first); rotating and recurrent caches keep their own sizes. Driven through mlx-lm's
+    own caches with unevaluated arrays: exact, nothing allocated. Other helpers call this, never copy it.
+    `kinds` limits the sum to caches of those kinds (full, sliding, linear)."""
+    if kinds is None:
+        return kv_bytes_detail(spec, scheme, schedule).total
+    probe = spec.probe(scheme.dtype)
+    make = _factory(spec, scheme)
+    return sum(probe.slot_bytes(slot, tuple(schedule), make) for slot in probe.slots if slot.kind in kinds)
 
 
-def layer_allocated_bytes(layer: LayerSpec, scheme: KVScheme, schedule: list[int]) -> tuple[int, int]:
-    """(bytes allocated after the schedule, peak bytes during it) for one layer's cache."""
-    if layer.kind == "shared" or not schedule:
-        return 0, 0
-    if layer.kind == "linear":
-        b = state_bytes(layer, scheme.dtype)
-        return b, b
-    kind = "full" if layer.kind == "latent" else layer.kind
-    capacity, peak = _capacity(kind, layer.window, tuple(schedule))
-    row = sum(layer_row_bytes(layer, scheme))
-    return capacity * row, peak * row
+@dataclass(frozen=True)
+class KVBytes:
+    total: int
+    peak: int
+    """largest total at any point of the schedule (a rotating cache briefly holds window-1+n tokens)."""
+    largest_cache: int
+    """bytes of the largest single cache at the end (one layer's buffer: what a growth copy duplicates)."""
+    largest_array: int
+    """the largest single array (one Metal buffer: a layer's keys or values) at the end."""
 
 
-def allocated_bytes(spec: ModelSpec, scheme: KVScheme, schedule: list[int]) -> int:
-    """Total cache bytes allocated after feeding `schedule` (what MLX's nbytes sums to)."""
-    return sum(layer_allocated_bytes(layer, scheme, schedule)[0] for layer in spec.layers)
+def kv_bytes_detail(spec: ModelSpec, scheme: KVScheme, schedule: Sequence[int]) -> KVBytes:
+    probe = spec.probe(scheme.dtype)
+    make = _factory(spec, scheme)
+    sched = tuple(int(n) for n in schedule)
+    if any(n < 1 for n in sched):
+        raise PlanInputError(f"update sizes must be positive token counts, got {min(sched)}", field="schedule")
+    finals = [probe.slot_bytes(slot, sched, make) for slot in probe.slots]
+    peaks = [probe.slot_peak(slot, sched, make) for slot in probe.slots]
+    largest = max((probe.slot_largest_array(slot, sched, make) for slot in probe.slots), default=0)
+    return KVBytes(sum(finals), sum(peaks), max(finals, default=0), largest)
+
+
+def bytes_per_token(spec: ModelSpec, scheme: KVScheme) -> int:
+    """Steady-state bytes per additional context token: the growth MLX shows over one 256-token step."""
+    probe = spec.probe(scheme.dtype)
+    make = _factory(spec, scheme)
+    step = MLX_STEP
+    total = 0
+    for slot in probe.slots:
+        if slot.kind == "full":
+            total += probe.slot_bytes(slot, (step, step), make) - probe.slot_bytes(slot, (step,), make)
+    return total // step
+
+
+def row_bytes(spec: ModelSpec, scheme: KVScheme, layer: LayerSpec) -> int:
+    """Bytes per cached token of one layer's cache under `scheme` (measured over one 256-token step)."""
+    probe = spec.probe(scheme.dtype)
+    make = _factory(spec, scheme)
+    slot = probe.slot_of_layer(layer.index)
+    if slot is None:
+        return 0
+    return probe.slot_bytes(slot, (MLX_STEP,), make) // MLX_STEP
 
 
 def dequantized_read_bytes(spec: ModelSpec, scheme: KVScheme, context: int) -> int:

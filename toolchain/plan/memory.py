@@ -2,30 +2,32 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Final, Literal
 
 from pydantic import Field
 
 from toolchain.exceptions import PlanInputError
-from toolchain.models.lazy import build_lazy_model
 from toolchain.models.spec import ModelSpec
 from toolchain.plan.kv import (
     ALL_NAMED_SCHEMES,
+    MLX_STEP,
     KVScheme,
-    allocated_bytes,
     bytes_per_token,
     check_dims,
     context_schedule,
     dequantized_read_bytes,
-    layer_allocated_bytes,
+    kv_bytes,
+    kv_bytes_detail,
     parse_scheme,
+    row_bytes,
 )
 from toolchain.plan.runtime import (
     DEFAULT_BUFFER_CACHE_BYTES,
     DEFAULT_PREFILL_STEP,
-    growth_copy_bytes,
     kv_read_bytes,
     prefill_activation_bytes,
+    prefill_scores_bytes,
 )
 from toolchain.plan.weights import DEFAULT_RECIPES, WeightsAccount, account_weights, parse_recipe
 from toolchain.profiles import DeviceProfile
@@ -86,6 +88,24 @@ class SchemeBudget(StrictModel):
     total_bytes: int
 
 
+class GpuLimitsSummary(StrictModel):
+    recommended_working_set_bytes: int | None = Field(
+        default=None, description="Metal's recommendedMaxWorkingSetSize (the profile's; None: unknown)"
+    )
+    max_buffer_bytes: int | None = Field(default=None, description="Metal's maxBufferLength (None: unknown)")
+
+
+class GpuCheck(StrictModel):
+    """Metal's limits at a scheme's max context (jetsam's)."""
+
+    context: int
+    resident_bytes: int = Field(description="MLX's Metal buffers: weights, KV, growth copy, transients, cache")
+    largest_buffer_bytes: int
+    largest_buffer: Literal["kv_layer", "prefill_scores", "weights_array"]
+    within_working_set: bool | None = Field(description="None: the device's working set is unknown")
+    within_max_buffer: bool | None = Field(description="None: the device's largest buffer is unknown")
+
+
 class Recommendation(StrictModel):
     scheme: str
     max_context: int
@@ -120,6 +140,14 @@ class MemoryPlan(StrictModel):
     )
     recommendation: Recommendation
     notes: list[str]
+    gpu_limits: GpuLimitsSummary = Field(default_factory=GpuLimitsSummary)
+    gpu_check: dict[str, GpuCheck] = Field(default_factory=dict, description="Metal's limits at max_context")
+    max_context_all_limits: dict[str, int] = Field(
+        default_factory=dict, description="max context under jetsam and Metal's working set and largest buffer"
+    )
+    binding_limit: dict[str, Literal["jetsam", "metal_working_set", "metal_max_buffer", "model", "weights"]] = Field(
+        default_factory=dict, description="which limit sets max_context_all_limits"
+    )
 
 
 def _limits(profile: DeviceProfile, limit: str) -> tuple[Literal["entitled", "default"], int]:
@@ -132,39 +160,112 @@ def _peak_bytes(
     spec: ModelSpec, scheme: KVScheme, context: int, fixed: int, prefill_step: int, dtype: str
 ) -> SchemeBudget:
     schedule = context_schedule(context, prefill_step)
-    kv_peak = sum(layer_allocated_bytes(layer, scheme, schedule)[1] for layer in spec.layers)
-    copy = growth_copy_bytes(spec, scheme, schedule)
+    kv = kv_bytes_detail(spec, scheme, schedule)
+    copy = kv.largest_cache if any(layer.grows for layer in spec.layers) else 0
     deq = dequantized_read_bytes(spec, scheme, context)
     act = prefill_activation_bytes(spec, prefill_step, context, dtype)
     return SchemeBudget(
         context=context,
         weights_bytes=0,
-        kv_bytes=kv_peak,
+        kv_bytes=kv.peak,
         kv_growth_copy_bytes=copy,
         kv_dequantized_read_bytes=deq,
         prefill_activation_bytes=act,
         buffer_cache_bytes=0,
         baseline_bytes=0,
-        total_bytes=fixed + kv_peak + copy + deq + act,
+        total_bytes=fixed + kv.peak + copy + deq + act,
     )
+
+
+def _estimate(
+    spec: ModelSpec, scheme: KVScheme, budget: int, fixed: int, prefill_step: int, dtype: str, cap: int
+) -> int:
+    """Closed form: every term is affine in the context (caches in whole 256-token steps), so solve
+    fixed + constant + per_token × C ≤ budget; the exact check in `max_context_for` settles the last step."""
+    per_token = bytes_per_token(spec, scheme)
+    copy_row = max((row_bytes(spec, scheme, layer) for layer in spec.layers if layer.grows), default=0)
+    deq_row = dequantized_read_bytes(spec, scheme, 1)
+    ref = max(prefill_step, MLX_STEP) * 4
+    act_ref, act_next = (prefill_activation_bytes(spec, prefill_step, c, dtype) for c in (ref, ref + MLX_STEP))
+    act_row = (act_next - act_ref) / MLX_STEP
+    constant = kv_bytes(spec, scheme, context_schedule(ref, prefill_step)) - per_token * ref
+    slope = per_token + copy_row + deq_row + act_row
+    room = budget - fixed - constant - (act_ref - act_row * ref)
+    if slope <= 0:
+        return cap
+    return max(1, min(cap, int(room // slope) // MLX_STEP * MLX_STEP))
+
+
+def largest_fitting(fits: Callable[[int], bool], estimate: int, cap: int) -> int:
+    """Largest context in [1, cap] with fits(context), 0 if none; `fits` is monotone (bytes grow with the
+    context). Starts at the closed-form estimate, walks whole 256-token steps to bracket the answer, then
+    bisects inside one step: a handful of exact evaluations instead of a search over the whole range."""
+    c = max(1, min(cap, estimate))
+    if fits(c):
+        good, bad = c, cap + 1
+        step = MLX_STEP
+        while good < cap:
+            nxt = min(cap, good + step)
+            if not fits(nxt):
+                bad = nxt
+                break
+            good, step = nxt, step * 2
+        else:
+            return cap
+    else:
+        good, bad = 0, c
+        step = MLX_STEP
+        while bad > 1:
+            nxt = max(1, bad - step)
+            if fits(nxt):
+                good = nxt
+                break
+            bad, step = nxt, step * 2
+        else:
+            return 0
+    while good + 1 < bad:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if fits(mid) else (good, mid)
+    return good
 
 
 def max_context_for(
     spec: ModelSpec, scheme: KVScheme, budget: int, fixed: int, prefill_step: int, dtype: str, cap: int
 ) -> tuple[int, Literal["memory", "model", "weights"]]:
-    """Largest context whose peak fits the budget (binary search; peak grows with context)."""
-    if _peak_bytes(spec, scheme, 1, fixed, prefill_step, dtype).total_bytes > budget:
+    """Largest context whose peak fits the budget: the closed-form solve, then MLX's exact bytes around it."""
+
+    def fits(c: int) -> bool:
+        return _peak_bytes(spec, scheme, c, fixed, prefill_step, dtype).total_bytes <= budget
+
+    best = largest_fitting(fits, _estimate(spec, scheme, budget, fixed, prefill_step, dtype, cap), cap)
+    if best == 0:
         return 0, "weights"
-    if _peak_bytes(spec, scheme, cap, fixed, prefill_step, dtype).total_bytes <= budget:
-        return cap, "model"
-    lo, hi = 1, cap
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if _peak_bytes(spec, scheme, mid, fixed, prefill_step, dtype).total_bytes <= budget:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo, "memory"
+    return best, "model" if best == cap else "memory"
+
+
+def _largest_buffer(
+    spec: ModelSpec, scheme: KVScheme, context: int, prefill_step: int, dtype: str, weights_array: int
+) -> tuple[int, Literal["kv_layer", "prefill_scores", "weights_array"]]:
+    kv = kv_bytes_detail(spec, scheme, context_schedule(context, prefill_step)).largest_array
+    scores = prefill_scores_bytes(spec, prefill_step, context, dtype)
+    options: list[tuple[int, Literal["kv_layer", "prefill_scores", "weights_array"]]] = [
+        (weights_array, "weights_array"),
+        (kv, "kv_layer"),
+        (scores, "prefill_scores"),
+    ]
+    return max(options, key=lambda o: o[0])
+
+
+def max_context_for_buffer(
+    spec: ModelSpec, scheme: KVScheme, max_buffer: int, prefill_step: int, dtype: str, weights_array: int, cap: int
+) -> int:
+    """Largest context whose largest single array fits Metal's largest buffer (it grows with the context)."""
+
+    def fits(c: int) -> bool:
+        return _largest_buffer(spec, scheme, c, prefill_step, dtype, weights_array)[0] <= max_buffer
+
+    per_token = max(1, _largest_buffer(spec, scheme, MLX_STEP, prefill_step, dtype, 0)[0] // MLX_STEP)
+    return largest_fitting(fits, max_buffer // per_token, cap)
 
 
 def recommend(
@@ -262,10 +363,9 @@ def plan_memory(
     for scheme in parsed.values():
         check_dims(spec, scheme)
 
-    model = build_lazy_model(spec.config)
     recipe_names = list(dict.fromkeys([weights, *recipes]))
     accounts: dict[str, WeightsAccount] = {
-        name: account_weights(spec.config, parse_recipe(name, group_size), dtype, model=model) for name in recipe_names
+        name: account_weights(spec, parse_recipe(name, group_size), dtype) for name in recipe_names
     }
     chosen_weights = accounts[weights]
 
@@ -300,17 +400,62 @@ def plan_memory(
             }
         )
 
+    # Metal's own limits: the GPU-resident total (no app baseline) within the recommended working set, and the
+    # largest single array within the largest buffer.
+    working_set, max_buffer = profile.gpu_working_set, profile.gpu_max_buffer
+    weights_array = chosen_weights.largest_array
+    all_limits: dict[str, int] = {}
+    binding: dict[str, str] = {}
+    gpu_check: dict[str, GpuCheck] = {}
+    gpu_fixed = chosen_weights.total_bytes + buffer_cache_bytes
+    for name, scheme in parsed.items():
+        options: list[tuple[int, str]] = [(max_context[name], "jetsam")]
+        if working_set is not None:
+            ws_budget = int(working_set * (1 - margin))
+            options.append(
+                (max_context_for(spec, scheme, ws_budget, gpu_fixed, prefill_step, dtype, cap)[0], "metal_working_set")
+            )
+        if max_buffer is not None:
+            options.append(
+                (
+                    max_context_for_buffer(spec, scheme, max_buffer, prefill_step, dtype, weights_array, cap),
+                    "metal_max_buffer",
+                )
+            )
+        best, which = min(options, key=lambda o: o[0])  # ties keep jetsam (listed first)
+        if which == "jetsam" and limited_by[name] in ("model", "weights"):
+            which = limited_by[name]
+        elif best == 0:
+            which = "weights" if which == "jetsam" else which
+        all_limits[name], binding[name] = best, which
+        ctx = max(max_context[name], 1)
+        b = budgets[name]
+        resident = b.total_bytes - b.baseline_bytes
+        size, what = _largest_buffer(spec, scheme, ctx, prefill_step, dtype, weights_array)
+        gpu_check[name] = GpuCheck(
+            context=ctx,
+            resident_bytes=resident,
+            largest_buffer_bytes=size,
+            largest_buffer=what,
+            within_working_set=None if working_set is None else resident <= working_set,
+            within_max_buffer=None if max_buffer is None else size <= max_buffer,
+        )
+
     listed = sorted(set(contexts))
     bandwidth = profile.memory_bandwidth
     notes = list(spec.notes)
-    notes.append(
-        "Weights and KV bytes are exact (MLX layout); prefill activations, baseline and the decode ceiling are "
-        "estimates. The baseline comes from the device profile."
-        if baseline_bytes is None
-        else "estimates. The baseline is calibrated from measured soaks"
-        + (f" ({baseline_source})" if baseline_source else "")
-        + f"; the profile's estimate is {profile.baseline} bytes."
+    exact = (
+        "Weights and KV bytes are exact (MLX's own nbytes); prefill activations, baseline and the decode "
+        "ceiling are estimates."
     )
+    if baseline_bytes is None:
+        notes.append(f"{exact} The baseline comes from the device profile.")
+    else:
+        source_text = f" ({baseline_source})" if baseline_source else ""
+        notes.append(
+            f"{exact} The baseline is calibrated from measured soaks{source_text}; the profile's estimate is "
+            f"{profile.baseline} bytes."
+        )
     if trained is None:
         notes.append("config has no max_position_embeddings; max context is bounded by memory only.")
     plan = MemoryPlan(
@@ -352,16 +497,9 @@ def plan_memory(
             prefill_activation_bytes={str(c): prefill_activation_bytes(spec, prefill_step, c, dtype) for c in listed},
         ),
         kv_bytes_per_token={name: bytes_per_token(spec, s) for name, s in parsed.items()},
-        kv_constant_bytes={
-            name: sum(
-                layer_allocated_bytes(layer, s, context_schedule(max(layer.window or 1, 1), prefill_step))[0]
-                for layer in spec.layers
-                if layer.kind in ("sliding", "linear")
-            )
-            for name, s in parsed.items()
-        },
+        kv_constant_bytes={name: constant_kv_bytes(spec, s, prefill_step) for name, s in parsed.items()},
         kv_bytes={
-            name: {str(c): allocated_bytes(spec, s, context_schedule(c, prefill_step)) for c in listed}
+            name: {str(c): kv_bytes(spec, s, context_schedule(c, prefill_step)) for c in listed}
             for name, s in parsed.items()
         },
         max_context=max_context,
@@ -376,8 +514,20 @@ def plan_memory(
         },
         recommendation=recommend(parsed, max_context, limited_by, chosen_weights.parameters, target_context, spec),
         notes=notes,
+        gpu_limits=GpuLimitsSummary(recommended_working_set_bytes=working_set, max_buffer_bytes=max_buffer),
+        gpu_check=gpu_check,
+        max_context_all_limits=all_limits,
+        binding_limit=binding,  # type: ignore[arg-type]
     )
     return plan
+
+
+def constant_kv_bytes(spec: ModelSpec, scheme: KVScheme, prefill_step: int) -> int:
+    """Rings and recurrent state at full size: their bytes once the context passes every window."""
+    windows = [layer.window or 1 for layer in spec.layers if layer.kind in ("sliding", "linear")]
+    if not windows:
+        return 0
+    return kv_bytes(spec, scheme, context_schedule(max(windows) + 1, prefill_step), kinds=("sliding", "linear"))
 
 
 def plan_to_json(plan: MemoryPlan) -> dict[str, Any]:

@@ -6,7 +6,7 @@ These are estimates (labelled so in the plan); weights and KV bytes are exact.
 from __future__ import annotations
 
 from toolchain.models.spec import DTYPE_BYTES, ModelSpec
-from toolchain.plan.kv import KVScheme, layer_allocated_bytes, layer_row_bytes
+from toolchain.plan.kv import KVScheme, row_bytes
 
 DEFAULT_BUFFER_CACHE_BYTES = 20 * 1024 * 1024  # what the MLX-Swift examples cap Memory.cacheLimit at
 DEFAULT_PREFILL_STEP = 512  # MLX-Swift's GenerateParameters.prefillStepSize default
@@ -35,18 +35,19 @@ def prefill_activation_bytes(spec: ModelSpec, prefill_step: int, context: int, d
     stream = 4 * s * hidden * width
     projections = s * (heads + 2 * kv) * head_dim * width
     mlp = 3 * s * inter * width
-    fused = all(layer.k_head_dim in FUSED_HEAD_DIMS for layer in spec.layers if layer.grows or layer.kind == "sliding")
-    scores = 0 if fused else heads * s * context * width
+    scores = prefill_scores_bytes(spec, prefill_step, context, dtype)
     logits = spec.vocab_size * 4  # only the last position's logits are evaluated
     return stream + projections + mlp + scores + logits
 
 
-def growth_copy_bytes(spec: ModelSpec, scheme: KVScheme, schedule: list[int]) -> int:
-    """A cache that grows is copied into a larger buffer: for a moment one layer exists twice."""
-    return max(
-        (layer_allocated_bytes(layer, scheme, schedule)[0] for layer in spec.layers if layer.grows),
-        default=0,
-    )
+def prefill_scores_bytes(spec: ModelSpec, prefill_step: int, context: int, dtype: str = "float16") -> int:
+    """One layer's attention scores for a prefill chunk (chunk × context per head) when Metal materializes
+    them (head dims its fused kernel does not take); a single buffer, so Metal's largest-buffer limit applies."""
+    fused = all(layer.k_head_dim in FUSED_HEAD_DIMS for layer in spec.layers if layer.grows or layer.kind == "sliding")
+    if fused:
+        return 0
+    heads = int(_cfg(spec).get("num_attention_heads") or 1)
+    return heads * min(prefill_step, max(context, 1)) * context * DTYPE_BYTES[dtype]
 
 
 def kv_read_bytes(spec: ModelSpec, scheme: KVScheme, context: int) -> int:
@@ -54,10 +55,9 @@ def kv_read_bytes(spec: ModelSpec, scheme: KVScheme, context: int) -> int:
     total = 0
     for layer in spec.layers:
         if layer.kind in ("full", "latent"):
-            total += context * sum(layer_row_bytes(layer, scheme))
+            total += context * row_bytes(spec, scheme, layer)
         elif layer.kind == "sliding":
             assert layer.window is not None
-            total += min(context, layer.window) * sum(layer_row_bytes(layer, scheme))
-        elif layer.kind == "linear":
-            total += layer_allocated_bytes(layer, scheme, [1])[0]
-    return total
+            total += min(context, layer.window) * row_bytes(spec, scheme, layer)
+    probe = spec.probe(scheme.dtype)
+    return total + sum(slot.state_bytes for slot in probe.slots if not slot.updates)

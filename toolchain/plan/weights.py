@@ -1,20 +1,20 @@
-"""Weight bytes per quantization recipe, from the parameter shapes of the real mlx-lm model.
+"""Weight bytes per quantization recipe: mlx-lm's own `quantize_model` run on the lazily built model.
 
-The model is built lazily (MLX arrays are not allocated until evaluated), so even a large config costs
-only its graph. Which modules get quantized follows mlx-lm's `quantize_model` (and its mixed recipes); the
-bytes are counted from shapes: packed uint32 data plus one scale and one bias per group in the weight dtype.
+MLX arrays are not allocated until evaluated, so even a large config costs only its graph, and the bytes
+are MLX's `nbytes` of the quantized parameters: mlx-lm's predicates, mixed recipes and packing, not a copy.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from toolchain.exceptions import QuantizationError
-from toolchain.models.lazy import build_lazy_model
-from toolchain.models.spec import DTYPE_BYTES
+from toolchain.models.lazy import count_parameters
+from toolchain.models.spec import ModelSpec
 
 MIXED_RECIPES = ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6")
 DEFAULT_RECIPES = ("q4", "q8", "mixed_4_6")
@@ -69,39 +69,8 @@ class WeightsAccount:
     """parameters stored quantized."""
     active_bytes: int
     """bytes read per generated token: all weights but only the routed share of MoE experts."""
-
-
-def _predicate(recipe: WeightRecipe, model: Any) -> Callable[[str, Any], dict[str, int] | None]:
-    """Per-module quantization decision, as mlx-lm's quantize_model wraps it."""
-    group = recipe.group_size
-    custom = None
-    if recipe.name in MIXED_RECIPES:
-        from mlx_lm.convert import mixed_quant_predicate_builder
-
-        custom = mixed_quant_predicate_builder(recipe.name, model, group)
-    else:
-        custom = getattr(model, "quant_predicate", None)
-
-    def decide(path: str, module: Any) -> dict[str, int] | None:
-        if recipe.bits is None or not hasattr(module, "to_quantized"):
-            return None
-        if module.weight.shape[-1] % group != 0:
-            return None
-        choice: Any = True if custom is None else custom(path, module)  # type: ignore[call-arg]
-        if choice is False:
-            return None
-        if isinstance(choice, dict):
-            return {"bits": choice.get("bits", recipe.bits), "group_size": choice.get("group_size", group)}
-        return {"bits": recipe.bits, "group_size": group}
-
-    return decide
-
-
-def _size(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    largest_array: int = 0
+    """the largest single parameter array (one Metal buffer: the embedding table, a stacked expert weight)."""
 
 
 def _routed_fraction(config: dict[str, Any]) -> float:
@@ -113,56 +82,52 @@ def _routed_fraction(config: dict[str, Any]) -> float:
     return 1.0
 
 
-def account_weights(
-    config: dict[str, Any], recipe: WeightRecipe, dtype: str = "float16", model: Any = None
-) -> WeightsAccount:
-    """Exact bytes of the model's parameters after casting to `dtype` and quantizing with `recipe`."""
+def quantize_lazily(spec: ModelSpec, recipe: WeightRecipe, dtype: str = "float16") -> Any:
+    """The lazily built model cast and quantized exactly as mlx-lm's convert does it (its `quantize_model`,
+    its own predicates and mixed recipes); nothing is evaluated."""
+    from mlx_lm.convert import mixed_quant_predicate_builder
+    from mlx_lm.utils import quantize_model
+
+    model = spec.lazy_model(dtype)
+    if recipe.bits is None:
+        return model
+    predicate = mixed_quant_predicate_builder(recipe.name, model, recipe.group_size) if recipe.mixed else None
+    config = {k: v for k, v in spec.config.items() if k not in ("quantization", "quantization_config")}
+    with contextlib.redirect_stdout(io.StringIO()):  # quantize_model prints its bits per weight
+        try:
+            quantize_model(model, config, recipe.group_size, recipe.bits, quant_predicate=predicate)  # type: ignore[arg-type]
+        except ValueError as exc:
+            raise QuantizationError(f"mlx-lm cannot quantize {spec.model_type} with {recipe.name}: {exc}") from None
+    return model
+
+
+def account_weights(spec: ModelSpec, recipe: WeightRecipe, dtype: str = "float16") -> WeightsAccount:
+    """Exact bytes of the model's parameters after mlx-lm's own cast and quantization: MLX's `nbytes`."""
     import mlx.nn as nn
     from mlx.utils import tree_flatten
 
-    model = model if model is not None else build_lazy_model(config)
-    decide = _predicate(recipe, model)
-    cast = getattr(model, "cast_predicate", lambda _: True)
-    width = DTYPE_BYTES[dtype]
-    routed = _routed_fraction(config)
-
-    # Parameters can sit on non-leaf modules too (gpt-oss attention sinks), so walk all parameters and look
-    # up the leaf module that owns each one.
-    quantized: dict[str, dict[str, int]] = {}
-    experts: set[str] = set()
+    params = count_parameters(spec.config, spec.lazy_model())
+    model = quantize_lazily(spec, recipe, dtype)
+    routed = _routed_fraction(spec.config)
     leaves: list[tuple[str, Any]] = tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)  # type: ignore[assignment]
-    for path, module in leaves:
-        q = decide(path, module)
-        if q is not None:
-            quantized[path] = q
-        if "Switch" in type(module).__name__:
-            experts.add(path)
-
-    total = active = params = qparams = 0
-    floats = _mx_floats()
+    experts = {path for path, module in leaves if "Switch" in type(module).__name__}
+    total = active = qparams = 0
     flat: list[tuple[str, Any]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+    quantized = {path.rpartition(".")[0] for path, _ in flat if path.endswith(".scales")}
+    largest = 0
     for full, p in flat:
         owner, _, name = full.rpartition(".")
-        n = p.size
-        params += n
-        q = quantized.get(owner)
-        if q is not None and name == "weight":
-            *lead, cols = p.shape
-            if (cols * q["bits"]) % 32:
-                raise QuantizationError(f"{full}: {cols} columns cannot pack {q['bits']}-bit values into uint32")
-            rows = _size(tuple(lead))
-            b = rows * (cols * q["bits"] // 32) * 4 + 2 * rows * (cols // q["group_size"]) * width
-            qparams += n
-        elif cast(full) and p.dtype in floats:
-            b = n * width
-        else:
-            b = p.nbytes
+        b = p.nbytes
+        largest = max(largest, b)
         total += b
         active += int(b * routed) if owner in experts else b
-    return WeightsAccount(total, params, qparams, active)
+        if owner in quantized and name == "weight":
+            qparams += p.size * 32 // _bits_of(model, owner)
+    return WeightsAccount(total, params, qparams, active, largest)
 
 
-def _mx_floats() -> tuple[Any, ...]:
-    import mlx.core as mx
-
-    return (mx.float32, mx.float16, mx.bfloat16)
+def _bits_of(model: Any, path: str) -> int:
+    module = model
+    for part in path.split("."):
+        module = module[int(part)] if isinstance(module, list) else getattr(module, part)
+    return int(getattr(module, "bits", 32))

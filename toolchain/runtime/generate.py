@@ -44,9 +44,19 @@ def generate_tokens(
     temperature: float = 0.0,
     stats: GenerationStats | None = None,
     model_type: str = "",
+    on_step: Callable[[], None] | None = None,
 ) -> Iterator[int]:
-    """Yields generated token ids (greedy unless `temperature` > 0), filling `stats` as it goes."""
+    """Yields generated token ids (greedy unless `temperature` > 0) from mlx-lm's own `generate_step` with
+    the bundle's caches and prefill step, filling `stats` as it goes. After every prefill chunk and every
+    decoded token it converts caches that passed `quantized_kv_start` (kvrig's conversion: it also makes
+    mixed-bit caches, which mlx-lm's `kv_bits` cannot) and calls `on_step`, kvrig's memory hook (the
+    virtual app reports its memory there; an exception raised there ends the generation).
+
+    generate_step feeds every token it yields back into the caches (it computes one step ahead), so after
+    `n` tokens the caches hold the prompt and all `n`."""
     import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
 
     from toolchain.runtime.caches import maybe_quantize
 
@@ -54,46 +64,47 @@ def generate_tokens(
         raise ValueError("empty prompt")
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = len(prompt)
-    step = kv.prefill_step_size
 
-    def sample(logits: mx.array) -> mx.array:
-        logits = logits[:, -1, :]
-        if temperature > 0:
-            return mx.random.categorical(logits * (1.0 / temperature))
-        return mx.argmax(logits, axis=-1)
+    def after_step() -> None:
+        maybe_quantize(caches, kv, model_type)
+        stats.peak_memory_bytes = max(stats.peak_memory_bytes, int(mx.get_peak_memory()))  # before a hook resets it
+        if on_step is not None:
+            on_step()
 
     t0 = time.perf_counter()
-    ids = mx.array(prompt)
-    # All but the last prompt token only fill the caches: their logits are never evaluated (MLX is lazy).
-    for start in range(0, len(prompt) - 1, step):
-        model(ids[None, start : min(start + step, len(prompt) - 1)], cache=caches)
-        mx.eval([c.state for c in caches])
-        maybe_quantize(caches, kv, model_type)
-        mx.clear_cache()
-    token = sample(model(ids[None, -1:], cache=caches))
-    token_id = int(token.item())  # type: ignore[arg-type]
-    stats.prefill_seconds = time.perf_counter() - t0
 
-    t1 = time.perf_counter()
-    for n in range(max_tokens):
+    def progress(done: int, total: int) -> None:
+        # Called at 0, after each prefill chunk, and once the first token is out (done == total).
+        if done == 0:
+            return
+        if done == total:
+            stats.prefill_seconds = time.perf_counter() - t0
+        after_step()
+
+    steps = generate_step(
+        mx.array(prompt),
+        model,
+        max_tokens=max_tokens,
+        sampler=make_sampler(temp=temperature),
+        prompt_cache=caches,
+        prefill_step_size=kv.prefill_step_size,
+        prompt_progress_callback=progress,
+    )
+    t1 = 0.0
+    for n, (token, _) in enumerate(steps):
+        token_id = int(token)
+        if n == 0:
+            t1 = time.perf_counter()
+        else:
+            after_step()
         stats.tokens.append(token_id)
         stats.generated_tokens = n + 1
+        stats.decode_seconds = time.perf_counter() - t1
+        yield token_id
         if token_id in stop_tokens:
             stats.finish_reason = "stop"
-            stats.decode_seconds = time.perf_counter() - t1
-            stats.peak_memory_bytes = int(mx.get_peak_memory())
-            yield token_id
-            return
-        if n + 1 < max_tokens:
-            nxt = sample(model(token.reshape(1, 1), cache=caches))
-            mx.async_eval(nxt)
-        yield token_id
-        if n + 1 < max_tokens:
-            token = nxt
-            token_id = int(token.item())  # type: ignore[arg-type]
-            maybe_quantize(caches, kv, model_type)
-        stats.decode_seconds = time.perf_counter() - t1
-    stats.peak_memory_bytes = int(mx.get_peak_memory())
+            break
+    stats.peak_memory_bytes = max(stats.peak_memory_bytes, int(mx.get_peak_memory()))
 
 
 @dataclass

@@ -18,7 +18,10 @@ from toolchain.schemas.lab import LabRecord
 RESULTS_SCHEMA_VERSION: Final = 2
 RESULTS_FILE = "results.json"
 
-Outcome = Literal["completed", "jetsam", "crash", "hang", "device_lost"]
+Outcome = Literal["completed", "jetsam", "crash", "hang", "device_lost", "error", "allocation_failed"]
+"""`error` / `allocation_failed`: the app ended itself with that reason in its end record (it failed)."""
+BAD_OUTCOMES: tuple[Outcome, ...] = ("crash", "hang", "device_lost", "error", "allocation_failed")
+"""Outcomes that fail a soak (non-zero exit) and a lab run; `completed` and `jetsam` are what a soak is for."""
 
 
 class DeviceRef(StrictModel):

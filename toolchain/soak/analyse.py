@@ -13,6 +13,10 @@ from toolchain.jetsam import JetsamReport, read_report, verdict
 from toolchain.schemas.results import Outcome, SoakResult, TpsPoint
 from toolchain.telemetry import TelemetryRun, correlate, read_telemetry, summarize_run
 
+# End-record reasons that mean the app failed (telemetry EndEvent.reason -> outcome). The others (completed,
+# stop_condition, memory_critical) are ends the app chose as planned.
+APP_FAILURES: dict[str | None, Outcome] = {"error": "error", "allocation_failed": "allocation_failed"}
+
 
 def telemetry_run(path: Path, run_id: str) -> TelemetryRun | None:
     """The run with this id in a pulled telemetry file; None if the file has no usable record of it."""
@@ -77,6 +81,7 @@ def classify(
     *,
     end_seen: bool,
     end_reason: str | None,
+    end_message: str | None = None,
     hung: bool,
     timed_out: bool,
     lost: bool,
@@ -87,6 +92,9 @@ def classify(
     if lost:
         return "device_lost", "the device went away and did not come back in time"
     if end_seen:
+        if end_reason in APP_FAILURES:
+            why = f": {end_message}" if end_message else ""
+            return APP_FAILURES[end_reason], f"the app ended itself with {end_reason}{why}"
         return "completed", f"the app wrote its end record ({end_reason})"
     if killed_by_jetsam:
         return "jetsam", "killed by jetsam"

@@ -189,6 +189,7 @@ async def run_soak(
     result.outcome, detail = classify(
         end_seen=watch.end_seen,
         end_reason=watch.end_reason,
+        end_message=run.end.message if run is not None and run.end is not None else None,
         hung=watch.hung,
         timed_out=watch.timed_out,
         lost=watch.lost,

@@ -5,13 +5,23 @@ built with `kvrig build --virtual` (it runs the pushed bundle with real MLX), `t
 otherwise (it grows memory the way the LLM app does, without a model). It speaks a JSON-line channel on its
 stdin/stdout:
 
-    app -> emulator   {"measure": {mlx_active_bytes, mlx_cache_bytes, kv_bytes, weight_bytes, context_tokens,
-                                   phone_format_delta_bytes}}
+    app -> emulator   {"measure": {mlx_active_bytes, mlx_cache_bytes, mlx_peak_bytes, kv_bytes, weight_bytes,
+                                   context_tokens, phone_format_delta_bytes, phone_format_peak_delta_bytes}}
                       {"log": "text"}                      (goes to the device log under the app's name)
     emulator -> app   {"footprint": n, "available": n, "pressure": "normal|warning|critical"}
 
-The emulator answers each measurement only if the app survives it: at the limit it SIGKILLs the process
-and writes a JetsamEvent report; the crash and hang faults fire here too.
+An app measures after every step (a forward pass, a cache conversion). `mlx_peak_bytes` is MLX's peak
+memory since the previous measurement (`mx.get_peak_memory()`, then `mx.reset_peak_memory()`; Swift:
+`Memory.peakMemory`, then `Memory.peakMemory = 0`), so the kernel charges the peak within each step, as iOS
+charges every page when it is touched. The two `phone_format_*` deltas (default 0) are what an app running
+in another format than the phone's adds to its active and peak bytes to get the phone's (see
+`toolchain.virtual.llm_memory`); the Swift engine runs in the phone's format and sends neither. All fields
+are optional integers; unknown ones are ignored. `footprint` in the reply is the footprint at the
+measurement (what the app's own phys_footprint query would return); see `toolchain.virtual.footprint`.
+
+The emulator answers each measurement only if the app survives it: when the step's peak crosses the limit
+it SIGKILLs the process and writes a JetsamEvent report showing the footprint at the page that crossed it;
+the crash and hang faults fire here too.
 """
 
 from __future__ import annotations

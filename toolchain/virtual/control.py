@@ -22,20 +22,20 @@ DEFAULT_SOCKET = "/tmp/kvrig-virtual-usbmuxd.sock"
 START_TIMEOUT_S = 60.0
 
 
-def _connect(address: str) -> socket.socket:
+def _connect(address: str, timeout: float) -> socket.socket:
     if ":" in address:
         host, port = address.rsplit(":", 1)
-        return socket.create_connection((host, int(port)), timeout=10)
+        return socket.create_connection((host, int(port)), timeout=timeout)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(30)
+    sock.settimeout(timeout)
     sock.connect(address)
     return sock
 
 
-def send_control(address: str, message: dict[str, Any]) -> dict[str, Any]:
+def send_control(address: str, message: dict[str, Any], timeout: float = 30) -> dict[str, Any]:
     """One request/reply on the usbmuxd socket."""
     try:
-        sock = _connect(address)
+        sock = _connect(address, timeout)
     except OSError as exc:
         raise DeviceNotFoundError(f"no virtual iPhone server at {address} ({exc.strerror or exc})") from None
     try:
@@ -64,7 +64,8 @@ def _recv(sock: socket.socket, n: int) -> bytes:
 
 def server_alive(address: str) -> bool:
     try:
-        send_control(address, {"MessageType": "KvrigStatus"})
+        # A kvrig server answers at once; something else on the socket may never answer.
+        send_control(address, {"MessageType": "KvrigStatus"}, timeout=10)
         return True
     except DeviceError:
         return False

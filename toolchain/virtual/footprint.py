@@ -1,13 +1,23 @@
 """Footprint accounting for a launched app: what jetsam would compare against the limit.
 
-The app process reports measured quantities (MLX allocator active and cache bytes, KV-cache nbytes, weight
-bytes); the emulator plays the kernel and computes
+The app process reports measured quantities after each step (MLX allocator active, cache and peak bytes,
+KV-cache nbytes, weight bytes); the emulator plays the kernel and computes the footprint at the measurement
 
-    footprint = baseline + max(mlx_active, weights + kv) + mlx_cache + phone_format_delta
+    footprint = baseline + max(mlx_active + phone_format_delta, weights + kv) + mlx_cache
+
+and the peak within the step, which is what iOS charges (every page when it is touched, so a transient
+inside a forward pass counts):
+
+    peak = baseline + max(mlx_peak + phone_format_peak_delta, <the footprint's resident part>) + mlx_cache
 
 `max` because weights and KV caches are MLX arrays and so already inside `mlx_active` on the phone, but a
-host runtime may map weights outside the allocator; `phone_format_delta` is what the app says the phone's
-format would add or save for the same shapes (fp32 host activations vs fp16 on the phone).
+host runtime may map weights outside the allocator; the two deltas are what the app says the phone's format
+would add or save for the same shapes (fp32 host activations vs fp16 on the phone). MLX reports the peak of
+active memory only, so its buffer cache at the measurement stands in for the cache at the peak.
+
+When the peak crosses the limit the process dies at the page that crossed it: the kill's footprint is the
+first whole page above the limit, not the step's peak (the allocation that would have reached it never
+completed).
 """
 
 from __future__ import annotations
@@ -31,15 +41,28 @@ class Measurement:
     weight_bytes: int = 0
     context_tokens: int = 0
     phone_format_delta_bytes: int = 0
+    mlx_peak_bytes: int = 0
+    """MLX's peak active memory since the previous measurement (the app resets it after each)."""
+    phone_format_peak_delta_bytes: int = 0
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Measurement:
         return cls(**{k: int(v) for k, v in data.items() if k in cls.__dataclass_fields__})
 
 
+def _resident(m: Measurement) -> int:
+    return max(m.mlx_active_bytes + m.phone_format_delta_bytes, m.weight_bytes + m.kv_bytes)
+
+
 def footprint_bytes(m: Measurement, baseline_bytes: int = BASELINE_BYTES) -> int:
-    resident = max(m.mlx_active_bytes, m.weight_bytes + m.kv_bytes)
-    return max(0, baseline_bytes + resident + m.mlx_cache_bytes + m.phone_format_delta_bytes)
+    """The footprint at the measurement (what the app's own phys_footprint query returns then)."""
+    return max(0, baseline_bytes + _resident(m) + m.mlx_cache_bytes)
+
+
+def peak_footprint_bytes(m: Measurement, baseline_bytes: int = BASELINE_BYTES) -> int:
+    """The highest footprint within the step that ended at this measurement."""
+    peak = m.mlx_peak_bytes + m.phone_format_peak_delta_bytes if m.mlx_peak_bytes else 0
+    return max(0, baseline_bytes + max(_resident(m), peak) + m.mlx_cache_bytes)
 
 
 def pages(nbytes: int, page_size: int) -> int:
@@ -62,18 +85,31 @@ class FootprintAccount:
     page_size: int
     baseline_bytes: int = BASELINE_BYTES
     current_bytes: int = 0
+    """At the last measurement; at the kill, the footprint the kernel killed at."""
+    peak_bytes: int = 0
+    """The peak within the last step."""
     lifetime_max_bytes: int = 0
     last: Measurement = field(default_factory=Measurement)
 
     def update(self, m: Measurement) -> int:
+        """Accounts one step; returns the footprint at its measurement. If the step's peak crossed the limit,
+        the process was killed at the first page above it, which becomes the current footprint."""
         self.last = m
         self.current_bytes = footprint_bytes(m, self.baseline_bytes)
-        self.lifetime_max_bytes = max(self.lifetime_max_bytes, self.current_bytes)
+        self.peak_bytes = max(self.current_bytes, peak_footprint_bytes(m, self.baseline_bytes))
+        if self.over_limit:
+            self.current_bytes = self.peak_bytes = self.kill_bytes
+        self.lifetime_max_bytes = max(self.lifetime_max_bytes, self.peak_bytes)
         return self.current_bytes
 
     @property
+    def kill_bytes(self) -> int:
+        """The footprint when the page that crosses the limit is charged (the ledger fires above the limit)."""
+        return (self.limit_bytes // self.page_size + 1) * self.page_size
+
+    @property
     def over_limit(self) -> bool:
-        return self.current_bytes >= self.limit_bytes
+        return self.peak_bytes > self.limit_bytes
 
     @property
     def available_bytes(self) -> int:

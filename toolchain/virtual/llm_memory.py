@@ -88,22 +88,32 @@ class PhoneAccount:
         import mlx.core as mx
 
         active = int(mx.get_active_memory())
+        # The peak since the previous measurement: the step's transients (activations, the old buffers a
+        # growing cache copies from), which the kernel charges as iOS does.
+        peak = max(int(mx.get_peak_memory()), active)
+        mx.reset_peak_memory()
         host_kv, phone_kv = kv_bytes(caches, self.phone_dtype)
-        host_activations = max(0, active - self.host_weight_bytes - host_kv)
+        return {
+            "mlx_active_bytes": active,
+            "mlx_cache_bytes": int(mx.get_cache_memory()),
+            "mlx_peak_bytes": peak,
+            "kv_bytes": phone_kv,
+            "weight_bytes": self.phone_weight_bytes,
+            "context_tokens": context_tokens,
+            "phone_format_delta_bytes": self._delta(active, host_kv, phone_kv),
+            "phone_format_peak_delta_bytes": self._delta(peak, host_kv, phone_kv),
+        }
+
+    def _delta(self, host_bytes: int, host_kv: int, phone_kv: int) -> int:
+        """Phone minus host bytes for `host_bytes` of MLX memory holding the weights, the caches and float32
+        activations (the rest), each at the phone's element size."""
+        host_activations = max(0, host_bytes - self.host_weight_bytes - host_kv)
         phone_activations = host_activations * PHONE_DTYPE_BYTES[self.phone_dtype] // HOST_ACTIVATION_BYTES
-        delta = (
+        return (
             (self.phone_weight_bytes - self.host_weight_bytes)
             + (phone_kv - host_kv)
             + (phone_activations - host_activations)
         )
-        return {
-            "mlx_active_bytes": active,
-            "mlx_cache_bytes": int(mx.get_cache_memory()),
-            "kv_bytes": phone_kv,
-            "weight_bytes": self.phone_weight_bytes,
-            "context_tokens": context_tokens,
-            "phone_format_delta_bytes": delta,
-        }
 
 
 def phone_active_bytes(measurement: dict[str, int]) -> int:

@@ -173,50 +173,35 @@ class Engine:
                     kv_bytes=kv_bytes(self.caches, self.kv.dtype)[1],
                 )
 
-    def forward(self, ids: list[int], *, logits: bool) -> Any:
-        """One forward pass; the caches are evaluated, the last position's logits only when asked for."""
-        import mlx.core as mx
-
-        from toolchain.runtime.caches import maybe_quantize
-
-        out = self.model(mx.array(ids)[None], cache=self.caches)
-        last = out[:, -1, :] if logits else None
-        mx.eval([c.state for c in self.caches], *([last] if last is not None else []))
-        maybe_quantize(self.caches, self.kv, self.model_type)
+    def after_step(self) -> None:
+        """kvrig's memory hook in the generation loop: report the step (the kernel may kill us here), react."""
         self.measure()
         if self.stop_requested:
             raise Stop
-        return last
 
-    def prefill(self, tokens: list[int], timing: Timing) -> Any:
-        """Feeds `tokens` in prefill steps; only the last token's logits are computed (the rest fill caches)."""
-        step = self.kv.prefill_step_size
-        body, last = tokens[:-1], tokens[-1:]
-        for start in range(0, len(body), step):
-            t0 = time.perf_counter()
-            chunk = body[start : start + step]
-            self.forward(chunk, logits=False)
-            timing.tokens += len(chunk)
-            timing.seconds += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        logits = self.forward(last, logits=True)
-        timing.tokens += 1
-        timing.seconds += time.perf_counter() - t0
-        return logits
+    def feed(self, tokens: list[int], decode_tokens: int, prefill: Timing, decode: Timing) -> None:
+        """Feeds `tokens` in prefill steps, then decodes up to `decode_tokens` greedily (stopping at end of
+        sequence), in the runtime's generation loop (mlx-lm's generate_step) with the memory hook."""
+        from toolchain.runtime.generate import GenerationStats, generate_tokens
 
-    def decode(self, logits: Any, count: int, timing: Timing) -> Any:
-        """Greedy decode of up to `count` tokens, stopping at end of sequence."""
-        import mlx.core as mx
-
-        for _ in range(count):
-            t0 = time.perf_counter()
-            token = int(mx.argmax(logits, axis=-1).item())  # type: ignore[arg-type]
-            if token in self.eos:
-                break
-            logits = self.forward([token], logits=True)
-            timing.tokens += 1
-            timing.seconds += time.perf_counter() - t0
-        return logits
+        stats = GenerationStats()
+        for _ in generate_tokens(
+            self.model,
+            tokens,
+            self.caches,
+            self.kv,
+            max_tokens=decode_tokens,
+            stop_tokens=self.eos,
+            stats=stats,
+            model_type=self.model_type,
+            on_step=self.after_step,
+        ):
+            pass
+        prefill.tokens += stats.prompt_tokens
+        prefill.seconds += stats.prefill_seconds
+        # The first generated token comes out of the prefill; decode speed counts the steps after it.
+        decode.tokens += max(0, stats.generated_tokens - 1)
+        decode.seconds += stats.decode_seconds
 
 
 def _targets(plan: SoakPlan) -> list[int]:
@@ -246,17 +231,15 @@ def run_soak(engine: Engine, plan: SoakPlan) -> tuple[str, str | None]:
     if not text:
         return "error", "the soak text encodes to no tokens"
     began = time.monotonic()
-    cursor, logits = 0, None
+    cursor = 0
     try:
         for target in _targets(plan):
             prefill, decode = Timing(), Timing()
-            needed = target - engine.context_tokens
-            if needed > 0:
-                feed = [text[(cursor + i) % len(text)] for i in range(needed)]
-                cursor += needed
-                logits = engine.prefill(feed, prefill)
-            if logits is not None:
-                logits = engine.decode(logits, plan.schedule.decode_tokens, decode)
+            # At least one token: the loop starts from a prompt (decoding may have passed the target already).
+            needed = max(1, target - engine.context_tokens)
+            feed = [text[(cursor + i) % len(text)] for i in range(needed)]
+            cursor += needed
+            engine.feed(feed, plan.schedule.decode_tokens, prefill, decode)
             verdict = engine.measure()
             m = verdict["measurement"]
             footprint = int(verdict["footprint"])
@@ -335,9 +318,9 @@ def main(argv: list[str] | None = None) -> int:
         reason, message = "memory_critical", "critical memory pressure while loading"
     except AppError as exc:
         message = str(exc)
-    except Exception as exc:  # the end record names any failure; the soak driver reads it
-        lowered = str(exc).lower()
-        reason = "allocation_failed" if "alloc" in lowered or "memory" in lowered else "error"
+    except MemoryError as exc:  # what an allocator that refuses raises (bad_alloc through nanobind)
+        reason, message = "allocation_failed", f"{type(exc).__name__}: {exc}"
+    except Exception as exc:  # the end record names any other failure; the soak driver reads it
         message = f"{type(exc).__name__}: {exc}"
     context = engine.context_tokens if engine is not None else 0
     if reason in ("memory_critical", "allocation_failed"):

@@ -50,6 +50,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--run-id", default=None)
     p.add_argument("--exit-when-done", action="store_true")
     p.add_argument("--decode-tokens", type=int, default=0, help="one-query passes timed per step (0: none)")
+    p.add_argument("--transient-mb", type=float, default=0.0, help="allocated and freed inside every step")
     p.add_argument(SOAKPLAN_LAUNCH_ARGUMENT, dest="soak_plan", default=None, help="soak plan inside Documents")
     return p.parse_args(argv)
 
@@ -133,11 +134,16 @@ def main(argv: list[str] | None = None) -> int:
         chunk = (1, args.kv_heads, args.step_tokens, args.head_dim)
         for i in range(args.layers):
             # mlx-lm's KVCache grows by concatenating a zeroed step and writing the new tokens into it.
-            keys[i] = mx.concatenate([keys[i], mx.random.normal(chunk).astype(mx.float16)], axis=2)
-            values[i] = mx.concatenate([values[i], mx.random.normal(chunk).astype(mx.float16)], axis=2)
+            keys[i] = mx.concatenate([keys[i], mx.random.normal(chunk, dtype=mx.float16)], axis=2)
+            values[i] = mx.concatenate([values[i], mx.random.normal(chunk, dtype=mx.float16)], axis=2)
         scores = mx.softmax((query @ keys[-1].transpose(0, 1, 3, 2)).astype(mx.float32), axis=-1)
         out = scores.astype(mx.float16) @ values[-1]
         mx.eval(*keys, *values, out)
+        if args.transient_mb:
+            # Like prefill activations: alive only inside the step, gone before the measurement.
+            transient = mx.ones((int(args.transient_mb * 1024 * 1024) // 2,), dtype=mx.float16)
+            mx.eval(transient)
+            del transient
         tokens += args.step_tokens
         elapsed = time.perf_counter() - start
         decode_tps = None
@@ -152,9 +158,12 @@ def main(argv: list[str] | None = None) -> int:
                 mx.eval(*outs)
             decode_tps = args.decode_tokens / max(time.perf_counter() - t0, 1e-9)
         kv_bytes = sum(k.nbytes + v.nbytes for k, v in zip(keys, values, strict=True))
+        peak = mx.get_peak_memory()  # the step's transients: the old buffers each growing cache copied from
+        mx.reset_peak_memory()
         measured = {
             "mlx_active_bytes": mx.get_active_memory(),
             "mlx_cache_bytes": mx.get_cache_memory(),
+            "mlx_peak_bytes": peak,
             "kv_bytes": kv_bytes,
             "weight_bytes": weights.nbytes,
             "context_tokens": tokens,
@@ -179,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             available_bytes=verdict["available"],
             mlx_active_bytes=measured["mlx_active_bytes"],
             mlx_cache_bytes=measured["mlx_cache_bytes"],
-            mlx_peak_bytes=mx.get_peak_memory(),
+            mlx_peak_bytes=peak,
             kv_bytes=kv_bytes,
             thermal_state="nominal",
         )

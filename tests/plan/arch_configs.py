@@ -1,0 +1,192 @@
+"""Tiny configs for every model module the installed mlx-lm ships, built from that module's own ModelArgs.
+
+Every field a ModelArgs requires, or that sizes the model, gets a small value by its name; the rest keep the
+module's own defaults. A few modules need a field or two more, listed in EXTRA with the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import io
+from typing import Any
+
+from toolchain.models.lazy import mlx_lm_architectures
+
+# Sizes by field name: small enough to run a real model on CPU in milliseconds, head dims of 64 (every KV
+# group size divides them).
+SIZES: dict[str, Any] = {
+    "hidden_size": 128,
+    "d_model": 128,
+    "n_embd": 128,
+    "model_dim": 128,
+    "num_vocab": 256,
+    "dim": 128,
+    "intermediate_size": 256,
+    "ffn_hidden_size": 256,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_layers": 2,
+    "n_layer": 2,
+    "n_layers": 2,
+    "num_attention_heads": 2,
+    "n_head": 2,
+    "n_heads": 2,
+    "num_heads": 2,
+    "num_key_value_heads": 1,
+    "n_kv_heads": 1,
+    "num_kv_heads": 1,
+    "head_dim": 64,
+    "vocab_size": 256,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "layer_norm_eps": 1e-5,
+    "norm_eps": 1e-5,
+    "layer_norm_epsilon": 1e-5,
+    "rope_theta": 10000.0,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "sliding_window": 8,
+    "kv_lora_rank": 64,
+    "q_lora_rank": None,
+    "qk_rope_head_dim": 32,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 64,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "tie_word_embeddings": True,
+}
+
+# Fields left at None by a ModelArgs that its model still does arithmetic with, by name.
+WHEN_NONE: dict[str, Any] = {
+    "n_shared_experts": 1,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "head_dim": 64,
+    "moe_intermediate_size": 64,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 4096,
+}
+
+# Wrappers whose `text_config` is another module's ModelArgs.
+TEXT_MODULES: dict[str, str] = {
+    "gemma3": "gemma3_text",
+    "kimi_k25": "deepseek_v3",
+    "kimi_k3": "deepseek_v3",
+    "kimi_vl": "deepseek_v3",
+    "qwen2_vl": "qwen2",
+    "qwen3_vl": "qwen3",
+    "qwen3_vl_moe": "qwen3_moe",
+    "mistral3": "llama",
+    "pixtral": "llama",
+    "llama4": "llama4_text",
+    "lfm2-vl": "lfm2",
+}
+
+# Fields a module needs beyond its ModelArgs' required ones (layer patterns, rope fractions that must give
+# even dims).
+EXTRA: dict[str, dict[str, Any]] = {
+    "phi": {"partial_rotary_factor": 0.5},
+    "lfm2": {"full_attn_idxs": [1], "block_ff_dim": 256, "intermediate_size": 256},
+    "lfm2_moe": {"full_attn_idxs": [1], "num_dense_layers": 1},
+    "ministral3": {"layer_types": ["sliding_attention", "full_attention"], "rope_parameters": {"rope_theta": 1e4}},
+    "olmo3": {"layer_types": ["sliding_attention", "full_attention"]},
+    "afmoe": {"layer_types": ["sliding_attention", "full_attention"]},
+    "gear": {"layer_types": ["sliding_attention", "full_attention"]},
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
+    "nemotron_h": {"hybrid_override_pattern": "M*", "mamba_num_heads": 4, "mamba_head_dim": 32, "n_groups": 1},
+    "cohere2": {"sliding_window_pattern": 2, "layer_types": ["sliding_attention", "full_attention"]},
+    "gemma3_text": {"sliding_window_pattern": 2},
+}
+
+
+def _qwen3_5_moe() -> dict[str, Any]:
+    from tiny_configs import TINY_CONFIGS
+
+    text = dict(TINY_CONFIGS["qwen3_5"]["text_config"])
+    moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1}
+    text.update(moe, model_type="qwen3_5_moe_text", shared_expert_intermediate_size=64, mlp_only_layers=[])
+    return {"text_config": text}
+
+
+def _by_name(name: str, kind: str) -> Any:
+    """A small value for a required field the SIZES table does not name, from its name and type."""
+    n = name.lower()
+    if kind == "bool":
+        return False
+    if kind in ("dict", "Dict"):
+        return {}
+    if kind in ("list", "List"):
+        return []
+    if kind == "str":
+        return "silu" if "act" in n else ""
+    if "eps" in n:
+        return 1e-5
+    if any(w in n for w in ("theta", "base")):
+        return 10000.0
+    if any(w in n for w in ("factor", "multiplier", "scale", "pct", "ratio")):
+        return 1.0
+    if kind == "float":
+        return 1.0
+    if "kv_heads" in n or "key_value" in n:
+        return 1
+    if any(w in n for w in ("layers", "heads", "topk", "per_tok", "groups", "group")):
+        return 2
+    if "expert" in n:
+        return 4
+    if "window" in n:
+        return 8
+    if any(w in n for w in ("dim", "size", "rank", "inner", "ctx", "positions")):
+        return 64
+    return 2
+
+
+def module_args(name: str) -> Any:
+    with contextlib.redirect_stdout(io.StringIO()):
+        return importlib.import_module(f"mlx_lm.models.{name}").ModelArgs
+
+
+def _kind(annotation: Any) -> str:
+    """'int', 'list', 'dict'... from an annotation, a string or a type (Optional unwrapped)."""
+    text = str(annotation).replace("typing.", "").replace("Optional[", "")
+    if text.startswith("<class '"):
+        text = text[len("<class '") : -2]
+    text = text.split("[")[0].split("|")[0].strip(" ]")
+    return {"List": "list", "Dict": "dict", "Tuple": "list", "tuple": "list"}.get(text, text)
+
+
+def tiny_config(name: str) -> dict[str, Any]:
+    """The hand-made config where tiny_configs.py has one for this module, else one from its ModelArgs."""
+    from tiny_configs import TINY_CONFIGS
+
+    if name in TINY_CONFIGS:
+        return TINY_CONFIGS[name]
+    args = module_args(name)
+    config: dict[str, Any] = {"model_type": name}
+    for f in dataclasses.fields(args):
+        if f.name == "model_type":
+            continue
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        kind = _kind(f.type)
+        if f.name in SIZES:
+            config[f.name] = SIZES[f.name]
+        elif f.name == "text_config" and name in TEXT_MODULES:
+            config[f.name] = tiny_config(TEXT_MODULES[name])
+        elif required:
+            config[f.name] = _by_name(f.name, kind)
+        elif f.default is None and f.name in WHEN_NONE:
+            config[f.name] = WHEN_NONE[f.name]
+    config.update(EXTRA.get(name, {}))
+    if name == "qwen3_5_moe":
+        config.update(_qwen3_5_moe())
+    return config
+
+
+def architectures() -> list[str]:
+    return mlx_lm_architectures()

@@ -1,0 +1,117 @@
+"""`kvrig plan-bench`: how fast planning is and how little it allocates, side by side with doing it for real.
+
+Planning asks MLX about arrays it never evaluates, so the bytes it allocates are MLX's peak memory during the
+plan (graph bookkeeping only) and Python's own (tracemalloc). The same KV answer is then produced for real
+(evaluated caches) to show the ratio, and one prefill chunk runs on the real model to measure the transient
+the plan estimates (CPU, float32: on Metal the fused attention kernel does not materialize the scores for
+head dims 64, 80 and 128, and the phone keeps activations in float16, half these widths).
+"""
+
+from __future__ import annotations
+
+import time
+import tracemalloc
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+BENCH_CONTEXT = 8192
+
+
+@dataclass
+class PlanBench:
+    model: str
+    plan_seconds: float
+    plan_mlx_peak_bytes: int
+    plan_python_peak_bytes: int
+    kv_context: int
+    kv_bytes_lazy: int
+    kv_lazy_seconds: float
+    kv_lazy_mlx_peak_bytes: int
+    kv_bytes_evaluated: int | None
+    kv_evaluated_mlx_peak_bytes: int | None
+    transient_context: int | None
+    transient_measured_bytes: int | None
+    transient_planned_bytes: int | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _measure(fn: Any) -> tuple[Any, float, int, int]:
+    import mlx.core as mx
+
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    tracemalloc.start()
+    began = time.perf_counter()
+    try:
+        out = fn()
+        seconds = time.perf_counter() - began
+        py_peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    return out, seconds, mx.get_peak_memory(), py_peak
+
+
+def benchmark_plan(model: str | Path | None, device: str, *, real: bool = True, prefill_step: int = 512) -> PlanBench:
+    """Time and allocation of a whole plan and of one KV answer; with `real`, the same KV evaluated and one
+    prefill chunk measured on the real model (small models only: it allocates them)."""
+    import mlx.core as mx
+
+    from toolchain.models import load_model_spec
+    from toolchain.plan.caches import forget_replays
+    from toolchain.plan.kv import context_schedule, kv_bytes, parse_scheme
+    from toolchain.plan.memory import plan_memory
+    from toolchain.plan.runtime import prefill_activation_bytes
+    from toolchain.profiles import load_profile
+
+    spec = load_model_spec(model)
+    profile = load_profile(device)
+    _, plan_s, plan_mlx, plan_py = _measure(lambda: plan_memory(spec, profile, prefill_step=prefill_step))
+    fp16 = parse_scheme("fp16")
+    schedule = context_schedule(BENCH_CONTEXT, prefill_step)
+    fresh = load_model_spec(model)
+    fresh.probe()
+    forget_replays()  # answer from scratch, not from what the plan above remembered
+    lazy, kv_s, kv_mlx, _ = _measure(lambda: kv_bytes(fresh, fp16, schedule))
+    result = PlanBench(
+        str(spec.source), plan_s, plan_mlx, plan_py, BENCH_CONTEXT, lazy, kv_s, kv_mlx, None, None, None, None, None
+    )
+    if not real:
+        return result
+
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from toolchain.models.lazy import cast_model
+
+    def evaluated() -> int:
+        caches = make_prompt_cache(spec.probe().model)
+        probe = spec.probe()
+        for n in schedule:
+            for slot, cache in zip(probe.slots, caches, strict=False):
+                for update in slot.updates:
+                    cache.update_and_fetch(*update.arrays(n))
+            mx.eval([c.state for c in caches])
+        return sum(c.nbytes for c in caches)
+
+    real_kv, _, real_mlx, _ = _measure(evaluated)
+    result.kv_bytes_evaluated, result.kv_evaluated_mlx_peak_bytes = real_kv, real_mlx
+
+    # The prefill transient, measured: one chunk of `prefill_step` tokens at a context of 2048, on the real
+    # model in float32, MLX's peak minus what was already resident (weights and caches).
+    context = 2048
+    net = cast_model(spec.lazy_model(), "float32")
+    mx.eval(net.parameters())
+    caches = make_prompt_cache(net)
+    net(mx.zeros((1, context - prefill_step), mx.int32), cache=caches)
+    mx.eval([c.state for c in caches])
+    mx.clear_cache()
+    resident = mx.get_active_memory()
+    mx.reset_peak_memory()
+    logits = net(mx.ones((1, prefill_step), mx.int32), cache=caches)
+    mx.eval(logits[:, -1, :], [c.state for c in caches])  # as generate_step: the last position's logits
+    result.transient_context = context
+    result.transient_measured_bytes = mx.get_peak_memory() - resident
+    result.transient_planned_bytes = prefill_activation_bytes(spec, prefill_step, context, "float32")
+    return result
