@@ -284,6 +284,28 @@ class TunnelLostError(DeviceLostError):
     exit_code = 29
 
 
+# --- lab shards and merge (exit 42-44) ---------------------------------------------------------------------
+
+
+class LabShardError(InputError):
+    """`--shard`, `--devices` or `--usbmuxd` is not what was expected, or a folder to merge is not a lab's."""
+
+    exit_code = 42
+
+
+class MergeConflictError(KvrigError):
+    """Shards disagree: the same phone × entry × scheme ran with different results, or the shards come from
+    different labs or gates (every run is kept in the merged files and the conflicts are listed)."""
+
+    exit_code = 43
+
+
+class MissingShardError(KvrigError):
+    """The merged folders do not cover every shard of the lab (the merged files were written anyway)."""
+
+    exit_code = 44
+
+
 # --- the virtual iPhone (exit 48-49) -----------------------------------------------------------------------
 
 

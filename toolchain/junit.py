@@ -1,4 +1,5 @@
-"""JUnit XML for CI from a results file: one testsuite per device, one testcase per entry × scheme.
+"""JUnit XML for CI from a results file: one testsuite per host × device, one testcase per run (entry ×
+scheme), named with its host and phone so the cases of a merged multi-host lab stay apart.
 
 A run fails (`<failure>`, one per reason) on a bad outcome (crash, hang, device lost), a failed confirmation
 run or a failed gate; a run that could not be made is an `<error>`; a run not started yet is `<skipped>`.
@@ -58,6 +59,12 @@ def _numbers(r: SoakResult) -> dict[str, object]:
     return values
 
 
+def case_name(r: SoakResult) -> str:
+    """`entry[scheme] on UDID @ host`: unique per run across the hosts of a merged lab."""
+    host = f" @ {r.device.host}" if r.device.host else ""
+    return f"{r.entry or r.app_id}[{r.scheme}] on {r.device.udid}{host}"
+
+
 def _elapsed(r: SoakResult) -> float:
     return max(0.0, (r.finished or r.started or 0) - (r.started or 0))
 
@@ -66,23 +73,24 @@ def build_junit(results: ResultsFile, *, name: str = "kvrig lab") -> ET.Element:
     root = ET.Element("testsuites", name=name)
     devices: dict[str, list[SoakResult]] = {}
     for run in results.runs:
-        devices.setdefault(run.device.udid, []).append(run)
+        devices.setdefault(f"{run.device.host or ''}\0{run.device.udid}", []).append(run)
     totals = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
     total_time = 0.0
-    for udid, runs in devices.items():
+    for runs in devices.values():
         first = runs[0].device
+        udid, host = first.udid, first.host
         label = " ".join(x for x in (udid, first.product_type, first.profile) if x)
-        suite = ET.SubElement(root, "testsuite", name=label, hostname=socket.gethostname())
-        _properties(
-            suite,
-            {
-                "udid": udid,
-                "product_type": first.product_type,
-                "os_version": first.os_version,
-                "profile": first.profile,
-                "tool_version": results.tool_version,
-            },
-        )
+        if host:
+            label += f" @ {host}"
+        suite = ET.SubElement(root, "testsuite", name=label, hostname=host or socket.gethostname())
+        phone = {
+            "host": host,
+            "udid": udid,
+            "product_type": first.product_type,
+            "os_version": first.os_version,
+            "profile": first.profile,
+        }
+        _properties(suite, {**phone, "tool_version": results.tool_version})
         counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
         suite_time = 0.0
         for r in runs:
@@ -93,10 +101,10 @@ def build_junit(results: ResultsFile, *, name: str = "kvrig lab") -> ET.Element:
                 suite,
                 "testcase",
                 classname=f"kvrig.lab.{first.profile or first.product_type or 'device'}.{udid}",
-                name=f"{r.entry or r.app_id}[{r.scheme}]",
+                name=case_name(r),
                 time=f"{elapsed:.3f}",
             )
-            _properties(case, _numbers(r))
+            _properties(case, {**phone, **_numbers(r)})
             if r.outcome is None and r.error is None:
                 counts["skipped"] += 1
                 ET.SubElement(case, "skipped", message="not run (the lab stopped before this run)")

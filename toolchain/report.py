@@ -1,12 +1,12 @@
 """The HTML report of a results file: a summary table and, per run, footprint vs context and decode tok/s vs
-context (PNG, matplotlib), with the limit from the jetsam report and the planner's prediction as lines.
+context (PNG, matplotlib), with the limit from the jetsam report and the planner's prediction as lines. The
+page is the jinja2 template templates/report/report.html.j2 (autoescaped); this module plots and formats.
 
 Everything it shows comes from results.json, so `kvrig lab report` can render it again anywhere.
 """
 
 from __future__ import annotations
 
-import html
 from pathlib import Path
 
 from toolchain.exceptions import ReportError
@@ -18,28 +18,16 @@ REPORT_FILE = "report.html"
 IMAGES_DIR = "report"
 MIB = 1024 * 1024
 
-_STYLE = """
-body { font-family: system-ui, sans-serif; margin: 2em; color: #222; }
-table { border-collapse: collapse; margin-bottom: 2em; }
-th, td { border: 1px solid #ccc; padding: 4px 8px; text-align: right; }
-th { background: #f0f0f0; } td.l { text-align: left; }
-.ok { color: #1a7f37; } .bad { color: #cf222e; font-weight: bold; } .na { color: #888; }
-figure { display: inline-block; margin: 0 1em 1em 0; } img { max-width: 560px; }
-"""
+TEMPLATE = "report.html.j2"
 
 
 def _mib(n: int | None) -> str:
     return f"{n / MIB:.1f} MiB" if n is not None else ""
 
 
-def _cell(value: object, cls: str = "") -> str:
-    text = "" if value is None else str(value)
-    attr = f' class="{cls}"' if cls else ""
-    return f"<td{attr}>{html.escape(text)}</td>"
-
-
 def run_name(r: SoakResult) -> str:
-    return f"{r.device.udid[:12]} {r.entry or r.app_id} [{r.scheme}]"
+    host = f" @ {r.device.host}" if r.device.host else ""
+    return f"{r.device.udid[:12]}{host} {r.entry or r.app_id} [{r.scheme}]"
 
 
 def _plot_footprint(r: SoakResult, path: Path) -> bool:
@@ -108,53 +96,58 @@ def _plot_tps(r: SoakResult, path: Path) -> bool:
     return True
 
 
-def _row(r: SoakResult) -> str:
+def _template_dir() -> Path:
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "_data" / "templates" / "report", here.parent / "templates" / "report"):
+        if (candidate / TEMPLATE).is_file():
+            return candidate
+    raise ReportError(f"the report template {TEMPLATE} is not installed", file=here)
+
+
+def _run_view(r: SoakResult, figures: list[dict[str, str]]) -> dict[str, object]:
+    """What the template shows of one run, formatted; the template only lays it out."""
     found = failures(r)
-    status = ("FAIL", "bad") if found or r.outcome is None else ("pass", "ok")
-    safe = "" if r.max_safe_context is None else f"{r.max_safe_context}{' ✓' if r.max_safe_context_confirmed else ''}"
     error = prediction_error(r)
-    cells = [
-        _cell(status[0], status[1]),
-        _cell(r.device.udid[:12], "l"),
-        _cell(r.device.profile or r.device.product_type, "l"),
-        _cell(r.entry or r.app_id, "l"),
-        _cell(r.scheme, "l"),
-        _cell(r.outcome or f"error: {r.error}", "l"),
-        _cell(r.max_context_reached),
-        _cell(safe),
-        _cell(_mib(r.footprint_at_kill_bytes)),
-        _cell(_mib(r.limit_bytes)),
-        _cell(r.predicted.max_context if r.predicted else None),
-        _cell(f"{error:+.1%}" if error is not None else None),
-        _cell("; ".join(m for _, m in found), "l"),
-    ]
-    return "<tr>" + "".join(cells) + "</tr>"
+    safe = "" if r.max_safe_context is None else f"{r.max_safe_context}{' ✓' if r.max_safe_context_confirmed else ''}"
+    return {
+        "name": run_name(r),
+        "failed": bool(found) or r.outcome is None,
+        "host": r.device.host or "",
+        "device": r.device.udid[:12],
+        "profile": r.device.profile or r.device.product_type or "",
+        "entry": r.entry or r.app_id,
+        "scheme": r.scheme,
+        "outcome": r.outcome or f"error: {r.error}",
+        "outcome_raw": str(r.outcome),
+        "detail": r.outcome_detail or r.error or "not run",
+        "max_context": "" if r.max_context_reached is None else r.max_context_reached,
+        "safe": safe,
+        "footprint_at_kill": _mib(r.footprint_at_kill_bytes),
+        "limit": _mib(r.limit_bytes),
+        "predicted": r.predicted.max_context if r.predicted and r.predicted.max_context is not None else "",
+        "predicted_error": f"{error:+.1%}" if error is not None else "",
+        "failures": "; ".join(m for _, m in found),
+        "gates": r.gates,
+        "confirmations": r.confirmations,
+        "figures": figures,
+    }
 
 
 def write_report(results: ResultsFile, out_dir: str | Path, *, title: str = "kvrig results") -> Path:
-    """Writes report.html and its PNGs (in report/) into out_dir; returns the HTML path."""
+    """Writes report.html (from templates/report/report.html.j2) and its PNGs (in report/) into out_dir;
+    returns the HTML path."""
+    import jinja2
+
     out = Path(out_dir)
     images = out / IMAGES_DIR
     try:
         images.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ReportError(f"cannot create the report folder: {exc}", file=images) from None
-    head = [
-        "State", "Device", "Profile", "Entry", "Scheme", "Outcome", "Max context", "Max safe context",
-        "Footprint at kill", "Limit (report)", "Predicted max", "Predicted error", "Failures",
-    ]  # fmt: skip
-    parts = [
-        "<!doctype html>",
-        f'<html><head><meta charset="utf-8"><title>{html.escape(title)}</title><style>{_STYLE}</style></head><body>',
-        f"<h1>{html.escape(title)}</h1>",
-        f"<p>kvrig {html.escape(results.tool_version)}; {len(results.runs)} runs; ✓ = confirmed by a repeat run.</p>",
-        "<table><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>",
-        *(_row(r) for r in results.runs),
-        "</table>",
-    ]
+    views = []
     used: set[str] = set()
     for r in results.runs:
-        base = slug(f"{r.device.udid[:12]}-{r.entry or r.app_id}-{r.scheme}")
+        base = slug(f"{r.device.host or ''}-{r.device.udid[:12]}-{r.entry or r.app_id}-{r.scheme}".lstrip("-"))
         while base in used:
             base += "-x"
         used.add(base)
@@ -162,25 +155,21 @@ def write_report(results: ResultsFile, out_dir: str | Path, *, title: str = "kvr
         for kind, plot in (("footprint", _plot_footprint), ("tps", _plot_tps)):
             name = f"{base}-{kind}.png"
             if plot(r, images / name):
-                figures.append(f'<figure><img src="{IMAGES_DIR}/{html.escape(name)}" alt="{kind}"></figure>')
-        parts.append(f"<h2>{html.escape(run_name(r))}</h2>")
-        detail = r.outcome_detail or r.error or "not run"
-        parts.append(f"<p>{html.escape(str(r.outcome))}: {html.escape(detail)}</p>")
-        if r.gates:
-            items = "".join(
-                f'<li class="{ {"passed": "ok", "failed": "bad"}.get(c.status, "na") }">'
-                f"{html.escape(c.gate)}: {html.escape(c.status)}: {html.escape(c.message)}</li>"
-                for c in r.gates
-            )
-            parts.append(f"<ul>{items}</ul>")
-        if r.confirmations:
-            items = "".join(
-                f"<li>{html.escape(c.run_id)}: {html.escape(str(c.outcome))} at {c.max_tokens} tokens</li>"
-                for c in r.confirmations
-            )
-            parts.append(f"<p>Threshold search:</p><ul>{items}</ul>")
-        parts.extend(figures or ["<p class='na'>no measurements</p>"])
-    parts.append("</body></html>")
+                figures.append({"src": f"{IMAGES_DIR}/{name}", "kind": kind})
+        views.append(_run_view(r, figures))
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(_template_dir()),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+    )
+    html = env.get_template(TEMPLATE).render(
+        title=title,
+        tool_version=results.tool_version,
+        hosts=results.lab.hosts if results.lab else [],
+        notes=results.lab.notes if results.lab else [],
+        runs=views,
+    )
     path = out / REPORT_FILE
-    path.write_text("\n".join(parts) + "\n")
+    path.write_text(html)
     return path

@@ -163,11 +163,16 @@ def test_junit_xml_one_suite_per_device_one_case_per_entry_and_scheme(
     for suite in suites:
         udid = suite.find("properties/property[@name='udid']").get("value")
         cases = suite.findall("testcase")
-        assert sorted(c.get("name") for c in cases) == ["grow[fp16]", "short[fp16-kv4]", "short[fp16]"]
+        # each case names its run, the phone and the host the phone is on
+        host = suite.find("properties/property[@name='host']").get("value")
+        assert sorted(c.get("name") for c in cases) == [
+            f"{run} on {udid} @ {host}" for run in ("grow[fp16]", "short[fp16-kv4]", "short[fp16]")
+        ]
         assert not suite.findall(".//failure") and not suite.findall(".//error") and not suite.findall(".//skipped")
         for case in cases:
-            entry, scheme = case.get("name")[:-1].split("[")
+            entry, scheme = case.get("name").split(" on ")[0][:-1].split("[")
             props = {p.get("name"): p.get("value") for p in case.findall("properties/property")}
+            assert props["udid"] == udid and props["host"] == host
             r = saved[udid, entry, scheme]
             assert props["outcome"] == r.outcome
             assert int(props["max_safe_context"]) == r.max_safe_context
@@ -307,7 +312,7 @@ def test_unplugged_phone_is_device_lost_while_the_other_completes(replugged: Pho
     # mid-lab, the files already said what was done and what was still to do
     partial = ET.fromstring(snapshot["junit"])
     pending = [
-        c.get("name")
+        c.get("name").split(" on ")[0]
         for s in partial.findall("testsuite")
         for c in s.findall("testcase")
         if c.find("skipped") is not None

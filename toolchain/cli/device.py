@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from toolchain.cli.bridge import run_async
-from toolchain.cli.render import echo_json, human_bytes, json_option
+from toolchain.cli.render import echo_json, human_bytes, json_option, usbmuxd_option
 
 
 def _udid_option(func):  # type: ignore[no-untyped-def]
@@ -45,16 +45,28 @@ def _yes_no(value: bool | None, yes: str = "on", no: str = "off") -> str:
 
 
 @click.command(
-    "devices", short_help="List attached iPhones (real or virtual): profile, iOS, Developer Mode, image, tunnel."
+    "devices",
+    short_help="List attached iPhones (real or virtual, on one or several hosts): profile, iOS, Developer Mode, "
+    "image, tunnel.",
 )
 @tunnel_option
+@usbmuxd_option
 @json_option
-def devices(tunnel: str, as_json: bool) -> None:
-    """List attached iPhones: UDID, model, iOS, Developer Mode, developer disk image and the tunnel kvrig would
-    use, with what blocks a soak on each."""
-    from toolchain.device.preflight import check_all
+def devices(tunnel: str, usbmuxd: tuple[str, ...], as_json: bool) -> None:
+    """List attached iPhones: UDID, model, iOS, Developer Mode, developer disk image, the tunnel kvrig would
+    use and the usbmuxd host, with what blocks a soak on each."""
+    from toolchain.device.hosts import parse_hosts, preflight_on
 
-    found = run_async(check_all(parse_tunnel(tunnel)))
+    hosts = parse_hosts(usbmuxd)
+    found, unreachable = run_async(preflight_on(hosts, parse_tunnel(tunnel)))
+    if unreachable and len(unreachable) == len(hosts):
+        from toolchain.exceptions import DeviceNotFoundError
+
+        raise DeviceNotFoundError(
+            "; ".join(unreachable.values() if len(hosts) == 1 else map(": ".join, unreachable.items()))
+        )
+    for name, why in unreachable.items():
+        click.echo(f"host {name}: {why}", err=True)
     if as_json:
         echo_json([d.to_json() for d in found])
         return
@@ -64,7 +76,7 @@ def devices(tunnel: str, as_json: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table("UDID", "ProductType", "iOS", "profile", "dev mode", "image", "tunnel", "connection")
+    table = Table("UDID", "ProductType", "iOS", "profile", "dev mode", "image", "tunnel", "connection", "host")
     for p in found:
         d = p.device
         tunnel_text = "?" if p.tunnel is None else (p.tunnel.kind or "[red]none possible[/red]")
@@ -77,6 +89,7 @@ def devices(tunnel: str, as_json: bool) -> None:
             _yes_no(p.image_mounted, "mounted", "not mounted"),
             tunnel_text,
             d.connection,
+            d.host,
         )
     console = Console(width=max(120, Console().width))
     console.print(table)

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import click
 
-from toolchain.cli.render import echo_json, json_option
+from toolchain.cli.device import parse_tunnel, tunnel_option
+from toolchain.cli.render import echo_json, json_option, usbmuxd_option
 
 
 @click.group(
@@ -16,47 +17,117 @@ def lab() -> None:
     """Run a matrix of apps, bundles and KV schemes on many phones; gate on max safe context and tok/s."""
 
 
+def _out_option(help: str):  # type: ignore[no-untyped-def]
+    return click.option(
+        "-o", "--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True, help=help
+    )
+
+
 @lab.command("run")
 @click.argument("lab_file", type=click.Path(dir_okay=False, path_type=Path))
+@_out_option("Output folder (results.json, junit.xml, report.html, runs/).")
 @click.option(
-    "-o",
-    "--out",
-    "out_dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    required=True,
-    help="Output folder (results.json, junit.xml, report.html, runs/).",
+    "--shard",
+    default=None,
+    metavar="K/N",
+    help="Run shard K of N: the phones whose UDID hashes to K (rendezvous hashing; adding a phone moves no other).",
 )
+@click.option(
+    "--devices",
+    "devices",
+    multiple=True,
+    metavar="UDID[,UDID...]",
+    help="Only these phones (this runner's); one not attached is reported missing.",
+)
+@usbmuxd_option
+@tunnel_option
 @json_option
-def run(lab_file: Path, out_dir: Path, as_json: bool) -> None:
-    """Run LAB_FILE on the attached phones.
+def run(
+    lab_file: Path,
+    out_dir: Path,
+    shard: str | None,
+    devices: tuple[str, ...],
+    usbmuxd: tuple[str, ...],
+    tunnel: str,
+    as_json: bool,
+) -> None:
+    """Run LAB_FILE on the attached phones (or this runner's share of them).
 
     Exit codes: 0 every run passed its gates; 17 a gate failed or a run ended badly (crash, hang, device
     lost, could not run); 18 the lab could not run at all (no device matched, no run could start);
-    3 the lab file is wrong."""
+    3 the lab file is wrong; 42 --shard, --devices or --usbmuxd is wrong. A phone whose preflight fails
+    (Developer Mode off, no image, no tunnel) fails its runs with that cause."""
     from toolchain.cli.bridge import run_async
-    from toolchain.exceptions import GateFailedError, LabError
+    from toolchain.device.hosts import parse_hosts
     from toolchain.lab import run_lab
+    from toolchain.lab.targets import Shard
     from toolchain.schemas.lab import load_lab
 
     spec = load_lab(lab_file)
+    hosts = parse_hosts(usbmuxd)
+    share = Shard.parse(shard) if shard else None
+    udids = [u for text in devices for u in text.replace(",", " ").split()] or None
+    mode = str(parse_tunnel(tunnel))
     echo = None if as_json else (lambda line: click.echo(line, err=True))
-    results = run_async(run_lab(spec, out_dir, on_event=echo))
+    results = run_async(run_lab(spec, out_dir, on_event=echo, hosts=hosts, shard=share, devices=udids, tunnel=mode))
     if as_json:
         echo_json(results.results)
     else:
-        _render(results)
-    if not results.ran:
+        _render(results.results, title=f"lab {results.lab.name}", out_dir=out_dir)
+    _exit_for(results.results, out_dir, empty_shard_ok=share is not None)
+
+
+@lab.command("merge")
+@click.argument("folders", nargs=-1, required=True, type=click.Path(file_okay=False, path_type=Path))
+@_out_option("Output folder for the merged results.json, junit.xml, report.html and shards/.")
+@json_option
+def merge(folders: tuple[Path, ...], out_dir: Path, as_json: bool) -> None:
+    """Merge the output folders of a lab's shards into one results.json, junit.xml and report.html.
+
+    Gates are evaluated again on the merged runs. Exit codes as `lab run` (0, 17, 18), and: 42 a folder is not
+    a lab's output; 43 shards conflict (the same phone × entry × scheme with different results, or different
+    labs or gates); 44 a shard of the lab is missing. The merged files are written in every case."""
+    from toolchain.exceptions import MergeConflictError, MissingShardError
+    from toolchain.lab.merge import merge_folders
+
+    merged = merge_folders(list(folders), out_dir)
+    if as_json:
+        echo_json({"results": merged.results, "problems": merged.problems()})
+    else:
+        name = merged.results.lab.name if merged.results.lab else "lab"
+        _render(merged.results, title=f"lab {name} (merged from {len(folders)} folders)", out_dir=out_dir)
+        for line in merged.problems():
+            click.echo(f"merge: {line}", err=True)
+    if merged.conflicts:
+        raise MergeConflictError(f"{len(merged.conflicts)} conflicts between shards: " + "; ".join(merged.conflicts))
+    if merged.missing_shards:
+        raise MissingShardError(f"shards missing from the merge: {', '.join(merged.missing_shards)}")
+    _exit_for(merged.results, out_dir)
+
+
+def _exit_for(results, out_dir: Path, *, empty_shard_ok: bool = False) -> None:  # type: ignore[no-untyped-def]
+    """Exit codes shared by `lab run` and `lab merge`: 18 nothing ran, 17 a run failed (naming host and phone).
+    A shard that owns none of the phones has no runs and passes."""
+    from toolchain.exceptions import GateFailedError, LabError
+    from toolchain.lab.model import fails
+
+    if empty_shard_ok and not results.runs:
+        return
+    if not any(r.outcome is not None for r in results.runs):
         raise LabError(f"no run could be made; see {out_dir / 'results.json'}")
-    if results.failed:
-        names = ", ".join(f"{r.result.device.udid[:8]}/{r.result.entry}[{r.result.scheme}]" for r in results.failed)
-        raise GateFailedError(f"{len(results.failed)} of {len(results.runs)} runs failed: {names}")
+    failed = [r for r in results.runs if fails(r)]
+    if failed:
+        names = ", ".join(f"{_where(r)}/{r.entry}[{r.scheme}]" for r in failed)
+        raise GateFailedError(f"{len(failed)} of {len(results.runs)} runs failed: {names}")
+
+
+def _where(r) -> str:  # type: ignore[no-untyped-def]
+    return f"{r.device.host}:{r.device.udid[:8]}" if r.device.host else r.device.udid[:8]
 
 
 @lab.command("report")
 @click.argument("results_file", type=click.Path(dir_okay=False, path_type=Path))
-@click.option(
-    "-o", "--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True, help="Output folder."
-)
+@_out_option("Output folder.")
 @click.option("--title", default="kvrig results", show_default=True)
 def report(results_file: Path, out_dir: Path, title: str) -> None:
     """Render report.html (and its PNGs) from a results.json again."""
@@ -69,17 +140,16 @@ def report(results_file: Path, out_dir: Path, title: str) -> None:
     click.echo(str(write_report(results, out_dir, title=title)))
 
 
-def _render(results) -> None:  # type: ignore[no-untyped-def]
+def _render(results, *, title: str, out_dir: Path) -> None:  # type: ignore[no-untyped-def]
     from rich.console import Console
     from rich.table import Table
 
     from toolchain.gates import failures
 
-    table = Table(title=f"lab {results.lab.name}")
-    for col in ("device", "entry", "scheme", "outcome", "max ctx", "safe ctx", "predicted", "result"):
+    table = Table(title=title)
+    for col in ("host", "device", "entry", "scheme", "outcome", "max ctx", "safe ctx", "predicted", "result"):
         table.add_column(col, overflow="fold")
-    for run in results.runs:
-        r = run.result
+    for r in results.runs:
         found = failures(r)
         verdict = "[red]FAIL[/]: " + "; ".join(m for _, m in found) if found else "[green]pass[/]"
         if r.outcome is None:
@@ -89,6 +159,7 @@ def _render(results) -> None:  # type: ignore[no-untyped-def]
         )
         predicted = str(r.predicted.max_context) if r.predicted and r.predicted.max_context is not None else ""
         table.add_row(
+            r.device.host or "",
             r.device.udid[:8],
             str(r.entry),
             r.scheme,
@@ -100,7 +171,7 @@ def _render(results) -> None:  # type: ignore[no-untyped-def]
         )
     console = Console()
     console.print(table)
-    for note in results.notes:
+    for note in results.lab.notes if results.lab else []:
         console.print(f"note: {note}")
-    console.print(f"results: {results.out_dir / 'results.json'}, junit: {results.out_dir / 'junit.xml'}, "
-                  f"report: {results.out_dir / 'report.html'}")  # fmt: skip
+    console.print(f"results: {out_dir / 'results.json'}, junit: {out_dir / 'junit.xml'}, "
+                  f"report: {out_dir / 'report.html'}")  # fmt: skip

@@ -33,6 +33,18 @@ def json_option(func: Any) -> Any:
     return click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")(func)
 
 
+def usbmuxd_option(func: Any) -> Any:
+    """Several usbmuxd hosts (phones on other machines); also from KVRIG_USBMUXD, space-separated."""
+    return click.option(
+        "--usbmuxd",
+        "usbmuxd",
+        multiple=True,
+        envvar="KVRIG_USBMUXD",
+        metavar="[NAME=]HOST:PORT",
+        help="A usbmuxd to find phones on (repeatable; a socket path works too); default: this machine's.",
+    )(func)
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":

@@ -48,6 +48,12 @@ def _socket_option(func):  # type: ignore[no-untyped-def]
     help="iOS release; from 17.4 developer services are reached through a CoreDeviceProxy tunnel.",
 )
 @click.option("--detach", is_flag=True, help="Run in the background and return.")
+@click.option(
+    "--tcp",
+    default=None,
+    metavar="HOST:PORT",
+    help="Serve usbmuxd on this TCP address too (port 0: any free one; `status` shows it), for remote labs.",
+)
 @click.option("--unplug-after-afc-bytes", type=int, default=None, help="Fault: unplug after N bytes of AFC.")
 @click.option("--refuse-service", multiple=True, help="Fault: lockdownd refuses this service (repeatable).")
 @click.option("--crash-at-tokens", type=int, default=None, help="Fault: the app crashes at N context tokens.")
@@ -71,6 +77,7 @@ def start(
     baseline_mb: float | None,
     ios: str,
     detach: bool,
+    tcp: str | None,
     unplug_after_afc_bytes: int | None,
     refuse_service: tuple[str, ...],
     crash_at_tokens: int | None,
@@ -113,12 +120,16 @@ def start(
         faults=faults,
         detach=detach,
         on_ready=ready,
+        tcp=tcp,
     )
     if result:
+        tcp_address = control.status(address).get("TcpAddress")
         if as_json:
-            echo_json({"socket": address, **result})
+            echo_json({"socket": address, **({"tcp": tcp_address} if tcp_address else {}), **result})
         else:
             click.echo(f"USBMUXD_SOCKET_ADDRESS={address}")
+            if tcp_address:
+                click.echo(f"USBMUXD_SOCKET_ADDRESS={tcp_address}")
             click.echo(
                 f"{result['udid']}  {result['product_type']}  iOS {result['ios']}  "
                 f"limit {human_bytes(result['limit_bytes'])}"

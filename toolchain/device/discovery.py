@@ -33,6 +33,7 @@ class DeviceInfo:
     name: str | None = None
     profile: str | None = None
     error: str | None = None  # why lockdownd could not be asked (not trusted, refused)
+    host: str | None = None  # the usbmuxd host it was found on (device/hosts.py)
     problem: DeviceError | None = field(default=None, compare=False, repr=False)  # the same, typed
 
     def to_json(self) -> dict[str, Any]:

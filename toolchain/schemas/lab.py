@@ -178,6 +178,17 @@ class Lab(StrictModel):
         return self.model_copy(update={"matrix": entries})
 
 
+class LabRecord(StrictModel):
+    """What a lab's results.json says about the lab, so `kvrig lab merge` can check its shards and evaluate
+    the gates again on the merged set."""
+
+    name: str
+    shard: str | None = Field(default=None, description="K/N when the folder holds one shard of the lab")
+    hosts: list[str] = Field(default_factory=list, description="the usbmuxd hosts the phones were found on")
+    gates: dict[str, Gates] = Field(default_factory=dict, description="matrix entry -> the gates its runs meet")
+    notes: list[str] = Field(default_factory=list)
+
+
 _SLUG = re.compile(r"[^A-Za-z0-9._-]+")
 
 

@@ -12,6 +12,7 @@ from typing import Final, Literal
 from pydantic import Field
 
 from toolchain.schemas import StrictModel
+from toolchain.schemas.lab import LabRecord
 
 # 2: the tunnel a run used, battery samples, interruptions (tunnel drops) and what was lost.
 RESULTS_SCHEMA_VERSION: Final = 2
@@ -28,6 +29,7 @@ class DeviceRef(StrictModel):
     product_type: str | None = None
     os_version: str | None = None
     profile: str | None = Field(default=None, description="our device profile for the ProductType")
+    host: str | None = Field(default=None, description="the usbmuxd host the phone was reached through (lab)")
 
 
 class TpsPoint(StrictModel):
@@ -150,3 +152,4 @@ class ResultsFile(StrictModel):
     schema_version: Literal[1, 2] = Field(default=RESULTS_SCHEMA_VERSION, alias="schema")  # 1 still reads
     tool_version: str
     runs: list[SoakResult]
+    lab: LabRecord | None = Field(default=None, description="the lab (and shard) these runs belong to")

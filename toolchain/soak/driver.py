@@ -126,7 +126,7 @@ async def run_soak(
         scheme=plan.scheme,
         predicted=opts.predicted,
         started=time.time(),
-        tunnel=_tunnel_ref(device),
+        tunnel=tunnel_ref(device),
     )
     rec = _Recorder(out, result, opts.on_event)
     (out / SOAKPLAN_FILE).write_text(plan.model_dump_json(by_alias=True, indent=2) + "\n")
@@ -165,7 +165,7 @@ async def run_soak(
     finally:
         await battery.stop()
         result.interruptions = watch.interruptions
-        result.tunnel = _tunnel_ref(device)
+        result.tunnel = tunnel_ref(device)
         rec.save()
 
     jetsam_paths: list[Path] = []
@@ -212,7 +212,7 @@ async def run_soak(
     return result
 
 
-def _tunnel_ref(device: Device) -> TunnelRef | None:
+def tunnel_ref(device: Device) -> TunnelRef | None:
     tunnel = device.tunnel
     if tunnel is None or tunnel.kind is None:
         return None

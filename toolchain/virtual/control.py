@@ -99,12 +99,16 @@ def start(
     faults: FaultPlan | None = None,
     detach: bool = False,
     on_ready: Any = None,
+    tcp: str | None = None,
 ) -> dict[str, Any]:
     """Starts a virtual iPhone. With a server already on `address` the device joins it; with `detach` a
-    background server starts; otherwise this call serves until stopped. Returns the device's status."""
+    background server starts; otherwise this call serves until stopped. Returns the device's status. A new
+    server also listens on the TCP address `tcp` (HOST:PORT, port 0 picks one; `status` tells which)."""
     faults = faults or FaultPlan()
     faults.check(ios)
     options = device_options(state, profile, ios, limit_bytes, faults, baseline_bytes)
+    if tcp is not None:
+        options["Tcp"] = tcp
     if server_alive(address):
         reply = send_control(address, {"MessageType": "KvrigAddDevice", **options})
         return _device_status(address, reply["UDID"])
@@ -133,7 +137,7 @@ def _serve_foreground(address: str, options: dict[str, Any], on_ready: Any = Non
     from toolchain.virtual.host import device_from_options, serve
 
     device = device_from_options(options)
-    asyncio.run(serve(address, [device], ready=on_ready))
+    asyncio.run(serve(address, [device], ready=on_ready, tcp=options.get("Tcp")))
 
 
 def _device_status(address: str, udid: str) -> dict[str, Any]:

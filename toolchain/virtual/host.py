@@ -53,6 +53,7 @@ def control_handler(server_ref: list[UsbmuxServer], stop: asyncio.Event) -> Call
             return {
                 "Pid": os.getpid(),
                 "Address": server.address,
+                **({"TcpAddress": server.tcp_address} if server.tcp_address else {}),
                 "Devices": [d.status() for d in server.devices.values()],
             }
         if kind == "KvrigAddDevice":
@@ -82,11 +83,13 @@ def control_handler(server_ref: list[UsbmuxServer], stop: asyncio.Event) -> Call
     return handle
 
 
-async def serve(address: str, devices: list[VirtualDevice], *, ready: Callable[[], None] | None = None) -> None:
-    """Serves until a KvrigShutdown, the last device is removed, or cancellation."""
+async def serve(
+    address: str, devices: list[VirtualDevice], *, ready: Callable[[], None] | None = None, tcp: str | None = None
+) -> None:
+    """Serves until a KvrigShutdown, the last device is removed, or cancellation (on a TCP port too, with `tcp`)."""
     stop = asyncio.Event()
     ref: list[UsbmuxServer] = []
-    server = UsbmuxServer(address, control=control_handler(ref, stop))
+    server = UsbmuxServer(address, control=control_handler(ref, stop), tcp=tcp)
     ref.append(server)
     await server.start()
     try:
@@ -102,8 +105,9 @@ async def serve(address: str, devices: list[VirtualDevice], *, ready: Callable[[
 class EmulatorHost:
     """A usbmuxd server and its devices on a background thread; use as a context manager."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, *, tcp: str | None = None) -> None:
         self.address = address
+        self.tcp = tcp
         self.loop = asyncio.new_event_loop()
         self._stop: asyncio.Event | None = None
         self.server: UsbmuxServer | None = None
@@ -119,7 +123,7 @@ class EmulatorHost:
         async def boot() -> None:
             self._stop = asyncio.Event()
             ref: list[UsbmuxServer] = []
-            self.server = UsbmuxServer(self.address, control=control_handler(ref, self._stop))
+            self.server = UsbmuxServer(self.address, control=control_handler(ref, self._stop), tcp=self.tcp)
             ref.append(self.server)
             await self.server.start()
 

@@ -47,10 +47,15 @@ def _packet(payload: dict[str, Any], tag: int) -> bytes:
 
 
 class UsbmuxServer:
-    """Serves any number of virtual devices on one socket (a unix path, or HOST:PORT)."""
+    """Serves any number of virtual devices on one socket (a unix path, or HOST:PORT), and optionally on a
+    TCP port as well (`tcp`: HOST:PORT, port 0 picks one; `tcp_address` is then the bound one), so another
+    machine's controller reaches the same phones through `USBMUXD_SOCKET_ADDRESS=HOST:PORT`."""
 
-    def __init__(self, address: str, *, control: ControlHandler | None = None) -> None:
+    def __init__(self, address: str, *, control: ControlHandler | None = None, tcp: str | None = None) -> None:
         self.address = address
+        self.tcp = tcp
+        self.tcp_address: str | None = None
+        self._tcp_server: asyncio.AbstractServer | None = None
         self.control = control
         self.devices: dict[int, VirtualDevice] = {}
         self.buid = str(uuid.uuid4()).upper()
@@ -74,10 +79,17 @@ class UsbmuxServer:
                     raise VirtualPhoneError(f"{path}: another usbmuxd server is already listening there")
                 path.unlink()
             self._server = await asyncio.start_unix_server(self._on_client, str(path))
+        if self.tcp is not None:
+            host, port = self.tcp.rsplit(":", 1)
+            self._tcp_server = await asyncio.start_server(self._on_client, host, int(port))
+            bound = self._tcp_server.sockets[0].getsockname()
+            self.tcp_address = f"{host}:{bound[1]}"
 
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
+        if self._tcp_server is not None:
+            self._tcp_server.close()
         for device in list(self.devices.values()):
             await device.shutdown()
         for task in list(self._connections):

@@ -1,0 +1,73 @@
+"""The lab on iOS 17+ phones: each phone's worker process opens its own device session (preflight, then its own
+userspace tunnel; pymobiledevice3 allows one per process), every run records the tunnel it went through, and
+a phone whose preflight fails (Developer Mode off) fails its own runs while the others carry on."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.lab.test_lab_runs import write_lab
+from tests.virtual.conftest import BUNDLE_ID, make_ipa
+from toolchain.cli.bridge import run_async
+from toolchain.lab import run_lab
+from toolchain.schemas import load_model_file
+from toolchain.schemas.lab import load_lab
+from toolchain.schemas.results import ResultsFile
+from toolchain.virtual.faults import FaultPlan
+from toolchain.virtual.host import EmulatorHost
+
+pytest.importorskip("toolchain.virtual.coredevice_proxy")
+
+
+@pytest.fixture(scope="module")
+def lab_out(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    root = tmp_path_factory.mktemp("lab-tunnels")
+    address = f"/tmp/kvrig-labtun-{os.getpid()}.sock"
+    with pytest.MonkeyPatch.context() as env, EmulatorHost(address) as host:
+        env.setenv("USBMUXD_SOCKET_ADDRESS", address)  # the worker processes inherit it
+        good = [host.add_device(root / f"ios18-{i}", ios="18.6") for i in (1, 2)]
+        off = host.add_device(root / "ios18-off", ios="18.6")
+        off.faults = FaultPlan(developer_mode_off=True)
+        lab_file = write_lab(
+            root / "lab.yaml",
+            {
+                "name": "tunnels",
+                "devices": [{"udid": "any"}],
+                "matrix": [
+                    {
+                        "name": "short",
+                        "app_id": BUNDLE_ID,
+                        "ipa": str(make_ipa(root / "KVSoak.ipa")),
+                        "schemes": ["fp16"],
+                        "soak": {"step_tokens": 256, "max_tokens": 512, "decode_tokens": 1},
+                    }
+                ],
+            },
+        )
+        results = run_async(run_lab(load_lab(lab_file), root / "out", tunnel="userspace"))
+        yield {"results": results, "out": root / "out", "good": good, "off": off}
+
+
+def test_each_phone_runs_through_its_own_userspace_tunnel(lab_out: dict[str, Any]) -> None:
+    saved = load_model_file(ResultsFile, lab_out["out"] / "results.json")
+    runs = {r.device.udid: r for r in saved.runs}
+    for phone in lab_out["good"]:
+        run = runs[phone.identity.udid]
+        assert run.outcome == "completed", run.error
+        # iOS 18.6 reaches process control only through a tunnel; --tunnel userspace was asked for
+        assert run.tunnel is not None and run.tunnel.kind == "userspace" and run.tunnel.mode == "userspace"
+        assert run.tunnel.opened == 1  # held for the phone's runs, never reopened
+        assert run.max_context_reached == 512
+
+
+def test_a_phone_with_developer_mode_off_fails_only_its_own_runs(lab_out: dict[str, Any]) -> None:
+    saved = load_model_file(ResultsFile, lab_out["out"] / "results.json")
+    (run,) = [r for r in saved.runs if r.device.udid == lab_out["off"].identity.udid]
+    assert run.outcome is None and run.error is not None and "Developer Mode is off" in run.error
+    assert run.tunnel is None  # the preflight stopped it before any tunnel was opened
+    assert not lab_out["results"].passed
+    assert sum(r.outcome == "completed" for r in saved.runs) == 2

@@ -1,0 +1,64 @@
+"""report.html from its jinja2 template: every run in the table with its host, names escaped, notes shown."""
+
+from __future__ import annotations
+
+import html.parser
+from pathlib import Path
+
+from toolchain.report import write_report
+from toolchain.schemas.lab import LabRecord
+from toolchain.schemas.results import DeviceRef, ResultsFile, SoakResult
+
+
+class Cells(html.parser.HTMLParser):
+    """The text of every table row, and every <script> tag seen (there must be none)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[list[str]] = []
+        self.scripts = 0
+        self._cell: list[str] | None = None
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "tr":
+            self.rows.append([])
+        elif tag in ("td", "th"):
+            self._cell = []
+        elif tag == "script":
+            self.scripts += 1
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in ("td", "th") and self._cell is not None:
+            self.rows[-1].append("".join(self._cell))
+            self._cell = None
+
+    def handle_data(self, data: str) -> None:
+        if self._cell is not None:
+            self._cell.append(data)
+
+
+def test_report_lists_each_run_with_host_and_escapes_names(tmp_path: Path) -> None:
+    hostile = "<script>alert(1)</script>"
+    runs = [
+        SoakResult(
+            run_id=f"r{i}",
+            device=DeviceRef(udid=f"UDID-{i}", profile="iphone-15-pro", host=host),
+            app_id="dev.kvrig.soak",
+            scheme="fp16",
+            entry=hostile if i == 0 else "short",
+            outcome="completed",
+            max_context_reached=512,
+            max_safe_context=512,
+        )
+        for i, host in enumerate(["mini-a", "mini-b"])
+    ]
+    record = LabRecord(name="two-hosts", hosts=["mini-a", "mini-b"], notes=["host mini-c: unreachable"])
+    path = write_report(ResultsFile(tool_version="0", runs=runs, lab=record), tmp_path, title="lab & shards")
+    text = path.read_text()
+    parser = Cells()
+    parser.feed(text)
+    header, *rows = parser.rows
+    assert header[:3] == ["State", "Host", "Device"]
+    assert [(r[1], r[2], r[4]) for r in rows] == [("mini-a", "UDID-0", hostile), ("mini-b", "UDID-1", "short")]
+    assert parser.scripts == 0 and "&lt;script&gt;" in text  # shown as text, never run
+    assert "<title>lab &amp; shards</title>" in text and "host mini-c: unreachable" in text
