@@ -83,7 +83,7 @@ print(math.exp(nn.losses.cross_entropy(model(ids[:, :-1]), ids[:, 1:]).mean().it
 
 
 def test_conversion_perplexity_on_english(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """DESIGN.md: about 18 on the GPL-3 text with the right rope layout, about 900 with the wrong one.
+    """About 18 on the GPL-3 text with the right rope layout, about 900 with the wrong one.
     Run in a child with OpenBLAS preloaded (float matmuls are several times faster)."""
     from toolchain.runtime.blas import preload_env
 

@@ -34,7 +34,7 @@ PINS: dict[str, dict[str, str]] = {
 }
 
 IOS_DEPLOYMENT_TARGET = "17.0"
-# Bytes kept outside MLX's limit for the UI, Metal and the runtime (DESIGN: UI baseline + fragmentation).
+# Bytes kept outside MLX's limit for the UI, Metal and the runtime (UI baseline + fragmentation).
 DEFAULT_HEADROOM_BYTES = 256 * 1024 * 1024
 CORE_FIXTURES = Path("Core/Tests/KvrigCoreTests/Fixtures")
 SOAK_EXAMPLE_TEXT = (

@@ -36,7 +36,7 @@ from toolchain.schemas import StrictModel
 PLAN_SCHEMA_VERSION: Final = 1
 DEFAULT_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)
 DEFAULT_MARGIN = 0.10
-SMALL_MODEL_PARAMS = 4_000_000_000  # below this, 4-bit keys hurt quality badly (DESIGN.md)
+SMALL_MODEL_PARAMS = 4_000_000_000  # below this, 4-bit keys hurt quality badly
 # Quality order, best first. K4V8 is never preferred: keys are the sensitive half, so K8V4 beats it at equal size.
 QUALITY_ORDER = ("fp16", "bf16", "k8v8", "k8v4", "k4v4")
 

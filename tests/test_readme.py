@@ -1,0 +1,71 @@
+"""The README's claims, checked: every `kvrig ...` command it names exists, and its exit-code table is the one
+the exceptions raise (both ways)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import click
+
+from toolchain import exceptions
+from toolchain.cli import cli
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _exit_code_rows() -> dict[str, int]:
+    text = README.read_text()
+    section = text[text.index("### Exit codes") :]
+    rows = re.findall(r"^\| (\d+) \| `(\w+)` \|", section, flags=re.M)
+    return {name: int(code) for code, name in rows}
+
+
+def test_exit_code_table_matches_the_exceptions() -> None:
+    rows = _exit_code_rows()
+    assert rows, "README has no exit-code table"
+    for name, code in rows.items():
+        cls = getattr(exceptions, name, None)
+        assert isinstance(cls, type) and issubclass(cls, exceptions.KvrigError), f"README names {name}"
+        assert cls.exit_code == code, f"README says {name} exits {code}, it exits {cls.exit_code}"
+    raised = {
+        obj.__name__: obj.exit_code
+        for obj in vars(exceptions).values()
+        if isinstance(obj, type) and issubclass(obj, exceptions.KvrigError) and obj is not exceptions.KvrigError
+    }
+    # Every exit code kvrig can end with is in the table (subclasses sharing their parent's code need no row).
+    assert {code for code in raised.values()} <= set(rows.values()), sorted(set(raised.values()) - set(rows.values()))
+
+
+def test_every_command_the_readme_names_exists() -> None:
+    names = set(re.findall(r"`kvrig ((?:[a-z][a-z-]*)(?: [a-z][a-z-]*)?)", README.read_text()))
+    assert names
+    ctx = click.Context(cli)
+    for name in sorted(names):
+        words = name.split()
+        cmd = cli.get_command(ctx, words[0])
+        assert cmd is not None, f"README names `kvrig {words[0]}`"
+        if len(words) > 1 and isinstance(cmd, click.Group):
+            # the second word is a subcommand unless the README wrote an argument in lower case (rare)
+            sub = cmd.get_command(ctx, words[1])
+            assert sub is not None, f"README names `kvrig {name}`"
+
+
+def test_json_everywhere_the_readme_says() -> None:
+    """README: every command that reports something takes --json; it names the three that do not."""
+    ctx = click.Context(cli)
+    without: set[str] = set()
+
+    def walk(cmd: click.Command, name: str) -> None:
+        if isinstance(cmd, click.Group):
+            for sub in cmd.list_commands(ctx):
+                walk(cmd.get_command(ctx, sub), f"{name} {sub}")  # type: ignore[arg-type]
+        elif not any("--json" in p.opts for p in cmd.params):
+            without.add(name)
+
+    for name in cli.list_commands(ctx):
+        walk(cli.get_command(ctx, name), name)  # type: ignore[arg-type]
+    text = README.read_text()
+    aside = text[text.index("takes `--json` (") :].split(")", 1)[0]
+    named = set(re.findall(r"`([a-z]+ [a-z]+)`", aside))
+    assert without == named, f"without --json: {sorted(without)}; README names {sorted(named)}"
