@@ -1,6 +1,7 @@
-"""The HTML report of a results file: a summary table and, per run, footprint vs context and decode tok/s vs
-context (PNG, matplotlib), with the limit from the jetsam report and the planner's prediction as lines. The
-page is the jinja2 template templates/report/report.html.j2 (autoescaped); this module plots and formats.
+"""The HTML report of a results file: a summary table and, per run, footprint vs context, decode tok/s vs
+context and, where the soak read the battery, its temperature beside tok/s over time (PNG, matplotlib), with
+the limit from the jetsam report and the planner's prediction as lines. The page is the jinja2 template
+templates/report/report.html.j2 (autoescaped); this module plots and formats.
 
 Everything it shows comes from results.json, so `kvrig lab report` can render it again anywhere.
 """
@@ -96,6 +97,40 @@ def _plot_tps(r: SoakResult, path: Path) -> bool:
     return True
 
 
+def _plot_thermal(r: SoakResult, path: Path) -> bool:
+    """Decode tok/s and the battery's temperature over the run's time (one epoch axis: telemetry `t` and the
+    diagnostics relay's samples), so a speed that falls as the phone heats up is not read as a context cost."""
+    temps = [(b.t, b.temperature_c) for b in r.battery if b.temperature_c is not None]
+    if not temps:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = min(t for t, _ in temps)
+    tps = [(p.t, p.decode_tps) for p in r.tps_curve if p.t is not None and p.decode_tps is not None]
+    if tps:
+        t0 = min(t0, min(t for t, _ in tps))
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=90)
+    ax.plot([t - t0 for t, _ in temps], [c for _, c in temps], "-", color="tab:orange", label="battery °C")
+    ax.set_xlabel("seconds since the run started")
+    ax.set_ylabel("battery temperature (°C)")
+    if tps:
+        ax2 = ax.twinx()
+        ax2.plot([t - t0 for t, _ in tps], [v for _, v in tps], "o-", color="tab:blue", label="decode tok/s")
+        ax2.set_ylabel("tokens / s")
+        ax2.set_ylim(bottom=0)
+        ax2.legend(fontsize=7, loc="lower right")
+    ax.set_title(f"heat: {run_name(r)}", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
 def _template_dir() -> Path:
     here = Path(__file__).resolve().parent
     for candidate in (here / "_data" / "templates" / "report", here.parent / "templates" / "report"):
@@ -152,7 +187,7 @@ def write_report(results: ResultsFile, out_dir: str | Path, *, title: str = "kvr
             base += "-x"
         used.add(base)
         figures = []
-        for kind, plot in (("footprint", _plot_footprint), ("tps", _plot_tps)):
+        for kind, plot in (("footprint", _plot_footprint), ("tps", _plot_tps), ("thermal", _plot_thermal)):
             name = f"{base}-{kind}.png"
             if plot(r, images / name):
                 figures.append({"src": f"{IMAGES_DIR}/{name}", "kind": kind})

@@ -62,3 +62,24 @@ def test_report_lists_each_run_with_host_and_escapes_names(tmp_path: Path) -> No
     assert [(r[1], r[2], r[4]) for r in rows] == [("mini-a", "UDID-0", hostile), ("mini-b", "UDID-1", "short")]
     assert parser.scripts == 0 and "&lt;script&gt;" in text  # shown as text, never run
     assert "<title>lab &amp; shards</title>" in text and "host mini-c: unreachable" in text
+
+
+def test_thermal_figure_only_for_runs_with_battery_samples(tmp_path: Path) -> None:
+    from toolchain.schemas.results import BatterySample, TpsPoint
+
+    t0 = 1_700_000_000.0
+    hot = SoakResult(
+        run_id="hot",
+        device=DeviceRef(udid="UDID-HOT", profile="iphone-15-pro"),
+        app_id="dev.kvrig.soak",
+        scheme="k8v4",
+        outcome="completed",
+        max_context_reached=512,
+        tps_curve=[TpsPoint(context_tokens=256 * (i + 1), t=t0 + 10 * i, decode_tps=20.0 - i) for i in range(2)],
+        battery=[BatterySample(t=t0 + 5 * i, temperature_c=30.0 + i) for i in range(4)],
+    )
+    cold = hot.model_copy(update={"run_id": "cold", "device": DeviceRef(udid="UDID-COLD"), "battery": []})
+    path = write_report(ResultsFile(tool_version="0", runs=[hot, cold]), tmp_path)
+    images = sorted(p.name for p in (tmp_path / "report").glob("*thermal*.png"))
+    assert len(images) == 1 and "udid-hot" in images[0].lower()
+    assert f"report/{images[0]}" in path.read_text()
