@@ -1,6 +1,6 @@
-"""The lab on iOS 17+ phones: each phone's worker process opens its own device session (preflight, then its own
-userspace tunnel; pymobiledevice3 allows one per process), every run records the tunnel it went through, and
-a phone whose preflight fails (Developer Mode off) fails its own runs while the others carry on."""
+"""The lab on iOS 16.7 and 18.6 phones: each phone's worker process opens its own device session (preflight, then
+on iOS 17+ its own userspace tunnel; pymobiledevice3 allows one per process), every run records the path it went
+through, and a phone whose preflight fails (Developer Mode off) fails its own runs while the others carry on."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ def lab_out(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     address = f"/tmp/kvrig-labtun-{os.getpid()}.sock"
     with pytest.MonkeyPatch.context() as env, EmulatorHost(address) as host:
         env.setenv("USBMUXD_SOCKET_ADDRESS", address)  # the worker processes inherit it
-        good = [host.add_device(root / f"ios18-{i}", ios="18.6") for i in (1, 2)]
+        # A phone as most labs hold them: one before iOS 17 (process control over lockdown), one after (tunnel).
+        good = [host.add_device(root / f"ios-{v}", ios=v) for v in ("16.7", "18.6")]
         off = host.add_device(root / "ios18-off", ios="18.6")
         off.faults = FaultPlan(developer_mode_off=True)
         lab_file = write_lab(
@@ -48,20 +49,21 @@ def lab_out(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
                 ],
             },
         )
-        results = run_async(run_lab(load_lab(lab_file), root / "out", tunnel="userspace"))
+        results = run_async(run_lab(load_lab(lab_file), root / "out", tunnel="auto"))
         yield {"results": results, "out": root / "out", "good": good, "off": off}
 
 
-def test_each_phone_runs_through_its_own_userspace_tunnel(lab_out: dict[str, Any]) -> None:
+def test_each_phone_runs_through_the_path_its_ios_needs(lab_out: dict[str, Any]) -> None:
     saved = load_model_file(ResultsFile, lab_out["out"] / "results.json")
     runs = {r.device.udid: r for r in saved.runs}
-    for phone in lab_out["good"]:
-        run = runs[phone.identity.udid]
+    old, new = (runs[phone.identity.udid] for phone in lab_out["good"])
+    for run in (old, new):
         assert run.outcome == "completed", run.error
-        # iOS 18.6 reaches process control only through a tunnel; --tunnel userspace was asked for
-        assert run.tunnel is not None and run.tunnel.kind == "userspace" and run.tunnel.mode == "userspace"
-        assert run.tunnel.opened == 1  # held for the phone's runs, never reopened
         assert run.max_context_reached == 512
+        assert run.tunnel is not None and run.tunnel.mode == "auto"
+    assert old.tunnel is not None and old.tunnel.kind == "lockdown"  # iOS 16.7: no tunnel needed
+    # iOS 18.6 reaches process control only through a tunnel: its own userspace one, held for its runs
+    assert new.tunnel is not None and new.tunnel.kind == "userspace" and new.tunnel.opened == 1
 
 
 def test_a_phone_with_developer_mode_off_fails_only_its_own_runs(lab_out: dict[str, Any]) -> None:
