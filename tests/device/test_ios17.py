@@ -294,8 +294,11 @@ def test_soak_over_the_tunnel_until_jetsam_with_battery(clean: Phones, tmp_path:
     assert all(times[0] - 5 <= p.t <= times[-1] + 5 for p in result.tps_curve if p.t is not None)
 
 
-def test_tunnel_drop_mid_soak_resumes(clean: Phones, tmp_path: Path) -> None:
+def test_tunnel_drop_mid_soak_resumes(clean: Phones, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     phone = clean.ios18
+    # The app must outlive the outage: the reopen takes ~4 s here, but charged each step's peak the app hits
+    # the 160 MiB limit at ~600 tokens, ~1 s after the drop. 64 MiB more keeps it growing ~8 s.
+    monkeypatch.setattr(phone.identity, "limit_bytes", LIMIT_BYTES + 64 * 1024 * 1024)
 
     def drop_then_allow() -> None:
         phone.faults = FaultPlan(tunnel_drop_after_bytes=1)  # the next packet drops the tunnel
@@ -303,7 +306,6 @@ def test_tunnel_drop_mid_soak_resumes(clean: Phones, tmp_path: Path) -> None:
         phone.faults = FaultPlan()  # a new tunnel works again
 
     cable = after_steps(phone, 2, drop_then_allow)
-    # ~30 steps to jetsam, so the app is still growing when the tunnel comes back (it runs on meanwhile)
     plan = make_plan(max_tokens=1_000_000, step_tokens=32, decode_tokens=1, scheme="fp16")
     options = SoakOptions(**FAST, reconnect_s=30)
     result = run(soak(BUNDLE_ID, plan, tmp_path, udid=udid(phone), options=options))
@@ -314,6 +316,8 @@ def test_tunnel_drop_mid_soak_resumes(clean: Phones, tmp_path: Path) -> None:
     assert drop.cause == "tunnel" and drop.resumed and drop.app_running is True
     assert result.tunnel is not None and result.tunnel.opened == 2
     assert result.max_context_reached is not None and result.max_context_reached > 2 * 32  # it went on growing
+    back = drop.t + (drop.after_s or 0)
+    assert any(point.t is not None and point.t > back for point in result.tps_curve)  # steps read after the resume
 
 
 def test_tunnel_that_does_not_come_back_is_tunnel_lost(clean: Phones, tmp_path: Path) -> None:
