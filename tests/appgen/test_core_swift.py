@@ -4,34 +4,17 @@ telemetry reader, when present) accepts the JSONL Core's writer produced."""
 
 from __future__ import annotations
 
-import filecmp
 import json
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 from pydantic import TypeAdapter
 
+from toolchain.appgen.linux import sync_tree
 from toolchain.schemas.soakplan import GrowthSchedule, SoakPlan, StopConditions
 from toolchain.schemas.telemetry import TelemetryEvent
-
-
-def sync_tree(source: Path, target: Path) -> None:
-    """Copies changed files only, so SwiftPM's incremental build in `target` stays valid between sessions."""
-    for path in source.rglob("*"):
-        dest = target / path.relative_to(source)
-        if path.is_dir():
-            dest.mkdir(parents=True, exist_ok=True)
-        elif not dest.exists() or not filecmp.cmp(path, dest, shallow=False):
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(path, dest)
-    for dest in list(target.rglob("*")):
-        if ".build" in dest.relative_to(target).parts:
-            continue
-        if not (source / dest.relative_to(target)).exists():
-            shutil.rmtree(dest) if dest.is_dir() else dest.unlink()
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +28,7 @@ def swift_run(
     # Built in a folder that survives sessions (pytest's cache): ~40 s from scratch on 2 cores, seconds after.
     package = Path(request.config.cache.mkdir("kvrig-swift-core")) / "Core"
     package.mkdir(parents=True, exist_ok=True)
-    sync_tree(reference_project / "Core", package)
+    sync_tree(reference_project / "Core", package, keep=(".build",))
 
     inputs = tmp_path_factory.mktemp("contract-in")
     outputs = tmp_path_factory.mktemp("contract-out")

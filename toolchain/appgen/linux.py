@@ -77,8 +77,9 @@ def _engine_kvcache() -> KVCacheConfig:
     )
 
 
-def _sync(source: Path, target: Path) -> None:
-    """Copies changed files only (unchanged sources keep their times, so SwiftPM rebuilds only what changed)."""
+def sync_tree(source: Path, target: Path, *, keep: tuple[str, ...] = ()) -> None:
+    """Copies changed files only (unchanged sources keep their times, so SwiftPM rebuilds only what changed) and
+    removes what `source` no longer has, except below the folders named in `keep` (e.g. a build folder)."""
     for path in sorted(source.rglob("*")):
         dest = target / path.relative_to(source)
         if path.is_dir():
@@ -87,7 +88,10 @@ def _sync(source: Path, target: Path) -> None:
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, dest)
     for dest in sorted(target.rglob("*"), reverse=True):
-        if not (source / dest.relative_to(target)).exists():
+        relative = dest.relative_to(target)
+        if keep and set(relative.parts) & set(keep):
+            continue
+        if not (source / relative).exists():
             shutil.rmtree(dest) if dest.is_dir() else dest.unlink()
 
 
@@ -100,7 +104,7 @@ def render_engine_project(project: Path | None = None) -> Path:
     (bundle / "kvcache.json").write_text(_engine_kvcache().model_dump_json(by_alias=True, indent=2))
     render_app(bundle, staging / "app", ENGINE_OPTIONS, force=True)
     project.mkdir(parents=True, exist_ok=True)
-    _sync(staging / "app", project)
+    sync_tree(staging / "app", project)
     return project
 
 
