@@ -3,6 +3,9 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvrig-setup-2
+# MLX Swift's sources for `kvrig engine` (patched to build offline on Linux); this project's machines keep them
+# beside the repository. Set KVRIG_SWIFT_DEPS to use another copy.
+export KVRIG_SWIFT_DEPS ?= $(abspath $(CURDIR)/../shared/swift-deps)
 # libopenblas0-pthread: MLX CPU matmul; libimobiledevice: the device tools; the rest: the Linux build of the
 # Swift engine (MLX Swift links BLAS/LAPACK; g++ for MLX's compile JIT).
 DEBIAN_PACKAGES := libopenblas0-pthread libimobiledevice-utils ideviceinstaller \

@@ -3,8 +3,8 @@ folder and runs `swift build` on its Package.swift (every App source except the 
 headless runner `kvrig-engine`) against MLX Swift's sources, in the Swift language mode the Xcode project
 uses (5) or in Swift 6 mode.
 
-MLX Swift's sources come from KVRIG_SWIFT_DEPS, else `../shared/swift-deps` beside the repository (where CI
-keeps a copy): they are changed to build offline on Linux and are not part of kvrig. The scratch folder
+MLX Swift's sources come from the folder KVRIG_SWIFT_DEPS names (the Makefile sets it for `make test`): they are
+changed to build offline on Linux and are not part of kvrig. The scratch folder
 (`.build/swift-engine` in the repository) stays put, so only changed sources recompile.
 """
 
@@ -40,9 +40,14 @@ def build_root() -> Path:
 
 
 def swift_deps() -> Path:
-    """MLX Swift's sources: KVRIG_SWIFT_DEPS, else ../shared/swift-deps beside the repository."""
+    """MLX Swift's sources: the folder KVRIG_SWIFT_DEPS names."""
     configured = os.environ.get(DEPS_ENV)
-    folder = Path(configured) if configured else repo_root().parent / "shared" / "swift-deps"
+    if not configured:
+        raise SwiftDepsNotFoundError(
+            f"{DEPS_ENV} is not set: it names a folder holding mlx-swift, mlx-swift-lm and swift-transformers "
+            "sources that build on Linux"
+        )
+    folder = Path(configured)
     missing = [name for name in REQUIRED_DEPS if not (folder / name / "Package.swift").is_file()]
     if missing:
         raise SwiftDepsNotFoundError(
