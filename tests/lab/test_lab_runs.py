@@ -180,10 +180,15 @@ def test_junit_xml_one_suite_per_device_one_case_per_entry_and_scheme(
 
 
 def test_report_html_references_pngs_that_exist(matrix_lab: tuple[LabResults, Path], tmp_path: Path) -> None:
-    _, out = matrix_lab
+    results, out = matrix_lab
     html = (out / "report.html").read_text()
     images = re.findall(r'<img src="([^"]+)"', html)
-    assert len(images) == 12  # footprint and tok/s for each of the 6 runs
+    # footprint and tok/s for each of the 6 runs, and a thermal plot for each run whose phone reported its battery
+    runs = results.results.runs
+    with_battery = [r for r in runs if any(b.temperature_c is not None for b in r.battery)]
+    assert with_battery, "the virtual phones report battery samples; the thermal plot is then part of the report"
+    assert len(images) == 2 * len(runs) + len(with_battery)
+    assert sum(src.endswith("-thermal.png") for src in images) == len(with_battery)
     for src in images:
         assert (out / src).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
