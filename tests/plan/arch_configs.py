@@ -105,6 +105,14 @@ EXTRA: dict[str, dict[str, Any]] = {
         "attn_config": {"kv_n_heads": 1, "clip_qkv": 8.0, "rope_theta": 1e4},
     },
     "plamo": {"n_shared_head": 2},
+    "deepseek_v32": {"q_lora_rank": 32},  # its attention always has the low-rank query projection
+    "deepseek_v41": {"q_lora_rank": 32},
+    "glm_moe_dsa": {"q_lora_rank": 32, "rope_parameters": {"rope_theta": 1e4}},
+    "mistral4": {
+        "q_lora_rank": 32,
+        "rope_parameters": {"rope_theta": 1e4, "llama_4_scaling_beta": 0.1, "original_max_position_embeddings": 4096},
+    },
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
     "hunyuan": {"rope_scaling": {"alpha": 1.0, "factor": 1.0, "type": "dynamic"}},
     "kimi_linear": {"linear_attn_config": {"kda_layers": [1], "num_heads": 2, "head_dim": 64}},
     "openelm": {"num_query_heads": [2, 2], "num_kv_heads": [1, 1], "ffn_multipliers": [1.0, 1.0], "ffn_dim_divisor": 8},
