@@ -119,8 +119,13 @@ def run_demo(options: DemoOptions, on_event: Event | None = None) -> DemoResult:
     common = {
         "schemes": [kv.scheme],
         "weights": options.weights,
-        "prefill_step": kv.prefill_step_size,
+        # The largest chunk the app prefills: the bundle's prefill step, or a whole soak step when that is
+        # smaller (each step feeds at most step_tokens new tokens).
+        "prefill_step": min(kv.prefill_step_size, options.step_tokens),
         "buffer_cache_bytes": kv.buffer_cache_limit_bytes,
+        # The virtual iPhone runs the app's MLX on this host's CPU, whose attention materializes the prefill
+        # scores; a real phone's plan is the default (Metal).
+        "backend": "cpu",
     }
     # The limit: the plan's own peak footprint at `room_tokens` (capped there, so the plan stops at it).
     sizing = plan_memory(spec, profile, margin=0.0, max_context_cap=options.room_tokens, **common)  # type: ignore[arg-type]
