@@ -74,9 +74,10 @@ def _expected_from_mlx(bundle: Path, updates: list[int]) -> int:
 
 def _expected_from_planner(bundle: Path, scheme: str, updates: list[int]) -> int:
     from toolchain.models import load_model_spec
-    from toolchain.plan.kv import allocated_bytes, parse_scheme
+    from toolchain.plan import kv_bytes
+    from toolchain.plan.kv import parse_scheme
 
-    return allocated_bytes(load_model_spec(bundle), parse_scheme(scheme), updates)
+    return kv_bytes(load_model_spec(bundle), parse_scheme(scheme), updates)
 
 
 def _run(engine: Path, bundle: Path, schedule: GrowthSchedule, scheme: str, tmp: Path, chat: bool) -> dict:

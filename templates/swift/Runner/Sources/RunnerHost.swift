@@ -94,6 +94,10 @@ final class RunnerHost: EngineHost, @unchecked Sendable {
         guard float32 else { return (nil, []) }
         let config = try ContractJSON.load(KVCacheConfig.self, from: bundle.appendingPathComponent("kvcache.json"))
         let format = try HostFormat.convert(model, bundle: bundle, phoneDType: config.dtype.rawValue)
+        // The conversion's transients (quantized and float32 copies side by side) exist only on this host: the
+        // kernel's first measurement must see what the phone holds after loading, not this peak.
+        Memory.clearCache()
+        Memory.peakMemory = 0
         lock.lock()
         self.format = format
         lock.unlock()
