@@ -19,7 +19,9 @@ from toolchain.schemas.kvcache import KVCacheConfig
 from toolchain.schemas.soakplan import GrowthSchedule, SoakPlan
 
 # Slow here: the engine's debug build runs MLX's C++ core unoptimised (a run of a few hundred tokens takes
-# minutes on 2 shared cores); the build itself is checked in make test by test_engine_modes.py.
+# minutes on 2 shared cores). The default run covers the same: test_engine_virtual.py's
+# test_swift_engine_soaks_into_jetsam checks the engine's kv_bytes against the planner at every unaligned
+# step into jetsam; the build itself is checked by test_engine_modes.py.
 pytestmark = pytest.mark.slow
 
 PREFILL_STEP = 128
