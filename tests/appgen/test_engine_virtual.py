@@ -114,6 +114,8 @@ def test_swift_engine_soaks_into_jetsam(phone: Phone, tmp_path: Path) -> None:
         context = target + 1
         assert step["context_tokens"] == context
         assert step["kv_bytes"] == kv_bytes(spec, scheme, updates), (context, updates)
+    # Each step record carries the step's MLX peak (the kernel was told it pass by pass), never less than active.
+    assert all(s["mlx_peak_bytes"] >= s["mlx_active_bytes"] > 0 for s in steps), steps
     # The kernel's numbers reach the app, as the phone's own queries would return them.
     assert all(s["phys_footprint_bytes"] + s["available_bytes"] == phone.limit for s in steps)
     # The kill came in the step growing past the last context that survived.

@@ -82,6 +82,7 @@ final class RunnerHost: EngineHost, @unchecked Sendable {
     private let hostKernel: Bool
     private let lock = NSLock()
     private var format: HostFormat?
+    private var stepPeak = 0
 
     init(options: RunnerOptions) {
         documents = options.documents
@@ -114,6 +115,14 @@ final class RunnerHost: EngineHost, @unchecked Sendable {
         return max(0, mlxBytes + format.delta(hostBytes: mlxBytes, hostKV: caches.hostKVBytes, phoneKV: caches.kvBytes))
     }
 
+    func takeStepPeak() -> Int {
+        lock.lock()
+        defer { lock.unlock() }
+        let peak = stepPeak
+        stepPeak = 0
+        return peak
+    }
+
     func sample(caches: CacheSet) -> MemorySample {
         lock.lock()
         let format = self.format
@@ -122,6 +131,9 @@ final class RunnerHost: EngineHost, @unchecked Sendable {
         // The peak since the previous sample: the step's transients, which the kernel charges.
         let peak = max(Memory.peakMemory, active)
         Memory.peakMemory = 0
+        lock.lock()
+        stepPeak = max(stepPeak, peak)
+        lock.unlock()
         let hostKV = caches.hostKVBytes
         let phoneKV = caches.kvBytes
         return MemorySample(
