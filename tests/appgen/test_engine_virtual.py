@@ -2,8 +2,10 @@
 `--app-runtime swift`, deployed with a real SmolLM2 bundle through pymobiledevice3, soaked by kvrig's driver
 until the virtual kernel kills it.
 
-Default: `test_swift_engine_soaks_into_jetsam` (about a minute and a half here with the debug engine): small
-unaligned steps into a limit sized by the planner, kv_bytes against `toolchain.plan.kv_bytes` at every step.
+Default: `test_swift_engine_soaks_into_jetsam` (85-100 s here with the debug engine, plus packaging the bundle
+the Python soak tests share): small unaligned steps into a limit sized by the planner, kv_bytes against
+`toolchain.plan.kv_bytes` at every step. The longer matrix (four schemes, aligned and unaligned steps, chat
+turns, greedy tokens) is test_engine_linux.py, marked slow.
 Expected numbers come from elsewhere: the planner's KV bytes for the same updates, the limit the virtual
 iPhone was given, and its JetsamEvent report."""
 
