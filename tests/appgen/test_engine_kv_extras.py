@@ -22,7 +22,7 @@ from toolchain.bundle import PackageOptions
 from toolchain.schemas.kvcache import KVCacheConfig
 
 PROMPT = "Write one sentence about the sea."
-TOKENS = 8
+TOKENS = 6
 # 37 prompt tokens: the 4 sink and 16 recent tokens leave quantized rows between them from the first chunk on.
 EXTRAS = {"rotation": "hadamard", "sink_tokens": 4, "recent_tokens": 16}
 OPTIONS = PackageOptions(weights="q4", group_size=64, kv="k3v3", prefill_step_size=128, **EXTRAS)  # type: ignore[arg-type]
