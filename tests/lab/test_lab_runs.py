@@ -20,8 +20,10 @@ import pytest
 import yaml
 
 from tests.lab.conftest import BUNDLE_ID, MIB, ROOT, Phones, phones
+from tests.lab.test_lab_predict import reference_plan
 from tests.raw_telemetry import raw_steps
 from toolchain.cli.bridge import run_async
+from toolchain.device.discovery import list_devices
 from toolchain.lab import LabResults, run_lab
 from toolchain.schemas import load_model_file
 from toolchain.schemas.lab import load_lab
@@ -144,6 +146,10 @@ def test_predictions_use_the_lab_limit_or_the_profile(matrix_lab: tuple[LabResul
     runs = by_key(results.results.runs)
     pro15 = runs[phones.pro15.identity.udid, "grow", "fp16"].predicted
     assert pro15 is not None and pro15.limit_bytes == 160 * MIB and pro15.max_context
+    # both phones here are virtual (lockdownd says so): planned on the CPU their app runs on, not on Metal
+    virtual = {d.udid: d.virtual for d in run_async(list_devices(usbmux_address=phones.address))}
+    assert virtual[phones.pro15.identity.udid] and virtual[phones.pro13.identity.udid]
+    assert pro15.max_context == reference_plan("cpu") != reference_plan("metal")
     profile = yaml.safe_load((ROOT / "device_profiles" / "iphone-13-pro.yaml").read_text())
     pro13 = runs[phones.pro13.identity.udid, "grow", "fp16"].predicted
     assert pro13 is not None and pro13.limit_bytes == profile["app_memory_limit"]["default_bytes"]["value"]

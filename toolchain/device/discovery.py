@@ -23,6 +23,10 @@ if TYPE_CHECKING:
     from toolchain.device.tunnel import Tunnel
 
 
+# A lockdown value only kvrig's virtual iPhone sends; real phones never have it.
+VIRTUAL_KEY = "KvrigVirtualDevice"
+
+
 @dataclass(frozen=True)
 class DeviceInfo:
     udid: str
@@ -34,6 +38,7 @@ class DeviceInfo:
     profile: str | None = None
     error: str | None = None  # why lockdownd could not be asked (not trusted, refused)
     host: str | None = None  # the usbmuxd host it was found on (device/hosts.py)
+    virtual: bool = False  # kvrig's virtual iPhone: its app runs MLX on the host's CPU, not on Metal
     problem: DeviceError | None = field(default=None, compare=False, repr=False)  # the same, typed
 
     def to_json(self) -> dict[str, Any]:
@@ -67,6 +72,7 @@ def _info(udid: str, connection: str, values: dict[str, Any]) -> DeviceInfo:
         build_version=values.get("BuildVersion"),
         name=values.get("DeviceName"),
         profile=profile_for(product_type),
+        virtual=values.get(VIRTUAL_KEY) is True,
     )
 
 

@@ -4,10 +4,14 @@ imported only here, and only when an entry names a model."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from toolchain.exceptions import SchemaError
 from toolchain.schemas.lab import LabDevice, MatrixEntry, SchemeSpec
 from toolchain.schemas.results import Prediction
+
+if TYPE_CHECKING:
+    from toolchain.plan.transient import Backend
 
 
 class Predictor:
@@ -17,8 +21,10 @@ class Predictor:
         self._cache: dict[tuple[str, ...], Prediction | None] = {}
 
     def predict(
-        self, entry: MatrixEntry, scheme: SchemeSpec, profile: str | None, device: LabDevice
+        self, entry: MatrixEntry, scheme: SchemeSpec, profile: str | None, device: LabDevice, *, virtual: bool = False
     ) -> Prediction | None:
+        """`virtual`: kvrig's virtual iPhone, whose app runs MLX on the host's CPU; it is planned on the `cpu`
+        backend (no fused attention, so prefill materializes the scores), a real phone on `metal`."""
         source = entry.model_source
         if source is None or profile is None or self.unavailable:
             return None
@@ -39,13 +45,14 @@ class Predictor:
                 self.notes.append(note)
             return None
         key: tuple[str, ...] = (str(source), profile, str(device.limit_bytes), str(device.baseline_bytes))
-        key += (entry.plan.model_dump_json(), planner_scheme)
+        backend: Backend = "cpu" if virtual else "metal"
+        key += (entry.plan.model_dump_json(), planner_scheme, backend)
         if key not in self._cache:
-            self._cache[key] = self._plan(source, profile, device, entry, planner_scheme)
+            self._cache[key] = self._plan(source, profile, device, entry, planner_scheme, backend)
         return self._cache[key]
 
     def _plan(
-        self, source: Path, profile_ref: str, device: LabDevice, entry: MatrixEntry, scheme: str
+        self, source: Path, profile_ref: str, device: LabDevice, entry: MatrixEntry, scheme: str, backend: Backend
     ) -> Prediction | None:
         try:
             from toolchain.models import load_model_spec
@@ -70,6 +77,7 @@ class Predictor:
                 limit=opts.limit,
                 prefill_step=opts.prefill_step,
                 contexts=[1024],
+                backend=backend,
             )
         except ImportError as exc:  # no MLX on this machine: the lab still runs, without predictions
             self.unavailable = True

@@ -52,7 +52,9 @@ class Scheduler:
                 for scheme in entry.schemes:
                     predicted = None
                     if target.problem is None:
-                        predicted = predictor.predict(entry, scheme, ref.profile, target.spec)
+                        predicted = predictor.predict(
+                            entry, scheme, ref.profile, target.spec, virtual=bool(target.info and target.info.virtual)
+                        )
                     run = new_run(entry, scheme, ref, self.stamp, predicted)
                     if target.problem is not None:
                         run.result.error = f"device: {target.problem}"

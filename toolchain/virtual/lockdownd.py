@@ -13,6 +13,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from toolchain.device.discovery import VIRTUAL_KEY
 from toolchain.virtual.wire import Link
 
 if TYPE_CHECKING:
@@ -39,6 +40,8 @@ def device_values(device: VirtualDevice) -> dict[str, Any]:
         "HardwareModel": ident.hardware_model,
         "HardwarePlatform": f"t{ident.chip_id:x}",
         "HostAttached": True,
+        # not an Apple key: how kvrig tells its virtual iPhone (the app runs on the host's CPU) from a phone
+        VIRTUAL_KEY: True,
         "MarketingName": ident.marketing_name,
         "PasswordProtected": False,
         "ProductName": "iPhone OS",
