@@ -50,9 +50,7 @@ NO_TINY_CONFIG = set(
 )
 
 # Modules whose tiny model runs but whose planned bytes differ from MLX's: a planner bug to fix (strict xfail).
-MISPLANNED = {
-    "deepseek_v41": "its per-layer LayerCache is read as linear state: 512 bytes planned, 4,096 in MLX",
-}
+MISPLANNED: dict[str, str] = {}
 
 # phi3small corrupts the heap of the process that ran it (glibc aborts with "double free or corruption" at the
 # next allocations or at exit, here and with mlx-lm alone): it runs in a process of its own, whose test result

@@ -29,6 +29,10 @@ LM_HEAD = "lm_head.weight"
 REFUSED: dict[str, str] = {
     "olmo": "mlx-lm's olmo module needs the ai2-olmo package, which mlx-lm does not install",
     "bitnet": "its layers are custom Metal kernels, which MLX cannot build without a GPU (plan it on a Mac)",
+    # Its cache is neither update_and_fetch KV nor fixed-size state, the two kinds the planner replays.
+    "deepseek_v41": "its per-layer LayerCache keeps a sliding window plus compressed KV groups and index keys "
+    "that grow at a per-layer compression ratio (compress_ratios) with an open pending group; kvrig's planner "
+    "does not replay that cache yet",
 }
 
 
