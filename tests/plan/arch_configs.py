@@ -93,7 +93,6 @@ TEXT_MODULES: dict[str, str] = {
 # even dims).
 EXTRA: dict[str, dict[str, Any]] = {
     "phi": {"partial_rotary_factor": 0.5},
-    "lfm2": {"full_attn_idxs": [1], "block_ff_dim": 256, "intermediate_size": 256},
     "lfm2_moe": {"full_attn_idxs": [1], "num_dense_layers": 1},
     "ministral3": {
         "layer_types": ["sliding_attention", "full_attention"],
@@ -136,6 +135,20 @@ EXTRA: dict[str, dict[str, Any]] = {
     "nemotron_h": {"hybrid_override_pattern": "M*", "mamba_num_heads": 4, "mamba_head_dim": 32, "n_groups": 1},
     "cohere2": {"sliding_window_pattern": 2, "layer_types": ["sliding_attention", "full_attention"]},
     "gemma3_text": {"sliding_window_pattern": 2},
+    "lfm2": {"full_attn_idxs": [1], "block_ff_dim": 256, "intermediate_size": 256, "block_dim": 128},
+    "nemotron-nas": {  # one attention layer, one without attention (as the published NAS models mix)
+        "block_configs": [
+            {"attention": {"n_heads_in_group": 2}, "ffn": {"ffn_mult": 1.0}},
+            {"attention": {"no_op": True}, "ffn": {"ffn_mult": 1.0}},
+        ]
+    },
+    "spark2_5": {
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {"sliding_attention": {"rope_theta": 1e4}, "full_attention": {"rope_theta": 1e6}},
+    },
+    "minicpm3": {"q_lora_rank": 32, "dim_model_base": 128, "rope_scaling": {"original_max_position_embeddings": 4096}},
+    "afm7": {"num_layers": 3, "num_kv_reuse_layers": 1},
+    "exaone_moe": {"layer_types": ["sliding_attention", "full_attention"], "is_moe_layer": [False, True]},
 }
 
 
