@@ -91,6 +91,15 @@ TEXT_MODULES: dict[str, str] = {
 
 # Fields a module needs beyond its ModelArgs' required ones (layer patterns, rope fractions that must give
 # even dims).
+# Its attention reads the low-rank scales whatever the flags say, and its router knows one zero-expert type.
+_LONGCAT = {
+    "q_lora_rank": 32,
+    "mla_scale_q_lora": True,
+    "mla_scale_kv_lora": True,
+    "expert_ffn_hidden_size": 64,
+    "zero_expert_type": "identity",
+}
+
 EXTRA: dict[str, dict[str, Any]] = {
     "phi": {"partial_rotary_factor": 0.5},
     "lfm2_moe": {"full_attn_idxs": [1], "num_dense_layers": 1},
@@ -148,6 +157,23 @@ EXTRA: dict[str, dict[str, Any]] = {
     },
     "minicpm3": {"q_lora_rank": 32, "dim_model_base": 128, "rope_scaling": {"original_max_position_embeddings": 4096}},
     "afm7": {"num_layers": 3, "num_kv_reuse_layers": 1},
+    "longcat_flash": _LONGCAT,
+    "longcat_flash_ngram": _LONGCAT,
+    # its attention asserts conv_window == 2; its Model has no tied-embeddings path
+    "baichuan_m1": {"conv_window": 2, "sliding_window_layers": [1], "tie_word_embeddings": False},
+    "mimo_v2_flash": {
+        "hybrid_layer_pattern": [1, 0],
+        "moe_layer_freq": [0, 1],
+        "sliding_window_size": 8,
+        "swa_num_attention_heads": 2,
+        "swa_num_key_value_heads": 1,
+        "swa_head_dim": 64,
+        "swa_v_head_dim": 64,
+        "partial_rotary_factor": 1,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+    },
+    "bailing_moe_v3": {"n_group": 1, "topk_group": 1, "layer_group_size": 2},
     "exaone_moe": {"layer_types": ["sliding_attention", "full_attention"], "is_moe_layer": [False, True]},
 }
 

@@ -21,6 +21,8 @@ from toolchain.exceptions import ModelConfigError
 
 # A probe step of this many tokens: a single decode step (no prompt mask), cheapest to build.
 PROBE_TOKENS = 1
+# A second step for caches that hold state: as many tokens as a state that keeps recent tokens may keep.
+STATE_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -164,6 +166,17 @@ class CacheProbe:
         try:
             with _watching_layers(originals, self), contextlib.redirect_stdout(io.StringIO()):
                 model(mx.zeros((1, PROBE_TOKENS), mx.int32), cache=caches)
+            if any(not slot.updates for slot in self.slots):
+                # State that keeps the last few tokens (longcat_flash_ngram's n-gram context) is full only
+                # after more than one token: read it after a second, longer step, not recorded as one.
+                recorded = [list(slot.updates) for slot in self.slots]
+                seen = dict(returned)
+                with contextlib.redirect_stdout(io.StringIO()):
+                    model(mx.zeros((1, STATE_TOKENS), mx.int32), cache=caches)
+                for slot, updates in zip(self.slots, recorded, strict=True):
+                    slot.updates = updates
+                returned.clear()
+                returned.update(seen)
         except Exception as exc:
             raise ModelConfigError(
                 f"mlx-lm's {type(model).__module__} cannot run a step with its own caches: {type(exc).__name__}: {exc}"
