@@ -123,7 +123,7 @@ def plan_for_bundle(
 ) -> PlanView:
     """Calls the planner for one weight recipe and KV scheme on one device."""
     from toolchain.models import load_model_spec
-    from toolchain.plan import plan_memory
+    from toolchain.plan import PlanRequest, plan_memory
     from toolchain.profiles import load_profile
 
     profile = load_profile(device)
@@ -131,11 +131,13 @@ def plan_for_bundle(
     plan = plan_memory(
         spec,
         profile,
-        schemes=[scheme.name],
-        weights=recipe.name,
-        recipes=[recipe.name],
-        group_size=recipe.group_size,
-        kv_group_size=kv_group_size,
+        PlanRequest(
+            schemes=(scheme.name,),
+            weights=recipe.name,
+            recipes=(recipe.name,),
+            group_size=recipe.group_size,
+            kv_group_size=kv_group_size,
+        ),
     )
     # MLX's own limit sits below jetsam's: the app's non-MLX memory (runtime, UI baseline) lives in the gap.
     return PlanView(

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from toolchain.exceptions import SchemaError
+from toolchain.exceptions import InputError, SchemaError
 from toolchain.fileio import read_data
 
 
@@ -42,7 +42,7 @@ def load_model_file(model: type[M], path: str | Path, *, error: type[SchemaError
 
 
 def validate_data(
-    model: type[M], data: Any, *, file: str | Path | None = None, error: type[SchemaError] = SchemaError
+    model: type[M], data: Any, *, file: str | Path | None = None, error: type[InputError] = SchemaError
 ) -> M:
     try:
         return model.model_validate(data)
