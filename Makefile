@@ -2,7 +2,10 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.kvrig-setup-2
+STAMP := $(VENV)/.kvrig-setup-3
+# pytest workers (pytest-xdist): tests spend much of their time waiting on subprocesses and virtual phones, so two
+# workers pay off even on two cores. Each test file stays on one worker, so module fixtures are built once.
+PYTEST_WORKERS ?= 2
 # MLX Swift's sources for `kvrig engine` (patched to build offline on Linux); this project's machines keep them
 # beside the repository. Set KVRIG_SWIFT_DEPS to use another copy.
 export KVRIG_SWIFT_DEPS ?= $(abspath $(CURDIR)/../shared/swift-deps)
@@ -30,7 +33,7 @@ test: $(STAMP)
 	$(BIN)/mypy
 	# The app's engine for Linux against MLX Swift (debug; incremental in .build/swift-engine).
 	$(BIN)/kvrig engine
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 demo: $(STAMP)
 	$(BIN)/kvrig demo -o build/demo

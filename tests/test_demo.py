@@ -20,3 +20,23 @@ def test_demo_soaks_into_jetsam(tmp_path: Path) -> None:
     assert soak.predicted is not None and soak.predicted.limit_bytes == result.limit_bytes
     saved = json.loads((result.soak_dir / "results.json").read_text())
     assert saved["runs"][0]["outcome"] == "jetsam"
+
+
+def test_auto_runtime_falls_back_to_python_saying_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    from toolchain.virtual.swiftapp import resolve_runtime
+
+    monkeypatch.delenv("KVRIG_SWIFT_DEPS", raising=False)
+    choice = resolve_runtime("auto")
+    assert choice.runtime == "python"
+    assert "KVRIG_SWIFT_DEPS" in choice.why and "cannot be built" in choice.why
+
+
+def test_swift_runtime_asked_for_does_not_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    from toolchain.exceptions import SwiftDepsNotFoundError
+    from toolchain.virtual.swiftapp import resolve_runtime
+
+    monkeypatch.delenv("KVRIG_SWIFT_DEPS", raising=False)
+    with pytest.raises(SwiftDepsNotFoundError) as failure:
+        resolve_runtime("swift")
+    assert failure.value.exit_code == 30
+    assert resolve_runtime("python").runtime == "python"

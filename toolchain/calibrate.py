@@ -1,9 +1,10 @@
 """Fit the planner's estimated terms to measured soaks.
 
 For every telemetry point of a soak (context, phys_footprint), the planner gives the exact weight bytes and
-the exact KV allocated at that context; what is left, less the MLX buffer cache the bundle caps, is the app's
-baseline. The median over all points of a device profile is its calibrated baseline; `kvrig plan
---calibration` uses it in place of the profile's estimate.
+the exact KV allocated at that context; what is left, less the MLX buffer cache at that point (measured in
+the app's telemetry; the bundle's cap when the telemetry is not at hand), is the app's baseline. The median
+over all points of a device profile is its calibrated baseline; `kvrig plan --calibration` uses it in place
+of the profile's estimate.
 """
 
 from __future__ import annotations
@@ -111,12 +112,14 @@ def points_for_run(
             buffer_cache_bytes=ref.buffer_cache_bytes,
         ),
     )
+    caches = measured_buffer_caches(run, results_path)
     points = []
     for p in measured:
         footprint = p.phys_footprint_bytes
         assert footprint is not None
         kv = plan.kv_bytes[run.scheme][str(p.context_tokens)]
         overhead = footprint - plan.weights_bytes - kv
+        cache = caches.get(p.t, ref.buffer_cache_bytes) if p.t is not None else ref.buffer_cache_bytes
         points.append(
             CalibrationPoint(
                 source=str(results_path),
@@ -126,12 +129,32 @@ def points_for_run(
                 footprint_bytes=footprint,
                 weights_bytes=plan.weights_bytes,
                 kv_bytes=kv,
-                buffer_cache_bytes=ref.buffer_cache_bytes,
+                buffer_cache_bytes=cache,
                 overhead_bytes=overhead,
-                baseline_bytes=overhead - ref.buffer_cache_bytes,
+                baseline_bytes=overhead - cache,
             )
         )
     return points
+
+
+def measured_buffer_caches(run: SoakResult, results_path: Path) -> dict[float, int]:
+    """MLX's buffer cache at each telemetry step (by the step's time), from the run's telemetry file beside
+    the results; empty when there is none. The cache is often far below its cap between steps, so counting
+    the cap would put the difference into the baseline."""
+    from toolchain.exceptions import ReportError
+    from toolchain.telemetry import read_telemetry
+
+    if run.files.telemetry is None:
+        return {}
+    path = results_path.parent / run.files.telemetry
+    if not path.is_file():
+        return {}
+    try:
+        log = read_telemetry(path)
+    except ReportError:
+        return {}
+    steps = [step for r in log.runs if r.run_id == run.run_id for step in r.steps]
+    return {step.t: step.mlx_cache_bytes for step in steps if step.mlx_cache_bytes is not None}
 
 
 def calibrate(

@@ -36,6 +36,8 @@ class DemoOptions:
     max_tokens: int = 16384
     max_seconds: float = 900.0
     ios: str = "18.6"
+    app_runtime: str = "auto"
+    """`auto` (the app's Swift engine when it can be built here, else the Python runtime), `swift`, `python`."""
 
 
 @dataclass
@@ -56,6 +58,9 @@ class DemoResult:
     prefill_step: int = 0
     step_tokens: int = 0
     ios: str = ""
+    app_runtime: str = ""
+    """What the virtual iPhone ran: `swift` (the app's engine) or `python` (kvrig's LLM runtime)."""
+    app_runtime_why: str = ""
 
     @property
     def killed_in_step(self) -> tuple[int, int] | None:
@@ -87,7 +92,7 @@ def _say(on_event: Event | None, text: str) -> None:
 
 def run_demo(options: DemoOptions, on_event: Event | None = None) -> DemoResult:
     from toolchain.appgen.render import AppOptions, render_app
-    from toolchain.appgen.virtual_ipa import APP_RUNTIMES, RUNTIME_NOTES, build_virtual_ipa, default_app_runtime
+    from toolchain.appgen.virtual_ipa import APP_RUNTIMES, build_virtual_ipa
     from toolchain.bundle import PackageOptions, package
     from toolchain.models import load_model_spec
     from toolchain.models.gguf import embedded_default_model
@@ -95,6 +100,7 @@ def run_demo(options: DemoOptions, on_event: Event | None = None) -> DemoResult:
     from toolchain.plan.memory import DEFAULT_MARGIN
     from toolchain.profiles import AppMemoryLimit, SourcedInt, load_profile
     from toolchain.schemas.kvcache import PressurePolicy
+    from toolchain.virtual.swiftapp import resolve_runtime
 
     out = options.out
     out.mkdir(parents=True, exist_ok=True)
@@ -119,8 +125,13 @@ def run_demo(options: DemoOptions, on_event: Event | None = None) -> DemoResult:
     common = PlanRequest(
         schemes=(kv.scheme,),
         weights=options.weights,
-        prefill_step=kv.prefill_step_size,
+        # The largest chunk the app prefills: the bundle's prefill step, or a whole soak step when that is
+        # smaller (each step feeds at most step_tokens new tokens).
+        prefill_step=min(kv.prefill_step_size, options.step_tokens),
         buffer_cache_bytes=kv.buffer_cache_limit_bytes,
+        # The virtual iPhone runs the app's MLX on this host's CPU, whose attention materializes the prefill
+        # scores; a real phone's plan is the default (Metal).
+        backend="cpu",
     )
     # The limit: the plan's own peak footprint at `room_tokens` (capped there, so the plan stops at it).
     sizing = plan_memory(
@@ -145,9 +156,9 @@ def run_demo(options: DemoOptions, on_event: Event | None = None) -> DemoResult:
 
     _say(on_event, "rendering the app and building the .ipa for the virtual iPhone ...")
     project = render_app(bundle, out / "app", AppOptions(name=APP_NAME, bundle_id=APP_ID), force=True).project
-    runtime = default_app_runtime()
-    ipa = build_virtual_ipa(project, out / f"{project.name}-virtual.ipa", APP_RUNTIMES[runtime])
-    _say(on_event, RUNTIME_NOTES[runtime])
+    runtime = resolve_runtime(options.app_runtime, on_event)
+    ipa = build_virtual_ipa(project, out / f"{project.name}-virtual.ipa", APP_RUNTIMES[runtime.runtime])
+    _say(on_event, f"the virtual iPhone runs {runtime.why}")
 
     soak_result = _soak_on_virtual_iphone(options, bundle, ipa, limit, predicted, kv.scheme, on_event)
     return DemoResult(
@@ -166,6 +177,8 @@ def run_demo(options: DemoOptions, on_event: Event | None = None) -> DemoResult:
         prefill_step=kv.prefill_step_size,
         step_tokens=options.step_tokens,
         ios=options.ios,
+        app_runtime=runtime.runtime,
+        app_runtime_why=runtime.why,
     )
 
 

@@ -19,7 +19,9 @@ from toolchain.schemas.kvcache import KVCacheConfig
 from toolchain.schemas.soakplan import GrowthSchedule, SoakPlan
 
 # Slow here: the engine's debug build runs MLX's C++ core unoptimised (a run of a few hundred tokens takes
-# minutes on 2 shared cores); the build itself is checked in make test by test_engine_modes.py.
+# minutes on 2 shared cores). The default run covers the same: test_engine_virtual.py's
+# test_swift_engine_soaks_into_jetsam checks the engine's kv_bytes against the planner at every unaligned
+# step into jetsam; the build itself is checked by test_engine_modes.py.
 pytestmark = pytest.mark.slow
 
 PREFILL_STEP = 128
@@ -74,9 +76,10 @@ def _expected_from_mlx(bundle: Path, updates: list[int]) -> int:
 
 def _expected_from_planner(bundle: Path, scheme: str, updates: list[int]) -> int:
     from toolchain.models import load_model_spec
-    from toolchain.plan.kv import allocated_bytes, parse_scheme
+    from toolchain.plan import kv_bytes
+    from toolchain.plan.kv import parse_scheme
 
-    return allocated_bytes(load_model_spec(bundle), parse_scheme(scheme), updates)
+    return kv_bytes(load_model_spec(bundle), parse_scheme(scheme), updates)
 
 
 def _run(engine: Path, bundle: Path, schedule: GrowthSchedule, scheme: str, tmp: Path, chat: bool) -> dict:

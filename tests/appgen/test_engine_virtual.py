@@ -1,7 +1,13 @@
 """The virtual iPhone runs the compiled Swift engine as the launched app: an .ipa built with
-`--app-runtime swift`, deployed with a real SmolLM2 bundle through pymobiledevice3, soaked by kvrig's driver.
+`--app-runtime swift`, deployed with a real SmolLM2 bundle through pymobiledevice3, soaked by kvrig's driver
+until the virtual kernel kills it.
 
-Expected numbers come from elsewhere: the planner's KV bytes, and the limit the virtual iPhone was given."""
+Default: `test_swift_engine_soaks_into_jetsam` (85-100 s here with the debug engine, plus packaging the bundle
+the Python soak tests share): small unaligned steps into a limit sized by the planner, kv_bytes against
+`toolchain.plan.kv_bytes` at every step. The longer matrix (four schemes, aligned and unaligned steps, chat
+turns, greedy tokens) is test_engine_linux.py, marked slow.
+Expected numbers come from elsewhere: the planner's KV bytes for the same updates, the limit the virtual
+iPhone was given, and its JetsamEvent report."""
 
 from __future__ import annotations
 
@@ -19,39 +25,50 @@ from toolchain.appgen.render import AppOptions, render_app
 from toolchain.appgen.virtual_ipa import build_virtual_ipa
 from toolchain.bundle import PackageOptions
 from toolchain.device.deploy import deploy
-from toolchain.plan import plan as make_memory_plan
+from toolchain.models import load_model_spec
+from toolchain.plan import PlanRequest, kv_bytes, plan_memory
+from toolchain.plan.kv import parse_scheme
+from toolchain.profiles import load_profile
 from toolchain.soak import SoakOptions, make_plan, run_soak
 from toolchain.virtual.device import VirtualDevice
 from toolchain.virtual.host import EmulatorHost
 
-# Slow here (the debug engine loads for minutes on 2 shared cores); run with -m slow.
-pytestmark = pytest.mark.slow
-
 APP_ID = "dev.kvrig.swiftsoak"
 PROFILE = "iPhone16,1"
-KILL_CONTEXT = 512
-OPTIONS = SoakOptions(poll_interval_s=0.2, hang_after_s=300, report_wait_s=10)
+SCHEME = "k8v4"
+STEP = 64  # soak steps of 64 tokens (+1 decoded each): every cache update after the first is unaligned
+ROOM = 128  # the limit: the plan's peak footprint at this context ...
+TRANSIENT_ROOM = 8 * 1024 * 1024  # ... and about this much more for what the debug engine's step holds a moment
+OPTIONS = SoakOptions(poll_interval_s=0.2, hang_after_s=300, report_wait_s=10, battery_interval_s=None)
 
 
 @dataclass
-class Phones:
-    large: VirtualDevice
-    small: VirtualDevice
-    small_limit: int
+class Phone:
+    device: VirtualDevice
+    limit: int
     bundle: Path
 
 
 @pytest.fixture(scope="module")
-def phones(engine_binary: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Phones]:  # noqa: F811
-    bundle = packaged(tmp_path_factory, "smollm2-q4-k8v4", PackageOptions(weights="q4", group_size=64, kv="k8v4"))
-    root = tmp_path_factory.mktemp("swiftsoak")
-    memory = make_memory_plan(bundle, PROFILE, schemes=["k8v4"], weights="q4", contexts=[KILL_CONTEXT])
-    small_limit = (
-        memory.runtime.baseline_bytes
-        + memory.weights_bytes
-        + memory.runtime.buffer_cache_bytes
-        + memory.kv_bytes["k8v4"][str(KILL_CONTEXT)]
+def phone(engine_binary: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Phone]:  # noqa: F811
+    # The same bundle (name and options) the Python runtime's soak tests package: made once per session.
+    bundle = packaged(tmp_path_factory, "smollm2-q4-k8v4", PackageOptions(weights="q4", group_size=64, kv=SCHEME))
+    sizing = plan_memory(
+        load_model_spec(bundle),
+        load_profile(PROFILE),
+        PlanRequest(
+            schemes=(SCHEME,),
+            weights="q4",
+            prefill_step=STEP,  # the largest chunk this soak feeds (the bundle's prefill step is larger)
+            # MLX on this CPU keeps no buffer cache (the engine reports mlx_cache_bytes 0): counting the bundle's
+            # cap would leave room for a thousand more tokens and minutes more of the debug engine.
+            buffer_cache_bytes=0,
+            margin=0.0,
+            max_context_cap=ROOM,
+        ),
     )
+    limit = sizing.budget_at_max_context[SCHEME].total_bytes + TRANSIENT_ROOM
+    root = tmp_path_factory.mktemp("swiftsoak")
     project = render_app(bundle, root / "project", AppOptions(name="Swift Soak", bundle_id=APP_ID)).project
     ipa = build_virtual_ipa(project, root / "SwiftSoak-virtual.ipa", "swift")
     address = f"/tmp/kvrig-swift-{os.getpid()}-{root.name}.sock"
@@ -59,11 +76,10 @@ def phones(engine_binary: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     os.environ["USBMUXD_SOCKET_ADDRESS"] = address
     try:
         with EmulatorHost(address) as host:
-            large = host.add_device(root / "large", profile=PROFILE)
-            small = host.add_device(root / "small", profile=PROFILE, limit_bytes=small_limit)
-            for device in (large, small):
-                run(deploy(bundle, ipa=ipa, udid=device.identity.udid))
-            yield Phones(large, small, small_limit, bundle)
+            device = host.add_device(root / "phone", profile=PROFILE, limit_bytes=limit)
+            run(deploy(bundle, ipa=ipa, udid=device.identity.udid))
+            yield Phone(device, limit, bundle)
+            host.run(device.apps.kill_all())
     finally:
         if previous is None:
             os.environ.pop("USBMUXD_SOCKET_ADDRESS", None)
@@ -71,39 +87,40 @@ def phones(engine_binary: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
             os.environ["USBMUXD_SOCKET_ADDRESS"] = previous
 
 
-def _soak(device: VirtualDevice, plan, out: Path):  # type: ignore[no-untyped-def]
+def test_swift_engine_soaks_into_jetsam(phone: Phone, tmp_path: Path) -> None:
+    plan = make_plan(max_tokens=4096, step_tokens=STEP, decode_tokens=1, scheme=SCHEME)
+    plan = plan.model_copy(update={"on_critical": "continue"})  # run into the kernel, as a soak should
     try:
-        return run(on_device(device.identity.udid, lambda d: run_soak(d, APP_ID, plan, out, OPTIONS)))
+        result = run(on_device(phone.device.identity.udid, lambda d: run_soak(d, APP_ID, plan, tmp_path, OPTIONS)))
     except BaseException:
-        for line in list(device.syslog.history)[-40:]:  # what the app and the kernel said, for the report
+        for line in list(phone.device.syslog.history)[-40:]:  # what the app and the kernel said
             print(f"{line.t:.1f} {line.process}[{line.pid}] {line.message[:300]}")
         raise
 
-
-def test_swift_engine_soaks_on_the_virtual_iphone(phones: Phones, tmp_path: Path) -> None:
-    plan = make_plan(max_tokens=512, step_tokens=256, decode_tokens=2, scheme="k8v4")
-    result = _soak(phones.large, plan, tmp_path)
-    assert result.outcome == "completed", result.outcome_detail
-    lines = [line.message for line in phones.large.syslog.history]
-    assert any("the app's Swift engine" in m for m in lines), lines[-20:]
-    events = read_events(tmp_path / "telemetry.jsonl")
-    assert events[0]["event"] == "start" and events[0]["product_type"] == PROFILE
-    assert events[-1]["event"] == "end" and events[-1]["reason"] == "completed"
-    steps = [e for e in events if e["event"] == "step"]
-    assert [s["context_tokens"] for s in steps] == [258, 514]
-    # The kernel's numbers reach the app, as the phone's own queries would return them.
-    assert all(0 < s["phys_footprint_bytes"] < s["phys_footprint_bytes"] + s["available_bytes"] for s in steps)
-    memory = make_memory_plan(phones.bundle, PROFILE, schemes=["k8v4"], weights="q4", contexts=[258, 514])
-    for s in steps:
-        assert s["kv_bytes"] == memory.kv_bytes["k8v4"][str(s["context_tokens"])], s
-
-
-def test_swift_engine_runs_into_jetsam(phones: Phones, tmp_path: Path) -> None:
-    plan = make_plan(max_tokens=4096, step_tokens=256, decode_tokens=1, scheme="k8v4")
-    plan = plan.model_copy(update={"on_critical": "continue"})  # run into the kernel, as a soak should
-    result = _soak(phones.small, plan, tmp_path)
+    # The Swift engine ran (it says so on the device log), and the kernel killed it at the limit.
+    assert any("the app's Swift engine" in line.message for line in phone.device.syslog.history)
     assert result.outcome == "jetsam", result.outcome_detail
-    assert result.footprint_at_kill_bytes is not None and result.footprint_at_kill_bytes >= phones.small_limit
+    assert result.footprint_at_kill_bytes is not None and result.footprint_at_kill_bytes >= phone.limit
     events = read_events(tmp_path / "telemetry.jsonl")
+    start = events[0]
+    assert start["event"] == "start" and start["product_type"] == PROFILE and start["limit_bytes"] == phone.limit
     assert not any(e["event"] == "end" for e in events)
-    assert result.max_context_reached <= KILL_CONTEXT
+    steps = [e for e in events if e["event"] == "step"]
+    assert steps, "killed before its first step"
+
+    # KV bytes at every step against the planner's for the same updates: each step prefills up to its target
+    # in one chunk (the bundle's prefill step is larger) and decodes one token.
+    spec, scheme = load_model_spec(phone.bundle), parse_scheme(SCHEME)
+    updates: list[int] = []
+    context = 0
+    for target, step in zip(range(STEP, 4096, STEP), steps, strict=False):
+        updates += [target - context, 1]
+        context = target + 1
+        assert step["context_tokens"] == context
+        assert step["kv_bytes"] == kv_bytes(spec, scheme, updates), (context, updates)
+    # Each step record carries the step's MLX peak (the kernel was told it pass by pass), never less than active.
+    assert all(s["mlx_peak_bytes"] >= s["mlx_active_bytes"] > 0 for s in steps), steps
+    # The kernel's numbers reach the app, as the phone's own queries would return them.
+    assert all(s["phys_footprint_bytes"] + s["available_bytes"] == phone.limit for s in steps)
+    # The kill came in the step growing past the last context that survived.
+    assert result.max_safe_context == steps[-1]["context_tokens"]

@@ -95,7 +95,40 @@ EXTRA: dict[str, dict[str, Any]] = {
     "phi": {"partial_rotary_factor": 0.5},
     "lfm2": {"full_attn_idxs": [1], "block_ff_dim": 256, "intermediate_size": 256},
     "lfm2_moe": {"full_attn_idxs": [1], "num_dense_layers": 1},
-    "ministral3": {"layer_types": ["sliding_attention", "full_attention"], "rope_parameters": {"rope_theta": 1e4}},
+    "ministral3": {
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {"rope_theta": 1e4, "llama_4_scaling_beta": 0.1, "original_max_position_embeddings": 4096},
+    },
+    # Nested or derived sizes the ModelArgs do not name as fields.
+    "dbrx": {
+        "ffn_config": {"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2},
+        "attn_config": {"kv_n_heads": 1, "clip_qkv": 8.0, "rope_theta": 1e4},
+    },
+    "plamo": {"n_shared_head": 2},
+    "deepseek_v32": {"q_lora_rank": 32},  # its attention always has the low-rank query projection
+    "deepseek_v41": {"q_lora_rank": 32},
+    "glm_moe_dsa": {"q_lora_rank": 32, "rope_parameters": {"rope_theta": 1e4}},
+    "mistral4": {
+        "q_lora_rank": 32,
+        "rope_parameters": {"rope_theta": 1e4, "llama_4_scaling_beta": 0.1, "original_max_position_embeddings": 4096},
+    },
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
+    "hunyuan": {"rope_scaling": {"alpha": 1.0, "factor": 1.0, "type": "dynamic"}},
+    "kimi_linear": {"linear_attn_config": {"kda_layers": [1], "num_heads": 2, "head_dim": 64}},
+    "openelm": {"num_query_heads": [2, 2], "num_kv_heads": [1, 1], "ffn_multipliers": [1.0, 1.0], "ffn_dim_divisor": 8},
+    "mellum": {
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {"sliding_attention": {"rope_theta": 1e4}, "full_attention": {"rope_theta": 1e4}},
+    },
+    "llama4_text": {"no_rope_layers": [1, 0], "intermediate_size_mlp": 256},
+    "mamba2": {
+        "num_heads": 4,
+        "head_dim": 32,
+        "n_groups": 1,
+        "time_step_limit": [0.0, 1e9],
+        "conv_kernel": 4,
+    },  # KV heads = ceil(heads / n_shared_head)
+    "qwen": {"kv_channels": 64, "num_attention_heads": 2},  # head dim = kv_channels; the MLP halves its size
     "olmo3": {"layer_types": ["sliding_attention", "full_attention"]},
     "afmoe": {"layer_types": ["sliding_attention", "full_attention"]},
     "gear": {"layer_types": ["sliding_attention", "full_attention"]},

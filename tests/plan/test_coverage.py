@@ -32,38 +32,27 @@ NO_TINY_CONFIG = set(
         "afm7",
         "baichuan_m1",
         "bailing_moe_v3",
-        "dbrx",
-        "deepseek_v32",
-        "deepseek_v41",
         "exaone_moe",
-        "glm_moe_dsa",
-        "hunyuan",
         "kimi_k3",
-        "kimi_linear",
         "lfm2",
         "lfm2-vl",
         "llama4",
-        "llama4_text",
         "longcat_flash",
         "longcat_flash_ngram",
-        "mamba2",
-        "mellum",
         "mimo_v2_flash",
         "minicpm3",
         "minimax_m3_vl",
-        "ministral3",
-        "mistral4",
         "muse_spark",
         "nemotron-nas",
-        "openelm",
-        "plamo",
         "prism_hadamard_qwen35",
-        "qwen",
-        "recurrent_gemma",
         "spark2_5",
     ]
 )
 
+# Modules whose tiny model runs but whose planned bytes differ from MLX's: a planner bug to fix (strict xfail).
+MISPLANNED = {
+    "deepseek_v41": "its per-layer LayerCache is read as linear state: 512 bytes planned, 4,096 in MLX",
+}
 
 # phi3small corrupts the heap of the process that ran it (glibc aborts with "double free or corruption" at the
 # next allocations or at exit, here and with mlx-lm alone): it runs in a process of its own, whose test result
@@ -78,6 +67,8 @@ def _cases() -> list[object]:
         marks = []
         if name in NO_TINY_CONFIG:
             marks.append(pytest.mark.xfail(raises=ModelConfigError, strict=True, reason="no tiny config yet"))
+        if name in MISPLANNED:
+            marks.append(pytest.mark.xfail(raises=AssertionError, strict=True, reason=MISPLANNED[name]))
         out.append(pytest.param(name, marks=marks))
     return out
 

@@ -23,14 +23,6 @@ APP_RUNTIME_ENV = "KVRIG_APP_RUNTIME"
 """--app-runtime choices -> Info.plist values (the virtual iPhone's toolchain.virtual.apprun reads them)."""
 
 
-RUNTIME_NOTES = {
-    "swift": "the virtual iPhone runs the app's Swift engine: its Engine, CacheSet and TokenLoop compiled "
-    "against MLX Swift for this host (kvrig-engine)",
-    "python": "the virtual iPhone runs kvrig's Python LLM runtime (KVRIG_APP_RUNTIME=swift runs the app's Swift "
-    "engine built by `kvrig engine` instead)",
-}
-
-
 def default_app_runtime() -> str:
     """$KVRIG_APP_RUNTIME (`swift` or `python`), else `python`: the Swift engine's debug build loads for minutes
     on this 2-core machine and its soaks on the virtual iPhone do not pass here yet, so it is opt-in."""

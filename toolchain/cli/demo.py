@@ -44,6 +44,14 @@ if TYPE_CHECKING:
     show_default=True,
     help="The virtual iPhone's iOS; from 17.4 the app is launched through the CoreDeviceProxy tunnel.",
 )
+@click.option(
+    "--app-runtime",
+    type=click.Choice(["auto", "swift", "python"]),
+    default="auto",
+    show_default=True,
+    help="What the virtual iPhone runs: the app's Swift engine compiled for this host (`kvrig engine`), kvrig's "
+    "Python LLM runtime, or auto: Swift when it can be built here (KVRIG_SWIFT_DEPS), else Python.",
+)
 @json_option
 def demo(
     out: Path,
@@ -55,6 +63,7 @@ def demo(
     step_tokens: int,
     decode_tokens: int,
     ios: str,
+    app_runtime: str,
     as_json: bool,
 ) -> None:
     """Package SmolLM2, plan it, build its app for a virtual iPhone with a small limit, deploy, soak until
@@ -78,6 +87,7 @@ def demo(
             step_tokens=step_tokens,
             decode_tokens=decode_tokens,
             ios=ios,
+            app_runtime=app_runtime,
         )
         say = None if as_json else (lambda line, tag=f"{scheme}/p{step}": click.echo(f"  [{tag}] {line}", err=True))
         results.append(run_demo(options, on_event=say))
@@ -125,6 +135,8 @@ def _as_dict(result: DemoResult) -> dict[str, Any]:
         "limit_from_report_bytes": soak.limit_bytes,
         "decode_tps_last": last_tps,
         "ios": result.ios,
+        "app_runtime": result.app_runtime,
+        "app_runtime_why": result.app_runtime_why,
         "tunnel": soak.tunnel.kind if soak.tunnel else None,
         "battery_samples": len(soak.battery),
         "battery_max_temperature_c": _max_temperature(result),
@@ -147,6 +159,7 @@ def _render_one(result: DemoResult) -> None:
             "virtual iPhone",
             f"{result.device}, iOS {result.ios}, app limit {human_bytes(result.limit_bytes)} ({result.limit_bytes} B)",
         ),
+        ("app runtime", result.app_runtime_why),
         ("developer services through", soak.tunnel.kind if soak.tunnel else "-"),
         ("KV scheme, prefill step, soak step", f"{result.kv}, {result.prefill_step}, {result.step_tokens} tokens"),
         ("outcome", f"{soak.outcome} ({soak.outcome_detail})"),
@@ -199,6 +212,7 @@ def _render_table(results: list[DemoResult]) -> None:
     for row in lines:
         click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
     click.echo(f"soak step {results[0].step_tokens} tokens; planned = the plan's max context without its margin")
+    click.echo(f"app runtime: {results[0].app_runtime_why}")
 
 
 def _yes_no(value: bool | None) -> str:

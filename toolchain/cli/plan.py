@@ -64,6 +64,14 @@ def _str_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
     show_default=True,
     help="coreml: bytes of the stateful Core ML program `kvrig export coreml` writes (weights, KV state).",
 )
+@click.option(
+    "--mlx-backend",
+    type=click.Choice(["metal", "cpu"]),
+    default="metal",
+    show_default=True,
+    help="Where MLX runs the app: metal (the phone: fused attention) or cpu (the host runtime, the virtual "
+    "iPhone: attention materializes the prefill scores).",
+)
 @json_option
 def plan(
     model: Path | None,
@@ -84,6 +92,7 @@ def plan(
     calibration: Path | None,
     quality_file: Path | None,
     backend: str,
+    mlx_backend: str,
     as_json: bool,
 ) -> None:
     """Plan memory for MODEL on a device: exact weight bytes per recipe, KV bytes per scheme, the app memory
@@ -124,6 +133,7 @@ def plan(
         limit=limit,  # type: ignore[arg-type]
         target_context=target_context,
         max_context_cap=cap_value,
+        backend=mlx_backend,  # type: ignore[arg-type]
     )
     if calibration is not None:
         from toolchain.calibrate import calibrated_baseline
@@ -165,7 +175,7 @@ def render_plan(p) -> None:  # type: ignore[no-untyped-def]
         "Runtime: MLX buffer cache "
         f"{human_bytes(p.runtime.buffer_cache_bytes)}, baseline {human_bytes(p.runtime.baseline_bytes)} "
         + ("(calibrated), " if p.runtime.baseline_calibrated_from else "(estimate), ")
-        + f"prefill step {p.runtime.prefill_step}"
+        + f"prefill step {p.runtime.prefill_step}, MLX on {p.runtime.backend}"
     )
     weights = Table(title="Weights", title_justify="left")
     weights.add_column("recipe")
@@ -248,6 +258,8 @@ def plan_bench(model: Path | None, device: str, no_real: bool, as_json: bool) ->
     if b.transient_measured_bytes is not None and b.transient_planned_bytes:
         click.echo(
             f"Prefill transient at {b.transient_context} (512-token chunk, float32, CPU): measured "
-            f"{human_bytes(b.transient_measured_bytes)}, planned {human_bytes(b.transient_planned_bytes)} "
-            f"(ratio {b.transient_measured_bytes / b.transient_planned_bytes:.2f})"
+            f"{human_bytes(b.transient_measured_bytes)}, planned for the CPU backend "
+            f"{human_bytes(b.transient_planned_bytes)} "
+            f"(measured/planned {b.transient_measured_bytes / b.transient_planned_bytes:.2f}); "
+            f"planned for Metal (fused attention) {human_bytes(b.transient_planned_metal_bytes or 0)}"
         )

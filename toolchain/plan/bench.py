@@ -3,8 +3,9 @@
 Planning asks MLX about arrays it never evaluates, so the bytes it allocates are MLX's peak memory during the
 plan (graph bookkeeping only) and Python's own (tracemalloc). The same KV answer is then produced for real
 (evaluated caches) to show the ratio, and one prefill chunk runs on the real model to measure the transient
-the plan estimates (CPU, float32: on Metal the fused attention kernel does not materialize the scores for
-head dims 64, 80 and 128, and the phone keeps activations in float16, half these widths).
+the plan estimates (CPU, float32), beside the plan's for the CPU backend and for Metal, where the fused attention kernel
+does not materialize the scores for head dims 64, 80 and 128 (the phone keeps activations in float16, half
+these widths).
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class PlanBench:
     transient_context: int | None
     transient_measured_bytes: int | None
     transient_planned_bytes: int | None
+    """for the CPU backend, where the measurement runs"""
+    transient_planned_metal_bytes: int | None = None
+    """for the phone (Metal): what the plan counts there for the same chunk"""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -98,8 +102,11 @@ def benchmark_plan(model: str | Path | None, device: str, *, real: bool = True, 
     real_kv, _, real_mlx, _ = _measure(evaluated)
     result.kv_bytes_evaluated, result.kv_evaluated_mlx_peak_bytes = real_kv, real_mlx
 
-    # The prefill transient, measured: one chunk of `prefill_step` tokens at a context of 2048, on the real
-    # model in float32, MLX's peak minus what was already resident (weights and caches).
+    # The prefill transient, measured as mlx-lm's generate_step runs a chunk (caches evaluated, the chunk's
+    # logits never): one chunk of `prefill_step` tokens at a context of 2048, on the real model in float32 on
+    # the CPU, MLX's peak minus what was resident before and minus what the caches grew by (the plan counts KV
+    # on its own). Planned for the same chunk on the CPU backend (what the host and the virtual iPhone run)
+    # and on Metal (the phone).
     context = 2048
     net = cast_model(spec.lazy_model(), "float32")
     mx.eval(net.parameters())
@@ -107,11 +114,15 @@ def benchmark_plan(model: str | Path | None, device: str, *, real: bool = True, 
     net(mx.zeros((1, context - prefill_step), mx.int32), cache=caches)
     mx.eval([c.state for c in caches])
     mx.clear_cache()
-    resident = mx.get_active_memory()
+    resident, kv_before = mx.get_active_memory(), sum(c.nbytes for c in caches)
     mx.reset_peak_memory()
-    logits = net(mx.ones((1, prefill_step), mx.int32), cache=caches)
-    mx.eval(logits[:, -1, :], [c.state for c in caches])  # as generate_step: the last position's logits
+    net(mx.ones((1, prefill_step), mx.int32), cache=caches)
+    mx.eval([c.state for c in caches])
+    grown = sum(c.nbytes for c in caches) - kv_before
     result.transient_context = context
-    result.transient_measured_bytes = mx.get_peak_memory() - resident
-    result.transient_planned_bytes = prefill_activation_bytes(spec, prefill_step, context, "float32")
+    result.transient_measured_bytes = mx.get_peak_memory() - resident - grown
+    result.transient_planned_bytes = prefill_activation_bytes(spec, prefill_step, context, "float32", backend="cpu")
+    result.transient_planned_metal_bytes = prefill_activation_bytes(
+        spec, prefill_step, context, "float32", backend="metal"
+    )
     return result

@@ -29,6 +29,7 @@ from toolchain.plan.runtime import (
     prefill_activation_bytes,
     prefill_scores_bytes,
 )
+from toolchain.plan.transient import BACKENDS, DEFAULT_BACKEND, Backend
 from toolchain.plan.weights import DEFAULT_RECIPES, WeightsAccount, account_weights, parse_recipe
 from toolchain.profiles import DeviceProfile
 from toolchain.schemas import StrictModel
@@ -69,8 +70,13 @@ class RuntimeTerms(StrictModel):
         default=None, description="calibration file the baseline comes from (None: the profile's estimate)"
     )
     prefill_step: int
+    backend: Backend = Field(
+        default=DEFAULT_BACKEND,
+        description="where MLX runs the app: metal (the phone, fused attention) or cpu (host, virtual iPhone)",
+    )
     prefill_activation_bytes: dict[str, int] = Field(
-        description="estimate (upper bound) of live prefill activations at each listed context"
+        description="live prefill activations at each listed context over unquantized caches (per scheme: "
+        "budget_at_max_context); attention scores as MLX holds them on the backend, the rest an upper bound"
     )
 
 
@@ -157,13 +163,19 @@ def _limits(profile: DeviceProfile, limit: str) -> tuple[Literal["entitled", "de
 
 
 def _peak_bytes(
-    spec: ModelSpec, scheme: KVScheme, context: int, fixed: int, prefill_step: int, dtype: str
+    spec: ModelSpec,
+    scheme: KVScheme,
+    context: int,
+    fixed: int,
+    prefill_step: int,
+    dtype: str,
+    backend: Backend = DEFAULT_BACKEND,
 ) -> SchemeBudget:
     schedule = context_schedule(context, prefill_step)
     kv = kv_bytes_detail(spec, scheme, schedule)
     copy = kv.largest_cache if any(layer.grows for layer in spec.layers) else 0
     deq = dequantized_read_bytes(spec, scheme, context)
-    act = prefill_activation_bytes(spec, prefill_step, context, dtype)
+    act = prefill_activation_bytes(spec, prefill_step, context, dtype, scheme=scheme, backend=backend)
     return SchemeBudget(
         context=context,
         weights_bytes=0,
@@ -178,7 +190,14 @@ def _peak_bytes(
 
 
 def _estimate(
-    spec: ModelSpec, scheme: KVScheme, budget: int, fixed: int, prefill_step: int, dtype: str, cap: int
+    spec: ModelSpec,
+    scheme: KVScheme,
+    budget: int,
+    fixed: int,
+    prefill_step: int,
+    dtype: str,
+    cap: int,
+    backend: Backend = DEFAULT_BACKEND,
 ) -> int:
     """Closed form: every term is affine in the context (caches in whole 256-token steps), so solve
     fixed + constant + per_token × C ≤ budget; the exact check in `max_context_for` settles the last step."""
@@ -186,7 +205,10 @@ def _estimate(
     copy_row = max((row_bytes(spec, scheme, layer) for layer in spec.layers if layer.grows), default=0)
     deq_row = dequantized_read_bytes(spec, scheme, 1)
     ref = max(prefill_step, MLX_STEP) * 4
-    act_ref, act_next = (prefill_activation_bytes(spec, prefill_step, c, dtype) for c in (ref, ref + MLX_STEP))
+    act_ref, act_next = (
+        prefill_activation_bytes(spec, prefill_step, c, dtype, scheme=scheme, backend=backend)
+        for c in (ref, ref + MLX_STEP)
+    )
     act_row = (act_next - act_ref) / MLX_STEP
     constant = kv_bytes(spec, scheme, context_schedule(ref, prefill_step)) - per_token * ref
     slope = per_token + copy_row + deq_row + act_row
@@ -230,24 +252,38 @@ def largest_fitting(fits: Callable[[int], bool], estimate: int, cap: int) -> int
 
 
 def max_context_for(
-    spec: ModelSpec, scheme: KVScheme, budget: int, fixed: int, prefill_step: int, dtype: str, cap: int
+    spec: ModelSpec,
+    scheme: KVScheme,
+    budget: int,
+    fixed: int,
+    prefill_step: int,
+    dtype: str,
+    cap: int,
+    backend: Backend = DEFAULT_BACKEND,
 ) -> tuple[int, Literal["memory", "model", "weights"]]:
     """Largest context whose peak fits the budget: the closed-form solve, then MLX's exact bytes around it."""
 
     def fits(c: int) -> bool:
-        return _peak_bytes(spec, scheme, c, fixed, prefill_step, dtype).total_bytes <= budget
+        return _peak_bytes(spec, scheme, c, fixed, prefill_step, dtype, backend).total_bytes <= budget
 
-    best = largest_fitting(fits, _estimate(spec, scheme, budget, fixed, prefill_step, dtype, cap), cap)
+    estimate = _estimate(spec, scheme, budget, fixed, prefill_step, dtype, cap, backend)
+    best = largest_fitting(fits, estimate, cap)
     if best == 0:
         return 0, "weights"
     return best, "model" if best == cap else "memory"
 
 
 def _largest_buffer(
-    spec: ModelSpec, scheme: KVScheme, context: int, prefill_step: int, dtype: str, weights_array: int
+    spec: ModelSpec,
+    scheme: KVScheme,
+    context: int,
+    prefill_step: int,
+    dtype: str,
+    weights_array: int,
+    backend: Backend = DEFAULT_BACKEND,
 ) -> tuple[int, Literal["kv_layer", "prefill_scores", "weights_array"]]:
     kv = kv_bytes_detail(spec, scheme, context_schedule(context, prefill_step)).largest_array
-    scores = prefill_scores_bytes(spec, prefill_step, context, dtype)
+    scores = prefill_scores_bytes(spec, prefill_step, context, dtype, scheme=scheme, backend=backend)
     options: list[tuple[int, Literal["kv_layer", "prefill_scores", "weights_array"]]] = [
         (weights_array, "weights_array"),
         (kv, "kv_layer"),
@@ -257,14 +293,21 @@ def _largest_buffer(
 
 
 def max_context_for_buffer(
-    spec: ModelSpec, scheme: KVScheme, max_buffer: int, prefill_step: int, dtype: str, weights_array: int, cap: int
+    spec: ModelSpec,
+    scheme: KVScheme,
+    max_buffer: int,
+    prefill_step: int,
+    dtype: str,
+    weights_array: int,
+    cap: int,
+    backend: Backend = DEFAULT_BACKEND,
 ) -> int:
     """Largest context whose largest single array fits Metal's largest buffer (it grows with the context)."""
 
     def fits(c: int) -> bool:
-        return _largest_buffer(spec, scheme, c, prefill_step, dtype, weights_array)[0] <= max_buffer
+        return _largest_buffer(spec, scheme, c, prefill_step, dtype, weights_array, backend)[0] <= max_buffer
 
-    per_token = max(1, _largest_buffer(spec, scheme, MLX_STEP, prefill_step, dtype, 0)[0] // MLX_STEP)
+    per_token = max(1, _largest_buffer(spec, scheme, MLX_STEP, prefill_step, dtype, 0, backend)[0] // MLX_STEP)
     return largest_fitting(fits, max_buffer // per_token, cap)
 
 
@@ -355,6 +398,7 @@ class PlanRequest(StrictModel):
     max_context_cap: int | None = None
     baseline_bytes: int | None = None
     baseline_source: str | None = None
+    backend: Backend = DEFAULT_BACKEND
 
 
 def plan_memory(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest | None = None) -> MemoryPlan:
@@ -381,12 +425,17 @@ def _plan_memory(
     max_context_cap: int | None = None,
     baseline_bytes: int | None = None,
     baseline_source: str | None = None,
+    backend: Backend = DEFAULT_BACKEND,
 ) -> MemoryPlan:
-    """`baseline_bytes` overrides the profile's estimated baseline (a calibration, `baseline_source` names it)."""
+    """`baseline_bytes` overrides the profile's estimated baseline (a calibration, `baseline_source` names it).
+    `backend` is where MLX runs the app: `metal` (the phone) or `cpu` (the host runtime, the virtual iPhone);
+    they differ in the prefill transient (plan/transient.py)."""
     if not 0 <= margin < 1:
         raise PlanInputError(f"margin {margin} must be in [0, 1)", field="margin")
     if prefill_step < 1:
         raise PlanInputError("prefill step must be at least 1", field="prefill_step")
+    if backend not in BACKENDS:
+        raise PlanInputError(f"backend {backend!r}: expected one of {', '.join(BACKENDS)}", field="backend")
     kv_group = kv_group_size or group_size
     parsed = {s.name: s for s in (parse_scheme(name, group_size=kv_group, dtype=dtype) for name in schemes)}
     for scheme in parsed.values():
@@ -411,7 +460,7 @@ def _plan_memory(
         mc: dict[str, int] = {}
         lb: dict[str, str] = {}
         for name, scheme in parsed.items():
-            mc[name], lb[name] = max_context_for(spec, scheme, budget_value, fixed, prefill_step, dtype, cap)
+            mc[name], lb[name] = max_context_for(spec, scheme, budget_value, fixed, prefill_step, dtype, cap, backend)
         return mc, lb
 
     max_context, limited_by = solve(limit_bytes)
@@ -420,7 +469,7 @@ def _plan_memory(
     budgets: dict[str, SchemeBudget] = {}
     for name, scheme in parsed.items():
         ctx = max(max_context[name], 1)
-        b = _peak_bytes(spec, scheme, ctx, fixed, prefill_step, dtype)
+        b = _peak_bytes(spec, scheme, ctx, fixed, prefill_step, dtype, backend)
         budgets[name] = b.model_copy(
             update={
                 "weights_bytes": chosen_weights.total_bytes,
@@ -442,12 +491,15 @@ def _plan_memory(
         if working_set is not None:
             ws_budget = int(working_set * (1 - margin))
             options.append(
-                (max_context_for(spec, scheme, ws_budget, gpu_fixed, prefill_step, dtype, cap)[0], "metal_working_set")
+                (
+                    max_context_for(spec, scheme, ws_budget, gpu_fixed, prefill_step, dtype, cap, backend)[0],
+                    "metal_working_set",
+                )
             )
         if max_buffer is not None:
             options.append(
                 (
-                    max_context_for_buffer(spec, scheme, max_buffer, prefill_step, dtype, weights_array, cap),
+                    max_context_for_buffer(spec, scheme, max_buffer, prefill_step, dtype, weights_array, cap, backend),
                     "metal_max_buffer",
                 )
             )
@@ -460,7 +512,7 @@ def _plan_memory(
         ctx = max(max_context[name], 1)
         b = budgets[name]
         resident = b.total_bytes - b.baseline_bytes
-        size, what = _largest_buffer(spec, scheme, ctx, prefill_step, dtype, weights_array)
+        size, what = _largest_buffer(spec, scheme, ctx, prefill_step, dtype, weights_array, backend)
         gpu_check[name] = GpuCheck(
             context=ctx,
             resident_bytes=resident,
@@ -474,8 +526,8 @@ def _plan_memory(
     bandwidth = profile.memory_bandwidth
     notes = list(spec.notes)
     exact = (
-        "Weights and KV bytes are exact (MLX's own nbytes); prefill activations, baseline and the decode "
-        "ceiling are estimates."
+        "Weights and KV bytes are exact (MLX's own nbytes); prefill activations besides the attention scores, "
+        "the baseline and the decode ceiling are estimates."
     )
     if baseline_bytes is None:
         notes.append(f"{exact} The baseline comes from the device profile.")
@@ -485,6 +537,10 @@ def _plan_memory(
             f"{exact} The baseline is calibrated from measured soaks{source_text}; the profile's estimate is "
             f"{profile.baseline} bytes."
         )
+    notes.append(
+        f"Backend {backend} ({BACKENDS[backend]}): the prefill transient's attention scores are counted as MLX's "
+        "attention holds them there (buffers per score measured on this host's MLX)."
+    )
     if trained is None:
         notes.append("config has no max_position_embeddings; max context is bounded by memory only.")
     plan = MemoryPlan(
@@ -523,7 +579,10 @@ def _plan_memory(
             baseline_bytes=baseline,
             baseline_calibrated_from=baseline_source if baseline_bytes is not None else None,
             prefill_step=prefill_step,
-            prefill_activation_bytes={str(c): prefill_activation_bytes(spec, prefill_step, c, dtype) for c in listed},
+            backend=backend,
+            prefill_activation_bytes={
+                str(c): prefill_activation_bytes(spec, prefill_step, c, dtype, backend=backend) for c in listed
+            },
         ),
         kv_bytes_per_token={name: bytes_per_token(spec, s) for name, s in parsed.items()},
         kv_constant_bytes={name: constant_kv_bytes(spec, s, prefill_step) for name, s in parsed.items()},

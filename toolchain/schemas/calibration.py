@@ -23,7 +23,9 @@ class CalibrationPoint(StrictModel):
     footprint_bytes: int = Field(ge=0, description="phys_footprint the app measured at this context")
     weights_bytes: int = Field(ge=0, description="exact, from the planner")
     kv_bytes: int = Field(ge=0, description="exact allocated KV at this context, from the planner")
-    buffer_cache_bytes: int = Field(ge=0, description="the MLX buffer-cache cap the planner counts")
+    buffer_cache_bytes: int = Field(
+        ge=0, description="MLX's buffer cache at this point: measured (telemetry), else the cap the planner counts"
+    )
     overhead_bytes: int = Field(description="footprint − weights − KV: everything the planner estimates")
     baseline_bytes: int = Field(description="overhead − buffer cache: this point's baseline")
 

@@ -1,18 +1,22 @@
 """The compiled Swift engine as the virtual iPhone's launched app.
 
-An app built with `kvrig build --virtual --app-runtime swift` (the default once the Linux engine is built)
-runs `kvrig-engine`, the generated app's own Engine, CacheSet and TokenLoop compiled against MLX Swift on
-this host (see toolchain.appgen.linux), instead of kvrig's Python LLM runtime (toolchain.virtual.llmapp,
-the fallback). With `--host-kernel` it speaks the same JSON-line channel as the Python runtime (see
-toolchain.virtual.apprun): a measurement after every forward pass, the kernel's verdict back.
+An app built with `kvrig build --virtual --app-runtime swift` runs `kvrig-engine`, the generated app's own
+Engine, CacheSet and TokenLoop compiled against MLX Swift on this host (see toolchain.appgen.linux), instead
+of kvrig's Python LLM runtime (toolchain.virtual.llmapp). With `--host-kernel` it speaks the same JSON-line
+channel as the Python runtime (see toolchain.virtual.apprun): a measurement after every forward pass, the
+kernel's verdict back. `resolve_runtime` picks the runtime for `kvrig demo` (`auto`: the Swift engine when
+it can be built here, else the Python runtime, saying why).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 RUNTIME = "swift"
 """Info.plist `KvrigVirtualRuntime` value of apps the virtual iPhone runs with the Swift engine."""
+CHOICES = ("auto", "swift", "python")
 
 
 class SwiftEngineMissingError(Exception):
@@ -34,3 +38,41 @@ def command(arguments: list[str]) -> list[str]:
             "(or rebuild the app with --app-runtime python)"
         )
     return [str(binary), "--host-kernel", *arguments]
+
+
+@dataclass(frozen=True)
+class RuntimeChoice:
+    runtime: str
+    """`swift` or `python` (an --app-runtime choice of `kvrig build --virtual`)."""
+    why: str
+    """What ran and why, for the user."""
+
+
+def resolve_runtime(choice: str, on_event: Callable[[str], None] | None = None) -> RuntimeChoice:
+    """`swift`: build the engine (incremental; errors propagate: exit 30/31); `python`: the Python runtime;
+    `auto`: the Swift engine when it builds here, else the Python runtime with the reason."""
+    from toolchain.appgen.linux import build_engine
+    from toolchain.exceptions import SwiftBuildError, SwiftDepsNotFoundError
+
+    if choice == "python":
+        return RuntimeChoice("python", "kvrig's Python LLM runtime (asked for with --app-runtime python)")
+    if choice not in CHOICES:
+        raise ValueError(f"app runtime {choice!r}: expected one of {CHOICES}")
+    if on_event is not None:
+        on_event("building the app's Swift engine for this host (`kvrig engine`; minutes the first time) ...")
+    try:
+        build = build_engine()
+    except (SwiftDepsNotFoundError, SwiftBuildError) as exc:
+        if choice == "swift":
+            raise
+        first = str(exc).splitlines()[0]
+        return RuntimeChoice(
+            "python",
+            f"kvrig's Python LLM runtime: the app's Swift engine cannot be built here ({first}); "
+            "--app-runtime swift would stop instead",
+        )
+    return RuntimeChoice(
+        "swift",
+        f"the app's Swift engine ({build.binary.name}: its Engine, CacheSet and TokenLoop compiled against "
+        "MLX Swift for this host)",
+    )

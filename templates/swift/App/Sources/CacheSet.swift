@@ -35,7 +35,8 @@ final class CacheSet: @unchecked Sendable {
                 switch plan.layers[entry.layer] {
                 case .mixed(let k, let v, let g)?:
                     caches[index] = MixedBitsKVCache(
-                        keyBits: k, valueBits: v, groupSize: g, quantizedStart: plan.quantizedKVStart)
+                        keyBits: k, valueBits: v, groupSize: g, quantizedStart: plan.quantizedKVStart,
+                        extras: plan.extras)
                 case .mlxAffine(let bits, let g)? where plan.quantizedKVStart == 0:
                     // Quantized from the first token, as mlx-lm builds it: no float copy to convert later.
                     caches[index] = QuantizedKVCache(groupSize: g, bits: bits)

@@ -219,7 +219,9 @@ final class Engine {
     ) -> StepMetrics {
         let memory = Memory.snapshot()
         let active = host?.phoneBytes(mlxBytes: memory.activeMemory, caches: caches) ?? memory.activeMemory
-        let peak = host?.phoneBytes(mlxBytes: memory.peakMemory, caches: caches) ?? memory.peakMemory
+        // A host kernel resets MLX's peak after every forward pass: the step's peak is the largest of those.
+        let stepPeak = max(memory.peakMemory, host?.takeStepPeak() ?? 0)
+        let peak = host?.phoneBytes(mlxBytes: stepPeak, caches: caches) ?? stepPeak
         return StepMetrics(
             contextTokens: caches.contextTokens, decodeTps: decode.rate, prefillTps: prefill.rate,
             physFootprintBytes: DeviceMemory.footprint(), availableBytes: DeviceMemory.available(),
@@ -356,6 +358,8 @@ protocol EngineHost: AnyObject, Sendable {
     func sample(caches: CacheSet) -> MemorySample
     /// `mlxBytes` of MLX memory (weights, caches, activations) as the phone would hold them.
     func phoneBytes(mlxBytes: Int, caches: CacheSet) -> Int
+    /// The largest MLX peak the samples since the previous call saw (host bytes; 0 without samples).
+    func takeStepPeak() -> Int
 }
 
 enum EngineError: Error, CustomStringConvertible {

@@ -1,10 +1,20 @@
 import Foundation
+import KvrigCore
 import MLX
 import MLXLMCommon
 
 /// A KV cache whose keys and values are quantized at rest with their own bit widths (MLX's QuantizedKVCache
 /// and quantized attention take one width for both), dequantized when attention reads them. The dequantized
 /// copy of one layer is transient: the planner counts it. nil bits keep that side in the activation dtype.
+///
+/// kvcache.json's extras (``KVExtras``) mean what they mean on the host (toolchain/runtime/kv_cache.py):
+/// - rotation: H·k (and H·v) are quantized; attention gets H·dequant(H·k), i.e. (H·q)·dequant(H·k) as the
+///   host computes it (H is the orthonormal Walsh-Hadamard matrix, symmetric and its own inverse for the
+///   power-of-two head dims kvrig packages), and likewise H·(p·dequant(H·v)) for the output;
+/// - sink_tokens: the first tokens also kept in the activation dtype, read instead of their quantized rows;
+/// - recent_tokens: a ring of the latest tokens in the activation dtype, read instead of theirs.
+/// The quantized store holds every token either way, so its bytes grow as the planner counts; the sink and
+/// ring are fixed buffers allocated with the first quantized update, as the host allocates them.
 ///
 /// It conforms to mlx-swift-lm's `KVCache` protocol directly: `BaseKVCache` is `open` but its initializer
 /// is internal, so no other module can subclass it (and `KVCacheSimple` is not `open`).
@@ -16,13 +26,18 @@ final class MixedBitsKVCache: KVCache, @unchecked Sendable {
     private let valueBits: Int?
     private let groupSize: Int
     private let quantizedStart: Int
+    private let extras: KVExtras
+    /// [keys, values] of the first `sinkTokens` tokens, and of the ring slot `position % recentTokens`.
+    private var sink: [MLXArray] = []
+    private var recent: [MLXArray] = []
     static let step = 256
 
-    init(keyBits: Int?, valueBits: Int?, groupSize: Int, quantizedStart: Int) {
+    init(keyBits: Int?, valueBits: Int?, groupSize: Int, quantizedStart: Int, extras: KVExtras = KVExtras()) {
         self.keyBits = keyBits
         self.valueBits = valueBits
         self.groupSize = groupSize
         self.quantizedStart = quantizedStart
+        self.extras = extras
         // Below quantized_kv_start both sides stay in the activation dtype, as MLX's own cache does.
         let quantizeNow = quantizedStart == 0
         keyStore = QuantizedStore(bits: quantizeNow ? keyBits : nil, groupSize: groupSize)
@@ -31,18 +46,105 @@ final class MixedBitsKVCache: KVCache, @unchecked Sendable {
 
     var maxSize: Int? { nil }
 
-    func innerState() -> [MLXArray] { keyStore.parts + valueStore.parts }
+    private var quantizing: Bool { keyStore.bits == keyBits && valueStore.bits == valueBits }
+
+    func innerState() -> [MLXArray] { keyStore.parts + valueStore.parts + sink + recent }
 
     func update(keys: MLXArray, values: MLXArray) -> (MLXArray, MLXArray) {
-        let previous = offset
-        keyStore.append(keys, at: previous)
-        valueStore.append(values, at: previous)
-        offset = previous + keys.dim(2)
-        if offset > quantizedStart, keyStore.bits != keyBits || valueStore.bits != valueBits {
-            keyStore = keyStore.requantized(bits: keyBits, dtype: keys.dtype)
-            valueStore = valueStore.requantized(bits: valueBits, dtype: values.dtype)
+        if quantizing {
+            enter(keys: keys, values: values)
+        } else {
+            keyStore.append(keys, at: offset)
+            valueStore.append(values, at: offset)
+            offset += keys.dim(2)
+            if offset > quantizedStart {
+                if extras.any {
+                    // As the host's SchemeKVCache.from_kv_cache: the float tokens enter the quantized cache anew.
+                    let (k, v) = (keyStore.read(count: offset, dtype: keys.dtype), valueStore.read(count: offset, dtype: values.dtype))
+                    keyStore = QuantizedStore(bits: keyBits, groupSize: groupSize)
+                    valueStore = QuantizedStore(bits: valueBits, groupSize: groupSize)
+                    offset = 0
+                    enter(keys: k, values: v)
+                } else {
+                    keyStore = keyStore.requantized(bits: keyBits, dtype: keys.dtype)
+                    valueStore = valueStore.requantized(bits: valueBits, dtype: values.dtype)
+                }
+            }
         }
-        return (keyStore.read(count: offset, dtype: keys.dtype), valueStore.read(count: offset, dtype: values.dtype))
+        return read(keyDType: keys.dtype, valueDType: values.dtype)
+    }
+
+    /// Appends tokens to the quantized store (rotated first when asked) and to the sink and recent copies.
+    private func enter(keys: MLXArray, values: MLXArray) {
+        let previous = offset
+        keyStore.append(extras.rotation.rotatesKeys ? hadamardTransform(keys) : keys, at: previous)
+        valueStore.append(extras.rotation.rotatesValues ? hadamardTransform(values) : values, at: previous)
+        offset = previous + keys.dim(2)
+        let sinks = extras.sinkTokens
+        if sinks > 0 {
+            if sink.isEmpty { sink = [keys, values].map { Self.buffer(like: $0, tokens: sinks) } }
+            if previous < sinks {
+                let m = min(sinks, offset) - previous
+                sink[0][.ellipsis, previous ..< (previous + m), 0...] = keys[.ellipsis, ..<m, 0...]
+                sink[1][.ellipsis, previous ..< (previous + m), 0...] = values[.ellipsis, ..<m, 0...]
+            }
+        }
+        let w = extras.recentTokens
+        if w > 0 {
+            if recent.isEmpty { recent = [keys, values].map { Self.buffer(like: $0, tokens: w) } }
+            // Only the last w tokens of this update survive in the ring; write them in at most two runs.
+            for (slots, rows) in Self.ringRuns(from: max(previous, offset - w), to: offset, window: w) {
+                let source = (rows.lowerBound - previous) ..< (rows.upperBound - previous)
+                recent[0][.ellipsis, slots, 0...] = keys[.ellipsis, source, 0...]
+                recent[1][.ellipsis, slots, 0...] = values[.ellipsis, source, 0...]
+            }
+        }
+    }
+
+    private static func buffer(like x: MLXArray, tokens: Int) -> MLXArray {
+        MLXArray.zeros([x.dim(0), x.dim(1), tokens, x.dim(3)], dtype: x.dtype)
+    }
+
+    /// Positions `from ..< to` of a ring of `window` slots, as (slot range, position range) runs.
+    private static func ringRuns(from: Int, to: Int, window: Int) -> [(Range<Int>, Range<Int>)] {
+        var runs: [(Range<Int>, Range<Int>)] = []
+        var p = from
+        while p < to {
+            let slot = p % window
+            let length = min(to - p, window - slot)
+            runs.append((slot ..< (slot + length), p ..< (p + length)))
+            p += length
+        }
+        return runs
+    }
+
+    /// Every cached token as attention reads it: dequantized and un-rotated, with the sink and recent tokens
+    /// taken from their float copies.
+    private func read(keyDType: DType, valueDType: DType) -> (MLXArray, MLXArray) {
+        let (k, v) = dequantized(keyDType: keyDType, valueDType: valueDType)
+        guard quantizing, !sink.isEmpty || !recent.isEmpty else { return (k, v) }
+        let sinkEnd = min(extras.sinkTokens, offset)
+        let recentStart = recent.isEmpty ? offset : max(sinkEnd, offset - extras.recentTokens)
+
+        func pieces(_ x: MLXArray, side: Int) -> MLXArray {
+            var parts: [MLXArray] = []
+            if sinkEnd > 0 { parts.append(sink[side][.ellipsis, ..<sinkEnd, 0...]) }
+            if recentStart > sinkEnd { parts.append(x[.ellipsis, sinkEnd ..< recentStart, 0...]) }
+            for (slots, _) in Self.ringRuns(from: recentStart, to: offset, window: max(1, extras.recentTokens)) {
+                parts.append(recent[side][.ellipsis, slots, 0...])
+            }
+            return parts.count == 1 ? parts[0] : concatenated(parts, axis: 2)
+        }
+        return (pieces(k, side: 0), pieces(v, side: 1))
+    }
+
+    /// The quantized store's tokens dequantized and un-rotated.
+    private func dequantized(keyDType: DType, valueDType: DType) -> (MLXArray, MLXArray) {
+        var k = keyStore.read(count: offset, dtype: keyDType)
+        var v = valueStore.read(count: offset, dtype: valueDType)
+        if quantizing, extras.rotation.rotatesKeys { k = hadamardTransform(k) }
+        if quantizing, extras.rotation.rotatesValues { v = hadamardTransform(v) }
+        return (k, v)
     }
 
     var state: [MLXArray] {
@@ -80,20 +182,44 @@ final class MixedBitsKVCache: KVCache, @unchecked Sendable {
 
     func copy() -> any KVCache {
         let new = MixedBitsKVCache(
-            keyBits: keyBits, valueBits: valueBits, groupSize: groupSize, quantizedStart: quantizedStart)
+            keyBits: keyBits, valueBits: valueBits, groupSize: groupSize, quantizedStart: quantizedStart,
+            extras: extras)
         new.keyStore = keyStore.copied()
         new.valueStore = valueStore.copied()
+        new.sink = sink.map { $0[.ellipsis] }
+        new.recent = recent.map { $0[.ellipsis] }
         new.offset = offset
         return new
     }
 
-    /// Drops `count` tokens after the first `keep`; returns how many went.
+    /// Drops `count` tokens after the first `keep`; returns how many went. Tokens after them move down by
+    /// `count`: the recent ring is rolled to match. Float copies whose position now holds another token (sink
+    /// rows past `keep`, ring slots of positions below `keep`) are refilled from the quantized store.
     func evictFront(keep: Int, count: Int) -> Int {
         let n = min(count, max(0, offset - keep))
         guard n > 0 else { return 0 }
         keyStore.dropFront(keep: keep, count: n, offset: offset)
         valueStore.dropFront(keep: keep, count: n, offset: offset)
         offset -= n
+        guard !sink.isEmpty || !recent.isEmpty else { return n }
+        let (k, v) = dequantized(keyDType: (sink.first ?? recent[0]).dtype, valueDType: (sink.last ?? recent[1]).dtype)
+        let sinkEnd = min(extras.sinkTokens, offset)
+        if !sink.isEmpty, keep < sinkEnd {
+            sink[0][.ellipsis, keep ..< sinkEnd, 0...] = k[.ellipsis, keep ..< sinkEnd, 0...]
+            sink[1][.ellipsis, keep ..< sinkEnd, 0...] = v[.ellipsis, keep ..< sinkEnd, 0...]
+        }
+        let w = extras.recentTokens
+        if !recent.isEmpty {
+            let s = n % w
+            if s != 0 {
+                recent = recent.map { concatenated([$0[.ellipsis, s..., 0...], $0[.ellipsis, ..<s, 0...]], axis: 2) }
+            }
+            // Positions below `keep` in the window did not move.
+            for (slots, rows) in Self.ringRuns(from: max(sinkEnd, offset - w), to: min(keep, offset), window: w) {
+                recent[0][.ellipsis, slots, 0...] = k[.ellipsis, rows, 0...]
+                recent[1][.ellipsis, slots, 0...] = v[.ellipsis, rows, 0...]
+            }
+        }
         return n
     }
 }

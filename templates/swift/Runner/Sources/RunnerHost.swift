@@ -82,6 +82,7 @@ final class RunnerHost: EngineHost, @unchecked Sendable {
     private let hostKernel: Bool
     private let lock = NSLock()
     private var format: HostFormat?
+    private var stepPeak = 0
 
     init(options: RunnerOptions) {
         documents = options.documents
@@ -94,6 +95,10 @@ final class RunnerHost: EngineHost, @unchecked Sendable {
         guard float32 else { return (nil, []) }
         let config = try ContractJSON.load(KVCacheConfig.self, from: bundle.appendingPathComponent("kvcache.json"))
         let format = try HostFormat.convert(model, bundle: bundle, phoneDType: config.dtype.rawValue)
+        // The conversion's transients (quantized and float32 copies side by side) exist only on this host: the
+        // kernel's first measurement must see what the phone holds after loading, not this peak.
+        Memory.clearCache()
+        Memory.peakMemory = 0
         lock.lock()
         self.format = format
         lock.unlock()
@@ -110,6 +115,14 @@ final class RunnerHost: EngineHost, @unchecked Sendable {
         return max(0, mlxBytes + format.delta(hostBytes: mlxBytes, hostKV: caches.hostKVBytes, phoneKV: caches.kvBytes))
     }
 
+    func takeStepPeak() -> Int {
+        lock.lock()
+        defer { lock.unlock() }
+        let peak = stepPeak
+        stepPeak = 0
+        return peak
+    }
+
     func sample(caches: CacheSet) -> MemorySample {
         lock.lock()
         let format = self.format
@@ -118,6 +131,9 @@ final class RunnerHost: EngineHost, @unchecked Sendable {
         // The peak since the previous sample: the step's transients, which the kernel charges.
         let peak = max(Memory.peakMemory, active)
         Memory.peakMemory = 0
+        lock.lock()
+        stepPeak = max(stepPeak, peak)
+        lock.unlock()
         let hostKV = caches.hostKVBytes
         let phoneKV = caches.kvBytes
         return MemorySample(

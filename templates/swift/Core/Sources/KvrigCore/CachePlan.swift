@@ -7,7 +7,8 @@ public enum LayerCacheChoice: Equatable, Sendable {
     case unquantized
     /// MLX's affine QuantizedKVCache, reached through GenerateParameters.kvBits.
     case mlxAffine(bits: Int, groupSize: Int)
-    /// Our cache: keys and values quantized at rest with their own widths (nil: kept in the activation dtype).
+    /// Our cache: keys and values quantized at rest with their own widths (nil: kept in the activation dtype),
+    /// with the plan's ``KVExtras`` (rotation, sink tokens, recent window) applied.
     case mixed(keyBits: Int?, valueBits: Int?, groupSize: Int)
     /// A sliding-window ring, left in the activation dtype.
     case slidingUnquantized(window: Int)
@@ -15,11 +16,27 @@ public enum LayerCacheChoice: Equatable, Sendable {
     case modelManaged
 }
 
+/// kvcache.json's schema-2 options beyond bit widths, applied by kvrig's own cache (MLX's takes none of them).
+public struct KVExtras: Equatable, Sendable {
+    public let rotation: Rotation
+    public let sinkTokens: Int
+    public let recentTokens: Int
+
+    public init(rotation: Rotation = .none, sinkTokens: Int = 0, recentTokens: Int = 0) {
+        self.rotation = rotation
+        self.sinkTokens = sinkTokens
+        self.recentTokens = recentTokens
+    }
+
+    public var any: Bool { rotation != .none || sinkTokens > 0 || recentTokens > 0 }
+}
+
 public struct CachePlan: Equatable, Sendable {
     /// For GenerateParameters.kvBits: set only when MLX's single-width cache covers every quantized layer.
     public let kvBits: Int?
     public let kvGroupSize: Int
     public let quantizedKVStart: Int
+    public let extras: KVExtras
     public let layers: [Int: LayerCacheChoice]
     /// Lines the app logs at load so a reader sees what was and was not applied.
     public let notes: [String]
@@ -55,26 +72,27 @@ public struct CachePlan: Equatable, Sendable {
             }
         }
         let affineWidths = Set(choices.values.compactMap { if case .mlxAffine(let b, _) = $0 { b } else { nil } })
+        let extras = KVExtras(
+            rotation: config.rotation, sinkTokens: config.sinkTokens, recentTokens: config.recentTokens)
         let hasMixed = choices.values.contains { if case .mixed = $0 { true } else { false } }
-        if !hasMixed && affineWidths.count > 1 {
-            // MLX applies one width to every layer: several widths need our own cache for all of them.
+        // MLX's cache takes one width for every layer and none of the extras: otherwise every quantized layer
+        // uses kvrig's cache (as the host does, runtime/caches.py).
+        let ownCacheReason: String? =
+            if extras.any {
+                "rotation \(config.rotation.rawValue), sink_tokens \(config.sinkTokens), recent_tokens "
+                    + "\(config.recentTokens): using kvrig's quantized cache"
+            } else if hasMixed {
+                "key bits differ from value bits: using kvrig's quantized cache (dequantized when read)"
+            } else if affineWidths.count > 1 {
+                "layers use several bit widths: using kvrig's quantized cache for all quantized layers"
+            } else {
+                nil
+            }
+        if let ownCacheReason {
             for (layer, choice) in choices {
                 if case .mlxAffine(let b, let g) = choice { choices[layer] = .mixed(keyBits: b, valueBits: b, groupSize: g) }
             }
-            notes.append("layers use several bit widths: using kvrig's quantized cache for all quantized layers")
-        } else if hasMixed {
-            for (layer, choice) in choices {
-                if case .mlxAffine(let b, let g) = choice { choices[layer] = .mixed(keyBits: b, valueBits: b, groupSize: g) }
-            }
-            notes.append("key bits differ from value bits: using kvrig's quantized cache (dequantized when read)")
-        }
-        if config.rotation != .none {
-            notes.append("rotation '\(config.rotation.rawValue)' requested: not applied on the phone yet (stored unrotated)")
-        }
-        if config.sinkTokens > 0 || config.recentTokens > 0 {
-            notes.append(
-                "sink_tokens \(config.sinkTokens) / recent_tokens \(config.recentTokens) requested: not applied on the "
-                    + "phone yet (every token quantized)")
+            notes.append(ownCacheReason)
         }
         let onlyAffine = choices.values.allSatisfy {
             switch $0 {
@@ -85,6 +103,7 @@ public struct CachePlan: Equatable, Sendable {
         self.kvBits = onlyAffine ? affineWidths.first : nil
         self.kvGroupSize = config.groupSize
         self.quantizedKVStart = config.quantizedKVStart
+        self.extras = extras
         self.layers = choices
         self.notes = notes
     }

@@ -84,6 +84,25 @@ final class CachePlanTests: XCTestCase {
         XCTAssertTrue(plan.notes.contains { $0.contains("differ") })
     }
 
+    func testRotationSinksAndWindowNeedOwnCacheEvenAtEqualBits() {
+        var kv = config(key: 8, value: 8, layers: [.init(layer: 0, kind: .full), .init(layer: 1, kind: .sliding, window: 64)])
+        kv.rotation = .hadamard
+        kv.sinkTokens = 4
+        kv.recentTokens = 32
+        let plan = kv.cachePlan
+        XCTAssertNil(plan.kvBits)
+        XCTAssertEqual(plan.layers[0], .mixed(keyBits: 8, valueBits: 8, groupSize: 64))
+        XCTAssertEqual(plan.layers[1], .slidingUnquantized(window: 64))
+        XCTAssertEqual(plan.extras, KVExtras(rotation: .hadamard, sinkTokens: 4, recentTokens: 32))
+        XCTAssertFalse(plan.notes.contains { $0.contains("not applied") })
+    }
+
+    func testNoExtrasKeepMLXCache() {
+        let plan = config(key: 4, value: 4, layers: [.init(layer: 0, kind: .full)]).cachePlan
+        XCTAssertFalse(plan.extras.any)
+        XCTAssertEqual(plan.layers[0], .mlxAffine(bits: 4, groupSize: 64))
+    }
+
     func testSlidingLayersStayUnquantizedWithANote() {
         let plan = config(
             key: 4, value: 4,

@@ -1,0 +1,88 @@
+"""kvcache.json's schema-2 extras (Hadamard rotation, sink tokens, recent window) mean the same in the Swift
+engine as in the Python runtime: the engine built by `make test` (`kvrig engine`) and the host runtime run the
+same bundle and prompt, greedily, and must give the same tokens, and the engine's KV bytes must equal the
+Python runtime's caches (MLX's nbytes, counted at the phone's float16) and the planner's prediction.
+
+The scheme is k3v3 so that the extras change the answer: the same bundle without them generates other tokens
+(checked here too), so an engine that ignored them could not pass. Tokens only, not logits: the headless
+engine prints token ids. No Swift build runs here; the test fails if the engine was not built first."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.appgen.swift_engine import read_events, run_engine
+from tests.bundle_fixtures import packaged
+from toolchain.appgen.linux import built_engine
+from toolchain.bundle import PackageOptions
+from toolchain.schemas.kvcache import KVCacheConfig
+
+PROMPT = "Write one sentence about the sea."
+TOKENS = 6
+# 37 prompt tokens: the 4 sink and 16 recent tokens leave quantized rows between them from the first chunk on.
+EXTRAS = {"rotation": "hadamard", "sink_tokens": 4, "recent_tokens": 16}
+OPTIONS = PackageOptions(weights="q4", group_size=64, kv="k3v3", prefill_step_size=128, **EXTRAS)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return packaged(tmp_path_factory, "smollm2-q4-k3v3-rot-s4-w16", OPTIONS)
+
+
+def _python_runtime(bundle: Path, kv: KVCacheConfig) -> tuple[list[int], list[Any]]:
+    """Greedy tokens from kvrig's host runtime (its caches from kvcache.json, mlx-lm's generate_step) in
+    float32, as the engine computes on a host: mlx-lm's model set to float32, weights dequantized."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.utils import dequantize_model
+
+    from toolchain.runtime.caches import make_caches
+    from toolchain.runtime.generate import encode_prompt, generate_tokens
+
+    model, tokenizer = load(str(bundle))[:2]
+    model.set_dtype(mx.float32)
+    model = dequantize_model(model)
+    config = json.loads((bundle / "config.json").read_text())
+    caches = make_caches(model, kv, config["model_type"])
+    ids = encode_prompt(tokenizer, PROMPT, chat=True)
+    tokens = list(generate_tokens(model, ids, caches, kv, max_tokens=TOKENS, model_type=config["model_type"]))
+    return tokens, caches
+
+
+def test_engine_applies_rotation_sinks_and_window_as_the_python_runtime(bundle: Path, tmp_path: Path) -> None:
+    from toolchain.models import load_model_spec
+    from toolchain.quality.schemes import parse_kv_variant, predicted_bytes
+    from toolchain.virtual.llm_memory import kv_bytes
+
+    binary = built_engine()
+    if binary is None:
+        pytest.fail("no kvrig-engine binary: run `kvrig engine` first (make test does)")
+    kv = KVCacheConfig.model_validate_json((bundle / "kvcache.json").read_text())
+    assert (kv.rotation, kv.sink_tokens, kv.recent_tokens) == tuple(EXTRAS.values())
+
+    documents = tmp_path / "Documents"
+    args = ("--chat", PROMPT, "--temperature", "0", "--max-tokens", str(TOKENS), "--print-tokens")
+    out = run_engine(binary, bundle, documents, *args, timeout=300)
+    (turn,) = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    steps = [e for e in read_events(documents / "telemetry.jsonl") if e["event"] == "step"]
+
+    expected, caches = _python_runtime(bundle, kv)
+    assert len(expected) == TOKENS
+    assert turn["tokens"] == expected
+
+    # Both caches hold the prompt and every generated token (one 256-token step: the chunking cannot matter).
+    context = steps[-1]["context_tokens"]
+    assert context == max(c.offset for c in caches) < 256
+    python_bytes = kv_bytes(caches, "float16")[1]
+    assert steps[-1]["kv_bytes"] == python_bytes
+    variant = parse_kv_variant("k3v3+rot+s4+w16")
+    assert predicted_bytes(load_model_spec(bundle), variant, [context], "float16") == python_bytes
+
+    # The extras matter at k3v3: without them the runtime answers otherwise, so equal tokens above mean the
+    # engine applied them.
+    plain = kv.model_copy(update={"rotation": "none", "sink_tokens": 0, "recent_tokens": 0})
+    assert _python_runtime(bundle, plain)[0] != expected

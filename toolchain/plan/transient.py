@@ -1,0 +1,127 @@
+"""The prefill transient's attention scores, as MLX's attention allocates them on a named backend.
+
+Two backends run kvrig's apps, and they differ in exactly this term:
+
+- `metal`, the phone: MLX's fused attention kernel (`sdpa_full`) takes chunks of more than 8 queries with head
+  dims 64, 80 and 128 and never materializes the scores. Other head dims fall back to MLX's unfused attention
+  (matmul, mask, softmax, matmul), and so does attention over a quantized cache (mlx-lm's
+  `quantized_scaled_dot_product_attention`) on every backend.
+- `cpu`, the host runtime and the virtual iPhone: MLX's CPU backend has no fused attention, so every prefill
+  chunk materializes heads × chunk × context scores.
+
+How many score-sized buffers the unfused attention holds at its peak is not assumed: it is measured once per
+process on this host's MLX with small real arrays (slopes over key lengths at two query counts, so inputs,
+output and fixed allocations cancel). Metal runs the same graph of ops, so the count carries over; the element
+size is the plan's dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Final, Literal
+
+Backend = Literal["metal", "cpu"]
+BACKENDS: Final[dict[str, str]] = {
+    "metal": "the phone: MLX on Metal, fused attention for head dims 64/80/128 over unquantized caches",
+    "cpu": "the host and the virtual iPhone: MLX on the CPU, whose attention materializes the scores",
+}
+DEFAULT_BACKEND: Final[Backend] = "metal"
+METAL_FUSED_HEAD_DIMS: Final = (64, 80, 128)  # mlx: sdpa_full_supported_head_dim
+METAL_FUSED_MIN_QUERIES: Final = 9  # mlx: supports_sdpa_full needs query_sequence_length > 8
+
+
+def materializes_scores(backend: Backend, head_dim: int, queries: int, quantized_cache: bool) -> bool:
+    """Whether MLX's attention materializes the scores for a chunk of `queries` on `backend`."""
+    if backend == "cpu" or quantized_cache:
+        return True
+    return head_dim not in METAL_FUSED_HEAD_DIMS or queries < METAL_FUSED_MIN_QUERIES
+
+
+# The probe's shapes: a few MB and a fraction of a second, large enough that allocator rounding is noise.
+_HEADS, _KV_HEADS, _DIM = 8, 2, 64
+_QUERIES = (32, 64)
+_KEYS = (256, 768)
+
+
+@dataclass(frozen=True)
+class AttentionPeak:
+    """What MLX's unfused attention holds at its peak beyond its inputs and output, in elements of the
+    activation width: `per_score` × heads × queries × keys (the scores, the mask), `per_key` × kv_heads × keys
+    × head_dim (CPU's quantized matmul dequantizes the keys and values it multiplies by), `per_query` × heads ×
+    queries × head_dim (the scaled queries, the output before its transpose)."""
+
+    per_score: float
+    per_key: float
+    per_query: float
+
+
+def _peak(queries: int, keys: int, key_bits: int | None) -> int:
+    import mlx.core as mx
+
+    q = mx.zeros((1, _HEADS, queries, _DIM), mx.float32)
+    k = mx.zeros((1, _KV_HEADS, keys, _DIM), mx.float32)
+    v = mx.zeros((1, _KV_HEADS, keys, _DIM), mx.float32)
+    if key_bits is None:
+        mx.eval(q, k, v)
+        attend = lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal")  # noqa: E731
+    else:
+        from mlx_lm.models.base import quantized_scaled_dot_product_attention
+
+        qk, qv = mx.quantize(k, group_size=64, bits=key_bits), mx.quantize(v, group_size=64, bits=key_bits)
+        mx.eval(q, qk, qv)
+        attend = lambda: quantized_scaled_dot_product_attention(  # noqa: E731
+            q,
+            qk,
+            qv,
+            scale=0.125,
+            mask="causal",  # type: ignore[arg-type]  # what mlx-lm's caches hand it for a prefill chunk
+            group_size=64,
+            bits=key_bits,
+        )
+    mx.synchronize()
+    mx.clear_cache()  # a cached buffer larger than asked for would count at its own size
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    out = attend()
+    mx.eval(out)
+    return int(mx.get_peak_memory() - before)
+
+
+@functools.cache
+def attention_peak(key_bits: int | None) -> AttentionPeak:
+    """Measured on this host's MLX (CPU), causal mask, float32: plain `mx.fast.scaled_dot_product_attention`
+    (key_bits None) or mlx-lm's quantized attention over keys and values quantized at `key_bits`. Four probes
+    (two query counts × two key counts) separate the three terms; inputs, output and fixed allocations cancel."""
+    (q0, q1), (k0, k1) = _QUERIES, _KEYS
+    peaks = {(q, k): _peak(q, k, key_bits) / 4 for q in _QUERIES for k in _KEYS}
+    slope = {q: (peaks[q, k1] - peaks[q, k0]) / (k1 - k0) for q in _QUERIES}  # per key, at q queries
+    per_query_key = (slope[q1] - slope[q0]) / (q1 - q0)
+    intercept = {q: peaks[q, k0] - slope[q] * k0 for q in _QUERIES}  # at no keys
+    return AttentionPeak(
+        per_score=per_query_key / _HEADS,
+        per_key=max(0.0, (slope[q0] - per_query_key * q0) / (_KV_HEADS * _DIM)),
+        per_query=max(0.0, (intercept[q1] - intercept[q0]) / (q1 - q0) / (_HEADS * _DIM)),
+    )
+
+
+def scores_bytes(
+    *,
+    backend: Backend,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    queries: int,
+    keys: int,
+    width: int,
+    key_bits: int | None,
+) -> int:
+    """Bytes MLX's attention holds for one layer's chunk at its peak beyond inputs and output (0 when Metal's
+    fused kernel runs). Metal's quantized matmul dequantizes tiles inside its kernel, so the per-key copy the
+    CPU makes is not counted there."""
+    if not materializes_scores(backend, head_dim, queries, key_bits is not None):
+        return 0
+    peak = attention_peak(key_bits)
+    per_key = peak.per_key if backend == "cpu" else 0.0
+    elements = (peak.per_score * heads * queries + per_key * kv_heads * head_dim) * keys
+    return int((elements + peak.per_query * heads * queries * head_dim) * width)
