@@ -32,6 +32,7 @@ from toolchain.exceptions import (
     SchemaError,
     VerifyError,
 )
+from toolchain.fileio import read_data
 from toolchain.plan.kv import MLX_STEP, KVScheme, check_dims, parse_scheme
 from toolchain.plan.runtime import DEFAULT_BUFFER_CACHE_BYTES
 from toolchain.plan.weights import WeightRecipe, parse_recipe
@@ -122,7 +123,7 @@ def plan_for_bundle(
 ) -> PlanView:
     """Calls the planner for one weight recipe and KV scheme on one device."""
     from toolchain.models import load_model_spec
-    from toolchain.plan import plan_memory
+    from toolchain.plan import PlanRequest, plan_memory
     from toolchain.profiles import load_profile
 
     profile = load_profile(device)
@@ -130,11 +131,13 @@ def plan_for_bundle(
     plan = plan_memory(
         spec,
         profile,
-        schemes=[scheme.name],
-        weights=recipe.name,
-        recipes=[recipe.name],
-        group_size=recipe.group_size,
-        kv_group_size=kv_group_size,
+        PlanRequest(
+            schemes=(scheme.name,),
+            weights=recipe.name,
+            recipes=(recipe.name,),
+            group_size=recipe.group_size,
+            kv_group_size=kv_group_size,
+        ),
     )
     # MLX's own limit sits below jetsam's: the app's non-MLX memory (runtime, UI baseline) lives in the gap.
     return PlanView(
@@ -333,7 +336,7 @@ def _source_dir(source: Path, *, scratch_parent: Path) -> Iterator[tuple[Path, S
     from toolchain.models.gguf import read_gguf_config
 
     if source.is_dir():
-        config = _read_json(source / "config.json")
+        config = read_data(source / "config.json", error=ModelConfigError, mapping="a JSON object")
         yield (
             source,
             SourceModel(
@@ -363,16 +366,6 @@ def _source_dir(source: Path, *, scratch_parent: Path) -> Iterator[tuple[Path, S
         )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ModelConfigError(f"cannot read: {exc}", file=path) from None
-    if not isinstance(data, dict):
-        raise ModelConfigError("not a JSON object", file=path)
-    return data
 
 
 @contextlib.contextmanager

@@ -91,7 +91,7 @@ def points_for_run(
     profile,  # type: ignore[no-untyped-def]
 ) -> list[CalibrationPoint]:
     from toolchain.models import load_model_spec
-    from toolchain.plan import plan_memory
+    from toolchain.plan import PlanRequest, plan_memory
 
     measured = [p for p in run.tps_curve if p.phys_footprint_bytes is not None and p.context_tokens > 0]
     if not measured:
@@ -100,15 +100,17 @@ def points_for_run(
     plan = plan_memory(
         load_model_spec(ref.path),
         profile,
-        schemes=[run.scheme],
-        weights=ref.weights,
-        recipes=[ref.weights],
-        group_size=ref.group_size,
-        kv_group_size=ref.kv_group_size,
-        dtype=ref.dtype,
-        contexts=contexts,
-        prefill_step=ref.prefill_step,
-        buffer_cache_bytes=ref.buffer_cache_bytes,
+        PlanRequest(
+            schemes=(run.scheme,),
+            weights=ref.weights,
+            recipes=(ref.weights,),
+            group_size=ref.group_size,
+            kv_group_size=ref.kv_group_size,
+            dtype=ref.dtype,
+            contexts=tuple(contexts),
+            prefill_step=ref.prefill_step,
+            buffer_cache_bytes=ref.buffer_cache_bytes,
+        ),
     )
     caches = measured_buffer_caches(run, results_path)
     points = []

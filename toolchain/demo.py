@@ -96,7 +96,7 @@ def run_demo(options: DemoOptions, on_event: Event | None = None) -> DemoResult:
     from toolchain.bundle import PackageOptions, package
     from toolchain.models import load_model_spec
     from toolchain.models.gguf import embedded_default_model
-    from toolchain.plan import plan_memory
+    from toolchain.plan import PlanRequest, plan_memory
     from toolchain.plan.memory import DEFAULT_MARGIN
     from toolchain.profiles import AppMemoryLimit, SourcedInt, load_profile
     from toolchain.schemas.kvcache import PressurePolicy
@@ -122,25 +122,27 @@ def run_demo(options: DemoOptions, on_event: Event | None = None) -> DemoResult:
 
     profile = load_profile(options.device)
     spec = load_model_spec(bundle)
-    common = {
-        "schemes": [kv.scheme],
-        "weights": options.weights,
+    common = PlanRequest(
+        schemes=(kv.scheme,),
+        weights=options.weights,
         # The largest chunk the app prefills: the bundle's prefill step, or a whole soak step when that is
         # smaller (each step feeds at most step_tokens new tokens).
-        "prefill_step": min(kv.prefill_step_size, options.step_tokens),
-        "buffer_cache_bytes": kv.buffer_cache_limit_bytes,
+        prefill_step=min(kv.prefill_step_size, options.step_tokens),
+        buffer_cache_bytes=kv.buffer_cache_limit_bytes,
         # The virtual iPhone runs the app's MLX on this host's CPU, whose attention materializes the prefill
         # scores; a real phone's plan is the default (Metal).
-        "backend": "cpu",
-    }
+        backend="cpu",
+    )
     # The limit: the plan's own peak footprint at `room_tokens` (capped there, so the plan stops at it).
-    sizing = plan_memory(spec, profile, margin=0.0, max_context_cap=options.room_tokens, **common)  # type: ignore[arg-type]
+    sizing = plan_memory(
+        spec, profile, common.model_copy(update={"margin": 0.0, "max_context_cap": options.room_tokens})
+    )
     limit = sizing.budget_at_max_context[kv.scheme].total_bytes
     # The planner on the phone the soak runs on: the same profile with the small limit.
     given = SourcedInt(value=limit, basis="reported", source="kvrig demo: the virtual iPhone's limit")
     small = profile.model_copy(update={"app_memory_limit": AppMemoryLimit(default_bytes=given)})
-    exact = plan_memory(spec, small, margin=0.0, limit="default", **common)  # type: ignore[arg-type]
-    margined = plan_memory(spec, small, margin=DEFAULT_MARGIN, limit="default", **common)  # type: ignore[arg-type]
+    exact = plan_memory(spec, small, common.model_copy(update={"margin": 0.0, "limit": "default"}))
+    margined = plan_memory(spec, small, common.model_copy(update={"margin": DEFAULT_MARGIN, "limit": "default"}))
     predicted = Prediction(
         max_context=exact.max_context[kv.scheme],
         limit_bytes=limit,

@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from toolchain.compat.crash_report import report_header
 from toolchain.exceptions import NotAJetsamReportError, ReportError
 from toolchain.jetsam_codes import band_meaning, priority_scale, reason_meaning
 
@@ -177,7 +178,7 @@ def _envelope(text: str, path: Path) -> tuple[dict[str, Any], str]:
     first, _, rest = text.partition("\n")
     try:
         envelope = get_crash_report_from_buf(text, filename=str(path))
-        header = envelope._metadata  # pycrashreport 2.0 exposes bug_type but not the rest of the header
+        header = report_header(envelope)
     except Exception:  # its parser fails in many ways on garbage; for us that only means "no header"
         header = None
     if isinstance(header, dict) and "bug_type" in header:

@@ -8,12 +8,12 @@ The numbers go in `<properties>` so CI dashboards can chart them.
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from toolchain.fileio import atomic_write
 from toolchain.gates import decode_tps_at, failures, prediction_error
 from toolchain.schemas.results import ResultsFile, SoakResult
 
@@ -146,9 +146,7 @@ def build_junit(results: ResultsFile, *, name: str = "kvrig lab") -> ET.Element:
 
 def write_junit(results: ResultsFile, path: str | Path, *, name: str = "kvrig lab") -> Path:
     path = Path(path)
-    tree = ET.ElementTree(build_junit(results, name=name))
-    ET.indent(tree)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tree.write(tmp, encoding="utf-8", xml_declaration=True)
-    os.replace(tmp, path)
+    root = build_junit(results, name=name)
+    ET.indent(root)
+    atomic_write(path, ET.tostring(root, encoding="utf-8", xml_declaration=True))
     return path

@@ -10,12 +10,12 @@ import difflib
 import functools
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
-import yaml
 from pydantic import ConfigDict, Field, StrictInt, ValidationError, model_validator
 
 from toolchain.exceptions import ProfileError
+from toolchain.fileio import read_data
 from toolchain.schemas import StrictModel, describe_validation_error
 
 PRODUCT_TYPE_RE = re.compile(r"^(iPhone|iPad)\d+,\d+$")
@@ -29,7 +29,6 @@ published facts; estimated: our reasoned guess (reasoning in `source`); reported
 _PACKAGE_DIR = Path(__file__).resolve().parent
 # Installed wheel first, then the repository's top-level folder (source checkout, editable install).
 PROFILE_DIRS = (_PACKAGE_DIR / "_data" / "device_profiles", _PACKAGE_DIR.parent / "device_profiles")
-_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml is ~10x faster when present
 
 
 class _Frozen(StrictModel):
@@ -141,16 +140,7 @@ def profiles_dir() -> Path:
 def load_profile_file(path: str | Path) -> DeviceProfile:
     """Reads one profile YAML, naming the file and the field at fault on any error."""
     path = Path(path)
-    try:
-        data: Any = yaml.load(path.read_text(), Loader=_YAML_LOADER)
-    except FileNotFoundError:
-        raise ProfileError("file not found", file=path) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ProfileError(f"cannot read: {exc}", file=path) from None
-    except yaml.YAMLError as exc:
-        raise ProfileError(f"not valid YAML: {exc}", file=path) from None
-    if not isinstance(data, dict):
-        raise ProfileError("expected a mapping of profile fields", file=path)
+    data = read_data(path, error=ProfileError, kind="yaml", mapping="a mapping of profile fields")
     try:
         return DeviceProfile.model_validate(data)
     except ValidationError as exc:

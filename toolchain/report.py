@@ -8,7 +8,10 @@ Everything it shows comes from results.json, so `kvrig lab report` can render it
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from toolchain.exceptions import ReportError
 from toolchain.gates import failures, prediction_error
@@ -31,42 +34,55 @@ def run_name(r: SoakResult) -> str:
     return f"{r.device.udid[:12]}{host} {r.entry or r.app_id} [{r.scheme}]"
 
 
-def _plot_footprint(r: SoakResult, path: Path) -> bool:
-    points = [(p.context_tokens, p.phys_footprint_bytes) for p in r.tps_curve if p.phys_footprint_bytes is not None]
-    if not points:
-        return False
+@contextlib.contextmanager
+def _figure(path: Path, title: str) -> Iterator[Any]:
+    """One report plot: an Agg figure of the report's size; titled, gridded and saved to `path` once drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=90)
-    ax.plot([c for c, _ in points], [b / MIB for _, b in points], "o-", label="phys_footprint (app telemetry)")
-    if r.limit_bytes is not None:
-        ax.axhline(r.limit_bytes / MIB, color="tab:red", label="limit (jetsam report)")
-    elif r.app_limit_bytes is not None:
-        ax.axhline(r.app_limit_bytes / MIB, color="tab:red", linestyle="--", label="limit (app)")
-    if r.footprint_at_kill_bytes is not None and points:
-        # Killed while growing to the next step: plotted one step past the last context that survived.
-        contexts = [c for c, _ in points]
-        kill_at = contexts[-1] + (contexts[-1] - contexts[-2] if len(contexts) > 1 else 0)
-        ax.plot([kill_at], [r.footprint_at_kill_bytes / MIB], "x", color="tab:red", ms=10, label="footprint at kill")
-    p = r.predicted
-    if p is not None and p.limit_bytes is not None:
-        ax.axhline(p.limit_bytes / MIB, color="tab:purple", linestyle=":", label="predicted limit (plan)")
-    if p is not None and p.max_context:
-        ax.axvline(p.max_context, color="tab:purple", linestyle="-.", label=f"predicted max context {p.max_context}")
-    if r.max_safe_context:
-        tag = "confirmed" if r.max_safe_context_confirmed else "measured"
-        ax.axvline(r.max_safe_context, color="tab:green", linestyle="--", label=f"max safe context ({tag})")
-    ax.set_xlabel("context tokens")
-    ax.set_ylabel("MiB")
-    ax.set_title(f"footprint: {run_name(r)}", fontsize=9)
-    ax.legend(fontsize=7, loc="lower right")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    try:
+        yield ax
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(path)
+    finally:
+        plt.close(fig)
+
+
+def _plot_footprint(r: SoakResult, path: Path) -> bool:
+    points = [(p.context_tokens, p.phys_footprint_bytes) for p in r.tps_curve if p.phys_footprint_bytes is not None]
+    if not points:
+        return False
+    with _figure(path, f"footprint: {run_name(r)}") as ax:
+        ax.plot([c for c, _ in points], [b / MIB for _, b in points], "o-", label="phys_footprint (app telemetry)")
+        if r.limit_bytes is not None:
+            ax.axhline(r.limit_bytes / MIB, color="tab:red", label="limit (jetsam report)")
+        elif r.app_limit_bytes is not None:
+            ax.axhline(r.app_limit_bytes / MIB, color="tab:red", linestyle="--", label="limit (app)")
+        if r.footprint_at_kill_bytes is not None and points:
+            # Killed while growing to the next step: plotted one step past the last context that survived.
+            contexts = [c for c, _ in points]
+            kill_at = contexts[-1] + (contexts[-1] - contexts[-2] if len(contexts) > 1 else 0)
+            ax.plot(
+                [kill_at], [r.footprint_at_kill_bytes / MIB], "x", color="tab:red", ms=10, label="footprint at kill"
+            )
+        p = r.predicted
+        if p is not None and p.limit_bytes is not None:
+            ax.axhline(p.limit_bytes / MIB, color="tab:purple", linestyle=":", label="predicted limit (plan)")
+        if p is not None and p.max_context:
+            ax.axvline(
+                p.max_context, color="tab:purple", linestyle="-.", label=f"predicted max context {p.max_context}"
+            )
+        if r.max_safe_context:
+            tag = "confirmed" if r.max_safe_context_confirmed else "measured"
+            ax.axvline(r.max_safe_context, color="tab:green", linestyle="--", label=f"max safe context ({tag})")
+        ax.set_xlabel("context tokens")
+        ax.set_ylabel("MiB")
+        ax.legend(fontsize=7, loc="lower right")
     return True
 
 
@@ -74,26 +90,16 @@ def _plot_tps(r: SoakResult, path: Path) -> bool:
     points = [(p.context_tokens, p.decode_tps) for p in r.tps_curve if p.decode_tps is not None]
     if not points:
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=90)
-    ax.plot([c for c, _ in points], [t for _, t in points], "o-", label="decode tok/s")
-    gates = [c for c in r.gates if c.gate.startswith("min_decode_tps_at[")]
-    for i, check in enumerate(gates):
-        context = int(check.gate[len("min_decode_tps_at[") : -1])
-        ax.plot([context], [check.threshold], "v", color="tab:red", ms=9, label="gate minimum" if i == 0 else None)
-    ax.set_xlabel("context tokens")
-    ax.set_ylabel("tokens / s")
-    ax.set_ylim(bottom=0)
-    ax.set_title(f"decode: {run_name(r)}", fontsize=9)
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    with _figure(path, f"decode: {run_name(r)}") as ax:
+        ax.plot([c for c, _ in points], [t for _, t in points], "o-", label="decode tok/s")
+        gates = [c for c in r.gates if c.gate.startswith("min_decode_tps_at[")]
+        for i, check in enumerate(gates):
+            context = int(check.gate[len("min_decode_tps_at[") : -1])
+            ax.plot([context], [check.threshold], "v", color="tab:red", ms=9, label="gate minimum" if i == 0 else None)
+        ax.set_xlabel("context tokens")
+        ax.set_ylabel("tokens / s")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7)
     return True
 
 
@@ -103,31 +109,21 @@ def _plot_thermal(r: SoakResult, path: Path) -> bool:
     temps = [(b.t, b.temperature_c) for b in r.battery if b.temperature_c is not None]
     if not temps:
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     t0 = min(t for t, _ in temps)
     tps = [(p.t, p.decode_tps) for p in r.tps_curve if p.t is not None and p.decode_tps is not None]
     if tps:
         t0 = min(t0, min(t for t, _ in tps))
-    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=90)
-    ax.plot([t - t0 for t, _ in temps], [c for _, c in temps], "-", color="tab:orange", label="battery °C")
-    ax.set_xlabel("seconds since the run started")
-    ax.set_ylabel("battery temperature (°C)")
-    if tps:
-        ax2 = ax.twinx()
-        ax2.plot([t - t0 for t, _ in tps], [v for _, v in tps], "o-", color="tab:blue", label="decode tok/s")
-        ax2.set_ylabel("tokens / s")
-        ax2.set_ylim(bottom=0)
-        ax2.legend(fontsize=7, loc="lower right")
-    ax.set_title(f"heat: {run_name(r)}", fontsize=9)
-    ax.legend(fontsize=7, loc="upper left")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    with _figure(path, f"heat: {run_name(r)}") as ax:
+        ax.plot([t - t0 for t, _ in temps], [c for _, c in temps], "-", color="tab:orange", label="battery °C")
+        ax.set_xlabel("seconds since the run started")
+        ax.set_ylabel("battery temperature (°C)")
+        if tps:
+            ax2 = ax.twinx()
+            ax2.plot([t - t0 for t, _ in tps], [v for _, v in tps], "o-", color="tab:blue", label="decode tok/s")
+            ax2.set_ylabel("tokens / s")
+            ax2.set_ylim(bottom=0)
+            ax2.legend(fontsize=7, loc="lower right")
+        ax.legend(fontsize=7, loc="upper left")
     return True
 
 

@@ -26,7 +26,7 @@ from toolchain.appgen.virtual_ipa import build_virtual_ipa
 from toolchain.bundle import PackageOptions
 from toolchain.device.deploy import deploy
 from toolchain.models import load_model_spec
-from toolchain.plan import kv_bytes, plan_memory
+from toolchain.plan import PlanRequest, kv_bytes, plan_memory
 from toolchain.plan.kv import parse_scheme
 from toolchain.profiles import load_profile
 from toolchain.soak import SoakOptions, make_plan, run_soak
@@ -56,14 +56,16 @@ def phone(engine_binary: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     sizing = plan_memory(
         load_model_spec(bundle),
         load_profile(PROFILE),
-        schemes=[SCHEME],
-        weights="q4",
-        prefill_step=STEP,  # the largest chunk this soak feeds (the bundle's prefill step is larger)
-        # MLX on this CPU keeps no buffer cache (the engine reports mlx_cache_bytes 0): counting the bundle's
-        # cap would leave room for a thousand more tokens and minutes more of the debug engine.
-        buffer_cache_bytes=0,
-        margin=0.0,
-        max_context_cap=ROOM,
+        PlanRequest(
+            schemes=(SCHEME,),
+            weights="q4",
+            prefill_step=STEP,  # the largest chunk this soak feeds (the bundle's prefill step is larger)
+            # MLX on this CPU keeps no buffer cache (the engine reports mlx_cache_bytes 0): counting the bundle's
+            # cap would leave room for a thousand more tokens and minutes more of the debug engine.
+            buffer_cache_bytes=0,
+            margin=0.0,
+            max_context_cap=ROOM,
+        ),
     )
     limit = sizing.budget_at_max_context[SCHEME].total_bytes + TRANSIENT_ROOM
     root = tmp_path_factory.mktemp("swiftsoak")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from toolchain.lab.predict import Predictor
 from toolchain.models import load_model_spec
-from toolchain.plan import plan_memory
+from toolchain.plan import PlanRequest, plan_memory
 from toolchain.profiles import AppMemoryLimit, SourcedInt, load_profile
 from toolchain.schemas.lab import LabDevice, MatrixEntry, PlanOptions
 
@@ -28,13 +28,15 @@ def reference_plan(backend: str) -> int | None:
     plan = plan_memory(
         load_model_spec(MODEL),
         profile,
-        schemes=["fp16"],
-        weights=opts.weights,
-        margin=opts.margin,
-        limit=opts.limit,
-        prefill_step=opts.prefill_step,
-        contexts=[1024],
-        backend=backend,  # type: ignore[arg-type]
+        PlanRequest(
+            schemes=("fp16",),
+            weights=opts.weights,
+            margin=opts.margin,
+            limit=opts.limit,
+            prefill_step=opts.prefill_step,
+            contexts=(1024,),
+            backend=backend,  # type: ignore[arg-type]
+        ),
     )
     return plan.max_context["fp16"]
 

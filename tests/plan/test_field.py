@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from toolchain.models import load_model_spec
-from toolchain.plan import plan_memory
+from toolchain.plan import PlanRequest, plan_memory
 from toolchain.plan.kv import context_schedule, kv_bytes, parse_scheme
 from toolchain.profiles import load_profile
 
@@ -69,11 +69,13 @@ def test_planner_lets_what_ran_fit(fact: dict[str, Any]) -> None:
     plan = plan_memory(
         spec,
         load_profile(fact["device"]),
-        schemes=[fact["scheme"]],
-        weights=fact["weights"],
-        recipes=[fact["weights"]],
-        contexts=[fact["context"]],
-        margin=0.0,
-        limit="default",
+        PlanRequest(
+            schemes=(fact["scheme"],),
+            weights=fact["weights"],
+            recipes=(fact["weights"],),
+            contexts=(fact["context"],),
+            margin=0.0,
+            limit="default",
+        ),
     )
     assert plan.max_context[fact["scheme"]] >= fact["context"], (plan.max_context, fact["source"])

@@ -11,9 +11,9 @@ import functools
 
 import mlx.core as mx
 import pytest
-from mlx_lm.utils import _get_classes
 from tiny_configs import TINY_CONFIGS
 
+from toolchain.compat.mlx_lm_classes import model_classes
 from toolchain.exceptions import QuantizationError
 from toolchain.models import spec_from_config
 from toolchain.plan.kv import bytes_per_token, check_dims, kv_bytes, parse_scheme
@@ -40,7 +40,7 @@ CASES = [(family, scheme) for family in sorted(TINY_CONFIGS) for scheme in ("fp1
 @functools.cache
 def build(name: str):
     config = TINY_CONFIGS[name]
-    model_cls, args_cls = _get_classes(config)
+    model_cls, args_cls = model_classes(config)
     model = model_cls(args_cls.from_dict(config))
     dtype = "float16" if name in FP16_FAMILIES else "float32"
     model.set_dtype(getattr(mx, dtype))

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from mlx_lm.utils import _get_classes
 from tiny_configs import TINY_CONFIGS
 
+from toolchain.compat.mlx_lm_classes import model_classes
 from toolchain.exceptions import ModelConfigError, PlanInputError, QuantizationError, UnsupportedArchitectureError
 from toolchain.models import load_model_spec, spec_from_config
 from toolchain.plan import plan
@@ -30,7 +30,7 @@ def test_real_smollm2_kv_bytes_match_mlx(smollm2_plan) -> None:
     """The full-size SmolLM2 architecture (from the GGUF's metadata), random weights, real tokens: MLX's
     nbytes at 40 tokens (prompt then one decode step, as mlx-lm feeds them) equals the plan's listed bytes."""
     spec = load_model_spec(None)
-    model_cls, args_cls = _get_classes(spec.config)
+    model_cls, args_cls = model_classes(spec.config)
     model = model_cls(args_cls.from_dict(spec.config))
     model.set_dtype(mx.float16)
     for name in ("fp16", "k8v8", "k8v4"):

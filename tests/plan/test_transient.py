@@ -9,12 +9,12 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
-from mlx_lm.utils import _get_classes
 from tiny_configs import TINY_CONFIGS
 
+from toolchain.compat.mlx_lm_classes import model_classes
 from toolchain.exceptions import PlanInputError
 from toolchain.models import load_model_spec, spec_from_config
-from toolchain.plan import plan, plan_memory
+from toolchain.plan import PlanRequest, plan, plan_memory
 from toolchain.plan.kv import kv_bytes, parse_scheme
 from toolchain.plan.memory import _peak_bytes
 from toolchain.plan.runtime import prefill_scores_bytes
@@ -28,7 +28,7 @@ CONTEXT, CHUNK = 2048, 256
 
 def _measured_chunk(quantized_bits: int | None) -> int:
     """MLX's peak while the chunk from CONTEXT - CHUNK to CONTEXT runs, less what was resident before it."""
-    model_cls, args_cls = _get_classes(CONFIG)
+    model_cls, args_cls = model_classes(CONFIG)
     model = model_cls(args_cls.from_dict(CONFIG))
     model.set_dtype(mx.float32)
     mx.eval(model.parameters())
@@ -85,9 +85,9 @@ def test_plan_names_its_backend_and_cpu_holds_less() -> None:
     given = SourcedInt(value=320 * 2**20, basis="reported", source="test: a small virtual iPhone")
     small = profile.model_copy(update={"app_memory_limit": AppMemoryLimit(default_bytes=given)})
     spec = load_model_spec(None)
-    common = {"schemes": ["k4v4"], "contexts": [2048], "margin": 0.0, "limit": "default"}
-    metal = plan_memory(spec, small, **common)  # type: ignore[arg-type]
-    cpu = plan_memory(spec, small, backend="cpu", **common)  # type: ignore[arg-type]
+    common = PlanRequest(schemes=("k4v4",), contexts=(2048,), margin=0.0, limit="default")
+    metal = plan_memory(spec, small, common)
+    cpu = plan_memory(spec, small, common.model_copy(update={"backend": "cpu"}))
     assert (metal.runtime.backend, cpu.runtime.backend) == ("metal", "cpu")
     for name in ("k4v4",):
         assert cpu.max_context[name] < metal.max_context[name]

@@ -8,9 +8,10 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm.convert import mixed_quant_predicate_builder
-from mlx_lm.utils import _get_classes, quantize_model
+from mlx_lm.utils import quantize_model
 from tiny_configs import TINY_CONFIGS
 
+from toolchain.compat.mlx_lm_classes import model_classes
 from toolchain.exceptions import QuantizationError
 from toolchain.models import spec_from_config
 from toolchain.plan.weights import account_weights, parse_recipe
@@ -20,7 +21,7 @@ RECIPES = ["q4", "q8", "mixed_3_6", "fp16"]
 
 def quantized_nbytes(config: dict, recipe_name: str, group_size: int) -> int:
     """What mlx-lm's convert does: cast floats to fp16 (honouring cast_predicate), quantize, evaluate."""
-    model_cls, args_cls = _get_classes(config)
+    model_cls, args_cls = model_classes(config)
     model = model_cls(args_cls.from_dict(config))
     tied = config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings"))
     if tied and hasattr(model, "sanitize"):
@@ -60,7 +61,7 @@ def test_group_size_64_on_llama() -> None:
 
 def test_parameter_count_matches_mlx() -> None:
     config = TINY_CONFIGS["qwen3"]
-    model_cls, args_cls = _get_classes(config)
+    model_cls, args_cls = model_classes(config)
     model = model_cls(args_cls.from_dict(config))
     expected = sum(v.size for _, v in tree_flatten(model.parameters()))
     assert account_weights(spec_from_config(config), parse_recipe("q4")).parameters == expected

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import plistlib
-import zipfile
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +13,7 @@ import pytest
 from pymobiledevice3.remote.remote_service_discovery import RemoteServiceDiscoveryService
 from pymobiledevice3.remote.userspace_tunnel import UserspaceRsdTunnel
 
+from examples.make_test_ipa import make_ipa  # the script users run: tests install the same placeholder app
 from toolchain.virtual.device import VirtualDevice
 from toolchain.virtual.host import EmulatorHost
 
@@ -22,20 +21,6 @@ BUNDLE_ID = "dev.kvrig.soak"
 LIMIT_BYTES = 160 * 1024 * 1024
 # Small dims so the test app reaches the limit in a few 256-token steps: 8 MiB of fp16 K+V per step.
 TESTAPP_ARGS = ["--layers", "8", "--kv-heads", "8", "--head-dim", "128", "--weights-mb", "8"]
-
-
-def make_ipa(path: Path, bundle_id: str = BUNDLE_ID, executable: str = "KVSoak") -> Path:
-    with zipfile.ZipFile(path, "w") as archive:
-        info = {
-            "CFBundleIdentifier": bundle_id,
-            "CFBundleExecutable": executable,
-            "CFBundleName": executable,
-            "CFBundleShortVersionString": "1.0",
-            "CFBundleVersion": "1",
-        }
-        archive.writestr(f"Payload/{executable}.app/Info.plist", plistlib.dumps(info, fmt=plistlib.FMT_BINARY))
-        archive.writestr(f"Payload/{executable}.app/{executable}", b"\xcf\xfa\xed\xfe" + bytes(60))
-    return path
 
 
 class Emulator:

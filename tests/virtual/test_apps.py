@@ -23,6 +23,7 @@ from pymobiledevice3.services.os_trace import OsTraceService
 from pymobiledevice3.services.syslog import SyslogService
 
 from tests.virtual.conftest import BUNDLE_ID, LIMIT_BYTES, TESTAPP_ARGS, Emulator
+from toolchain.compat.crash_report import report_body
 from toolchain.schemas.telemetry import TELEMETRY_FILE, TelemetryEvent
 from toolchain.virtual.footprint import Measurement, footprint_bytes
 
@@ -93,7 +94,7 @@ def test_jetsam_kill_at_the_limit_writes_a_real_report(installed: Emulator) -> N
     (report_path,) = set(device.state.crash.glob("JetsamEvent-*.ips")) - before
     report = get_crash_report_from_buf(report_path.read_text(), filename=report_path.name)
     assert report.bug_type == BugType.Jetsam_298
-    body = report._data
+    body = report_body(report)
     assert body["product"] == "iPhone16,1"
     assert body["build"] == "iPhone OS 16.7 (20H19)"
     assert body["memoryStatus"]["pageSize"] == PAGE

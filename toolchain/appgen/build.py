@@ -9,8 +9,10 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from toolchain.exceptions import AppGenError, InputError, PlatformNotSupportedError
+from toolchain.fileio import read_data
 
 TEAM_ENV = "KVRIG_TEAM_ID"
 
@@ -28,14 +30,14 @@ def _run(cmd: list[str], cwd: Path) -> None:
         raise AppGenError(f"{cmd[0]} failed (exit {proc.returncode}):\n{tail}")
 
 
-def _scheme(project: Path) -> str:
-    import yaml
-
-    spec = yaml.safe_load((project / "project.yml").read_text())
-    name = spec.get("name") if isinstance(spec, dict) else None
+def read_project(project: Path) -> tuple[dict[str, Any], str]:
+    """A generated project's project.yml and its product name (the Xcode scheme)."""
+    spec_file = project / "project.yml"
+    spec = read_data(spec_file, kind="yaml", mapping="the project.yml `kvrig app` writes")
+    name = spec.get("name")
     if not isinstance(name, str) or not name:
-        raise InputError("no project name", file=project / "project.yml", field="name")
-    return name
+        raise InputError("missing", file=spec_file, field="name", expected="the product name")
+    return spec, name
 
 
 def build_app(project: str | Path, *, team: str | None = None, output: str | Path | None = None) -> BuildResult:
@@ -54,7 +56,7 @@ def build_app(project: str | Path, *, team: str | None = None, output: str | Pat
     for tool in ("xcodegen", "xcodebuild"):
         if shutil.which(tool) is None:
             raise AppGenError(f"{tool} not found on PATH (install Xcode and `brew install xcodegen`)")
-    scheme = _scheme(project)
+    _, scheme = read_project(project)
     team = team or os.environ.get(TEAM_ENV)
     out = Path(output).resolve() if output else project / "build"
     archive = out / f"{scheme}.xcarchive"

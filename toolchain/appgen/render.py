@@ -20,6 +20,7 @@ from pydantic import TypeAdapter
 from toolchain import __version__
 from toolchain.appgen.escape import FILTERS
 from toolchain.exceptions import AppGenError, InputError
+from toolchain.fileio import read_data
 from toolchain.schemas import json_schema, load_model_file
 from toolchain.schemas.kvcache import KVCacheConfig
 from toolchain.schemas.soakplan import SOAKPLAN_FILE, GrowthSchedule, SoakPlan
@@ -111,10 +112,7 @@ def read_bundle(bundle: Path) -> tuple[KVCacheConfig, dict[str, Any]]:
     model_config: dict[str, Any] = {}
     config_path = bundle / "config.json"
     if config_path.is_file():
-        try:
-            loaded = json.loads(config_path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise InputError(f"not valid JSON: {exc}", file=config_path) from None
+        loaded = read_data(config_path)
         if isinstance(loaded, dict):
             model_config = loaded
     return kv, model_config

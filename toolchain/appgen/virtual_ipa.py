@@ -11,10 +11,8 @@ from __future__ import annotations
 import plistlib
 import zipfile
 from pathlib import Path
-from typing import Any
 
-import yaml
-
+from toolchain.appgen.build import read_project
 from toolchain.exceptions import InputError
 
 VIRTUAL_RUNTIME_KEY = "KvrigVirtualRuntime"
@@ -40,15 +38,7 @@ def default_app_runtime() -> str:
 
 def _project_settings(project: Path) -> tuple[str, str]:
     spec_file = project / "project.yml"
-    try:
-        spec: Any = yaml.safe_load(spec_file.read_text())
-    except FileNotFoundError:
-        raise InputError("not a generated project (no project.yml)", file=project) from None
-    except yaml.YAMLError as exc:
-        raise InputError(f"not valid YAML: {exc}", file=spec_file) from None
-    name = spec.get("name") if isinstance(spec, dict) else None
-    if not isinstance(name, str) or not name:
-        raise InputError("missing", file=spec_file, field="name", expected="the product name")
+    spec, name = read_project(project)
     try:
         settings = spec["targets"][name]["settings"]["base"]
         bundle_id = settings["PRODUCT_BUNDLE_IDENTIFIER"]

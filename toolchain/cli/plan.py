@@ -99,6 +99,7 @@ def plan(
     limit and the max context each scheme holds, with a recommendation.
 
     MODEL is a model directory, a config.json or a GGUF file; omitted, the embedded SmolLM2-135M."""
+    from toolchain.plan import PlanRequest
     from toolchain.plan import plan as make_plan
     from toolchain.plan.kv import ALL_NAMED_SCHEMES
     from toolchain.plan.memory import DEFAULT_CONTEXTS
@@ -118,32 +119,31 @@ def plan(
             cap_value = int(cap)
         except ValueError:
             raise click.BadParameter("expected 'trained', 'none' or a number", param_hint="--cap") from None
-    baseline: dict[str, object] = {}
-    if calibration is not None:
-        from toolchain.calibrate import calibrated_baseline
-        from toolchain.profiles import load_profile
-
-        entry = calibrated_baseline(calibration, load_profile(device).name)
-        baseline = {"baseline_bytes": entry.baseline_bytes, "baseline_source": str(calibration)}
-    result = make_plan(
-        model,
-        device,
-        schemes=schemes or ALL_NAMED_SCHEMES,
+    request = PlanRequest(
+        schemes=tuple(schemes or ALL_NAMED_SCHEMES),
         weights=weights,
-        recipes=recipes or DEFAULT_RECIPES,
+        recipes=tuple(recipes or DEFAULT_RECIPES),
         group_size=group_size,
         kv_group_size=kv_group_size,
         dtype=dtype,
-        contexts=contexts or DEFAULT_CONTEXTS,
+        contexts=tuple(contexts or DEFAULT_CONTEXTS),
         prefill_step=prefill_step,
         buffer_cache_bytes=int(buffer_cache_mb * 1024 * 1024),
         margin=margin,
         limit=limit,  # type: ignore[arg-type]
         target_context=target_context,
         max_context_cap=cap_value,
-        backend=mlx_backend,
-        **baseline,
+        backend=mlx_backend,  # type: ignore[arg-type]
     )
+    if calibration is not None:
+        from toolchain.calibrate import calibrated_baseline
+        from toolchain.profiles import load_profile
+
+        entry = calibrated_baseline(calibration, load_profile(device).name)
+        request = request.model_copy(
+            update={"baseline_bytes": entry.baseline_bytes, "baseline_source": str(calibration)}
+        )
+    result = make_plan(model, device, request)
     if quality_file is not None:
         from toolchain.quality.plan_hook import apply_quality
 

@@ -29,6 +29,7 @@ from pymobiledevice3.services.house_arrest import HouseArrestService
 from toolchain.device.discovery import Device
 from toolchain.device.paths import safe_join, write_new_file
 from toolchain.exceptions import BundleError, SchemaError, VerifyError
+from toolchain.fileio import read_data
 
 DOCUMENTS = "/Documents"
 JOURNAL_DIR = f"{DOCUMENTS}/.kvrig"
@@ -157,10 +158,7 @@ def read_manifest(bundle: Path) -> dict[str, tuple[int | None, str | None]]:
     path = bundle / MANIFEST
     if not path.exists():
         return {}
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SchemaError(f"cannot read: {exc}", file=path) from None
+    data = read_data(path, error=SchemaError)
     files = data.get("files") if isinstance(data, dict) else None
     if isinstance(files, dict):
         files = [{"path": k, **(v if isinstance(v, dict) else {})} for k, v in files.items()]

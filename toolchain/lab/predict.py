@@ -56,7 +56,7 @@ class Predictor:
     ) -> Prediction | None:
         try:
             from toolchain.models import load_model_spec
-            from toolchain.plan import plan_memory
+            from toolchain.plan import PlanRequest, plan_memory
             from toolchain.profiles import AppMemoryLimit, SourcedInt, load_profile
 
             profile = load_profile(profile_ref)
@@ -71,13 +71,15 @@ class Predictor:
             plan = plan_memory(
                 load_model_spec(source),
                 profile,
-                schemes=[scheme],
-                weights=opts.weights,
-                margin=opts.margin,
-                limit=opts.limit,
-                prefill_step=opts.prefill_step,
-                contexts=[1024],
-                backend=backend,
+                PlanRequest(
+                    schemes=(scheme,),
+                    weights=opts.weights,
+                    margin=opts.margin,
+                    limit=opts.limit,
+                    prefill_step=opts.prefill_step,
+                    contexts=(1024,),
+                    backend=backend,
+                ),
             )
         except ImportError as exc:  # no MLX on this machine: the lab still runs, without predictions
             self.unavailable = True

@@ -4,11 +4,11 @@ learned (runs not started yet have no outcome and show as skipped)."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from toolchain import gates as gate_checks
 from toolchain.exceptions import KvrigError
+from toolchain.fileio import atomic_write
 from toolchain.lab.model import JUNIT_FILE
 from toolchain.schemas import load_model_file
 from toolchain.schemas.results import RESULTS_FILE, ResultsFile, SoakFiles, SoakResult
@@ -33,12 +33,6 @@ def save_results(results: ResultsFile, out: Path) -> None:
     data = results.model_dump(mode="json", by_alias=True, exclude_none=False)
     atomic_write(out / RESULTS_FILE, json.dumps(data, indent=2) + "\n")
     write_junit(results, out / JUNIT_FILE, name=results.lab.name if results.lab else "kvrig lab")
-
-
-def atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def read_partial(folder: Path) -> SoakResult | None:

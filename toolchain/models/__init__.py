@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
 from toolchain.exceptions import ModelConfigError
+from toolchain.fileio import read_data
 from toolchain.models.spec import DTYPE_BYTES, LayerSpec, ModelSpec
 
 __all__ = [
@@ -49,15 +49,7 @@ def read_config(ref: str | Path) -> tuple[dict[str, Any], Path]:
         from toolchain.models.gguf import read_gguf_config
 
         return read_gguf_config(path), path
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ModelConfigError(f"cannot read: {exc}", file=path) from None
-    except json.JSONDecodeError as exc:
-        raise ModelConfigError(f"not valid JSON: {exc}", file=path) from None
-    if not isinstance(config, dict):
-        raise ModelConfigError("not a JSON object", file=path, expected="a Hugging Face config.json")
-    return config, path
+    return read_data(path, error=ModelConfigError, mapping="a Hugging Face config.json"), path
 
 
 def _int_field(text: dict[str, Any], config: dict[str, Any], key: str) -> int:

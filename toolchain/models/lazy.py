@@ -16,6 +16,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from toolchain.compat.mlx_lm_classes import model_classes
 from toolchain.exceptions import ModelConfigError, UnsupportedArchitectureError
 
 TIE_KEY = "tie_word_embeddings"
@@ -58,12 +59,10 @@ def mlx_lm_architectures() -> list[str]:
 
 def mlx_classes(config: dict[str, Any], source: str | Path | None = None) -> tuple[Any, Any]:
     """mlx-lm's (Model, ModelArgs) for a config, with its own model-type remapping."""
-    from mlx_lm.utils import _get_classes
-
     refuse_if_unplannable(str(config.get("model_type")), source)
     try:
         with contextlib.redirect_stdout(io.StringIO()):
-            return _get_classes(config)
+            return model_classes(config)
     except (ValueError, KeyError):
         raise UnsupportedArchitectureError(str(config.get("model_type")), mlx_lm_architectures(), file=source) from None
     except (ImportError, SystemExit):

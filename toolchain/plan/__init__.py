@@ -6,15 +6,22 @@ from pathlib import Path
 from typing import Any
 
 from toolchain.plan.kv import kv_bytes
-from toolchain.plan.memory import MemoryPlan, plan_memory
+from toolchain.plan.memory import MemoryPlan, PlanRequest, plan_memory
 
-__all__ = ["MemoryPlan", "kv_bytes", "plan", "plan_memory"]
+__all__ = ["MemoryPlan", "PlanRequest", "kv_bytes", "plan", "plan_memory"]
 
 
-def plan(model: str | Path | None, device: str | Path, **options: Any) -> MemoryPlan:
+def plan(
+    model: str | Path | None, device: str | Path, request: PlanRequest | None = None, **options: Any
+) -> MemoryPlan:
     """Plan `model` (directory, config.json, GGUF; None: the embedded SmolLM2) on `device` (ProductType,
-    profile name or profile file)."""
+    profile name or profile file) for `request`, or for a request of `options` (PlanRequest's fields)."""
+    from toolchain.exceptions import PlanInputError
     from toolchain.models import load_model_spec
     from toolchain.profiles import load_profile
+    from toolchain.schemas import validate_data
 
-    return plan_memory(load_model_spec(model), load_profile(device), **options)
+    if options:
+        base = dict(request) if request is not None else {}
+        request = validate_data(PlanRequest, {**base, **options}, error=PlanInputError)
+    return plan_memory(load_model_spec(model), load_profile(device), request)

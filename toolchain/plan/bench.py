@@ -66,13 +66,13 @@ def benchmark_plan(model: str | Path | None, device: str, *, real: bool = True, 
     from toolchain.models import load_model_spec
     from toolchain.plan.caches import forget_replays
     from toolchain.plan.kv import context_schedule, kv_bytes, parse_scheme
-    from toolchain.plan.memory import plan_memory
+    from toolchain.plan.memory import PlanRequest, plan_memory
     from toolchain.plan.runtime import prefill_activation_bytes
     from toolchain.profiles import load_profile
 
     spec = load_model_spec(model)
     profile = load_profile(device)
-    _, plan_s, plan_mlx, plan_py = _measure(lambda: plan_memory(spec, profile, prefill_step=prefill_step))
+    _, plan_s, plan_mlx, plan_py = _measure(lambda: plan_memory(spec, profile, PlanRequest(prefill_step=prefill_step)))
     fp16 = parse_scheme("fp16")
     schedule = context_schedule(BENCH_CONTEXT, prefill_step)
     fresh = load_model_spec(model)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Final, Literal
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from toolchain.exceptions import PlanInputError
 from toolchain.models.spec import ModelSpec
@@ -376,7 +376,37 @@ def recommend(
     return Recommendation(scheme=chosen, max_context=max_context[chosen], reasons=reasons)
 
 
-def plan_memory(
+class PlanRequest(StrictModel):
+    """What to plan, typed: the CLI, demo, lab, calibration and packaging each build one. Every field defaults
+    to the planner's default; `baseline_bytes` overrides the profile's estimated baseline (a calibration,
+    `baseline_source` names it)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    schemes: tuple[str, ...] = ALL_NAMED_SCHEMES
+    weights: str = "q4"
+    recipes: tuple[str, ...] = DEFAULT_RECIPES
+    group_size: int = 64
+    kv_group_size: int | None = None
+    dtype: str = "float16"
+    contexts: tuple[int, ...] = DEFAULT_CONTEXTS
+    prefill_step: int = DEFAULT_PREFILL_STEP
+    buffer_cache_bytes: int = DEFAULT_BUFFER_CACHE_BYTES
+    margin: float = DEFAULT_MARGIN
+    limit: Literal["entitled", "default"] = "entitled"
+    target_context: int | None = None
+    max_context_cap: int | None = None
+    baseline_bytes: int | None = None
+    baseline_source: str | None = None
+    backend: Backend = DEFAULT_BACKEND
+
+
+def plan_memory(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest | None = None) -> MemoryPlan:
+    """The memory plan of `spec` on `profile` for `request` (None: the planner's defaults)."""
+    return _plan_memory(spec, profile, **dict(request or PlanRequest()))
+
+
+def _plan_memory(
     spec: ModelSpec,
     profile: DeviceProfile,
     *,

@@ -5,22 +5,17 @@ it already passes."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from toolchain.exceptions import QualityInputError
+from toolchain.fileio import read_data
 
 DEFAULT_KV_LIMIT_PCT = 2.0
 
 
 def read_quality(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise QualityInputError(
-            f"cannot read: {exc}", file=path, expected="quality.json from kvrig bench quality"
-        ) from None
+    data = read_data(path, error=QualityInputError, expected="quality.json from kvrig bench quality")
     if not isinstance(data, dict) or not isinstance(data.get("kv"), list) or not isinstance(data.get("weights"), list):
         raise QualityInputError("not a quality report", file=path, field="kv", expected="lists 'kv' and 'weights'")
     return data

@@ -12,12 +12,14 @@ from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_map
-from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
+from mlx_lm.models.cache import KVCache, create_attention_mask
+
+from toolchain.compat.mlx_lm_cache import BaseCache
 
 Quantized = tuple[mx.array, mx.array, mx.array]
 
 
-class DequantizingKVCache(_BaseCache):
+class DequantizingKVCache(BaseCache):
     step = 256
 
     def __init__(self, key_bits: int = 8, value_bits: int = 4, group_size: int = 64) -> None:
@@ -129,7 +131,7 @@ def rotate(x: mx.array) -> mx.array:
     return mx.hadamard_transform(x)
 
 
-class SchemeKVCache(_BaseCache):
+class SchemeKVCache(BaseCache):
     """Keys and values quantized at rest with their own bit widths, read by quantized matmuls (no dequantized
     copy), with the kvcache.json extras:
 

@@ -6,13 +6,13 @@ for files the app reads.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from toolchain.exceptions import SchemaError
+from toolchain.exceptions import InputError, SchemaError
+from toolchain.fileio import read_data
 
 
 class StrictModel(BaseModel):
@@ -38,20 +38,11 @@ def describe_validation_error(exc: ValidationError) -> tuple[str, str, str]:
 
 def load_model_file(model: type[M], path: str | Path, *, error: type[SchemaError] = SchemaError) -> M:
     """Reads a JSON file into `model`, naming the file and the field at fault on any error."""
-    path = Path(path)
-    try:
-        data: Any = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise error("file not found", file=path) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise error(f"cannot read: {exc}", file=path) from None
-    except json.JSONDecodeError as exc:
-        raise error(f"not valid JSON: {exc}", file=path) from None
-    return validate_data(model, data, file=path, error=error)
+    return validate_data(model, read_data(path, error=error), file=path, error=error)
 
 
 def validate_data(
-    model: type[M], data: Any, *, file: str | Path | None = None, error: type[SchemaError] = SchemaError
+    model: type[M], data: Any, *, file: str | Path | None = None, error: type[InputError] = SchemaError
 ) -> M:
     try:
         return model.model_validate(data)

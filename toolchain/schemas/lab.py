@@ -16,15 +16,14 @@ import re
 from pathlib import Path
 from typing import Any, Final, Literal
 
-import yaml
 from pydantic import Field, field_validator, model_validator
 
 from toolchain.exceptions import SchemaError
+from toolchain.fileio import read_data
 from toolchain.schemas import StrictModel, validate_data
 
 LAB_SCHEMA_VERSION: Final = 1
 ANY_DEVICE = "any"
-_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 class LabDevice(StrictModel):
@@ -201,15 +200,6 @@ def slug(text: str) -> str:
 def load_lab(path: str | Path) -> Lab:
     """Reads and validates a lab file, naming the file and field at fault."""
     path = Path(path)
-    try:
-        data = yaml.load(path.read_text(), Loader=_YAML_LOADER)
-    except FileNotFoundError:
-        raise SchemaError("file not found", file=path) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SchemaError(f"cannot read: {exc}", file=path) from None
-    except yaml.YAMLError as exc:
-        raise SchemaError(f"not valid YAML: {exc}", file=path) from None
-    if not isinstance(data, dict):
-        raise SchemaError("not a mapping", file=path, expected="a YAML mapping with `schema: 1` and `matrix`")
+    data = read_data(path, error=SchemaError, kind="yaml", mapping="a YAML mapping with `schema: 1` and `matrix`")
     lab = validate_data(Lab, data, file=path)
     return lab.resolve_paths(path.resolve().parent)

@@ -36,6 +36,7 @@ from toolchain.device.files import DOCUMENTS, Container
 from toolchain.device.processes import Processes
 from toolchain.device.tunnel import HANDSHAKE_TIMEOUT_S, TunnelMode
 from toolchain.exceptions import DeviceLostError, DeviceNotFoundError, KvrigError, NoTunnelError
+from toolchain.fileio import atomic_write
 from toolchain.schemas.results import (
     RESULTS_FILE,
     BatterySample,
@@ -83,9 +84,7 @@ class _Recorder:
         data = ResultsFile(tool_version=toolchain.__version__, runs=[self.result]).model_dump(
             mode="json", by_alias=True
         )
-        tmp = self.out_dir / f".{RESULTS_FILE}.tmp"
-        tmp.write_text(json.dumps(data, indent=2) + "\n")
-        os.replace(tmp, self.out_dir / RESULTS_FILE)
+        atomic_write(self.out_dir / RESULTS_FILE, json.dumps(data, indent=2) + "\n")
 
     def done(self, step: str, message: str | None = None) -> None:
         self.result.steps_done.append(step)

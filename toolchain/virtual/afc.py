@@ -13,64 +13,49 @@ from __future__ import annotations
 import os
 import posixpath
 import shutil
-import struct
 from dataclasses import dataclass
-from enum import IntEnum
 from pathlib import Path
 from typing import IO
 
+from bytestruct import CSTRING, U64_LE, BinaryParseError, ByteReader
+from pymobiledevice3.services.afc import (
+    AFC_HEADER_SIZE,
+    AfcError,
+    AfcFileSeekRequest,
+    AfcFopenMode,
+    AfcFopenRequest,
+    AfcFopenResponse,
+    AfcFreadRequest,
+    AfcHeader,
+    AfcLinkType,
+    AfcMakeLinkRequest,
+    AfcOpcode,
+)
+
 from toolchain.virtual.wire import Link, ProtocolViolation
 
-MAGIC = b"CFA6LPAA"
-HEADER = struct.Struct("<8sQQQQ")
-MAX_PACKET = 64 * 1024 * 1024 + HEADER.size
-
-
-class Op(IntEnum):
-    STATUS = 0x01
-    DATA = 0x02
-    READ_DIR = 0x03
-    REMOVE_PATH = 0x08
-    MAKE_DIR = 0x09
-    GET_FILE_INFO = 0x0A
-    GET_DEVINFO = 0x0B
-    FILE_OPEN = 0x0D
-    FILE_OPEN_RES = 0x0E
-    READ = 0x0F
-    WRITE = 0x10
-    FILE_SEEK = 0x11
-    FILE_TELL = 0x12
-    FILE_TELL_RES = 0x13
-    FILE_CLOSE = 0x14
-    FILE_SET_SIZE = 0x15
-    RENAME_PATH = 0x18
-    FILE_LOCK = 0x1B
-    MAKE_LINK = 0x1C
-    SET_FILE_TIME = 0x1E
-    REMOVE_PATH_AND_CONTENTS = 0x22
-
-
-class Err(IntEnum):
-    SUCCESS = 0
-    UNKNOWN_ERROR = 1
-    READ_ERROR = 4
-    UNKNOWN_PACKET_TYPE = 6
-    INVALID_ARG = 7
-    OBJECT_NOT_FOUND = 8
-    OBJECT_IS_DIR = 9
-    PERM_DENIED = 10
-    OBJECT_EXISTS = 16
-    DIR_NOT_EMPTY = 33
+# The header, opcodes, status codes and request records are pymobiledevice3's (the client these serve), so an
+# upstream change to the wire format shows on both sides. libimobiledevice's `afc_remove_path_and_contents`
+# sends one opcode pymobiledevice3 does not declare (it recurses with REMOVE_PATH instead).
+REMOVE_PATH_AND_CONTENTS = AfcOpcode(0x22)
+MAX_PACKET = 64 * 1024 * 1024 + AFC_HEADER_SIZE
 
 
 class AfcFailure(Exception):
-    def __init__(self, code: Err) -> None:
+    def __init__(self, code: AfcError) -> None:
         super().__init__(code.name)
         self.code = code
 
 
 # AFC fopen modes -> Python open() modes
-_OPEN_MODES = {1: "rb", 2: "r+b", 3: "wb", 4: "w+b", 5: "ab", 6: "a+b"}
+_OPEN_MODES = {
+    AfcFopenMode.RDONLY: "rb",
+    AfcFopenMode.RW: "r+b",
+    AfcFopenMode.WRONLY: "wb",
+    AfcFopenMode.WR: "w+b",
+    AfcFopenMode.APPEND: "ab",
+    AfcFopenMode.RDAPPEND: "a+b",
+}
 
 
 @dataclass
@@ -85,22 +70,24 @@ class AfcRoot:
         if path.startswith("//"):
             path = "/" + path.lstrip("/")
         if self.allowed != "/" and path != self.allowed and not path.startswith(self.allowed + "/"):
-            raise AfcFailure(Err.PERM_DENIED)
+            raise AfcFailure(AfcError.PERM_DENIED)
         return path
 
     def host(self, raw: str, *, follow: bool = True) -> Path:
         host = self.folder / self.device_path(raw).lstrip("/")
         real = host.resolve() if follow else host.parent.resolve() / host.name
         if real != self.folder.resolve() and not real.is_relative_to(self.folder.resolve()):
-            raise AfcFailure(Err.PERM_DENIED)
+            raise AfcFailure(AfcError.PERM_DENIED)
         return host
 
 
-def _cstrings(data: bytes) -> list[str]:
-    try:
-        return [part.decode() for part in data.split(b"\0")[:-1]]
-    except UnicodeDecodeError as exc:
-        raise AfcFailure(Err.INVALID_ARG) from exc
+def _paths(payload: bytes, count: int = 1) -> list[str]:
+    reader = ByteReader(payload)
+    return [CSTRING.read(reader) for _ in range(count)]
+
+
+def _status(code: AfcError) -> tuple[AfcOpcode, bytes]:
+    return AfcOpcode.STATUS, U64_LE.build(code)
 
 
 def _kv(pairs: dict[str, object]) -> bytes:
@@ -118,34 +105,30 @@ class AfcSession:
             f.close()
         self.handles.clear()
 
-    def handle(self, op: int, payload: bytes) -> tuple[int, bytes]:
+    def handle(self, op: AfcOpcode, payload: bytes) -> tuple[AfcOpcode, bytes]:
         """Runs one operation; returns (reply opcode, reply payload)."""
         try:
             return self._dispatch(op, payload)
         except AfcFailure as failure:
-            return Op.STATUS, struct.pack("<Q", failure.code)
+            return _status(failure.code)
         except FileNotFoundError:
-            return Op.STATUS, struct.pack("<Q", Err.OBJECT_NOT_FOUND)
+            return _status(AfcError.OBJECT_NOT_FOUND)
         except IsADirectoryError:
-            return Op.STATUS, struct.pack("<Q", Err.OBJECT_IS_DIR)
+            return _status(AfcError.OBJECT_IS_DIR)
         except FileExistsError:
-            return Op.STATUS, struct.pack("<Q", Err.OBJECT_EXISTS)
+            return _status(AfcError.OBJECT_EXISTS)
         except NotADirectoryError:
             # A path through a regular file: the phone says the object is not there, and when making a
             # directory, that something (the file) already exists.
-            code = Err.OBJECT_EXISTS if op == Op.MAKE_DIR else Err.OBJECT_NOT_FOUND
-            return Op.STATUS, struct.pack("<Q", code)
+            return _status(AfcError.OBJECT_EXISTS if op == AfcOpcode.MAKE_DIR else AfcError.OBJECT_NOT_FOUND)
         except PermissionError:
-            return Op.STATUS, struct.pack("<Q", Err.PERM_DENIED)
-        except (struct.error, ValueError):
-            return Op.STATUS, struct.pack("<Q", Err.INVALID_ARG)
+            return _status(AfcError.PERM_DENIED)
+        except ValueError:  # a short or undecodable request (BinaryParseError is one), a bad seek
+            return _status(AfcError.INVALID_ARG)
 
-    def _ok(self) -> tuple[int, bytes]:
-        return Op.STATUS, struct.pack("<Q", Err.SUCCESS)
-
-    def _dispatch(self, op: int, payload: bytes) -> tuple[int, bytes]:
+    def _dispatch(self, op: AfcOpcode, payload: bytes) -> tuple[AfcOpcode, bytes]:
         root = self.root
-        if op == Op.GET_DEVINFO:
+        if op == AfcOpcode.GET_DEVINFO:
             usage = shutil.disk_usage(root.folder)
             devinfo: dict[str, object] = {
                 "Model": "iPhone",
@@ -153,19 +136,19 @@ class AfcSession:
                 "FSFreeBytes": usage.free,
                 "FSBlockSize": 4096,
             }
-            return Op.DATA, _kv(devinfo)
-        if op == Op.READ_DIR:
-            folder = root.host(_cstrings(payload)[0])
+            return AfcOpcode.DATA, _kv(devinfo)
+        if op == AfcOpcode.READ_DIR:
+            folder = root.host(_paths(payload)[0])
             if not folder.exists():
-                raise AfcFailure(Err.OBJECT_NOT_FOUND)
+                raise AfcFailure(AfcError.OBJECT_NOT_FOUND)
             if not folder.is_dir():
-                raise AfcFailure(Err.READ_ERROR)  # what a phone answers for listing a regular file
+                raise AfcFailure(AfcError.READ_ERROR)  # what a phone answers for listing a regular file
             names = [".", "..", *sorted(p.name for p in folder.iterdir())]
-            return Op.DATA, b"".join(n.encode() + b"\0" for n in names)
-        if op == Op.GET_FILE_INFO:
-            path = root.host(_cstrings(payload)[0], follow=False)
+            return AfcOpcode.DATA, b"".join(CSTRING.build(n) for n in names)
+        if op == AfcOpcode.GET_FILE_INFO:
+            path = root.host(_paths(payload)[0], follow=False)
             if not path.exists() and not path.is_symlink():
-                raise AfcFailure(Err.OBJECT_NOT_FOUND)
+                raise AfcFailure(AfcError.OBJECT_NOT_FOUND)
             st = path.lstat()
             kind = "S_IFLNK" if path.is_symlink() else "S_IFDIR" if path.is_dir() else "S_IFREG"
             size = st.st_size
@@ -182,102 +165,108 @@ class AfcSession:
             }
             if kind == "S_IFLNK":
                 info["LinkTarget"] = os.readlink(path)
-            return Op.DATA, _kv(info)
-        if op == Op.MAKE_DIR:
-            root.host(_cstrings(payload)[0]).mkdir(parents=True, exist_ok=True)
-            return self._ok()
-        if op in (Op.REMOVE_PATH, Op.REMOVE_PATH_AND_CONTENTS):
-            device_path = root.device_path(_cstrings(payload)[0])
+            return AfcOpcode.DATA, _kv(info)
+        if op == AfcOpcode.MAKE_DIR:
+            root.host(_paths(payload)[0]).mkdir(parents=True, exist_ok=True)
+            return _status(AfcError.SUCCESS)
+        if op in (AfcOpcode.REMOVE_PATH, REMOVE_PATH_AND_CONTENTS):
+            device_path = root.device_path(_paths(payload)[0])
             if device_path in ("/", root.allowed):
-                raise AfcFailure(Err.PERM_DENIED)
+                raise AfcFailure(AfcError.PERM_DENIED)
             path = root.host(device_path, follow=False)
             if path.is_symlink() or path.is_file():
                 path.unlink()
             elif path.is_dir():
-                if op == Op.REMOVE_PATH_AND_CONTENTS:
+                if op == REMOVE_PATH_AND_CONTENTS:
                     shutil.rmtree(path)
                 elif any(path.iterdir()):
-                    raise AfcFailure(Err.DIR_NOT_EMPTY)
+                    raise AfcFailure(AfcError.DIR_NOT_EMPTY)
                 else:
                     path.rmdir()
             else:
-                raise AfcFailure(Err.OBJECT_NOT_FOUND)
-            return self._ok()
-        if op == Op.RENAME_PATH:
-            source, target = _cstrings(payload)[:2]
+                raise AfcFailure(AfcError.OBJECT_NOT_FOUND)
+            return _status(AfcError.SUCCESS)
+        if op == AfcOpcode.RENAME_PATH:
+            source, target = _paths(payload, 2)
             root.host(source, follow=False).rename(root.host(target, follow=False))
-            return self._ok()
-        if op == Op.MAKE_LINK:
-            (kind,) = struct.unpack_from("<Q", payload)
-            target, source = _cstrings(payload[8:])[:2]
-            link_path = root.host(source, follow=False)
-            if kind == 2:
-                link_path.symlink_to(target)
+            return _status(AfcError.SUCCESS)
+        if op == AfcOpcode.MAKE_LINK:
+            link = AfcMakeLinkRequest.parse(payload)
+            link_path = root.host(link.source, follow=False)
+            if link.type == AfcLinkType.SYMLINK:
+                link_path.symlink_to(link.target)
             else:
-                os.link(root.host(target), link_path)
-            return self._ok()
-        if op == Op.FILE_OPEN:
-            (mode,) = struct.unpack_from("<Q", payload)
-            if mode not in _OPEN_MODES:
-                raise AfcFailure(Err.INVALID_ARG)
-            path = root.host(_cstrings(payload[8:])[0])
+                os.link(root.host(link.target), link_path)
+            return _status(AfcError.SUCCESS)
+        if op == AfcOpcode.FILE_OPEN:
+            request = AfcFopenRequest.parse(payload)
+            if request.mode not in _OPEN_MODES:
+                raise AfcFailure(AfcError.INVALID_ARG)
+            path = root.host(request.filename)
             if path.is_dir():
-                raise AfcFailure(Err.OBJECT_IS_DIR)
-            if mode == 2 and not path.exists():
+                raise AfcFailure(AfcError.OBJECT_IS_DIR)
+            if request.mode == AfcFopenMode.RW and not path.exists():
                 path.touch()
-            opened: IO[bytes] = open(path, _OPEN_MODES[mode])  # noqa: SIM115 - the handle outlives this call
+            opened: IO[bytes] = open(path, _OPEN_MODES[request.mode])  # noqa: SIM115 - the handle outlives this call
             handle = self._next_handle
             self._next_handle += 1
             self.handles[handle] = opened
-            return Op.FILE_OPEN_RES, struct.pack("<Q", handle)
+            return AfcOpcode.FILE_OPEN_RES, AfcFopenResponse(handle=handle).build()
         if op in (
-            Op.READ,
-            Op.WRITE,
-            Op.FILE_SEEK,
-            Op.FILE_TELL,
-            Op.FILE_CLOSE,
-            Op.FILE_SET_SIZE,
-            Op.FILE_LOCK,
+            AfcOpcode.READ,
+            AfcOpcode.WRITE,
+            AfcOpcode.FILE_SEEK,
+            AfcOpcode.FILE_TELL,
+            AfcOpcode.FILE_CLOSE,
+            AfcOpcode.FILE_SET_SIZE,
+            AfcOpcode.FILE_LOCK,
         ):
-            (handle,) = struct.unpack_from("<Q", payload)
+            # Every handle operation starts with the u64 handle; READ and SET_SIZE follow it with a u64 size.
+            reader = ByteReader(payload)
+            handle = reader.unpack_one(U64_LE)
             f = self.handles.get(handle)
             if f is None:
-                raise AfcFailure(Err.INVALID_ARG)
-            if op == Op.READ:
-                (size,) = struct.unpack_from("<Q", payload, 8)
-                return Op.DATA, f.read(size)
-            if op == Op.WRITE:
-                f.write(payload[8:])
-                return self._ok()
-            if op == Op.FILE_SEEK:
-                whence, offset = struct.unpack_from("<Qq", payload, 8)
-                f.seek(offset, whence)
-                return self._ok()
-            if op == Op.FILE_TELL:
-                return Op.FILE_TELL_RES, struct.pack("<Q", f.tell())
-            if op == Op.FILE_SET_SIZE:
-                (size,) = struct.unpack_from("<Q", payload, 8)
-                f.truncate(size)
-                return self._ok()
-            if op == Op.FILE_CLOSE:
+                raise AfcFailure(AfcError.INVALID_ARG)
+            if op == AfcOpcode.READ:
+                return AfcOpcode.DATA, f.read(AfcFreadRequest.parse(payload).size)
+            if op == AfcOpcode.WRITE:
+                f.write(reader.read_all())
+                return _status(AfcError.SUCCESS)
+            if op == AfcOpcode.FILE_SEEK:
+                seek = AfcFileSeekRequest.parse(payload)
+                f.seek(seek.offset, seek.whence)
+                return _status(AfcError.SUCCESS)
+            if op == AfcOpcode.FILE_TELL:
+                return AfcOpcode.FILE_TELL_RES, U64_LE.build(f.tell())
+            if op == AfcOpcode.FILE_SET_SIZE:
+                f.truncate(reader.unpack_one(U64_LE))
+                return _status(AfcError.SUCCESS)
+            if op == AfcOpcode.FILE_CLOSE:
                 self.handles.pop(handle).close()
-            return self._ok()
-        if op == Op.SET_FILE_TIME:
-            return self._ok()
-        raise AfcFailure(Err.UNKNOWN_PACKET_TYPE)
+            return _status(AfcError.SUCCESS)
+        if op == AfcOpcode.SET_FILE_TIME:
+            return _status(AfcError.SUCCESS)
+        raise AfcFailure(AfcError.UNKNOWN_PACKET_TYPE)
 
 
 async def serve_afc(link: Link, root: AfcRoot) -> None:
     session = AfcSession(root)
     try:
         while True:
-            magic, entire, _this, packet_num, op = HEADER.unpack(await link.recv_exactly(HEADER.size))
-            if magic != MAGIC or entire < HEADER.size or entire > MAX_PACKET:
-                raise ProtocolViolation(f"bad AFC header {magic!r} length {entire}")
-            payload = await link.recv_exactly(entire - HEADER.size) if entire > HEADER.size else b""
-            reply_op, reply = session.handle(op, payload)
-            length = HEADER.size + len(reply)
-            await link.send(HEADER.pack(MAGIC, length, length, packet_num, reply_op) + reply)
+            try:
+                header = AfcHeader.parse(await link.recv_exactly(AFC_HEADER_SIZE))
+            except BinaryParseError as exc:  # the magic is declared constant in the header record
+                raise ProtocolViolation(f"bad AFC header: {exc}") from exc
+            entire = header.entire_length
+            if entire < AFC_HEADER_SIZE or entire > MAX_PACKET:
+                raise ProtocolViolation(f"bad AFC header length {entire}")
+            payload = await link.recv_exactly(entire - AFC_HEADER_SIZE) if entire > AFC_HEADER_SIZE else b""
+            reply_op, reply = session.handle(header.operation, payload)
+            length = AFC_HEADER_SIZE + len(reply)
+            reply_header = AfcHeader(
+                entire_length=length, this_length=length, packet_num=header.packet_num, operation=reply_op
+            )
+            await link.send(reply_header.build() + reply)
     finally:
         session.close()
 

@@ -17,25 +17,31 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import struct
 from collections.abc import Callable
 from typing import Any
 
 from bpylist2 import archiver
+from bytestruct import BinaryParseError
+from pymobiledevice3.dtx.message_aux import MessageAux
+from pymobiledevice3.dtx.ns_types import NSError, register_ns_keyed_classes
+from pymobiledevice3.dtx.structs import (
+    FRAGMENT_HEADER_MIN_SIZE,
+    FRAGMENT_PAYLOAD_HEADER_SIZE,
+    DtxFragmentHeader,
+    DtxFragmentPayloadHeader,
+    DTXMessageType,
+    DTXTransportFlags,
+)
 
 from toolchain.virtual.apprun import AppLaunchError
 from toolchain.virtual.wire import Link, ProtocolViolation
 
 log = logging.getLogger(__name__)
 
-MAGIC = 0x1F3D5B79
-FRAGMENT = struct.Struct("<IIHHIIIiI")
-PAYLOAD_HEADER = struct.Struct("<BBBBIII")
-EXPECTS_REPLY = 1
+# The fragment and payload headers, message types, primitive dictionaries and NSError are pymobiledevice3's (the
+# client these serve), so an upstream change to the wire format shows on both sides.
+register_ns_keyed_classes()
 MAX_MESSAGE = 32 * 1024 * 1024
-
-OK, OBJECT, DISPATCH, ERROR = 0, 3, 2, 4
-P_STRING, P_BUFFER, P_INT32, P_INT64, P_DOUBLE, P_NULL, P_DICT = 1, 2, 3, 6, 9, 10, 0xF0
 
 PROCESS_CONTROL = "com.apple.instruments.server.services.processcontrol"
 DEVICE_INFO = "com.apple.instruments.server.services.deviceinfo"
@@ -45,87 +51,20 @@ TRANSIENT_LAUNCH_ERROR = 1  # the code of the transient launch failure the launc
 NO_LIMIT_BYTES = 1 << 40
 
 
-class NSError:
-    """An NSError to archive in an ERROR reply."""
+class DtxFailure(Exception):
+    """A request the service refuses: answered with an ERROR carrying an NSError in the phone's words."""
 
     def __init__(self, code: int, domain: str, description: str) -> None:
-        self.code, self.domain, self.description = code, domain, description
-
-    def encode_archive(self, obj: Any) -> None:
-        obj.encode("NSDomain", self.domain)
-        obj.encode("NSCode", self.code)
-        obj.encode("NSUserInfo", {"NSLocalizedDescription": self.description})
-
-
-# Archive-only registration: the unarchive map is shared with any DTX client in this process.
-archiver.ARCHIVE_CLASS_MAP[NSError] = "NSError"
-
-
-class DtxFailure(Exception):
-    def __init__(self, error: NSError) -> None:
-        super().__init__(error.description)
-        self.error = error
-
-
-# --- primitive dictionaries (aux) ---------------------------------------------------------------------
+        super().__init__(description)
+        self.error = NSError(code, domain, {"NSLocalizedDescription": description})
 
 
 def decode_aux(data: bytes) -> list[Any]:
-    if not data:
-        return []
-    if len(data) < 16:
-        raise ProtocolViolation("aux shorter than its header")
-    _magic, _flags, length = struct.unpack_from("<IIQ", data)
-    pos, end, values = 16, 16 + length, []
-    if end > len(data):
-        raise ProtocolViolation("aux length past the message")
-
-    def read() -> Any:
-        nonlocal pos
-        (tag,) = struct.unpack_from("<I", data, pos)
-        pos += 4
-        kind = tag & 0xFF
-        if kind == P_NULL:
-            return None
-        if kind in (P_STRING, P_BUFFER):
-            (n,) = struct.unpack_from("<I", data, pos)
-            raw = data[pos + 4 : pos + 4 + n]
-            pos += 4 + n
-            if kind == P_STRING:
-                return raw.decode(errors="replace")
-            return archiver.unarchive(raw) if raw else None
-        if kind == P_INT32:
-            (v,) = struct.unpack_from("<i", data, pos)
-            pos += 4
-            return v
-        if kind == P_INT64:
-            (v,) = struct.unpack_from("<q", data, pos)
-            pos += 8
-            return v
-        if kind == P_DOUBLE:
-            (v,) = struct.unpack_from("<d", data, pos)
-            pos += 8
-            return v
-        raise ProtocolViolation(f"unknown primitive type {tag:#x}")
-
+    """The positional arguments of a DISPATCH: a primitive dictionary of NULL keys."""
     try:
-        while pos < end:
-            read()  # the key: NULL for positional arguments
-            values.append(read())
-    except (struct.error, ValueError) as exc:
+        return MessageAux.parse(data)
+    except BinaryParseError as exc:
         raise ProtocolViolation(f"malformed aux: {exc}") from exc
-    return values
-
-
-def encode_aux(args: list[Any]) -> bytes:
-    if not args:
-        return b""
-    body = bytearray()
-    for arg in args:
-        body += struct.pack("<I", P_NULL)
-        blob = archiver.archive(arg) if arg is not None else b""
-        body += struct.pack("<II", P_BUFFER, len(blob)) + blob
-    return struct.pack("<IIQ", 0x1F0, 0, len(body)) + bytes(body)
 
 
 # --- the connection -----------------------------------------------------------------------------------
@@ -149,52 +88,89 @@ class DtxConnection:
             log.debug("termination notice not delivered: %s", task.exception())
 
     async def send(
-        self, msg_type: int, channel: int, identifier: int, conversation: int, *, payload: Any = None, aux=()
+        self,
+        msg_type: DTXMessageType,
+        channel: int,
+        identifier: int,
+        conversation: int,
+        *,
+        payload: Any = None,
+        aux: tuple[Any, ...] = (),
     ) -> None:
         payload_bytes = archiver.archive(payload) if payload is not None else b""
-        aux_bytes = encode_aux(list(aux))
+        aux_bytes = MessageAux.build(list(aux))
         body = (
-            PAYLOAD_HEADER.pack(msg_type, 0, 0, 0, len(aux_bytes), len(aux_bytes) + len(payload_bytes), 0)
+            DtxFragmentPayloadHeader(
+                msg_type=msg_type,
+                flags_a=0,
+                flags_b=0,
+                reserved=0,
+                aux_size=len(aux_bytes),
+                total_size=len(aux_bytes) + len(payload_bytes),
+                flags=0,
+            ).build()
             + aux_bytes
             + payload_bytes
         )
-        header = FRAGMENT.pack(MAGIC, FRAGMENT.size, 0, 1, len(body), identifier, conversation, channel, 0)
+        header = DtxFragmentHeader(
+            header_size=FRAGMENT_HEADER_MIN_SIZE,
+            index=0,
+            count=1,
+            data_size=len(body),
+            identifier=identifier,
+            conversation_index=conversation,
+            channel_code=channel,
+            flags=DTXTransportFlags.NONE,
+        )
         async with self._send_lock:
-            await self.link.send(header + body)
+            await self.link.send(header.build() + body)
 
     async def notify(self, channel: int, selector: str, *args: Any) -> None:
         identifier = self._next_id
         self._next_id += 1
         wire_channel = -channel if channel else 0
-        await self.send(DISPATCH, wire_channel, identifier, 0, payload=selector, aux=args)
+        await self.send(DTXMessageType.DISPATCH, wire_channel, identifier, 0, payload=selector, aux=args)
 
     async def read_message(self) -> tuple[int, int, int, int, int, bytes, bytes]:
         """Next whole message: (type, identifier, conversation, channel, flags, aux, payload)."""
         while True:
-            header = await self.link.recv_exactly(FRAGMENT.size)
-            magic, header_size, index, count, size, identifier, conversation, channel, flags = FRAGMENT.unpack(header)
-            if magic != MAGIC or header_size < FRAGMENT.size or size > MAX_MESSAGE:
-                raise ProtocolViolation(f"bad DTX fragment header {header.hex()}")
-            if header_size > FRAGMENT.size:
-                await self.link.recv_exactly(header_size - FRAGMENT.size)
-            if count > 1 and index == 0:
+            raw = await self.link.recv_exactly(FRAGMENT_HEADER_MIN_SIZE)
+            try:
+                fragment = DtxFragmentHeader.parse(raw)
+            except BinaryParseError as exc:  # the magic is declared constant in the header record
+                raise ProtocolViolation(f"bad DTX fragment header {raw.hex()}") from exc
+            header_size, size, identifier = fragment.header_size, fragment.data_size, fragment.identifier
+            if header_size < FRAGMENT_HEADER_MIN_SIZE or size > MAX_MESSAGE:
+                raise ProtocolViolation(f"bad DTX fragment header {raw.hex()}")
+            if header_size > FRAGMENT_HEADER_MIN_SIZE:
+                await self.link.recv_exactly(header_size - FRAGMENT_HEADER_MIN_SIZE)
+            if fragment.count > 1 and fragment.index == 0:
                 self._partial[identifier] = bytearray()
                 continue
             chunk = await self.link.recv_exactly(size)
-            if count > 1:
+            if fragment.count > 1:
                 buffer = self._partial.setdefault(identifier, bytearray())
                 buffer += chunk
-                if index + 1 < count:
+                if fragment.index + 1 < fragment.count:
                     continue
                 chunk = bytes(self._partial.pop(identifier))
-            if len(chunk) < PAYLOAD_HEADER.size:
+            if len(chunk) < FRAGMENT_PAYLOAD_HEADER_SIZE:
                 raise ProtocolViolation("DTX message shorter than its payload header")
-            msg_type, _a, _b, _c, aux_size, total, _flags = PAYLOAD_HEADER.unpack_from(chunk)
-            if PAYLOAD_HEADER.size + total != len(chunk) or aux_size > total:
+            body = DtxFragmentPayloadHeader.parse(chunk)
+            aux_size, total = body.aux_size, body.total_size
+            if FRAGMENT_PAYLOAD_HEADER_SIZE + total != len(chunk) or aux_size > total:
                 raise ProtocolViolation("DTX payload sizes do not add up")
-            aux = chunk[PAYLOAD_HEADER.size : PAYLOAD_HEADER.size + aux_size]
-            payload = chunk[PAYLOAD_HEADER.size + aux_size :]
-            return msg_type, identifier, conversation, channel, flags, aux, payload
+            aux = chunk[FRAGMENT_PAYLOAD_HEADER_SIZE : FRAGMENT_PAYLOAD_HEADER_SIZE + aux_size]
+            payload = chunk[FRAGMENT_PAYLOAD_HEADER_SIZE + aux_size :]
+            return (
+                body.msg_type,
+                identifier,
+                fragment.conversation_index,
+                fragment.channel_code,
+                fragment.flags,
+                aux,
+                payload,
+            )
 
     async def run(self) -> None:
         capabilities = {
@@ -207,9 +183,9 @@ class DtxConnection:
         try:
             while True:
                 msg_type, identifier, conversation, channel, flags, aux, payload = await self.read_message()
-                if msg_type != DISPATCH or conversation % 2 == 1:
+                if msg_type != DTXMessageType.DISPATCH or conversation % 2 == 1:
                     continue  # replies to our notifications, and data we do not consume
-                wants_reply = bool(flags & EXPECTS_REPLY)
+                wants_reply = bool(flags & DTXTransportFlags.EXPECTS_REPLY)
                 try:
                     selector = archiver.unarchive(payload) if payload else None
                     args = decode_aux(aux)
@@ -221,13 +197,15 @@ class DtxConnection:
                     result = await self.dispatch(abs(channel), str(selector), args)
                 except DtxFailure as failure:
                     if wants_reply:
-                        await self.send(ERROR, channel, identifier, conversation + 1, payload=failure.error)
+                        await self.send(
+                            DTXMessageType.ERROR, channel, identifier, conversation + 1, payload=failure.error
+                        )
                     continue
                 if wants_reply:
                     if result is None:
-                        await self.send(OK, channel, identifier, conversation + 1)
+                        await self.send(DTXMessageType.OK, channel, identifier, conversation + 1)
                     else:
-                        await self.send(OBJECT, channel, identifier, conversation + 1, payload=result)
+                        await self.send(DTXMessageType.OBJECT, channel, identifier, conversation + 1, payload=result)
         finally:
             if self._listener is not None:
                 self.device.apps.termination_listeners.discard(self._listener)
@@ -237,7 +215,7 @@ class DtxConnection:
             if selector == "_requestChannelWithCode:identifier:":
                 code, identifier = int(args[0]), str(args[1])
                 if identifier not in (PROCESS_CONTROL, DEVICE_INFO):
-                    raise DtxFailure(NSError(1, "DTXMessage", f"Unable to find service for {identifier}"))
+                    raise DtxFailure(1, "DTXMessage", f"Unable to find service for {identifier}")
                 self.channels[code] = identifier
                 if identifier == PROCESS_CONTROL:
                     self._watch_terminations(code)
@@ -251,7 +229,7 @@ class DtxConnection:
             return await self.process_control(selector, args)
         if service == DEVICE_INFO:
             return self.device_info(selector, args)
-        raise DtxFailure(NSError(1, "DTXMessage", f"No channel registered for code {channel}"))
+        raise DtxFailure(1, "DTXMessage", f"No channel registered for code {channel}")
 
     def _watch_terminations(self, code: int) -> None:
         def on_exit(pid: int, exit_code: int | None, crash_signal: int | None) -> None:
@@ -283,11 +261,9 @@ class DtxConnection:
                 # A transient failure as a busy phone reports it; the next launch may well succeed.
                 faults.launch_errors -= 1
                 raise DtxFailure(
-                    NSError(
-                        TRANSIENT_LAUNCH_ERROR,
-                        PROCESS_CONTROL_DOMAIN,
-                        f'The request to open "{bundle_id}" failed: the system is busy. Try again.',
-                    )
+                    TRANSIENT_LAUNCH_ERROR,
+                    PROCESS_CONTROL_DOMAIN,
+                    f'The request to open "{bundle_id}" failed: the system is busy. Try again.',
                 )
             try:
                 pid = await apps.launch(
@@ -298,7 +274,7 @@ class DtxConnection:
                     start_suspended=bool(options.get("StartSuspendedKey", False)),
                 )
             except AppLaunchError as exc:
-                raise DtxFailure(NSError(1, PROCESS_CONTROL_DOMAIN, str(exc))) from None
+                raise DtxFailure(1, PROCESS_CONTROL_DOMAIN, str(exc)) from None
             self.observed.add(pid)
             return pid
         if selector in ("killPid:", "sendSignal:toPid:", "suspendPid:", "resumePid:"):
@@ -310,7 +286,7 @@ class DtxConnection:
             try:
                 apps.signal(pid, sig)
             except ProcessLookupError:
-                raise DtxFailure(NSError(3, PROCESS_CONTROL_DOMAIN, f"No such process: {pid}")) from None
+                raise DtxFailure(3, PROCESS_CONTROL_DOMAIN, f"No such process: {pid}") from None
             return None
         if selector == "processIdentifierForBundleIdentifier:":
             return apps.pid_for_bundle(str(args[0]))
@@ -325,7 +301,7 @@ class DtxConnection:
                 return False
             process.account.limit_bytes = NO_LIMIT_BYTES
             return True
-        raise DtxFailure(NSError(1, "DTXMessage", f"Unrecognized selector {selector}"))
+        raise DtxFailure(1, "DTXMessage", f"Unrecognized selector {selector}")
 
     def device_info(self, selector: str, args: list[Any]) -> Any:
         if selector == "runningProcesses":
@@ -351,7 +327,7 @@ class DtxConnection:
             return rows
         if selector == "machTimeInfo":
             return [0, 1, 1, 0]
-        raise DtxFailure(NSError(1, "DTXMessage", f"Unrecognized selector {selector}"))
+        raise DtxFailure(1, "DTXMessage", f"Unrecognized selector {selector}")
 
 
 async def serve_instruments(link: Link) -> None:

@@ -33,7 +33,7 @@ from toolchain.schemas.telemetry import (
     StartEvent,
     StepEvent,
 )
-from toolchain.virtual.testapp import Channel, Telemetry, load_plan
+from toolchain.virtual.testapp import Channel, Telemetry, load_plan, stay_until_killed
 
 MODULE = "toolchain.virtual.llmapp"
 BUNDLE_ARGUMENT = "--kvrig-bundle"
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         engine.react(first)
         if plan is None:
-            return _stay(args)
+            return stay_until_killed(args)
         reason, message = run_soak(engine, plan)
     except Stop:
         reason, message = "memory_critical", "critical memory pressure while loading"
@@ -328,15 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     if message:
         channel.send({"log": f"soak {run_id}: {reason}: {message}"})
     telemetry.write(EndEvent, reason=reason, context_tokens=context, message=message)
-    return _stay(args)
-
-
-def _stay(args: argparse.Namespace) -> int:
-    """A finished app stays in the foreground until it is killed (or the emulator closes the channel)."""
-    if not args.exit_when_done:
-        while sys.stdin.readline():
-            pass
-    return 0
+    return stay_until_killed(args)
 
 
 if __name__ == "__main__":

@@ -200,8 +200,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.interval:
             time.sleep(args.interval)
     telemetry.write(EndEvent, reason=end_reason, context_tokens=tokens)
+    return stay_until_killed(args)
+
+
+def stay_until_killed(args: argparse.Namespace) -> int:
+    """A finished app stays in the foreground until it is killed (or the emulator closes the channel)."""
     if not args.exit_when_done:
-        # A finished app stays in the foreground until it is killed.
         while sys.stdin.readline():
             pass
     return 0
