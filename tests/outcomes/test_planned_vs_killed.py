@@ -44,6 +44,9 @@ def _check(scheme: str, prefill: int, out: Path) -> None:
             step_tokens=SOAK_STEP,
             decode_tokens=1,
             max_seconds=600,
+            # the planner against the kernel on the Python runtime; the Swift engine's soak into jetsam is
+            # tests/appgen/test_engine_virtual.py
+            app_runtime="python",
         )
     )
     soak = result.soak
