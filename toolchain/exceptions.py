@@ -371,3 +371,17 @@ class CoreMLExportError(KvrigError):
     program promised (specs, weight bytes against the plan)."""
 
     exit_code = 41
+
+
+# --- Core ML soaks (exit 50; 39-41 are the export's) ------------------------------------------------------
+
+
+class CoreMLBackendError(KvrigError):
+    """A soak asks for the Core ML backend but the installed app does not carry KvrigModel.mlpackage
+    (`kvrig app --coreml` adds it)."""
+
+    exit_code = 50
+
+
+class CoreMLVirtualPhoneError(CoreMLBackendError):
+    """A soak asks for the Core ML backend on the virtual iPhone, which runs MLX on Linux and has no Core ML."""

@@ -41,6 +41,7 @@ def swift_run(
         text='Feed me "text"\n\tagain.',
         telemetry_file="runs/telemetry-7.jsonl",
         on_critical="continue",
+        backend="coreml",
     )
     (inputs / "soakplan.json").write_text(plan.model_dump_json(by_alias=True, indent=2))
 
@@ -55,6 +56,9 @@ def test_core_tests_pass_and_round_trip_python_files(swift_run: dict[str, Path])
         original = json.loads((swift_run["in"] / name).read_text())
         again = json.loads((swift_run["out"] / f"roundtrip-{name}").read_text())
         assert again == original, name
+    # Soak plan schema 2 carries the backend across (the default, mlx, would pass unnoticed).
+    again = json.loads((swift_run["out"] / "roundtrip-soakplan.json").read_text())
+    assert (again["schema"], again["backend"]) == (2, "coreml")
 
 
 def test_every_python_field_reaches_swift(swift_run: dict[str, Path], reference_kvcache) -> None:  # type: ignore[no-untyped-def]
@@ -75,8 +79,10 @@ def test_python_reads_core_telemetry(swift_run: dict[str, Path]) -> None:
     assert [e.event for e in events] == [*kinds, "end", "end", "end", "end", "end"]
     assert [e.seq for e in events] == list(range(13))
     assert events[0].model == 'Smol "LM" \\ 135M' and events[0].limit_bytes == 3_221_225_472
-    # Schema 2: `start` names the backend (the Core default is MLX; the second start ran Core ML).
-    assert {e.schema_version for e in events} == {2}
+    # Schema 2: `start` names the backend (the Core default is MLX; the second start ran Core ML); schema 3:
+    # `step` too (set on the first step, unset on the second).
+    assert {e.schema_version for e in events} == {3}
+    assert [e.backend for e in events if e.event == "step"] == ["coreml", None]
     assert [e.backend for e in events if e.event == "start"] == ["mlx", "coreml"]
     assert json.loads(lines[0])["backend"] == "mlx"  # written by Swift, not filled in by the Python default
     assert events[2].decode_tps == 31.5 and events[2].thermal_state == "fair"

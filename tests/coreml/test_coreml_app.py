@@ -4,16 +4,20 @@ flag-guarded source entry in project.yml and the small Core ML engine); without 
 from __future__ import annotations
 
 import filecmp
+import plistlib
 from pathlib import Path
 
 import pytest
 import yaml
 
+from toolchain.appgen.infokeys import COREML_MODEL_KEY
 from toolchain.appgen.render import AppOptions, render_app
 from toolchain.coreml.export import ExportResult
 from toolchain.exceptions import InputError
 
 ENGINE = Path("App/CoreML/CoreMLEngine.swift")
+RUNNER = Path("App/CoreML/CoreMLRunner.swift")
+APP_ENGINE = Path("App/Sources/Engine.swift")
 RESOURCE = Path("App/Resources/KvrigModel.mlpackage")
 
 
@@ -42,11 +46,19 @@ def test_flag_ships_the_package_and_its_engine(tiny_exports: dict[str, ExportRes
         {"path": RESOURCE.as_posix(), "type": "file", "buildPhase": "sources"},
     ]
     assert _same_tree(Path(result.output), out / RESOURCE)
-    assert (out / ENGINE).is_file()
+    assert (out / ENGINE).is_file() and (out / RUNNER).is_file()
+    # What `kvrig soak --backend coreml` checks on the installed app, and what lets Engine reach App/CoreML.
+    info = plistlib.loads((out / "App/Info.plist").read_bytes())
+    assert info[COREML_MODEL_KEY] == RESOURCE.name
+    spec = yaml.safe_load((out / "project.yml").read_text())
+    (target,) = spec["targets"].values()
+    assert "KVRIG_COREML" in target["settings"]["base"]["SWIFT_ACTIVE_COMPILATION_CONDITIONS"].split()
 
     plain = tmp_path / "without"
     render_app(bundle, plain, AppOptions(name="Tiny", bundle_id="com.example.tiny"))
     assert _sources(plain) == [{"path": "App/Sources"}]
+    assert COREML_MODEL_KEY not in plistlib.loads((plain / "App/Info.plist").read_bytes())
+    assert "KVRIG_COREML" not in (plain / "project.yml").read_text()
     assert not (plain / "App/CoreML").exists() and not (plain / "App/Resources").exists()
 
 
@@ -58,14 +70,46 @@ def test_flag_needs_a_core_ml_package(tiny_exports: dict[str, ExportResult], tmp
     assert info.value.file == str(bundle) and info.value.exit_code == 3
 
 
-def test_engine_source_parses_as_swift() -> None:
-    # Core ML is not on Linux, so the file is not compiled here; its syntax is checked with tree-sitter-swift.
+def _parse(path: Path):  # type: ignore[no-untyped-def]
     import tree_sitter_swift
     from tree_sitter import Language, Parser
 
     from toolchain.appgen.render import templates_root
 
-    source = (templates_root() / ENGINE).read_bytes()
-    tree = Parser(Language(tree_sitter_swift.language())).parse(source)
-    assert not tree.root_node.has_error
-    assert b"backend: .coreml" in source
+    source = (templates_root() / path).read_bytes()
+    return source, Parser(Language(tree_sitter_swift.language())).parse(source)
+
+
+@pytest.mark.parametrize("path", [ENGINE, RUNNER, APP_ENGINE], ids=lambda p: p.name)
+def test_core_ml_sources_parse_as_swift(path: Path) -> None:
+    # Core ML is not on Linux, so these branches are not compiled here; their syntax is checked with
+    # tree-sitter-swift (Engine.swift's Core ML branch sits under `#if KVRIG_COREML`).
+    source, tree = _parse(path)
+    assert not tree.root_node.has_error, path
+    assert b"backend: .coreml" in source or path == APP_ENGINE
+
+
+def _conditional_blocks(source: str) -> tuple[str, str]:
+    """Splits Swift source into (outside any #if, inside #if KVRIG_COREML ... #else/#endif)."""
+    outside, inside, depth, in_coreml = [], [], 0, False
+    for line in source.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#if"):
+            depth += 1
+            in_coreml = in_coreml or "KVRIG_COREML" in stripped
+        elif stripped.startswith("#else") and in_coreml and depth == 1:
+            in_coreml = False
+        elif stripped.startswith("#endif"):
+            depth -= 1
+            in_coreml = in_coreml and depth > 0
+        (inside if in_coreml else outside).append(line)
+    return "\n".join(outside), "\n".join(inside)
+
+
+def test_linux_visible_engine_has_no_core_ml_symbols() -> None:
+    # The Linux engine build compiles Engine.swift without KVRIG_COREML: Core ML names appear only inside it.
+    source, _ = _parse(APP_ENGINE)
+    outside, inside = _conditional_blocks(source.decode())
+    assert "CoreMLRunner()" in inside
+    for symbol in ("import CoreML", "CoreMLRunner", "CoreMLEngine", "MLModel", "MLMultiArray"):
+        assert symbol not in outside, symbol

@@ -19,6 +19,7 @@ from pydantic import TypeAdapter
 
 from toolchain import __version__
 from toolchain.appgen.escape import FILTERS
+from toolchain.appgen.infokeys import COREML_MODEL_KEY
 from toolchain.exceptions import AppGenError, InputError
 from toolchain.fileio import read_data
 from toolchain.schemas import json_schema, load_model_file
@@ -149,6 +150,7 @@ def template_context(
         "soak_plan_argument": "--kvrig-soak-plan",
         "soak_plan_file": SOAKPLAN_FILE,
         "coreml_model": COREML_RESOURCE if options.coreml_model else None,
+        "coreml_info_key": COREML_MODEL_KEY,
     }
 
 

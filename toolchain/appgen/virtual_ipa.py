@@ -13,9 +13,9 @@ import zipfile
 from pathlib import Path
 
 from toolchain.appgen.build import read_project
+from toolchain.appgen.infokeys import VIRTUAL_RUNTIME_KEY
 from toolchain.exceptions import InputError
 
-VIRTUAL_RUNTIME_KEY = "KvrigVirtualRuntime"
 VIRTUAL_RUNTIME_LLM = "llm"
 VIRTUAL_RUNTIME_SWIFT = "swift"
 APP_RUNTIMES = {"swift": VIRTUAL_RUNTIME_SWIFT, "python": VIRTUAL_RUNTIME_LLM}

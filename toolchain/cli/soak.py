@@ -25,6 +25,13 @@ from toolchain.cli.render import echo_json, human_bytes, json_option
 @click.option(
     "--decode-tokens", type=click.IntRange(min=1), default=16, show_default=True, help="Tokens timed per step."
 )
+@click.option(
+    "--backend",
+    type=click.Choice(["mlx", "coreml"]),
+    default=None,
+    help="Runtime the app soaks: MLX (default) or the Core ML program `kvrig app --coreml` shipped; "
+    "overrides the plan file's.",
+)
 @click.option("--bundle", "bundle_name", default=None, help="Name of the model bundle the app runs (recorded).")
 @click.option("--scheme", default="default", show_default=True, help="KV scheme name recorded with the run.")
 @click.option(
@@ -74,6 +81,7 @@ def soak(
     max_tokens: int,
     step: int,
     decode_tokens: int,
+    backend: str | None,
     bundle_name: str | None,
     scheme: str,
     hang_after: float,
@@ -97,6 +105,8 @@ def soak(
         plan = load_model_file(SoakPlan, plan_file)
     else:
         plan = make_plan(max_tokens=max_tokens, step_tokens=step, decode_tokens=decode_tokens, scheme=scheme)
+    if backend is not None:
+        plan = plan.model_copy(update={"backend": backend})
     echo = None if as_json else (lambda line: click.echo(line, err=True))
     options = SoakOptions(
         hang_after_s=hang_after,

@@ -8,6 +8,7 @@ from typing import Any
 
 from pymobiledevice3.services.installation_proxy import InstallationProxyService
 
+from toolchain.appgen.infokeys import COREML_MODEL_KEY, VIRTUAL_RUNTIME_KEY
 from toolchain.device.discovery import Device
 from toolchain.exceptions import AppError, InputError
 
@@ -18,6 +19,8 @@ class AppInfo:
     executable: str  # the process name in jetsam reports and the device log
     version: str | None
     path: str | None
+    coreml_model: str | None = None  # the Core ML program the app ships (Info.plist KvrigCoreMLModel)
+    virtual_runtime: str | None = None  # the host runtime a virtual-iPhone app runs (KvrigVirtualRuntime)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -29,6 +32,8 @@ def _app(bundle_id: str, record: dict[str, Any]) -> AppInfo:
         executable=str(record.get("CFBundleExecutable") or bundle_id.rsplit(".", 1)[-1]),
         version=record.get("CFBundleShortVersionString"),
         path=record.get("Path"),
+        coreml_model=record.get(COREML_MODEL_KEY),
+        virtual_runtime=record.get(VIRTUAL_RUNTIME_KEY),
     )
 
 

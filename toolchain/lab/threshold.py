@@ -92,6 +92,7 @@ async def soak(
         scheme=run.scheme.name,
         run_id=run_id,
         max_seconds=s.max_seconds,
+        backend=run.entry.backend,
     )
     t = bench.lab.timeouts
     options = SoakOptions(

@@ -100,6 +100,9 @@ class MatrixEntry(StrictModel):
     )
     plan: PlanOptions = Field(default_factory=PlanOptions)
     schemes: list[SchemeSpec] = Field(min_length=1)
+    backend: Literal["mlx", "coreml"] = Field(
+        default="mlx", description="runtime soaked: MLX, or the Core ML program of an app built with --coreml"
+    )
     soak: SoakSchedule = Field(default_factory=SoakSchedule)
     gates: Gates | None = Field(default=None, description="override the lab's gates for this entry")
 

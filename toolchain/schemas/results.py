@@ -115,6 +115,9 @@ class SoakResult(StrictModel):
     process: str | None = Field(default=None, description="the app's process name (CFBundleExecutable)")
     bundle: str | None = Field(default=None, description="the model bundle the app ran")
     scheme: str
+    backend: Literal["mlx", "coreml"] = Field(
+        default="mlx", description="the runtime soaked: the plan's, then what the app's start record says ran"
+    )
     entry: str | None = Field(default=None, description="the lab matrix entry this run belongs to")
     outcome: Outcome | None = Field(default=None, description="None while running or when a step failed")
     outcome_detail: str | None = None

@@ -8,7 +8,8 @@ from pydantic import Field
 
 from toolchain.schemas import StrictModel
 
-SOAKPLAN_SCHEMA_VERSION: Final = 1
+# 2: `backend` says which runtime the app soaks (mlx, or the Core ML program `kvrig app --coreml` ships).
+SOAKPLAN_SCHEMA_VERSION: Final = 2
 SOAKPLAN_FILE = "soakplan.json"
 SOAKPLAN_LAUNCH_ARGUMENT = "--kvrig-soak-plan"
 
@@ -27,7 +28,7 @@ class StopConditions(StrictModel):
 
 
 class SoakPlan(StrictModel):
-    schema_version: Literal[1] = Field(default=SOAKPLAN_SCHEMA_VERSION, alias="schema")
+    schema_version: Literal[2] = Field(default=SOAKPLAN_SCHEMA_VERSION, alias="schema")
     run_id: str = Field(min_length=1)
     scheme: str
     schedule: GrowthSchedule
@@ -35,3 +36,6 @@ class SoakPlan(StrictModel):
     text: str = Field(description="fed repeatedly to grow the context")
     telemetry_file: str = "telemetry.jsonl"
     on_critical: Literal["stop_and_save", "continue"] = "stop_and_save"
+    backend: Literal["mlx", "coreml"] = Field(
+        default="mlx", description="the runtime the app soaks: MLX, or KvrigModel.mlpackage (`kvrig app --coreml`)"
+    )

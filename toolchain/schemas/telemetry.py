@@ -12,12 +12,13 @@ from pydantic import Field, model_validator
 from toolchain.schemas import StrictModel
 
 # 2: `start` names the backend that ran (mlx or coreml). Schema-1 files (MLX-only apps) still read, as mlx.
-TELEMETRY_SCHEMA_VERSION: Final = 2
+# 3: `step` names it too, so a step read alone (or a file mixing runs) says which runtime measured it.
+TELEMETRY_SCHEMA_VERSION: Final = 3
 TELEMETRY_FILE = "telemetry.jsonl"
 
 
 class _Event(StrictModel):
-    schema_version: Literal[1, 2] = Field(default=TELEMETRY_SCHEMA_VERSION, alias="schema")
+    schema_version: Literal[1, 2, 3] = Field(default=TELEMETRY_SCHEMA_VERSION, alias="schema")
     run_id: str
     seq: int = Field(ge=0, description="record number within the run, from 0")
     t: float = Field(description="seconds since the Unix epoch")
@@ -57,6 +58,15 @@ class StepEvent(_Event):
     mlx_peak_bytes: int | None = Field(default=None, ge=0)
     kv_bytes: int | None = Field(default=None, ge=0)
     thermal_state: Literal["nominal", "fair", "serious", "critical"] | None = None
+    backend: Literal["mlx", "coreml"] | None = Field(
+        default=None, description="the runtime that measured this step (schema 3; None: an older file)"
+    )
+
+    @model_validator(mode="after")
+    def _backend_needs_schema_3(self) -> StepEvent:
+        if self.schema_version < 3 and self.backend is not None:
+            raise ValueError("a step's 'backend' is a schema-3 field; a schema-1/2 record cannot carry it")
+        return self
 
 
 class MemoryPressureEvent(_Event):

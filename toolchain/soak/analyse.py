@@ -37,6 +37,8 @@ def apply_telemetry(result: SoakResult, run: TelemetryRun) -> None:
     result.max_safe_context = summary.max_context_tokens
     result.last_footprint_bytes = summary.last_footprint_bytes
     result.app_limit_bytes = summary.limit_bytes
+    if run.start is not None:
+        result.backend = run.start.backend  # what ran, in the app's own words
     result.tps_curve = [
         TpsPoint(
             context_tokens=s.context_tokens,

@@ -28,14 +28,22 @@ from pathlib import Path
 from typing import Literal, TypeVar
 
 import toolchain
+from toolchain.appgen.infokeys import COREML_MODEL_KEY
 from toolchain.device import crash, ostrace
-from toolchain.device.apps import get_app
+from toolchain.device.apps import AppInfo, get_app
 from toolchain.device.battery import BatteryReader
 from toolchain.device.discovery import Device
 from toolchain.device.files import DOCUMENTS, Container
 from toolchain.device.processes import Processes
 from toolchain.device.tunnel import HANDSHAKE_TIMEOUT_S, TunnelMode
-from toolchain.exceptions import DeviceLostError, DeviceNotFoundError, KvrigError, NoTunnelError
+from toolchain.exceptions import (
+    CoreMLBackendError,
+    CoreMLVirtualPhoneError,
+    DeviceLostError,
+    DeviceNotFoundError,
+    KvrigError,
+    NoTunnelError,
+)
 from toolchain.fileio import atomic_write
 from toolchain.schemas.results import (
     RESULTS_FILE,
@@ -123,6 +131,7 @@ async def run_soak(
         app_id=app_bundle_id,
         bundle=opts.bundle,
         scheme=plan.scheme,
+        backend=plan.backend,
         predicted=opts.predicted,
         started=time.time(),
         tunnel=tunnel_ref(device),
@@ -133,6 +142,7 @@ async def run_soak(
     with rec.step("find app"):
         app = await get_app(device, app_bundle_id)
         result.process = app.executable
+        check_backend(plan, app, device.udid)
         rec.done("find app")
     with rec.step("list crash reports"):
         await crash.flush(device)
@@ -209,6 +219,24 @@ async def run_soak(
     result.finished = time.time()
     rec.done("classify", f"outcome: {result.outcome} ({detail})")
     return result
+
+
+def check_backend(plan: SoakPlan, app: AppInfo, udid: str) -> None:
+    """Refuses a Core ML soak the app cannot run, before anything is written to the phone: an app rendered
+    without `--coreml`, or one on the virtual iPhone (MLX on Linux; Core ML exists only on Apple's OSes)."""
+    if plan.backend != "coreml":
+        return
+    if app.virtual_runtime is not None:
+        raise CoreMLVirtualPhoneError(
+            f"{app.bundle_id} on {udid} runs on the virtual iPhone ({app.virtual_runtime} runtime), which has no "
+            "Core ML: soak it with --backend mlx, or run the Core ML soak on a real iPhone (iOS 18+)"
+        )
+    if app.coreml_model is None:
+        raise CoreMLBackendError(
+            f"{app.bundle_id} on {udid} does not carry a Core ML model (no {COREML_MODEL_KEY} in its Info.plist): "
+            "render it with `kvrig app --coreml Model.mlpackage` (from `kvrig export coreml`), or soak with "
+            "--backend mlx"
+        )
 
 
 def tunnel_ref(device: Device) -> TunnelRef | None:

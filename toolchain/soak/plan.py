@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import Literal
 
 from toolchain.schemas.soakplan import GrowthSchedule, SoakPlan, StopConditions
 
@@ -24,6 +25,7 @@ def make_plan(
     run_id: str | None = None,
     text: str = DEFAULT_TEXT,
     max_seconds: float | None = None,
+    backend: Literal["mlx", "coreml"] = "mlx",
 ) -> SoakPlan:
     return SoakPlan(
         run_id=run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}",
@@ -36,4 +38,5 @@ def make_plan(
         ),
         stop=StopConditions(max_seconds=max_seconds),
         text=text,
+        backend=backend,
     )

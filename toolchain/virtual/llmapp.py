@@ -254,6 +254,7 @@ def run_soak(engine: Engine, plan: SoakPlan) -> tuple[str, str | None]:
                 mlx_cache_bytes=m["mlx_cache_bytes"],
                 kv_bytes=m["kv_bytes"],
                 thermal_state="nominal",
+                backend="mlx",
             )
             why = _stop_reason(plan, decode.rate, footprint, time.monotonic() - began)
             if why is not None:
@@ -287,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from toolchain.schemas import load_model_file
 
+        if plan is not None and plan.backend == "coreml":
+            # `kvrig soak` refuses this before launch; a plan written by hand ends here, not on MLX instead.
+            raise AppError("the virtual iPhone runs MLX on Linux and has no Core ML: this soak needs a real iPhone")
         bundle = find_bundle(documents, args.bundle)
         kv = load_model_file(KVCacheConfig, bundle / "kvcache.json")
         channel.send({"log": f"loading {bundle.name} (KV {kv.scheme})"})

@@ -40,6 +40,9 @@ final class Engine {
     @ObservationIgnored private var metricsTimer: Timer?
     @ObservationIgnored private let host: EngineHost?
     @ObservationIgnored private var phoneElementBytes: Int?
+    /// Set when this run uses the Core ML program instead of MLX (the soak plan's or the launch argument's
+    /// backend); chat and soak then go through it, with the bundle's tokenizer.
+    @ObservationIgnored private var alternate: (backend: any AlternateBackend, tokenizer: any MLXLMCommon.Tokenizer)?
     /// Sampling temperature of chat turns and soaks (0: greedy) and the longest reply.
     @ObservationIgnored var chatTemperature: Float = 0.6
     @ObservationIgnored var chatMaxTokens = 2048
@@ -66,6 +69,10 @@ final class Engine {
             // isolated (Swift 6 checks that at run time and traps).
             telemetry = try TelemetryLog(
                 runId: runId, url: telemetryURL, mirror: { @Sendable line in Log.telemetry.log(line) })
+            if (plan?.backend ?? Self.backend(arguments: arguments)) == .coreml {
+                try await startCoreML(plan: plan, bundleURL: bundleURL)
+                return
+            }
             let configURL = bundleURL.appendingPathComponent("kvcache.json")
             guard FileManager.default.fileExists(atPath: configURL.path) else {
                 throw EngineError.noBundle(bundleURL.lastPathComponent)
@@ -134,6 +141,12 @@ final class Engine {
     }
 
     func newChat() async {
+        if let alternate {
+            messages = []
+            alternate.backend.reset()
+            refreshMetrics()
+            return
+        }
         guard let container, let config else { return }
         let temperature = chatTemperature
         let phoneElementBytes = self.phoneElementBytes
@@ -149,10 +162,15 @@ final class Engine {
 
     func stop() {
         caches?.requestStop()
+        alternate?.backend.requestStop()
     }
 
     /// One chat turn; `onToken` (on the generation thread) sees each generated token id.
     func send(_ prompt: String, onToken: (@Sendable (Int) -> Void)? = nil) async {
+        if let alternate {
+            await sendAlternate(prompt, alternate.backend, alternate.tokenizer, onToken: onToken)
+            return
+        }
         guard let container, let caches, !prompt.isEmpty else { return }
         messages.append(ChatMessage(role: .user, text: prompt))
         messages.append(ChatMessage(role: .assistant, text: ""))
@@ -226,10 +244,19 @@ final class Engine {
             contextTokens: caches.contextTokens, decodeTps: decode.rate, prefillTps: prefill.rate,
             physFootprintBytes: DeviceMemory.footprint(), availableBytes: DeviceMemory.available(),
             mlxActiveBytes: active, mlxCacheBytes: memory.cacheMemory, mlxPeakBytes: peak,
-            kvBytes: caches.kvBytes, thermalState: DeviceMemory.thermalState())
+            kvBytes: caches.kvBytes, thermalState: DeviceMemory.thermalState(), backend: .mlx)
     }
 
     private func onPressure(_ level: PressureLevel) {
+        if let alternate {
+            // The Core ML state is allocated whole at load: nothing to evict, so critical pressure stops the run.
+            let contextTokens = alternate.backend.contextTokens
+            try? telemetry?.record(
+                .memoryPressure(
+                    level: level, contextTokens: contextTokens, physFootprintBytes: DeviceMemory.footprint()))
+            if level == .critical { alternate.backend.requestStop() }
+            return
+        }
         let contextTokens = caches?.snapshot.contextTokens ?? 0
         try? telemetry?.record(
             .memoryPressure(level: level, contextTokens: contextTokens, physFootprintBytes: DeviceMemory.footprint()))
@@ -330,6 +357,96 @@ final class Engine {
         refreshMetrics()
     }
 
+    /// `--kvrig-backend coreml` in the launch arguments runs chat on the Core ML program (a soak plan names its
+    /// own backend).
+    nonisolated static func backend(arguments: [String]) -> TelemetryBackend {
+        guard let index = arguments.firstIndex(of: "--kvrig-backend"), index + 1 < arguments.count else {
+            return .mlx
+        }
+        return TelemetryBackend(rawValue: arguments[index + 1]) ?? .mlx
+    }
+
+    /// The Core ML backend, when this build carries it (apps rendered with `kvrig app --coreml`; Linux builds
+    /// and apps without the flag never compile App/CoreML, so they refuse here instead of running MLX).
+    private static func makeCoreMLBackend() throws -> any AlternateBackend {
+        #if KVRIG_COREML && canImport(CoreML)
+            if #available(iOS 18.0, macOS 15.0, *) {
+                return try CoreMLRunner()
+            }
+            throw EngineError.noCoreML("the Core ML program keeps its KV cache as model state, which needs iOS 18")
+        #else
+            throw EngineError.noCoreML(
+                "this build carries no Core ML model: render the app with `kvrig app --coreml Model.mlpackage`")
+        #endif
+    }
+
+    /// Loads the Core ML program and the bundle's tokenizer (not the MLX weights: the soak measures Core ML
+    /// alone), writes the `start` record with backend coreml, then runs the plan if there is one.
+    private func startCoreML(plan: SoakPlan?, bundleURL: URL) async throws {
+        status = "Loading the Core ML model…"
+        let backend = try Self.makeCoreMLBackend()
+        let tokenizer = try await TransformersTokenizerLoader().load(from: bundleURL)
+        alternate = (backend, tokenizer)
+        pressure = PressureMonitor { [weak self] level in
+            MainActor.assumeIsolated { self?.onPressure(level) }
+        }
+        let limit = DeviceMemory.available().map { DeviceMemory.footprint() + $0 }
+        if let telemetry {
+            try backend.recordStart(telemetry, model: bundleURL.lastPathComponent, limitBytes: limit)
+        }
+        isReady = true
+        status = "Ready: \(AppConfig.modelType) on Core ML"
+        startMetricsTimer()
+        if let plan, let telemetry {
+            status = "Soak \(plan.runId) on Core ML…"
+            isGenerating = true
+            let outcome = await Task.detached { backend.soak(plan, tokenizer: tokenizer, telemetry: telemetry) }.value
+            if outcome.reason == .memoryCritical || outcome.reason == .allocationFailed {
+                save(reason: outcome.reason, runId: plan.runId, contextTokens: backend.contextTokens)
+            }
+            try? telemetry.record(
+                .end(reason: outcome.reason, contextTokens: backend.contextTokens, message: outcome.message))
+            isGenerating = false
+            status = "Soak \(plan.runId): \(outcome.reason.rawValue)"
+            refreshMetrics()
+        }
+    }
+
+    /// One chat turn on the Core ML program, continuing its state; one step record per turn, as MLX's chat.
+    private func sendAlternate(
+        _ prompt: String, _ backend: any AlternateBackend, _ tokenizer: any MLXLMCommon.Tokenizer,
+        onToken: (@Sendable (Int) -> Void)?
+    ) async {
+        guard !prompt.isEmpty else { return }
+        messages.append(ChatMessage(role: .user, text: prompt))
+        messages.append(ChatMessage(role: .assistant, text: ""))
+        let index = messages.count - 1
+        isGenerating = true
+        let telemetry = self.telemetry
+        let maxTokens = chatMaxTokens
+        do {
+            let step = try await Task.detached {
+                let tokens = try tokenizer.applyChatTemplate(messages: [["role": "user", "content": prompt]])
+                var detokenizer = NaiveStreamingDetokenizer(tokenizer: tokenizer)
+                let step = try backend.reply(to: tokens, maxTokens: maxTokens, eos: tokenizer.eosTokenId) { id in
+                    onToken?(id)
+                    detokenizer.append(token: id)
+                    if let piece = detokenizer.next() {
+                        Task { @MainActor in self.append(piece, to: index) }
+                    }
+                }
+                try telemetry?.record(.step(step))
+                return step
+            }.value
+            metrics.decodeTps = step.decodeTps
+        } catch {
+            status = "Generation failed: \(error)"
+            Log.app.error("generation failed: \(String(describing: error))")
+        }
+        isGenerating = false
+        refreshMetrics()
+    }
+
     private func startMetricsTimer() {
         metricsTimer = Timer.scheduledTimer(withTimeInterval: 1, repeats: true) { [weak self] _ in
             MainActor.assumeIsolated { self?.refreshMetrics() }
@@ -337,7 +454,9 @@ final class Engine {
     }
 
     private func refreshMetrics() {
-        let snapshot = caches?.snapshot ?? (contextTokens: 0, kvBytes: 0)
+        let snapshot =
+            alternate.map { (contextTokens: $0.backend.contextTokens, kvBytes: $0.backend.stateBytes) }
+            ?? caches?.snapshot ?? (contextTokens: 0, kvBytes: 0)
         metrics.footprintBytes = DeviceMemory.footprint()
         metrics.availableBytes = DeviceMemory.available()
         metrics.contextTokens = snapshot.contextTokens
@@ -362,13 +481,35 @@ protocol EngineHost: AnyObject, Sendable {
     func takeStepPeak() -> Int
 }
 
+/// A runtime other than MLX that runs the same soak plans and chat turns: the Core ML program (App/CoreML,
+/// compiled only into apps rendered with `--coreml`). Declared here, free of Core ML types, so the Linux
+/// engine build compiles Engine without it.
+protocol AlternateBackend: AnyObject, Sendable {
+    var contextTokens: Int { get }
+    /// Bytes of the KV state (allocated whole when the model loads).
+    var stateBytes: Int { get }
+    func reset()
+    func requestStop()
+    /// The telemetry `start` record naming this backend.
+    func recordStart(_ log: TelemetryLog, model: String, limitBytes: Int?) throws
+    /// Runs `plan` from an empty state, writing one step record per target; the end record is the caller's.
+    func soak(_ plan: SoakPlan, tokenizer: any MLXLMCommon.Tokenizer, telemetry: TelemetryLog) -> (
+        reason: EndReason, message: String?
+    )
+    /// Feeds `tokens` and generates up to `maxTokens` greedily, stopping at `eos`; returns the turn's step.
+    func reply(to tokens: [Int], maxTokens: Int, eos: Int?, onToken: (Int) -> Void) throws -> StepMetrics
+}
+
 enum EngineError: Error, CustomStringConvertible {
     case noBundle(String)
+    case noCoreML(String)
 
     var description: String {
         switch self {
         case .noBundle(let folder):
             "no model bundle in Documents/\(folder) (no kvcache.json): push it with `kvrig deploy`"
+        case .noCoreML(let why):
+            "the soak asks for the Core ML backend, which this app cannot run: \(why)"
         }
     }
 }

@@ -1,6 +1,7 @@
 import Foundation
 
-/// Soak plan, schema 1: mirrors toolchain/schemas/soakplan.py. Handed to the app with a launch argument.
+/// Soak plan, schema 2: mirrors toolchain/schemas/soakplan.py. Handed to the app with a launch argument.
+/// Schema 2 added `backend`: which runtime the soak runs on (MLX, or the shipped Core ML program).
 
 public struct GrowthSchedule: Codable, Equatable, Sendable {
     public var startTokens: Int
@@ -95,7 +96,7 @@ public enum CriticalBehaviour: String, Codable, Sendable {
 }
 
 public struct SoakPlan: Codable, Equatable, Sendable {
-    public static let schemaVersion = 1
+    public static let schemaVersion = 2
     public static let launchArgument = "--kvrig-soak-plan"
     public static let defaultFile = "soakplan.json"
 
@@ -107,6 +108,7 @@ public struct SoakPlan: Codable, Equatable, Sendable {
     public var text: String
     public var telemetryFile: String
     public var onCritical: CriticalBehaviour
+    public var backend: TelemetryBackend
 
     enum CodingKeys: String, CodingKey, CaseIterable {
         case schema
@@ -114,11 +116,13 @@ public struct SoakPlan: Codable, Equatable, Sendable {
         case scheme, schedule, stop, text
         case telemetryFile = "telemetry_file"
         case onCritical = "on_critical"
+        case backend
     }
 
     public init(
         runId: String, scheme: String, schedule: GrowthSchedule, stop: StopConditions = StopConditions(),
-        text: String, telemetryFile: String = "telemetry.jsonl", onCritical: CriticalBehaviour = .stopAndSave
+        text: String, telemetryFile: String = "telemetry.jsonl", onCritical: CriticalBehaviour = .stopAndSave,
+        backend: TelemetryBackend = .mlx
     ) {
         self.schema = Self.schemaVersion
         self.runId = runId
@@ -128,6 +132,7 @@ public struct SoakPlan: Codable, Equatable, Sendable {
         self.text = text
         self.telemetryFile = telemetryFile
         self.onCritical = onCritical
+        self.backend = backend
     }
 
     public init(from decoder: Decoder) throws {
@@ -141,6 +146,7 @@ public struct SoakPlan: Codable, Equatable, Sendable {
         text = try c.decode(String.self, forKey: .text)
         telemetryFile = try c.decodeIfPresent(String.self, forKey: .telemetryFile) ?? "telemetry.jsonl"
         onCritical = try c.decodeIfPresent(CriticalBehaviour.self, forKey: .onCritical) ?? .stopAndSave
+        backend = try c.decodeIfPresent(TelemetryBackend.self, forKey: .backend) ?? .mlx
         try require(schema == Self.schemaVersion, "schema", "expected \(Self.schemaVersion), got \(schema)")
         try require(!runId.isEmpty, "run_id", "must not be empty")
     }

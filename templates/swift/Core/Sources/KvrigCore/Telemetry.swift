@@ -1,7 +1,8 @@
 import Foundation
 
-/// Telemetry, schema 2: mirrors toolchain/schemas/telemetry.py. One JSON object per line, `event` says which.
-/// Schema 2 added `backend` to `start`: which runtime ran the soak (MLX, or the Core ML program).
+/// Telemetry, schema 3: mirrors toolchain/schemas/telemetry.py. One JSON object per line, `event` says which.
+/// Schema 2 added `backend` to `start`: which runtime ran the soak (MLX, or the Core ML program); schema 3
+/// added it to `step`.
 
 public enum ThermalState: String, Codable, Sendable {
     case nominal, fair, serious, critical
@@ -54,11 +55,14 @@ public struct StepMetrics: Equatable, Sendable {
     public var mlxPeakBytes: Int?
     public var kvBytes: Int?
     public var thermalState: ThermalState?
+    /// The runtime that measured the step (nil: not recorded).
+    public var backend: TelemetryBackend?
 
     public init(
         contextTokens: Int, decodeTps: Double? = nil, prefillTps: Double? = nil, physFootprintBytes: Int,
         availableBytes: Int? = nil, mlxActiveBytes: Int? = nil, mlxCacheBytes: Int? = nil,
-        mlxPeakBytes: Int? = nil, kvBytes: Int? = nil, thermalState: ThermalState? = nil
+        mlxPeakBytes: Int? = nil, kvBytes: Int? = nil, thermalState: ThermalState? = nil,
+        backend: TelemetryBackend? = nil
     ) {
         self.contextTokens = contextTokens
         self.decodeTps = decodeTps
@@ -70,11 +74,12 @@ public struct StepMetrics: Equatable, Sendable {
         self.mlxPeakBytes = mlxPeakBytes
         self.kvBytes = kvBytes
         self.thermalState = thermalState
+        self.backend = backend
     }
 }
 
 public struct TelemetryEvent: Encodable, Equatable, Sendable {
-    public static let schemaVersion = 2
+    public static let schemaVersion = 3
 
     public var runId: String
     public var seq: Int
@@ -141,6 +146,7 @@ public struct TelemetryEvent: Encodable, Equatable, Sendable {
             try c.encode(m.mlxPeakBytes, forKey: .mlxPeakBytes)
             try c.encode(m.kvBytes, forKey: .kvBytes)
             try c.encode(m.thermalState, forKey: .thermalState)
+            try c.encode(m.backend, forKey: .backend)
         case .memoryPressure(let level, let contextTokens, let footprint):
             try c.encode(level, forKey: .level)
             try c.encode(contextTokens, forKey: .contextTokens)

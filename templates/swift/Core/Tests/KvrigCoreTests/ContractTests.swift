@@ -48,6 +48,21 @@ final class ContractTests: XCTestCase {
         let plan = try assertRoundTrip(SoakPlan.self, file: "soakplan.json")
         XCTAssertFalse(plan.runId.isEmpty)
         XCTAssertFalse(plan.schedule.targets.isEmpty)
+        XCTAssertEqual(plan.schema, SoakPlan.schemaVersion)
+        // Schema 2: the plan names the backend; a schema-1 plan (no backend) is refused, as is an unknown one.
+        var object = try XCTUnwrap(
+            JSONSerialization.jsonObject(with: Data(contentsOf: fixture("soakplan.json"))) as? [String: Any])
+        var old = object
+        old["schema"] = 1
+        XCTAssertThrowsError(
+            try ContractJSON.decoder().decode(SoakPlan.self, from: JSONSerialization.data(withJSONObject: old)))
+        object["backend"] = "metal"
+        XCTAssertThrowsError(
+            try ContractJSON.decoder().decode(SoakPlan.self, from: JSONSerialization.data(withJSONObject: object)))
+        object.removeValue(forKey: "backend")
+        let defaulted = try ContractJSON.decoder().decode(
+            SoakPlan.self, from: JSONSerialization.data(withJSONObject: object))
+        XCTAssertEqual(defaulted.backend, .mlx)
     }
 
     func testBrokenFilesAreRejected() throws {
@@ -96,7 +111,7 @@ final class ContractTests: XCTestCase {
                 StepMetrics(
                     contextTokens: 1024, decodeTps: 31.5, prefillTps: 410.25, physFootprintBytes: 900_000_000,
                     availableBytes: 2_000_000_000, mlxActiveBytes: 700_000_000, mlxCacheBytes: 20_000_000,
-                    mlxPeakBytes: 750_000_000, kvBytes: 12_000_000, thermalState: .fair)))
+                    mlxPeakBytes: 750_000_000, kvBytes: 12_000_000, thermalState: .fair, backend: .coreml)))
         try log.record(.step(StepMetrics(contextTokens: 0, decodeTps: .infinity, physFootprintBytes: 1)))
         try log.record(.memoryPressure(level: .warning, contextTokens: 2048, physFootprintBytes: 1_000_000))
         try log.record(.memoryPressure(level: .critical, contextTokens: 2048, physFootprintBytes: nil))
