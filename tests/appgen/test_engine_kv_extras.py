@@ -15,9 +15,8 @@ from typing import Any
 
 import pytest
 
-from tests.appgen.swift_engine import read_events, run_engine
+from tests.appgen.swift_engine import engine_binary, read_events, run_engine  # noqa: F401
 from tests.bundle_fixtures import packaged
-from toolchain.appgen.linux import built_engine
 from toolchain.bundle import PackageOptions
 from toolchain.schemas.kvcache import KVCacheConfig
 
@@ -53,20 +52,21 @@ def _python_runtime(bundle: Path, kv: KVCacheConfig) -> tuple[list[int], list[An
     return tokens, caches
 
 
-def test_engine_applies_rotation_sinks_and_window_as_the_python_runtime(bundle: Path, tmp_path: Path) -> None:
+def test_engine_applies_rotation_sinks_and_window_as_the_python_runtime(
+    bundle: Path,
+    tmp_path: Path,
+    engine_binary: Path,  # noqa: F811
+) -> None:
     from toolchain.models import load_model_spec
     from toolchain.quality.schemes import parse_kv_variant, predicted_bytes
     from toolchain.virtual.llm_memory import kv_bytes
 
-    binary = built_engine()
-    if binary is None:
-        pytest.fail("no kvrig-engine binary: run `kvrig engine` first (make test does)")
     kv = KVCacheConfig.model_validate_json((bundle / "kvcache.json").read_text())
     assert (kv.rotation, kv.sink_tokens, kv.recent_tokens) == tuple(EXTRAS.values())
 
     documents = tmp_path / "Documents"
     args = ("--chat", PROMPT, "--temperature", "0", "--max-tokens", str(TOKENS), "--print-tokens")
-    out = run_engine(binary, bundle, documents, *args, timeout=300)
+    out = run_engine(engine_binary, bundle, documents, *args, timeout=300)
     (turn,) = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     steps = [e for e in read_events(documents / "telemetry.jsonl") if e["event"] == "step"]
 
