@@ -61,6 +61,9 @@ class DemoResult:
     app_runtime: str = ""
     """What the virtual iPhone ran: `swift` (the app's engine) or `python` (kvrig's LLM runtime)."""
     app_runtime_why: str = ""
+    buffer_cache_bytes: int = 0
+    """The buffer cache the plan counted: what the app's MLX keeps on this host, measured with the bundle's cap."""
+    buffer_cache_limit_bytes: int = 0
 
     @property
     def killed_in_step(self) -> tuple[int, int] | None:
@@ -100,7 +103,7 @@ def run_demo(options: DemoOptions, on_event: Event | None = None) -> DemoResult:
     from toolchain.plan.memory import DEFAULT_MARGIN
     from toolchain.profiles import AppMemoryLimit, SourcedInt, load_profile
     from toolchain.schemas.kvcache import PressurePolicy
-    from toolchain.virtual.swiftapp import resolve_runtime
+    from toolchain.virtual.swiftapp import buffer_cache_held, resolve_runtime
 
     out = options.out
     out.mkdir(parents=True, exist_ok=True)
@@ -122,13 +125,16 @@ def run_demo(options: DemoOptions, on_event: Event | None = None) -> DemoResult:
 
     profile = load_profile(options.device)
     spec = load_model_spec(bundle)
+    runtime = resolve_runtime(options.app_runtime, on_event)
+    # The buffer cache the app's MLX really keeps on this host (measured; the bundle's cap is what Metal keeps).
+    held_cache = buffer_cache_held(runtime.runtime, kv.buffer_cache_limit_bytes)
     common = PlanRequest(
         schemes=(kv.scheme,),
         weights=options.weights,
         # The largest chunk the app prefills: the bundle's prefill step, or a whole soak step when that is
         # smaller (each step feeds at most step_tokens new tokens).
         prefill_step=min(kv.prefill_step_size, options.step_tokens),
-        buffer_cache_bytes=kv.buffer_cache_limit_bytes,
+        buffer_cache_bytes=held_cache,
         # The virtual iPhone runs the app's MLX on this host's CPU, whose attention materializes the prefill
         # scores; a real phone's plan is the default (Metal).
         backend="cpu",
@@ -156,7 +162,6 @@ def run_demo(options: DemoOptions, on_event: Event | None = None) -> DemoResult:
 
     _say(on_event, "rendering the app and building the .ipa for the virtual iPhone ...")
     project = render_app(bundle, out / "app", AppOptions(name=APP_NAME, bundle_id=APP_ID), force=True).project
-    runtime = resolve_runtime(options.app_runtime, on_event)
     ipa = build_virtual_ipa(project, out / f"{project.name}-virtual.ipa", APP_RUNTIMES[runtime.runtime])
     _say(on_event, f"the virtual iPhone runs {runtime.why}")
 
@@ -179,6 +184,8 @@ def run_demo(options: DemoOptions, on_event: Event | None = None) -> DemoResult:
         ios=options.ios,
         app_runtime=runtime.runtime,
         app_runtime_why=runtime.why,
+        buffer_cache_bytes=held_cache,
+        buffer_cache_limit_bytes=kv.buffer_cache_limit_bytes,
     )
 
 

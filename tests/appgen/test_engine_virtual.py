@@ -23,6 +23,7 @@ from tests.bundle_fixtures import packaged
 from tests.device.conftest import on_device, run
 from toolchain.appgen.render import AppOptions, render_app
 from toolchain.appgen.virtual_ipa import build_virtual_ipa
+from toolchain.bundle import DEFAULT_BUFFER_CACHE_LIMIT as CACHE_CAP  # the bundle's buffer_cache_limit_bytes
 from toolchain.bundle import PackageOptions
 from toolchain.device.deploy import deploy
 from toolchain.models import load_model_spec
@@ -32,6 +33,7 @@ from toolchain.profiles import load_profile
 from toolchain.soak import SoakOptions, make_plan, run_soak
 from toolchain.virtual.device import VirtualDevice
 from toolchain.virtual.host import EmulatorHost
+from toolchain.virtual.swiftapp import buffer_cache_held
 
 APP_ID = "dev.kvrig.swiftsoak"
 PROFILE = "iPhone16,1"
@@ -60,9 +62,9 @@ def phone(engine_binary: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
             schemes=(SCHEME,),
             weights="q4",
             prefill_step=STEP,  # the largest chunk this soak feeds (the bundle's prefill step is larger)
-            # MLX on this CPU keeps no buffer cache (the engine reports mlx_cache_bytes 0): counting the bundle's
-            # cap would leave room for a thousand more tokens and minutes more of the debug engine.
-            buffer_cache_bytes=0,
+            # What the engine's MLX keeps in its buffer cache on this host, measured (MLX Swift's CPU allocator
+            # keeps none): counting the bundle's cap would leave room for a thousand more tokens.
+            buffer_cache_bytes=buffer_cache_held("swift", CACHE_CAP),
             margin=0.0,
             max_context_cap=ROOM,
         ),
@@ -120,6 +122,8 @@ def test_swift_engine_soaks_into_jetsam(phone: Phone, tmp_path: Path) -> None:
         assert step["kv_bytes"] == kv_bytes(spec, scheme, updates), (context, updates)
     # Each step record carries the step's MLX peak (the kernel was told it pass by pass), never less than active.
     assert all(s["mlx_peak_bytes"] >= s["mlx_active_bytes"] > 0 for s in steps), steps
+    # The buffer cache the engine reports at every step is what its MLX keeps (the plan above counted that).
+    assert {s["mlx_cache_bytes"] for s in steps} == {buffer_cache_held("swift", CACHE_CAP)}, steps
     # The kernel's numbers reach the app, as the phone's own queries would return them.
     assert all(s["phys_footprint_bytes"] + s["available_bytes"] == phone.limit for s in steps)
     # The kill came in the step growing past the last context that survived.

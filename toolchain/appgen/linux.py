@@ -28,6 +28,9 @@ XCODE_LANGUAGE_MODE = "5"  # project.yml's SWIFT_VERSION
 LANGUAGE_MODES = ("5", "6")
 PRODUCT = "kvrig-engine"
 REQUIRED_DEPS = ("mlx-swift", "mlx-swift-lm", "swift-transformers")
+# MLX's C++ core optimized even in the debug build: at -O0 it prefills SmolLM2 at a few tokens/s, too slow to
+# soak; -O2 costs some build time once and leaves the Swift code (the app's own) a debug build. README: numbers.
+CXX_FLAGS = ("-Xcxx", "-O2")
 ENGINE_OPTIONS = AppOptions(name="kvrig engine", bundle_id="dev.kvrig.engine")
 
 
@@ -135,7 +138,7 @@ def build_engine(
     scratch = scratch or build_root() / "swift-engine"
     env = {**os.environ, DEPS_ENV: str(deps), MODE_ENV: language_mode}
     cmd = [swift, "build", "--package-path", str(project), "--scratch-path", str(scratch)]
-    cmd += ["-c", configuration, "--product", PRODUCT]
+    cmd += ["-c", configuration, "--product", PRODUCT, *(CXX_FLAGS if configuration == "debug" else ())]
     began = time.monotonic()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:

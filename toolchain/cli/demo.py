@@ -137,6 +137,8 @@ def _as_dict(result: DemoResult) -> dict[str, Any]:
         "ios": result.ios,
         "app_runtime": result.app_runtime,
         "app_runtime_why": result.app_runtime_why,
+        "buffer_cache_bytes": result.buffer_cache_bytes,
+        "buffer_cache_limit_bytes": result.buffer_cache_limit_bytes,
         "tunnel": soak.tunnel.kind if soak.tunnel else None,
         "battery_samples": len(soak.battery),
         "battery_max_temperature_c": _max_temperature(result),
@@ -160,6 +162,11 @@ def _render_one(result: DemoResult) -> None:
             f"{result.device}, iOS {result.ios}, app limit {human_bytes(result.limit_bytes)} ({result.limit_bytes} B)",
         ),
         ("app runtime", result.app_runtime_why),
+        (
+            "MLX buffer cache (planned: measured)",
+            f"{human_bytes(result.buffer_cache_bytes)} kept under the bundle's cap of "
+            f"{human_bytes(result.buffer_cache_limit_bytes)}",
+        ),
         ("developer services through", soak.tunnel.kind if soak.tunnel else "-"),
         ("KV scheme, prefill step, soak step", f"{result.kv}, {result.prefill_step}, {result.step_tokens} tokens"),
         ("outcome", f"{soak.outcome} ({soak.outcome_detail})"),

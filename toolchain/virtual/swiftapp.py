@@ -76,3 +76,37 @@ def resolve_runtime(choice: str, on_event: Callable[[str], None] | None = None) 
         f"the app's Swift engine ({build.binary.name}: its Engine, CacheSet and TokenLoop compiled against "
         "MLX Swift for this host)",
     )
+
+
+def buffer_cache_held(runtime: str, limit: int) -> int:
+    """Bytes MLX's buffer cache keeps, with its cap at `limit`, once arrays are freed, measured in the MLX the
+    virtual iPhone's app runs: the Swift engine's MLX Swift (`kvrig-engine --probe-buffer-cache`) or this
+    Python's MLX (`python`). The plan of the virtual iPhone counts this, not the cap: MLX Swift 0.31's CPU
+    allocator keeps nothing (Memory.cacheMemory stays 0), while Python's mlx 0.32 keeps freed buffers up to it.
+    """
+    if runtime == RUNTIME:
+        import json
+        import subprocess
+
+        proc = subprocess.run(
+            [*command([])[:1], "--probe-buffer-cache", str(limit)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            stdin=subprocess.DEVNULL,
+        )
+        if proc.returncode != 0:
+            raise SwiftEngineMissingError(f"kvrig-engine --probe-buffer-cache failed: {proc.stderr.strip()[-500:]}")
+        return int(json.loads(proc.stdout)["cache_bytes"])
+    import mlx.core as mx
+
+    previous = mx.set_cache_limit(limit)
+    mx.clear_cache()
+    # Twice the cap in 64 pieces, as a forward pass frees many buffers (the Swift probe does the same).
+    arrays = [mx.ones((max(1, 2 * limit // 4 // 64),), dtype=mx.float32) * (i + 1) for i in range(64)]
+    mx.eval(arrays)
+    del arrays
+    held = int(mx.get_cache_memory())
+    mx.clear_cache()
+    mx.set_cache_limit(previous)
+    return held

@@ -86,9 +86,13 @@ final class Engine {
             }
 
             status = "Loading \(AppConfig.bundleFolder)…"
+            // Progress on the log while nothing else is written (loading may take a while on a busy host).
+            Log.app.notice("loading \(AppConfig.bundleFolder) (weights, tokenizer) ...")
+            let loadBegan = Date()
             let container = try await LLMModelFactory.shared.loadContainer(
                 from: bundleURL, using: TransformersTokenizerLoader())
             self.container = container
+            Log.app.notice("loaded in \(String(format: "%.1f", Date().timeIntervalSince(loadBegan))) s")
             var converted: [String] = []
             if let host {
                 let prepared = try await container.perform { context in

@@ -14,6 +14,7 @@ struct RunnerOptions {
     var hostKernel = false
     var float32 = true
     var exitWhenDone = false
+    var probeBufferCache: Int?
 
     struct UsageError: Error, CustomStringConvertible {
         let description: String
@@ -50,6 +51,11 @@ struct RunnerOptions {
             case "--host-kernel": hostKernel = true
             case "--no-float32": float32 = false
             case "--exit-when-done": exitWhenDone = true
+            case "--probe-buffer-cache":
+                guard let n = Int(try value(argument)), n >= 0 else {
+                    throw UsageError(description: "--probe-buffer-cache: expected a byte count >= 0")
+                }
+                probeBufferCache = n
             default: throw UsageError(description: "unknown argument \(argument)")
             }
         }
@@ -94,7 +100,12 @@ final class RunnerHost: EngineHost, @unchecked Sendable {
     func prepare(model: any LanguageModel, bundle: URL) throws -> (phoneElementBytes: Int?, converted: [String]) {
         guard float32 else { return (nil, []) }
         let config = try ContractJSON.load(KVCacheConfig.self, from: bundle.appendingPathComponent("kvcache.json"))
+        Log.app.notice("converting the weights to float32 for this host ...")
+        let began = Date()
         let format = try HostFormat.convert(model, bundle: bundle, phoneDType: config.dtype.rawValue)
+        Log.app.notice(
+            "converted to float32 in \(String(format: "%.1f", Date().timeIntervalSince(began))) s "
+                + "(\(format.hostWeightBytes) B here, \(format.phoneWeightBytes) B as stored)")
         // The conversion's transients (quantized and float32 copies side by side) exist only on this host: the
         // kernel's first measurement must see what the phone holds after loading, not this peak.
         Memory.clearCache()

@@ -4,6 +4,7 @@
 //
 //   kvrig-engine --bundle DIR [--documents DIR] [--kvrig-soak-plan FILE] [--chat TEXT]... [--temperature T]
 //                [--max-tokens N] [--print-tokens] [--host-kernel] [--no-float32] [--exit-when-done]
+//   kvrig-engine --probe-buffer-cache BYTES   (prints what MLX's buffer cache keeps with that cap, as JSON)
 //
 // --host-kernel: speak the virtual iPhone's JSON-line channel on stdin/stdout (toolchain/virtual/apprun.py):
 // a measurement after every step, the kernel's verdict back (footprint, available, pressure).
@@ -17,6 +18,12 @@ do {
 } catch {
     FileHandle.standardError.write(Data("kvrig-engine: \(error)\n".utf8))
     exit(2)
+}
+
+if let limit = options.probeBufferCache {
+    let line = try JSONSerialization.data(withJSONObject: BufferCacheProbe.run(limit: limit), options: [.sortedKeys])
+    FileHandle.standardOutput.write(line + Data("\n".utf8))
+    exit(0)
 }
 
 let host = RunnerHost(options: options)
