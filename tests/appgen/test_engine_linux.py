@@ -42,7 +42,9 @@ def _bundle(factory: pytest.TempPathFactory, scheme: str) -> Path:
 
 
 def _chunks(n: int) -> list[int]:
-    return [min(PREFILL_STEP, n - i) for i in range(0, n, PREFILL_STEP)]
+    """The engine's cache updates for n prompt tokens, as mlx-lm's generate_step makes them: all but the last
+    token in prefill steps, then the last one alone."""
+    return [min(PREFILL_STEP, n - 1 - i) for i in range(0, n - 1, PREFILL_STEP)] + [1]
 
 
 def _expected_from_mlx(bundle: Path, updates: list[int]) -> int:

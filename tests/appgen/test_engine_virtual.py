@@ -111,12 +111,13 @@ def test_swift_engine_soaks_into_jetsam(phone: Phone, tmp_path: Path) -> None:
     assert steps, "killed before its first step"
 
     # KV bytes at every step against the planner's for the same updates: each step prefills up to its target
-    # in one chunk (the bundle's prefill step is larger) and decodes one token.
+    # (all but its last token in one chunk, the bundle's prefill step being larger, then the last one alone,
+    # as mlx-lm does) and decodes one token.
     spec, scheme = load_model_spec(phone.bundle), parse_scheme(SCHEME)
     updates: list[int] = []
     context = 0
     for target, step in zip(range(STEP, 4096, STEP), steps, strict=False):
-        updates += [target - context, 1]
+        updates += [target - context - 1, 1, 1]
         context = target + 1
         assert step["context_tokens"] == context
         assert step["kv_bytes"] == kv_bytes(spec, scheme, updates), (context, updates)

@@ -17,21 +17,29 @@ struct TokenLoop {
         var rate: Double? { seconds > 0 ? Double(tokens) / seconds : nil }
     }
 
-    /// Feeds `tokens` in prefill steps and returns the logits after the last one.
+    /// Feeds `tokens` and returns the logits after the last one. As mlx-lm's generate_step: all but the last
+    /// token in prefill steps that evaluate only the caches, then the last token alone, so a chunk's logits
+    /// (chunk × vocabulary, 25 MB for SmolLM2 at 256 tokens in float16) are never materialized or kept.
     func prefill(_ tokens: [Int], timing: inout Timing) throws -> MLXArray? {
-        var last: MLXArray?
+        guard let lastToken = tokens.last else { return nil }
         let stepSize = max(1, caches.parameters.prefillStepSize)
+        let body = tokens.count - 1
         var start = 0
-        while start < tokens.count {
-            if caches.isStopRequested { break }
-            let chunk = Array(tokens[start ..< min(start + stepSize, tokens.count)])
+        while start < body {
+            if caches.isStopRequested { return nil }
+            let chunk = Array(tokens[start ..< min(start + stepSize, body)])
             let began = Date()
-            last = try forward(chunk)
+            try fill(chunk)
             timing.tokens += chunk.count
             timing.seconds += Date().timeIntervalSince(began)
             start += chunk.count
         }
-        return last
+        if caches.isStopRequested { return nil }
+        let began = Date()
+        let logits = try forward([lastToken])
+        timing.tokens += 1
+        timing.seconds += Date().timeIntervalSince(began)
+        return logits
     }
 
     /// Generates up to `count` tokens after `logits`, stopping at end of sequence; `onToken` sees each one.
@@ -52,6 +60,17 @@ struct TokenLoop {
             timing.seconds += Date().timeIntervalSince(began)
         }
         return logits
+    }
+
+    /// One forward pass of a prefill chunk that evaluates the caches only (the logits stay unevaluated).
+    private func fill(_ ids: [Int]) throws {
+        try withError {
+            let text = LMInput.Text(tokens: MLXArray(ids.map { Int32($0) }))
+            _ = context.model(text[text: .newAxis], cache: caches.caches, state: nil)
+            eval(caches.caches)
+            caches.quantizeIfDue()
+            betweenSteps()
+        }
     }
 
     /// One forward pass; returns the last position's logits, evaluated. An allocation past MLX's memory limit
