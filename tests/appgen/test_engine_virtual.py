@@ -2,7 +2,7 @@
 `--app-runtime swift`, deployed with a real SmolLM2 bundle through pymobiledevice3, soaked by kvrig's driver
 until the virtual kernel kills it.
 
-Default: `test_swift_engine_soaks_into_jetsam` (85-100 s here with the debug engine, plus packaging the bundle
+Default: `test_swift_engine_soaks_into_jetsam` (about 60 s here with the debug engine, plus packaging the bundle
 the Python soak tests share): small unaligned steps into a limit sized by the planner, kv_bytes against
 `toolchain.plan.kv_bytes` at every step. The longer matrix (four schemes, aligned and unaligned steps, chat
 turns, greedy tokens) is test_engine_linux.py, marked slow.
