@@ -220,6 +220,11 @@ def _render_table(results: list[DemoResult]) -> None:
         click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
     click.echo(f"soak step {results[0].step_tokens} tokens; planned = the plan's max context without its margin")
     click.echo(f"app runtime: {results[0].app_runtime_why}")
+    first = results[0]
+    click.echo(
+        f"MLX buffer cache planned: {human_bytes(first.buffer_cache_bytes)} (what the app's MLX keeps here, measured; "
+        f"the bundle's cap is {human_bytes(first.buffer_cache_limit_bytes)})"
+    )
 
 
 def _yes_no(value: bool | None) -> str:
