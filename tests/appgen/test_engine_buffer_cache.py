@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import mlx.core as mx
+import pytest
 
 from tests.appgen.swift_engine import engine_binary  # noqa: F401
 from toolchain.virtual.swiftapp import buffer_cache_held
@@ -25,3 +26,16 @@ def test_pythons_mlx_keeps_freed_buffers_up_to_the_cap() -> None:
 
 def test_the_swift_engines_mlx_keeps_no_buffer_cache(engine_binary: Path) -> None:  # noqa: F811
     assert buffer_cache_held("swift", CAP) == 0
+
+
+def test_a_failing_probe_is_an_engine_run_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from toolchain import exceptions
+    from toolchain.virtual import swiftapp
+
+    broken = tmp_path / "kvrig-engine"
+    broken.write_text("#!/bin/sh\necho 'kvrig-engine: unknown argument --probe-buffer-cache' >&2\nexit 2\n")
+    broken.chmod(0o755)
+    monkeypatch.setattr(swiftapp, "engine_binary", lambda: broken)
+    with pytest.raises(exceptions.EngineRunError) as failure:
+        buffer_cache_held("swift", CAP)
+    assert failure.value.exit_code == 32 and "unknown argument" in str(failure.value)

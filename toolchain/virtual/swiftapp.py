@@ -88,6 +88,8 @@ def buffer_cache_held(runtime: str, limit: int) -> int:
         import json
         import subprocess
 
+        from toolchain.exceptions import EngineRunError
+
         proc = subprocess.run(
             [*command([])[:1], "--probe-buffer-cache", str(limit)],
             capture_output=True,
@@ -96,7 +98,9 @@ def buffer_cache_held(runtime: str, limit: int) -> int:
             stdin=subprocess.DEVNULL,
         )
         if proc.returncode != 0:
-            raise SwiftEngineMissingError(f"kvrig-engine --probe-buffer-cache failed: {proc.stderr.strip()[-500:]}")
+            raise EngineRunError(
+                f"kvrig-engine --probe-buffer-cache exited {proc.returncode}: {proc.stderr.strip()[-500:]}"
+            )
         return int(json.loads(proc.stdout)["cache_bytes"])
     import mlx.core as mx
 
