@@ -109,7 +109,8 @@ SCHEDULE = [1] * 5 + [100, 151, 1, 1, 40, 214, 1, 2]
 
 
 @pytest.mark.parametrize(
-    "name", ["fp16", "k8v4", "k8v8+rot", "k4v4+rotk+s4", "k4v3+rot+s4+w64", "k4v4g32+w16", "k8v4+s300"]
+    "name",
+    ["fp16", "k8v4", "k8v8+rot", "k4v4+rotk+s4", "k4v3+rot+s4+w64", "k4v4g32+w16", "k8v4+s300", "k5v3+rot+s4+w64"],
 )
 def test_cache_bytes_equal_the_plan(name: str) -> None:
     """After every update of a ragged schedule, MLX's nbytes over the model's caches equals the planner's
