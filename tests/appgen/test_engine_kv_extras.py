@@ -3,8 +3,9 @@ engine as in the Python runtime: the engine built by `make test` (`kvrig engine`
 same bundle and prompt, greedily, and must give the same tokens, and the engine's KV bytes must equal the
 Python runtime's caches (MLX's nbytes, counted at the phone's float16) and the planner's prediction.
 
-The scheme is k3v3 so that the extras change the answer: the same bundle without them generates other tokens
-(checked here too), so an engine that ignored them could not pass. Tokens only, not logits: the headless
+The k3v3 case is there so that the extras change the answer: the same bundle without them generates other
+tokens (checked there too), so an engine that ignored them could not pass. The k5v3 case is the KV moonshot's
+bit widths (5-bit keys, 3-bit values: packings the k8/k4 schemes never exercise). Tokens only, not logits: the headless
 engine prints token ids. No Swift build runs here; the test fails if the engine was not built first."""
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ PROMPT = "Write one sentence about the sea."
 TOKENS = 6
 # 37 prompt tokens: the 4 sink and 16 recent tokens leave quantized rows between them from the first chunk on.
 EXTRAS = {"rotation": "hadamard", "sink_tokens": 4, "recent_tokens": 16}
-OPTIONS = PackageOptions(weights="q4", group_size=64, kv="k3v3", prefill_step_size=128, **EXTRAS)  # type: ignore[arg-type]
+SCHEMES = ("k3v3", "k5v3")
 
 
-@pytest.fixture(scope="module")
-def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return packaged(tmp_path_factory, "smollm2-q4-k3v3-rot-s4-w16", OPTIONS)
+@pytest.fixture(scope="module", params=SCHEMES)
+def bundle(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    options = PackageOptions(weights="q4", group_size=64, kv=request.param, prefill_step_size=128, **EXTRAS)  # type: ignore[arg-type]
+    return packaged(tmp_path_factory, f"smollm2-q4-{request.param}-rot-s4-w16", options)
 
 
 def _python_runtime(bundle: Path, kv: KVCacheConfig) -> tuple[list[int], list[Any]]:
@@ -79,10 +81,12 @@ def test_engine_applies_rotation_sinks_and_window_as_the_python_runtime(
     assert context == max(c.offset for c in caches) < 256
     python_bytes = kv_bytes(caches, "float16")[1]
     assert steps[-1]["kv_bytes"] == python_bytes
-    variant = parse_kv_variant("k3v3+rot+s4+w16")
+    variant = parse_kv_variant(f"{kv.scheme}+rot+s4+w16")
     assert predicted_bytes(load_model_spec(bundle), variant, [context], "float16") == python_bytes
 
     # The extras matter at k3v3: without them the runtime answers otherwise, so equal tokens above mean the
     # engine applied them.
+    if kv.scheme != "k3v3":
+        return
     plain = kv.model_copy(update={"rotation": "none", "sink_tokens": 0, "recent_tokens": 0})
     assert _python_runtime(bundle, plain)[0] != expected

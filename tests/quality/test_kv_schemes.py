@@ -13,7 +13,7 @@ from toolchain.exceptions import KVSchemeError, QuantizationError
 from toolchain.models import spec_from_config
 from toolchain.quality.schemes import kv_config, make_variant_caches, parse_kv_variant, predicted_bytes
 from toolchain.runtime.caches import make_caches
-from toolchain.runtime.kv_cache import SchemeKVCache, rotate
+from toolchain.runtime.kv_cache import DEQUANTIZED_ROWS, SchemeKVCache, rotate
 
 CONFIG = {
     "model_type": "llama",
@@ -89,6 +89,32 @@ def test_cache_attention_equals_mlx_attention_when_nothing_is_quantized_away(rot
         np.testing.assert_allclose(np.array(out), np.array(ref[..., t : t + 1, :]), atol=2e-5)
 
 
+@pytest.mark.parametrize("name", ["k5v3", "k8v4+rot+s4+w8"])
+def test_prefill_rows_read_the_same_quantized_cache_as_decode_rows(name: str) -> None:
+    """Many query rows read dequantized copies through a float matmul, a single row reads the packed cache
+    through MLX's quantized matmul: both give the same attention, and without extras it is MLX's fused
+    attention over MLX's own dequantization of the stored rows."""
+    mx.random.seed(3)
+    variant = parse_kv_variant(name)
+    s = variant.scheme
+    assert s.key_bits is not None and s.value_bits is not None
+    q, k, v = (mx.random.normal((1, h, n, 64)) for h, n in ((6, 24), (2, 100), (2, 100)))
+    scale = 64**-0.5
+    extras = {"rotation": variant.rotation, "sink_tokens": variant.sink_tokens, "recent_tokens": variant.recent_tokens}
+    cache = SchemeKVCache(s.key_bits, s.value_bits, s.group_size, **extras)  # type: ignore[arg-type]
+    cache.update_and_fetch(k, v)
+    assert 3 * 24 >= DEQUANTIZED_ROWS > 3  # the chunk takes the dequantized path, single rows do not
+    chunk = cache.attention(q, scale, None)
+    rows = mx.concatenate([cache.attention(q[..., i : i + 1, :], scale, None) for i in range(24)], axis=2)
+    np.testing.assert_allclose(np.array(chunk), np.array(rows), atol=1e-4)
+    if not variant.has_extras:
+        assert cache.keys is not None and cache.values is not None
+        kd = mx.dequantize(*cache.keys, group_size=s.group_size, bits=s.key_bits)[..., :100, :]
+        vd = mx.dequantize(*cache.values, group_size=s.group_size, bits=s.value_bits)[..., :100, :]
+        ref = mx.fast.scaled_dot_product_attention(q, kd, vd, scale=scale)
+        np.testing.assert_allclose(np.array(chunk), np.array(ref), atol=1e-4)
+
+
 def test_rotation_makes_4_bit_keys_closer_on_outlier_channels() -> None:
     """Keys with a few large channels (as real models have) quantize better after the rotation: the cache's
     attention output is closer to the float attention with rotation than without."""
@@ -109,7 +135,8 @@ SCHEDULE = [1] * 5 + [100, 151, 1, 1, 40, 214, 1, 2]
 
 
 @pytest.mark.parametrize(
-    "name", ["fp16", "k8v4", "k8v8+rot", "k4v4+rotk+s4", "k4v3+rot+s4+w64", "k4v4g32+w16", "k8v4+s300"]
+    "name",
+    ["fp16", "k8v4", "k8v8+rot", "k4v4+rotk+s4", "k4v3+rot+s4+w64", "k4v4g32+w16", "k8v4+s300", "k5v3+rot+s4+w64"],
 )
 def test_cache_bytes_equal_the_plan(name: str) -> None:
     """After every update of a ragged schedule, MLX's nbytes over the model's caches equals the planner's

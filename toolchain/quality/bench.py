@@ -28,7 +28,9 @@ DEFAULT_KV = (
     "k4v4+rot",
     "k4v4+rot+s4",
     "k4v4+rot+s4+w64",
-    "k4v3+rot+s4+w128",
+    "k5v3",
+    "k5v3+rot",
+    "k5v3+rot+s4+w64",
 )
 DEFAULT_CONTEXTS = (512, 1024, 2048, 4096)
 FACTUAL_PROMPTS = (

@@ -17,6 +17,8 @@ from mlx_lm.models.cache import KVCache, create_attention_mask
 from toolchain.compat.mlx_lm_cache import BaseCache
 
 Quantized = tuple[mx.array, mx.array, mx.array]
+DEQUANTIZED_ROWS = 16
+"""Query rows (heads sharing a KV head x tokens) from which attention reads dequantized copies (BLAS)."""
 
 
 class DequantizingKVCache(BaseCache):
@@ -259,6 +261,10 @@ class SchemeKVCache(BaseCache):
             rk, rv = (mx.expand_dims(mx.take(x, slots, axis=-2), -3) for x in self.recent)
             segments.append(("float", (rk, rv)))
 
+        # Many query rows (prefill): MLX's CPU quantized matmul is a plain loop, so dequantize the segment and
+        # let BLAS multiply (one layer's float copy, transient); decode keeps the quantized matmul.
+        if reps * L >= DEQUANTIZED_ROWS:
+            segments = [("float", kv if kind == "float" else self._dequantized(kv)) for kind, kv in segments]
         scores = []
         for kind, (k, _) in segments:
             if kind == "float":
@@ -294,6 +300,13 @@ class SchemeKVCache(BaseCache):
         if self.rotate_values:
             out = rotate(out)
         return out.reshape(B, n_q_heads, L, -1)
+
+    def _dequantized(self, kv: tuple[Quantized, Quantized]) -> tuple[mx.array, mx.array]:
+        (k, v), g = kv, self.group_size
+        return (
+            mx.dequantize(k[0], k[1], k[2], group_size=g, bits=self.key_bits),
+            mx.dequantize(v[0], v[1], v[2], group_size=g, bits=self.value_bits),
+        )
 
     def keys_and_values(self) -> tuple[Quantized | None, Quantized | None]:
         """For KV-shared layers: they pass this cache on to attention, which reads it through `attention`."""
