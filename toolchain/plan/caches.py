@@ -62,6 +62,9 @@ class Slot:
     window: int | None = None
     params: tuple[tuple[str, Any], ...] = ()
     """the fresh cache's scalar settings (step, keep, chunk size...): replays differ when they do."""
+    before: list[str] = field(default_factory=list)
+    """methods the model itself calls on this cache, without arguments, before a step's updates (llama4
+    trims its chunked caches' front that way); a replay calls them too."""
 
     @property
     def kind(self) -> str:
@@ -75,7 +78,7 @@ class Slot:
 
     @property
     def signature(self) -> tuple[Any, ...]:
-        return (self.cls, tuple(self.updates), self.window, self.state_bytes, self.params)
+        return (self.cls, tuple(self.updates), self.window, self.state_bytes, self.params, tuple(self.before))
 
 
 def _leaves(cache: Any, path: tuple[int, ...] = ()) -> Iterator[tuple[tuple[int, ...], Any]]:
@@ -146,6 +149,7 @@ class CacheProbe:
 
         self.model = model
         self._current: int | None = None
+        self._first_step = True
         self._handed: dict[int, set[int]] = {}
         caches = make_prompt_cache(model)
         self.slots: list[Slot] = []
@@ -161,11 +165,13 @@ class CacheProbe:
                 by_id[id(leaf)] = slot
                 if hasattr(leaf, "update_and_fetch"):
                     leaf.update_and_fetch = self._recorder(leaf, slot, returned)
+                    self._watch_calls(leaf, slot)
         layers = getattr(model, "layers", None)
         originals = list(layers) if isinstance(layers, (list, tuple)) else []
         try:
             with _watching_layers(originals, self), contextlib.redirect_stdout(io.StringIO()):
                 model(mx.zeros((1, PROBE_TOKENS), mx.int32), cache=caches)
+            self._first_step = False
             if any(not slot.updates for slot in self.slots):
                 # State that keeps the last few tokens (longcat_flash_ngram's n-gram context) is full only
                 # after more than one token: read it after a second, longer step, not recorded as one.
@@ -187,6 +193,22 @@ class CacheProbe:
         self.num_layers = len(originals)
         self.owners = self._owners({id(c): i for i, c in enumerate(caches)})
         self.layer_sources = self._sources({id(c): i for i, c in enumerate(caches)}, returned)
+
+    def _watch_calls(self, cache: Any, slot: Slot) -> None:
+        """Notes the cache's own methods the model calls without arguments before the cache's first update of
+        the first step (a read that changes nothing is harmless to repeat; one that trims must be)."""
+        import inspect
+
+        for name, function in inspect.getmembers(type(cache), inspect.isfunction):
+            if name.startswith("_") or name == "update_and_fetch":
+                continue
+
+            def call(*args: Any, _name: str = name, _function: Any = function, **kwargs: Any) -> Any:
+                if self._first_step and not slot.updates and not args and not kwargs and _name not in slot.before:
+                    slot.before.append(_name)
+                return _function(cache, *args, **kwargs)
+
+            setattr(cache, name, call)
 
     def _recorder(self, cache: Any, slot: Slot, returned: dict[int, Slot]) -> Callable[[Any, Any], Any]:
         original = cache.update_and_fetch
@@ -278,6 +300,8 @@ def _replay(
         cache = next(c for s, c in probe.fresh(make) if s is slot)
         peak = 0
         for n in schedule:
+            for name in slot.before:
+                getattr(cache, name)()
             for update in slot.updates:
                 cache.update_and_fetch(*update.arrays(n))
             peak = max(peak, cache.nbytes)
@@ -312,6 +336,8 @@ def quantized_step_runs(probe: CacheProbe, model_type: str) -> bool:
 def layer_specs(probe: CacheProbe) -> list[Any]:
     """One LayerSpec per decoder layer (KV-shared layers name the layer they read); when the step did not
     show which layer owns which cache, one per cache the model makes."""
+    from mlx_lm.models.cache import KVCache
+
     from toolchain.models.spec import LayerSpec
 
     tops: dict[int, list[Slot]] = {}
@@ -331,7 +357,8 @@ def layer_specs(probe: CacheProbe) -> list[Any]:
             k_head_dim=u.key_shape[-1] if u else 0,
             v_head_dim=u.value_shape[-1] if u else 0,
             window=first.window if kind == "sliding" else None,
-            quantizable=not nested,
+            # kvrig swaps only plain KVCaches (not llama4's chunked ones, nor caches nested in a CacheList).
+            quantizable=not nested and first.cls is KVCache,
         )
 
     owner = {layer: index for index, layer in probe.owners.items()}
