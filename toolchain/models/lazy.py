@@ -165,6 +165,26 @@ def count_parameters(config: dict[str, Any], model: Any = None) -> int:
     return sum(p.size for _, p in flat)
 
 
+def copy_modules(model: Any) -> Any:
+    """A copy of the model's module tree sharing its (unevaluated) arrays: mlx-lm's quantize_model swaps
+    modules in place, so each recipe quantizes a copy instead of a freshly built model."""
+    import mlx.nn as nn
+
+    def dup(value: Any) -> Any:
+        if isinstance(value, nn.Module):
+            return copy_modules(value)
+        if isinstance(value, list):
+            return [dup(v) for v in value]
+        if isinstance(value, dict):
+            return {k: dup(v) for k, v in value.items()}
+        return value
+
+    new = copy.copy(model)  # the same class and attributes; its child entries replaced below
+    for key, value in model.items():
+        dict.__setitem__(new, key, dup(value))
+    return new
+
+
 def cast_model(model: Any, dtype: str) -> Any:
     """Floating parameters cast to `dtype` as mlx-lm's convert casts them (honouring `cast_predicate`)."""
     import mlx.core as mx

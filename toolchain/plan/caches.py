@@ -76,8 +76,13 @@ class Slot:
             return "sliding"
         return "full"
 
+    sealed: tuple[Any, ...] | None = None
+    """the signature once the probe is done"""
+
     @property
     def signature(self) -> tuple[Any, ...]:
+        if self.sealed is not None:
+            return self.sealed
         return (self.cls, tuple(self.updates), self.window, self.state_bytes, self.params, tuple(self.before))
 
 
@@ -190,6 +195,7 @@ class CacheProbe:
         for slot in self.slots:
             if not slot.updates:
                 slot.state_bytes = _get(caches, slot.path).nbytes
+            slot.sealed = slot.signature  # fixed from here on; computed once, not per replay
         self.num_layers = len(originals)
         self.owners = self._owners({id(c): i for i, c in enumerate(caches)})
         self.layer_sources = self._sources({id(c): i for i, c in enumerate(caches)}, returned)
@@ -286,6 +292,15 @@ class CacheProbe:
     def slot_of_layer(self, layer: int) -> Slot | None:
         return next((s for s in self.slots if s.layer == layer), None)
 
+    def groups(self, make: Callable[[Slot], Any] | None = None) -> list[tuple[Slot, int]]:
+        """Slots whose replays are alike (same signature, same cache from `make`): one of each and how many,
+        so a 48-layer model replays once per kind of layer instead of once per layer."""
+        counts: dict[Any, list[Any]] = {}
+        for slot in self.slots:
+            entry = counts.setdefault(_memo_key(slot, (), make), [slot, 0])
+            entry[1] += 1
+        return [(slot, n) for slot, n in counts.values()]
+
 
 def _replay(
     probe: CacheProbe, slot: Slot, schedule: tuple[int, ...], make: Callable[[Slot], Any] | None
@@ -293,7 +308,7 @@ def _replay(
     if not slot.updates:
         held = slot.state_bytes if schedule else 0
         return held, held, held
-    key = (slot.signature, schedule, getattr(make, "key", None))
+    key = _memo_key(slot, schedule, make)
     if key not in _MEMO:
         import mlx.core as mx
 
@@ -309,6 +324,14 @@ def _replay(
         arrays = [a for a in _flatten(list(vars(cache).values())) if isinstance(a, mx.array)]
         _MEMO[key] = (cache.nbytes, peak, max((a.nbytes for a in arrays), default=0))
     return _MEMO[key]
+
+
+def _memo_key(slot: Slot, schedule: tuple[int, ...], make: Callable[[Slot], Any] | None) -> tuple[Any, ...]:
+    # What a replay depends on: the slot's own signature, the schedule, and the cache `make` gives this slot
+    # (None where it keeps the model's own: a nested or unchosen cache of the same signature differs).
+    picks = getattr(make, "picks", None)
+    made = getattr(make, "key", None) if picks is None or picks(slot) else None
+    return (slot.signature, schedule, made)
 
 
 # Replays keyed by what determines them (cache class, update shapes, schedule, scheme): layers alike share one.
