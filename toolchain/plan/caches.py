@@ -65,6 +65,8 @@ class Slot:
     before: list[str] = field(default_factory=list)
     """methods the model itself calls on this cache, without arguments, before a step's updates (llama4
     trims its chunked caches' front that way); a replay calls them too."""
+    sealed: tuple[Any, ...] | None = None
+    """the signature, fixed once the probe is done"""
 
     @property
     def kind(self) -> str:
@@ -75,9 +77,6 @@ class Slot:
         if issubclass(self.cls, c.RotatingKVCache):
             return "sliding"
         return "full"
-
-    sealed: tuple[Any, ...] | None = None
-    """the signature once the probe is done"""
 
     @property
     def signature(self) -> tuple[Any, ...]:
