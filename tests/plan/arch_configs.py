@@ -78,14 +78,12 @@ WHEN_NONE: dict[str, Any] = {
 TEXT_MODULES: dict[str, str] = {
     "gemma3": "gemma3_text",
     "kimi_k25": "deepseek_v3",
-    "kimi_k3": "deepseek_v3",
     "kimi_vl": "deepseek_v3",
     "qwen2_vl": "qwen2",
     "qwen3_vl": "qwen3",
     "qwen3_vl_moe": "qwen3_moe",
     "mistral3": "llama",
     "pixtral": "llama",
-    "llama4": "llama4_text",
     "lfm2-vl": "lfm2",
 }
 
@@ -178,6 +176,51 @@ EXTRA: dict[str, dict[str, Any]] = {
 }
 
 
+# Fields a wrapper's own TextArgs needs beyond its required ones.
+TEXT_EXTRA: dict[str, dict[str, Any]] = {
+    # Four layers: every fourth is the global (unchunked, no-RoPE) layer; a chunk the schedule overflows.
+    "llama4": {
+        "num_hidden_layers": 4,
+        "rope_scaling": None,
+        "attention_chunk_size": 64,
+        "interleave_moe_layer_step": 2,
+        "num_experts_per_tok": 1,  # its MoE asserts one expert per token
+        "intermediate_size_mlp": 256,
+        "use_qk_norm": True,
+    },
+    # One delta-attention layer (linear state) and one MLA layer; attention residual blocks of two layers.
+    "kimi_k3": {
+        "linear_attn_config": {"kda_layers": [2], "num_heads": 2, "head_dim": 64, "short_conv_kernel_size": 4},
+        "num_experts_per_token": 2,
+        "num_shared_experts": 1,
+        "attn_res_block_size": 2,
+    },
+    # A sliding layer with RoPE, a full one without (a 0 theta); every feed-forward is sparse (its only kind).
+    "muse_spark": {
+        "layer_types": ["sliding_attention", "full_attention"],
+        "layer_rope_theta": [1e4, 0],
+        "rope_parameters": {"rope_theta": 1e4},
+        "moe_hidden_size": 64,
+        "moe_intermediate_size": 64,
+        "final_logit_softcapping": 30.0,
+    },
+    # One sparse-attention layer (its indexer keys in a second cache) after a dense one.
+    "minimax_m3_vl": {
+        "dense_intermediate_size": 256,
+        "shared_intermediate_size": 64,
+        "moe_layer_freq": [0, 1],
+        "sparse_attention_freq": [0, 1],
+        "sparse_attention_config": {
+            "sparse_num_index_heads": 2,
+            "sparse_index_dim": 64,
+            "sparse_block_size": 8,
+            "sparse_topk_blocks": 2,
+            "sparse_local_block": 1,
+        },
+    },
+}
+
+
 def _qwen3_5_moe() -> dict[str, Any]:
     from tiny_configs import TINY_CONFIGS
 
@@ -185,6 +228,28 @@ def _qwen3_5_moe() -> dict[str, Any]:
     moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1}
     text.update(moe, model_type="qwen3_5_moe_text", shared_expert_intermediate_size=64, mlp_only_layers=[])
     return {"text_config": text}
+
+
+def _prism_hadamard_qwen35() -> dict[str, Any]:
+    """A Hadamard pack of the tiny qwen3_5: the module's own ModelArgs demand a text-only schema, 2-bit affine
+    weights of group 128 and a manifest of packed modules; every bias-free Linear/Embedding whose input width
+    the 128-wide groups divide is packed, rotated in 512-wide blocks where its width allows."""
+    import mlx.nn as nn
+    from mlx_lm.models import qwen3_5
+
+    config = {**tiny_config("qwen3_5"), "model_type": "prism_hadamard_qwen35"}
+    config["text_config"] = {**config["text_config"], "hidden_size": 512, "intermediate_size": 256}
+    model = qwen3_5.Model(qwen3_5.ModelArgs.from_dict(config))
+    modules = []
+    for path, module in model.language_model.named_modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)) and "bias" not in module:
+            width = module.weight.shape[1]
+            if width % 128 == 0:
+                block = 512 if width % 512 == 0 else 0
+                embedding = isinstance(module, nn.Embedding)
+                modules.append({"path": path, "embedding": embedding, "dtype": "float16", "block": block})
+    pack = {"bits": 2, "group_size": 128, "mode": "affine"}
+    return {**config, "schema_version": 1, "tensor_namespace": "mlx-lm-text", "quantization": pack, "modules": modules}
 
 
 def _by_name(name: str, kind: str) -> Any:
@@ -233,13 +298,9 @@ def _kind(annotation: Any) -> str:
     return {"List": "list", "Dict": "dict", "Tuple": "list", "tuple": "list"}.get(text, text)
 
 
-def tiny_config(name: str) -> dict[str, Any]:
-    """The hand-made config where tiny_configs.py has one for this module, else one from its ModelArgs."""
-    from tiny_configs import TINY_CONFIGS
-
-    if name in TINY_CONFIGS:
-        return TINY_CONFIGS[name]
-    args = module_args(name)
+def _fill(args: Any, name: str) -> dict[str, Any]:
+    """Small values for a ModelArgs (or a module's own TextArgs): every field SIZES names, every required field,
+    and the None defaults the model still computes with; the rest keep the module's defaults."""
     config: dict[str, Any] = {"model_type": name}
     for f in dataclasses.fields(args):
         if f.name == "model_type":
@@ -250,13 +311,36 @@ def tiny_config(name: str) -> dict[str, Any]:
             config[f.name] = SIZES[f.name]
         elif f.name == "text_config" and name in TEXT_MODULES:
             config[f.name] = tiny_config(TEXT_MODULES[name])
+        elif f.name == "text_config" and _own_text_args(name) is not None:
+            # A wrapper whose text model's arguments are a TextArgs of its own module (llama4, kimi_k3...).
+            text = _fill(_own_text_args(name), name)
+            text.update(TEXT_EXTRA.get(name, {}))
+            config[f.name] = text
         elif required:
             config[f.name] = _by_name(f.name, kind)
         elif f.default is None and f.name in WHEN_NONE:
             config[f.name] = WHEN_NONE[f.name]
+    return config
+
+
+def _own_text_args(name: str) -> Any:
+    with contextlib.redirect_stdout(io.StringIO()):
+        args = getattr(importlib.import_module(f"mlx_lm.models.{name}"), "TextArgs", None)
+    return args if dataclasses.is_dataclass(args) else None
+
+
+def tiny_config(name: str) -> dict[str, Any]:
+    """The hand-made config where tiny_configs.py has one for this module, else one from its ModelArgs."""
+    from tiny_configs import TINY_CONFIGS
+
+    if name in TINY_CONFIGS:
+        return TINY_CONFIGS[name]
+    config = _fill(module_args(name), name)
     config.update(EXTRA.get(name, {}))
     if name == "qwen3_5_moe":
         config.update(_qwen3_5_moe())
+    if name == "prism_hadamard_qwen35":
+        return _prism_hadamard_qwen35()
     return config
 
 

@@ -17,25 +17,13 @@ import pytest
 from arch_configs import architectures, tiny_config
 from mlx_lm.models.cache import make_prompt_cache
 
-from toolchain.exceptions import ModelConfigError, UnsupportedArchitectureError
+from toolchain.exceptions import UnsupportedArchitectureError
 from toolchain.models import spec_from_config
-from toolchain.models.lazy import REFUSED, build_lazy_model
+from toolchain.models.lazy import METAL_ONLY, REFUSED, build_lazy_model, refused_here
 from toolchain.plan.kv import kv_bytes, parse_scheme
 
 # A prompt, a decode step, a chunk that crosses the first 256-token step, another decode step.
 SCHEDULE = (3, 1, 254, 1)
-
-# Modules whose tiny config the sweep does not build yet (its ModelArgs needs nested or pattern fields that
-# arch_configs.py does not fill): strict xfail, so one that starts working must be moved out of this list.
-NO_TINY_CONFIG = set(
-    [
-        "kimi_k3",
-        "llama4",
-        "minimax_m3_vl",
-        "muse_spark",
-        "prism_hadamard_qwen35",
-    ]
-)
 
 # Modules whose tiny model runs but whose planned bytes differ from MLX's: a planner bug to fix (strict xfail).
 MISPLANNED: dict[str, str] = {}
@@ -51,8 +39,6 @@ def _cases() -> list[object]:
     out: list[object] = []
     for name in architectures():
         marks = []
-        if name in NO_TINY_CONFIG:
-            marks.append(pytest.mark.xfail(raises=ModelConfigError, strict=True, reason="no tiny config yet"))
         if name in MISPLANNED:
             marks.append(pytest.mark.xfail(raises=AssertionError, strict=True, reason=MISPLANNED[name]))
         out.append(pytest.param(name, marks=marks))
@@ -65,7 +51,7 @@ def _node(name: str) -> str:
 
 def test_the_sweep_covers_what_mlx_lm_ships() -> None:
     assert len(architectures()) > 100
-    assert set(architectures()) >= NO_TINY_CONFIG
+    assert set(architectures()) >= set(REFUSED)
 
 
 @pytest.mark.parametrize("name", _cases())
@@ -82,7 +68,7 @@ def test_architecture_plans_exactly(name: str) -> None:
             pytest.xfail(f"mlx-lm's {name} crashed its process before the check finished: {child.stderr[-200:]}")
         assert "1 passed" in child.stdout, child.stdout[-2000:]
         return
-    if name in REFUSED and not (name == "bitnet" and mx.metal.is_available()):
+    if refused_here(name):
         with pytest.raises(UnsupportedArchitectureError) as err:
             spec_from_config({"model_type": name})
         assert err.value.reason == REFUSED[name] and name in str(err.value)
@@ -99,3 +85,15 @@ def test_architecture_plans_exactly(name: str) -> None:
         token += n
     measured = sum(c.nbytes for c in caches)
     assert kv_bytes(spec, parse_scheme("fp32", dtype="float32"), SCHEDULE) == measured
+
+
+@pytest.mark.skipif(mx.metal.is_available(), reason="with Metal these modules run and are planned above")
+@pytest.mark.parametrize("name", sorted(METAL_ONLY))
+def test_metal_only_modules_cannot_run_without_metal(name: str) -> None:
+    """Why they are refused here: mlx-lm's own model, built from its tiny config, cannot run one step."""
+    import importlib
+
+    module = importlib.import_module(f"mlx_lm.models.{name}")
+    model = module.Model(module.ModelArgs.from_dict(tiny_config(name)))
+    with pytest.raises(RuntimeError, match="Metal"):
+        mx.eval(model(mx.array([[1, 2, 3]]), cache=make_prompt_cache(model)))

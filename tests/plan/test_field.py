@@ -3,6 +3,9 @@ reports.yaml, each fact with its source). Where kvrig and a report disagree, the
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +61,18 @@ def test_kv_bytes(fact: dict[str, Any]) -> None:
     spec = load_model_spec(FIELD / "configs" / fact["config"])
     value, tolerance = _expected(fact)
     got = kv_bytes(spec, parse_scheme("fp16"), context_schedule(fact["context"], 512))
+    assert abs(got - value) <= tolerance, (got, value, fact["source"])
+
+
+@pytest.mark.parametrize("fact", _models("kv_bytes"), ids=_id)
+def test_plan_json_on_the_published_config_gives_the_reported_kv(fact: dict[str, Any]) -> None:
+    """The same fact through the command a user runs: `kvrig plan CONFIG --json` on the published config."""
+    config = FIELD / "configs" / fact["config"]
+    context = str(fact["context"])
+    args = ["plan", str(config), "--device", fact["device"], "--json", "--schemes", "fp16", "--contexts", context]
+    proc = subprocess.run([sys.executable, "-m", "toolchain", *args], capture_output=True, text=True, check=True)
+    value, tolerance = _expected(fact)
+    got = json.loads(proc.stdout)["kv_bytes"]["fp16"][context]
     assert abs(got - value) <= tolerance, (got, value, fact["source"])
 
 

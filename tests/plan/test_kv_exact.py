@@ -90,3 +90,26 @@ def test_bytes_per_token_is_the_growth_of_full_caches(family: str) -> None:
     at_256 = growing_bytes()
     mx.eval(model(mx.array([list(range(1, 257))]), cache=caches))
     assert bytes_per_token(spec, scheme) * 256 == growing_bytes() - at_256
+
+
+@pytest.mark.parametrize("scheme_name", ["fp32", "k8v8", "k8v4"])
+def test_llama4_chunked_caches_trim_as_planned(scheme_name: str) -> None:
+    """llama4 trims its chunked caches' front before each step (a call the planner learns from the model's own
+    step and replays); they stay unquantized under every scheme, its global layer's plain cache does not."""
+    from arch_configs import tiny_config
+
+    config = tiny_config("llama4")
+    model_cls, args_cls = model_classes(config)
+    model = model_cls(args_cls.from_dict(config))
+    mx.eval(model.parameters())
+    spec = spec_from_config(config)
+    scheme = parse_scheme(scheme_name, dtype="float32")
+    caches = make_kv_caches(model, spec, scheme.key_bits, scheme.value_bits, scheme.group_size)
+    chunk = config["text_config"]["attention_chunk_size"]
+    assert [layer.quantizable for layer in spec.layers] == [False, False, False, True]
+    fed: list[int] = []
+    for n in SCHEDULE:
+        mx.eval(model(mx.array([[(sum(fed) + i) % 100 + 1 for i in range(n)]]), cache=caches))
+        fed.append(n)
+        assert kv_bytes(spec, scheme, fed) == sum(c.nbytes for c in caches), f"{scheme_name} after {sum(fed)}"
+    assert sum(fed) > 2 * chunk  # the chunked caches were trimmed more than once

@@ -30,6 +30,8 @@ LM_HEAD = "lm_head.weight"
 REFUSED: dict[str, str] = {
     "olmo": "mlx-lm's olmo module needs the ai2-olmo package, which mlx-lm does not install",
     "bitnet": "its layers are custom Metal kernels, which MLX cannot build without a GPU (plan it on a Mac)",
+    "muse_spark": "its attention, router and norms are mlx-lm's fused Metal kernels (mlx_lm.kernels), which MLX "
+    "cannot run without a GPU (plan it on a Mac)",
     # Its cache is neither update_and_fetch KV nor fixed-size state, the two kinds the planner replays.
     "deepseek_v41": "its per-layer LayerCache keeps a sliding window plus compressed KV groups and index keys "
     "that grow at a per-layer compression ratio (compress_ratios) with an open pending group; kvrig's planner "
@@ -37,12 +39,18 @@ REFUSED: dict[str, str] = {
 }
 
 
-def refuse_if_unplannable(model_type: str, source: str | Path | None = None) -> None:
+# Refused only where MLX has no Metal back-end: on a Mac their kernels run and they plan like any other.
+METAL_ONLY = frozenset({"bitnet", "muse_spark"})
+
+
+def refused_here(model_type: str) -> bool:
     import mlx.core as mx
 
-    if model_type == "bitnet" and mx.metal.is_available():
-        return
-    if model_type in REFUSED:
+    return model_type in REFUSED and not (model_type in METAL_ONLY and mx.metal.is_available())
+
+
+def refuse_if_unplannable(model_type: str, source: str | Path | None = None) -> None:
+    if refused_here(model_type):
         raise UnsupportedArchitectureError(model_type, mlx_lm_architectures(), file=source, reason=REFUSED[model_type])
 
 
@@ -155,6 +163,26 @@ def count_parameters(config: dict[str, Any], model: Any = None) -> int:
     model = model if model is not None else build_lazy_model(config)
     flat: list[tuple[str, Any]] = tree_flatten(model.parameters())  # type: ignore[assignment]
     return sum(p.size for _, p in flat)
+
+
+def copy_modules(model: Any) -> Any:
+    """A copy of the model's module tree sharing its (unevaluated) arrays: mlx-lm's quantize_model swaps
+    modules in place, so each recipe quantizes a copy instead of a freshly built model."""
+    import mlx.nn as nn
+
+    def dup(value: Any) -> Any:
+        if isinstance(value, nn.Module):
+            return copy_modules(value)
+        if isinstance(value, list):
+            return [dup(v) for v in value]
+        if isinstance(value, dict):
+            return {k: dup(v) for k, v in value.items()}
+        return value
+
+    new = copy.copy(model)  # the same class and attributes; its child entries replaced below
+    for key, value in model.items():
+        dict.__setitem__(new, key, dup(value))
+    return new
 
 
 def cast_model(model: Any, dtype: str) -> Any:

@@ -53,6 +53,10 @@ class ModelSpec:
     tensors: dict[str, tuple[tuple[int, ...], str]] | None = None
     """the checkpoint's tensor names -> (shape, dtype) when planned from a folder (they decide the tie)."""
     _probes: dict[str, Any] = field(default_factory=dict, repr=False)
+    _weights: dict[str, Any] = field(default_factory=dict, repr=False)
+    _parameters: int | None = field(default=None, repr=False)
+    _kv_memo: dict[Any, Any] = field(default_factory=dict, repr=False)
+    """answers plan/kv.py remembers per scheme (its cache factory, per-layer row bytes)"""
 
     @property
     def num_layers(self) -> int:
@@ -64,6 +68,14 @@ class ModelSpec:
 
         model = build_lazy_model(self.config, self.tensors, self.source)
         return cast_model(model, dtype) if dtype else model
+
+    def weights_model(self, dtype: str) -> Any:
+        """A copy of the lazily built model cast to `dtype`, to quantize in place (built and cast once)."""
+        from toolchain.models.lazy import copy_modules
+
+        if dtype not in self._weights:
+            self._weights[dtype] = self.lazy_model(dtype)
+        return copy_modules(self._weights[dtype])
 
     def probe(self, dtype: str = "float16") -> Any:
         """The model's own caches learned from one lazy step in `dtype` (see plan/caches.py)."""
@@ -85,7 +97,9 @@ class ModelSpec:
         """Parameters of the mlx-lm model for this config (built lazily; imports MLX)."""
         from toolchain.models.lazy import count_parameters
 
-        return count_parameters(self.config, self.lazy_model())
+        if self._parameters is None:
+            self._parameters = count_parameters(self.config, self.lazy_model())
+        return self._parameters
 
     def count(self, kind: LayerKind) -> int:
         return sum(1 for layer in self.layers if layer.kind == kind)

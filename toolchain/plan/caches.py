@@ -62,6 +62,11 @@ class Slot:
     window: int | None = None
     params: tuple[tuple[str, Any], ...] = ()
     """the fresh cache's scalar settings (step, keep, chunk size...): replays differ when they do."""
+    before: list[str] = field(default_factory=list)
+    """methods the model itself calls on this cache, without arguments, before a step's updates (llama4
+    trims its chunked caches' front that way); a replay calls them too."""
+    sealed: tuple[Any, ...] | None = None
+    """the signature, fixed once the probe is done"""
 
     @property
     def kind(self) -> str:
@@ -75,7 +80,9 @@ class Slot:
 
     @property
     def signature(self) -> tuple[Any, ...]:
-        return (self.cls, tuple(self.updates), self.window, self.state_bytes, self.params)
+        if self.sealed is not None:
+            return self.sealed
+        return (self.cls, tuple(self.updates), self.window, self.state_bytes, self.params, tuple(self.before))
 
 
 def _leaves(cache: Any, path: tuple[int, ...] = ()) -> Iterator[tuple[tuple[int, ...], Any]]:
@@ -146,6 +153,7 @@ class CacheProbe:
 
         self.model = model
         self._current: int | None = None
+        self._first_step = True
         self._handed: dict[int, set[int]] = {}
         caches = make_prompt_cache(model)
         self.slots: list[Slot] = []
@@ -161,11 +169,13 @@ class CacheProbe:
                 by_id[id(leaf)] = slot
                 if hasattr(leaf, "update_and_fetch"):
                     leaf.update_and_fetch = self._recorder(leaf, slot, returned)
+                    self._watch_calls(leaf, slot)
         layers = getattr(model, "layers", None)
         originals = list(layers) if isinstance(layers, (list, tuple)) else []
         try:
             with _watching_layers(originals, self), contextlib.redirect_stdout(io.StringIO()):
                 model(mx.zeros((1, PROBE_TOKENS), mx.int32), cache=caches)
+            self._first_step = False
             if any(not slot.updates for slot in self.slots):
                 # State that keeps the last few tokens (longcat_flash_ngram's n-gram context) is full only
                 # after more than one token: read it after a second, longer step, not recorded as one.
@@ -184,9 +194,26 @@ class CacheProbe:
         for slot in self.slots:
             if not slot.updates:
                 slot.state_bytes = _get(caches, slot.path).nbytes
+            slot.sealed = slot.signature  # fixed from here on; computed once, not per replay
         self.num_layers = len(originals)
         self.owners = self._owners({id(c): i for i, c in enumerate(caches)})
         self.layer_sources = self._sources({id(c): i for i, c in enumerate(caches)}, returned)
+
+    def _watch_calls(self, cache: Any, slot: Slot) -> None:
+        """Notes the cache's own methods the model calls without arguments before the cache's first update of
+        the first step (a read that changes nothing is harmless to repeat; one that trims must be)."""
+        import inspect
+
+        for name, function in inspect.getmembers(type(cache), inspect.isfunction):
+            if name.startswith("_") or name == "update_and_fetch":
+                continue
+
+            def call(*args: Any, _name: str = name, _function: Any = function, **kwargs: Any) -> Any:
+                if self._first_step and not slot.updates and not args and not kwargs and _name not in slot.before:
+                    slot.before.append(_name)
+                return _function(cache, *args, **kwargs)
+
+            setattr(cache, name, call)
 
     def _recorder(self, cache: Any, slot: Slot, returned: dict[int, Slot]) -> Callable[[Any, Any], Any]:
         original = cache.update_and_fetch
@@ -264,6 +291,15 @@ class CacheProbe:
     def slot_of_layer(self, layer: int) -> Slot | None:
         return next((s for s in self.slots if s.layer == layer), None)
 
+    def groups(self, make: Callable[[Slot], Any] | None = None) -> list[tuple[Slot, int]]:
+        """Slots whose replays are alike (same signature, same cache from `make`): one of each and how many,
+        so a 48-layer model replays once per kind of layer instead of once per layer."""
+        counts: dict[Any, list[Any]] = {}
+        for slot in self.slots:
+            entry = counts.setdefault(_memo_key(slot, (), make), [slot, 0])
+            entry[1] += 1
+        return [(slot, n) for slot, n in counts.values()]
+
 
 def _replay(
     probe: CacheProbe, slot: Slot, schedule: tuple[int, ...], make: Callable[[Slot], Any] | None
@@ -271,13 +307,15 @@ def _replay(
     if not slot.updates:
         held = slot.state_bytes if schedule else 0
         return held, held, held
-    key = (slot.signature, schedule, getattr(make, "key", None))
+    key = _memo_key(slot, schedule, make)
     if key not in _MEMO:
         import mlx.core as mx
 
         cache = next(c for s, c in probe.fresh(make) if s is slot)
         peak = 0
         for n in schedule:
+            for name in slot.before:
+                getattr(cache, name)()
             for update in slot.updates:
                 cache.update_and_fetch(*update.arrays(n))
             peak = max(peak, cache.nbytes)
@@ -285,6 +323,14 @@ def _replay(
         arrays = [a for a in _flatten(list(vars(cache).values())) if isinstance(a, mx.array)]
         _MEMO[key] = (cache.nbytes, peak, max((a.nbytes for a in arrays), default=0))
     return _MEMO[key]
+
+
+def _memo_key(slot: Slot, schedule: tuple[int, ...], make: Callable[[Slot], Any] | None) -> tuple[Any, ...]:
+    # What a replay depends on: the slot's own signature, the schedule, and the cache `make` gives this slot
+    # (None where it keeps the model's own: a nested or unchosen cache of the same signature differs).
+    picks = getattr(make, "picks", None)
+    made = getattr(make, "key", None) if picks is None or picks(slot) else None
+    return (slot.signature, schedule, made)
 
 
 # Replays keyed by what determines them (cache class, update shapes, schedule, scheme): layers alike share one.
@@ -312,6 +358,8 @@ def quantized_step_runs(probe: CacheProbe, model_type: str) -> bool:
 def layer_specs(probe: CacheProbe) -> list[Any]:
     """One LayerSpec per decoder layer (KV-shared layers name the layer they read); when the step did not
     show which layer owns which cache, one per cache the model makes."""
+    from mlx_lm.models.cache import KVCache
+
     from toolchain.models.spec import LayerSpec
 
     tops: dict[int, list[Slot]] = {}
@@ -331,7 +379,8 @@ def layer_specs(probe: CacheProbe) -> list[Any]:
             k_head_dim=u.key_shape[-1] if u else 0,
             v_head_dim=u.value_shape[-1] if u else 0,
             window=first.window if kind == "sliding" else None,
-            quantizable=not nested,
+            # kvrig swaps only plain KVCaches (not llama4's chunked ones, nor caches nested in a CacheList).
+            quantizable=not nested and first.cls is KVCache,
         )
 
     owner = {layer: index for index, layer in probe.owners.items()}

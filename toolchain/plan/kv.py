@@ -123,9 +123,16 @@ def context_schedule(context: int, prefill_step: int, prompt_tokens: int | None 
 def _factory(spec: ModelSpec, scheme: KVScheme) -> Callable[[Slot], Any] | None:
     """The caches kvrig makes for a scheme: the model's own, with its plain KVCaches quantized (mlx-lm's
     QuantizedKVCache, or kvrig's dequantize-on-read cache for mixed bits or attention that cannot read
-    quantized KV). None: the model's own caches unchanged."""
+    quantized KV). None: the model's own caches unchanged. Made once per spec and scheme."""
     if not scheme.quantized:
         return None
+    key = ("factory", scheme)
+    if key not in spec._kv_memo:
+        spec._kv_memo[key] = _make_factory(spec, scheme)
+    return spec._kv_memo[key]  # type: ignore[no-any-return]
+
+
+def _make_factory(spec: ModelSpec, scheme: KVScheme) -> Callable[[Slot], Any]:
     from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
     from toolchain.runtime.kv_cache import DequantizingKVCache
@@ -137,12 +144,16 @@ def _factory(spec: ModelSpec, scheme: KVScheme) -> Callable[[Slot], Any] | None:
     owners = [layer for layer in spec.layers if layer.kind != "shared"]
     chosen = {i for i, layer in enumerate(owners) if layer_quantized(layer, scheme)}
 
+    def picks(slot: Slot) -> bool:
+        return slot.cls is KVCache and len(slot.path) == 1 and slot.index in chosen
+
     def make(slot: Slot) -> Any:
-        if slot.cls is not KVCache or len(slot.path) != 1 or slot.index not in chosen:
+        if not picks(slot):
             return None
         return DequantizingKVCache(kb, vb, gs) if dequantizing else QuantizedKVCache(group_size=gs, bits=kb)
 
     make.key = (scheme.name, scheme.group_size, dequantizing)  # type: ignore[attr-defined]
+    make.picks = picks  # type: ignore[attr-defined]
     return make
 
 
@@ -156,7 +167,8 @@ def kv_bytes(spec: ModelSpec, scheme: KVScheme, schedule: Sequence[int], kinds: 
         return kv_bytes_detail(spec, scheme, schedule).total
     probe = spec.probe(scheme.dtype)
     make = _factory(spec, scheme)
-    return sum(probe.slot_bytes(slot, tuple(schedule), make) for slot in probe.slots if slot.kind in kinds)
+    sched = tuple(schedule)
+    return sum(n * probe.slot_bytes(slot, sched, make) for slot, n in probe.groups(make) if slot.kind in kinds)
 
 
 @dataclass(frozen=True)
@@ -176,10 +188,11 @@ def kv_bytes_detail(spec: ModelSpec, scheme: KVScheme, schedule: Sequence[int]) 
     sched = tuple(int(n) for n in schedule)
     if any(n < 1 for n in sched):
         raise PlanInputError(f"update sizes must be positive token counts, got {min(sched)}", field="schedule")
-    finals = [probe.slot_bytes(slot, sched, make) for slot in probe.slots]
-    peaks = [probe.slot_peak(slot, sched, make) for slot in probe.slots]
-    largest = max((probe.slot_largest_array(slot, sched, make) for slot in probe.slots), default=0)
-    return KVBytes(sum(finals), sum(peaks), max(finals, default=0), largest)
+    groups = probe.groups(make)
+    finals = [(probe.slot_bytes(slot, sched, make), n) for slot, n in groups]
+    peaks = [probe.slot_peak(slot, sched, make) * n for slot, n in groups]
+    largest = max((probe.slot_largest_array(slot, sched, make) for slot, _ in groups), default=0)
+    return KVBytes(sum(b * n for b, n in finals), sum(peaks), max((b for b, _ in finals), default=0), largest)
 
 
 def bytes_per_token(spec: ModelSpec, scheme: KVScheme) -> int:
@@ -188,14 +201,21 @@ def bytes_per_token(spec: ModelSpec, scheme: KVScheme) -> int:
     make = _factory(spec, scheme)
     step = MLX_STEP
     total = 0
-    for slot in probe.slots:
+    for slot, n in probe.groups(make):
         if slot.kind == "full":
-            total += probe.slot_bytes(slot, (step, step), make) - probe.slot_bytes(slot, (step,), make)
+            total += n * (probe.slot_bytes(slot, (step, step), make) - probe.slot_bytes(slot, (step,), make))
     return total // step
 
 
 def row_bytes(spec: ModelSpec, scheme: KVScheme, layer: LayerSpec) -> int:
     """Bytes per cached token of one layer's cache under `scheme` (measured over one 256-token step)."""
+    key = ("row", scheme, layer.index)
+    if key not in spec._kv_memo:
+        spec._kv_memo[key] = _row_bytes(spec, scheme, layer)
+    return spec._kv_memo[key]  # type: ignore[no-any-return]
+
+
+def _row_bytes(spec: ModelSpec, scheme: KVScheme, layer: LayerSpec) -> int:
     probe = spec.probe(scheme.dtype)
     make = _factory(spec, scheme)
     slot = probe.slot_of_layer(layer.index)

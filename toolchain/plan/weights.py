@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from toolchain.exceptions import QuantizationError
-from toolchain.models.lazy import count_parameters
 from toolchain.models.spec import ModelSpec
 
 MIXED_RECIPES = ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6")
@@ -88,7 +87,7 @@ def quantize_lazily(spec: ModelSpec, recipe: WeightRecipe, dtype: str = "float16
     from mlx_lm.convert import mixed_quant_predicate_builder
     from mlx_lm.utils import quantize_model
 
-    model = spec.lazy_model(dtype)
+    model = spec.weights_model(dtype)
     if recipe.bits is None:
         return model
     predicate = mixed_quant_predicate_builder(recipe.name, model, recipe.group_size) if recipe.mixed else None
@@ -103,31 +102,30 @@ def quantize_lazily(spec: ModelSpec, recipe: WeightRecipe, dtype: str = "float16
 
 def account_weights(spec: ModelSpec, recipe: WeightRecipe, dtype: str = "float16") -> WeightsAccount:
     """Exact bytes of the model's parameters after mlx-lm's own cast and quantization: MLX's `nbytes`."""
+    import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
 
-    params = count_parameters(spec.config, spec.lazy_model())
+    params = spec.parameter_count()
     model = quantize_lazily(spec, recipe, dtype)
     routed = _routed_fraction(spec.config)
-    leaves: list[tuple[str, Any]] = tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)  # type: ignore[assignment]
-    experts = {path for path, module in leaves if "Switch" in type(module).__name__}
-    total = active = qparams = 0
-    flat: list[tuple[str, Any]] = tree_flatten(model.parameters())  # type: ignore[assignment]
-    quantized = {path.rpartition(".")[0] for path, _ in flat if path.endswith(".scales")}
-    largest = 0
-    for full, p in flat:
-        owner, _, name = full.rpartition(".")
-        b = p.nbytes
-        largest = max(largest, b)
-        total += b
-        active += int(b * routed) if owner in experts else b
-        if owner in quantized and name == "weight":
-            qparams += p.size * 32 // _bits_of(model, owner)
+    total = active = qparams = largest = 0
+    # One walk over the modules: each one's own arrays (not its children's), its kind and its bits.
+    for _, module in model.named_modules():
+        expert = "Switch" in type(module).__name__
+        bits = getattr(module, "bits", None) if "scales" in module else None
+        for name, value in module.items():
+            if name.startswith("_") or isinstance(value, nn.Module):
+                continue
+            flat: list[tuple[str, Any]] = tree_flatten(value, is_leaf=nn.Module.is_module)  # type: ignore[assignment]
+            arrays = [value] if isinstance(value, mx.array) else [v for _, v in flat]
+            for p in arrays:
+                if not isinstance(p, mx.array):
+                    continue
+                b = p.nbytes
+                largest = max(largest, b)
+                total += b
+                active += int(b * routed) if expert else b
+                if bits and name == "weight":
+                    qparams += p.size * 32 // int(bits)
     return WeightsAccount(total, params, qparams, active, largest)
-
-
-def _bits_of(model: Any, path: str) -> int:
-    module = model
-    for part in path.split("."):
-        module = module[int(part)] if isinstance(module, list) else getattr(module, part)
-    return int(getattr(module, "bits", 32))
