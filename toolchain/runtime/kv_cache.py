@@ -19,9 +19,32 @@ from toolchain.compat.mlx_lm_cache import BaseCache
 Quantized = tuple[mx.array, mx.array, mx.array]
 
 
-class DequantizingKVCache(BaseCache):
-    step = 256
+class _QuantizedStore(BaseCache):
+    """What both caches share: keys and values stored as mx.quantize triples, grown in mlx-lm's 256-token steps."""
 
+    step = 256
+    keys: Quantized | None
+    offset: int
+    group_size: int
+
+    def _empty(self, shape: tuple[int, ...], dim: int, bits: int, dtype: mx.Dtype) -> Quantized:
+        return (
+            mx.zeros((*shape, dim * bits // 32), dtype=mx.uint32),
+            mx.zeros((*shape, dim // self.group_size), dtype=dtype),
+            mx.zeros((*shape, dim // self.group_size), dtype=dtype),
+        )
+
+    def size(self) -> int:
+        return self.offset
+
+    def make_mask(self, *args: Any, **kwargs: Any) -> Any:
+        return create_attention_mask(*args, offset=self.offset, **kwargs)  # type: ignore[misc]
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+
+class DequantizingKVCache(_QuantizedStore):
     def __init__(self, key_bits: int = 8, value_bits: int = 4, group_size: int = 64) -> None:
         self.keys: Quantized | None = None
         self.values: Quantized | None = None
@@ -30,13 +53,6 @@ class DequantizingKVCache(BaseCache):
         self.value_bits = value_bits
         self.group_size = group_size
         self._dtype: mx.Dtype = mx.float16
-
-    def _empty(self, shape: tuple[int, ...], dim: int, bits: int, dtype: mx.Dtype) -> Quantized:
-        return (
-            mx.zeros((*shape, dim * bits // 32), dtype=mx.uint32),
-            mx.zeros((*shape, dim // self.group_size), dtype=dtype),
-            mx.zeros((*shape, dim // self.group_size), dtype=dtype),
-        )
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         B, n_kv_heads, n, k_dim = keys.shape
@@ -94,9 +110,6 @@ class DequantizingKVCache(BaseCache):
     def state(self, v: Any) -> None:
         self.keys, self.values, self.offset, self.group_size, self.key_bits, self.value_bits = v
 
-    def size(self) -> int:
-        return self.offset
-
     def is_trimmable(self) -> bool:
         return True
 
@@ -104,12 +117,6 @@ class DequantizingKVCache(BaseCache):
         n = min(self.offset, n)
         self.offset -= n
         return n
-
-    def make_mask(self, *args: Any, **kwargs: Any) -> Any:
-        return create_attention_mask(*args, offset=self.offset, **kwargs)  # type: ignore[misc]
-
-    def empty(self) -> bool:
-        return self.keys is None
 
     @property
     def nbytes(self) -> int:
@@ -131,7 +138,7 @@ def rotate(x: mx.array) -> mx.array:
     return mx.hadamard_transform(x)
 
 
-class SchemeKVCache(BaseCache):
+class SchemeKVCache(_QuantizedStore):
     """Keys and values quantized at rest with their own bit widths, read by quantized matmuls (no dequantized
     copy), with the kvcache.json extras:
 
@@ -144,8 +151,6 @@ class SchemeKVCache(BaseCache):
 
     Attention goes through `attention` (see `install_attention`): mlx-lm's own quantized SDPA takes one width.
     """
-
-    step = 256
 
     def __init__(
         self,
@@ -166,13 +171,6 @@ class SchemeKVCache(BaseCache):
         self.sink_tokens, self.recent_tokens = sink_tokens, recent_tokens
         self.sink: tuple[mx.array, mx.array] | None = None
         self.recent: tuple[mx.array, mx.array] | None = None
-
-    def _empty(self, shape: tuple[int, ...], dim: int, bits: int, dtype: mx.Dtype) -> Quantized:
-        return (
-            mx.zeros((*shape, dim * bits // 32), dtype=mx.uint32),
-            mx.zeros((*shape, dim // self.group_size), dtype=dtype),
-            mx.zeros((*shape, dim // self.group_size), dtype=dtype),
-        )
 
     def _grow(self, keys: mx.array, values: mx.array) -> None:
         B, n_kv_heads, n, k_dim = keys.shape
@@ -313,15 +311,6 @@ class SchemeKVCache(BaseCache):
     @state.setter
     def state(self, v: Any) -> None:
         self.keys, self.values, self.sink, self.recent = v
-
-    def size(self) -> int:
-        return self.offset
-
-    def make_mask(self, *args: Any, **kwargs: Any) -> Any:
-        return create_attention_mask(*args, offset=self.offset, **kwargs)  # type: ignore[misc]
-
-    def empty(self) -> bool:
-        return self.keys is None
 
     @property
     def nbytes(self) -> int:
