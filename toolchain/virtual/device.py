@@ -21,7 +21,7 @@ from toolchain.virtual.battery import Battery
 from toolchain.virtual.faults import FaultPlan
 from toolchain.virtual.lockdownd import LOCKDOWN_PORT, serve_lockdownd
 from toolchain.virtual.pairing import Pairing
-from toolchain.virtual.state import DeviceState
+from toolchain.virtual.state import IOS_BUILDS, DeviceState
 from toolchain.virtual.syslog import SyslogBus
 from toolchain.virtual.wire import Link, ProtocolViolation, Unplugged
 
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Link], Awaitable[None]]
-SUPPORTED_IOS = ("16.7", "17.0", "17.4", "18.6", "26.1")
+SUPPORTED_IOS = tuple(IOS_BUILDS)
 REBOOT_DOWN_S = 1.0  # how long a restarting phone stays off usbmuxd
 
 
