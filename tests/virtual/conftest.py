@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -36,20 +37,22 @@ class Emulator:
         return self.device.identity.udid
 
 
+@contextmanager
+def emulator_host(root: Path, name: str) -> Iterator[EmulatorHost]:
+    """An emulator on its own usbmuxd socket, which USBMUXD_SOCKET_ADDRESS names while it runs (pymobiledevice3,
+    libimobiledevice and child processes read it); the variable is restored after."""
+    # Unix socket paths are limited to ~100 bytes; pytest's temp paths can be longer.
+    address = f"/tmp/kvrig-{name}-{os.getpid()}-{root.name}.sock"
+    with pytest.MonkeyPatch.context() as env, EmulatorHost(address) as host:
+        env.setenv("USBMUXD_SOCKET_ADDRESS", address)
+        yield host
+
+
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
     root = tmp_path_factory.mktemp("virtual")
-    # Unix socket paths are limited to ~100 bytes; pytest's temp paths can be longer.
-    address = f"/tmp/kvrig-test-{os.getpid()}-{root.name}.sock"
-    previous = os.environ.get("USBMUXD_SOCKET_ADDRESS")
-    os.environ["USBMUXD_SOCKET_ADDRESS"] = address
-    with EmulatorHost(address) as host:
-        emulator = Emulator(host, root)
-        yield emulator
-    if previous is None:
-        os.environ.pop("USBMUXD_SOCKET_ADDRESS", None)
-    else:
-        os.environ["USBMUXD_SOCKET_ADDRESS"] = previous
+    with emulator_host(root, "test") as host:
+        yield Emulator(host, root)
 
 
 @pytest.fixture(scope="module")

@@ -24,8 +24,11 @@ class _QuantizedStore(BaseCache):
 
     step = 256
     keys: Quantized | None
+    values: Quantized | None
     offset: int
     group_size: int
+    key_bits: int
+    value_bits: int
 
     def _empty(self, shape: tuple[int, ...], dim: int, bits: int, dtype: mx.Dtype) -> Quantized:
         return (
@@ -33,6 +36,32 @@ class _QuantizedStore(BaseCache):
             mx.zeros((*shape, dim // self.group_size), dtype=dtype),
             mx.zeros((*shape, dim // self.group_size), dtype=dtype),
         )
+
+    def _store(self, keys: mx.array, values: mx.array) -> int:
+        """Quantizes `keys` and `values` into the store after the tokens it holds, growing it first as mlx-lm's
+        caches grow (whole 256-token steps, a ragged tail trimmed first; the planner replays this rule).
+        Returns the offset the new tokens start at."""
+        B, n_kv_heads, n, k_dim = keys.shape
+        prev = self.offset
+        if self.keys is None or self.values is None or prev + n > self.keys[0].shape[-2]:
+            shape = (B, n_kv_heads, (self.step + n - 1) // self.step * self.step)
+            new_k = self._empty(shape, k_dim, self.key_bits, keys.dtype)
+            new_v = self._empty(shape, values.shape[-1], self.value_bits, values.dtype)
+            if self.keys is None or self.values is None:
+                self.keys, self.values = new_k, new_v
+            else:
+                if prev % self.step:
+                    self.keys, self.values = tree_map(lambda x: x[..., :prev, :], (self.keys, self.values))
+                self.keys = tuple(mx.concatenate([a, b], axis=-2) for a, b in zip(self.keys, new_k, strict=True))  # type: ignore[assignment]
+                self.values = tuple(mx.concatenate([a, b], axis=-2) for a, b in zip(self.values, new_v, strict=True))  # type: ignore[assignment]
+        assert self.keys is not None and self.values is not None
+        self.offset += n
+        qk = mx.quantize(keys, group_size=self.group_size, bits=self.key_bits)
+        qv = mx.quantize(values, group_size=self.group_size, bits=self.value_bits)
+        for i in range(3):
+            self.keys[i][..., prev : self.offset, :] = qk[i]
+            self.values[i][..., prev : self.offset, :] = qv[i]
+        return prev
 
     def size(self) -> int:
         return self.offset
@@ -55,28 +84,7 @@ class DequantizingKVCache(_QuantizedStore):
         self._dtype: mx.Dtype = mx.float16
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        B, n_kv_heads, n, k_dim = keys.shape
-        v_dim = values.shape[-1]
-        prev = self.offset
-        if self.keys is None or prev + n > self.keys[0].shape[-2]:
-            # Same growth rule as mlx-lm's caches: whole 256-token steps, trimming a ragged tail first.
-            shape = (B, n_kv_heads, (self.step + n - 1) // self.step * self.step)
-            new_k = self._empty(shape, k_dim, self.key_bits, keys.dtype)
-            new_v = self._empty(shape, v_dim, self.value_bits, values.dtype)
-            if self.keys is None or self.values is None:
-                self.keys, self.values = new_k, new_v
-            else:
-                if prev % self.step:
-                    self.keys, self.values = tree_map(lambda x: x[..., :prev, :], (self.keys, self.values))
-                self.keys = tuple(mx.concatenate([a, b], axis=-2) for a, b in zip(self.keys, new_k, strict=True))  # type: ignore[assignment]
-                self.values = tuple(mx.concatenate([a, b], axis=-2) for a, b in zip(self.values, new_v, strict=True))  # type: ignore[assignment]
-        assert self.keys is not None and self.values is not None
-        self.offset += n
-        qk = mx.quantize(keys, group_size=self.group_size, bits=self.key_bits)
-        qv = mx.quantize(values, group_size=self.group_size, bits=self.value_bits)
-        for i in range(3):
-            self.keys[i][..., prev : self.offset, :] = qk[i]
-            self.values[i][..., prev : self.offset, :] = qv[i]
+        self._store(keys, values)
         self._dtype = keys.dtype
         return self.keys_and_values()
 
@@ -172,47 +180,29 @@ class SchemeKVCache(_QuantizedStore):
         self.sink: tuple[mx.array, mx.array] | None = None
         self.recent: tuple[mx.array, mx.array] | None = None
 
-    def _grow(self, keys: mx.array, values: mx.array) -> None:
-        B, n_kv_heads, n, k_dim = keys.shape
-        prev = self.offset
-        if self.keys is not None and prev + n <= self.keys[0].shape[-2]:
-            return
-        # mlx-lm's growth rule: whole 256-token steps, a ragged tail trimmed first (the planner replays it).
-        shape = (B, n_kv_heads, (self.step + n - 1) // self.step * self.step)
-        new_k = self._empty(shape, k_dim, self.key_bits, keys.dtype)
-        new_v = self._empty(shape, values.shape[-1], self.value_bits, values.dtype)
-        if self.keys is None or self.values is None:
-            self.keys, self.values = new_k, new_v
-            if self.sink_tokens:
-                self.sink = (
-                    mx.zeros((B, n_kv_heads, self.sink_tokens, k_dim), dtype=keys.dtype),
-                    mx.zeros((B, n_kv_heads, self.sink_tokens, values.shape[-1]), dtype=values.dtype),
-                )
-            if self.recent_tokens:
-                self.recent = (
-                    mx.zeros((B, n_kv_heads, self.recent_tokens, k_dim), dtype=keys.dtype),
-                    mx.zeros((B, n_kv_heads, self.recent_tokens, values.shape[-1]), dtype=values.dtype),
-                )
-            return
-        if prev % self.step:
-            self.keys, self.values = tree_map(lambda x: x[..., :prev, :], (self.keys, self.values))
-        self.keys = tuple(mx.concatenate([a, b], axis=-2) for a, b in zip(self.keys, new_k, strict=True))  # type: ignore[assignment]
-        self.values = tuple(mx.concatenate([a, b], axis=-2) for a, b in zip(self.values, new_v, strict=True))  # type: ignore[assignment]
+    def _allocate_extras(self, keys: mx.array, values: mx.array) -> None:
+        """The sink and recent buffers: fixed size, allocated with the first update."""
+        B, n_kv_heads, _, k_dim = keys.shape
+        if self.sink_tokens:
+            self.sink = (
+                mx.zeros((B, n_kv_heads, self.sink_tokens, k_dim), dtype=keys.dtype),
+                mx.zeros((B, n_kv_heads, self.sink_tokens, values.shape[-1]), dtype=values.dtype),
+            )
+        if self.recent_tokens:
+            self.recent = (
+                mx.zeros((B, n_kv_heads, self.recent_tokens, k_dim), dtype=keys.dtype),
+                mx.zeros((B, n_kv_heads, self.recent_tokens, values.shape[-1]), dtype=values.dtype),
+            )
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Quantized, Quantized]:
         if self.rotate_keys:
             keys = rotate(keys)
         if self.rotate_values:
             values = rotate(values)
-        self._grow(keys, values)
+        if self.keys is None:
+            self._allocate_extras(keys, values)
+        prev = self._store(keys, values)
         assert self.keys is not None and self.values is not None
-        prev, n = self.offset, keys.shape[-2]
-        self.offset += n
-        qk = mx.quantize(keys, group_size=self.group_size, bits=self.key_bits)
-        qv = mx.quantize(values, group_size=self.group_size, bits=self.value_bits)
-        for i in range(3):
-            self.keys[i][..., prev : self.offset, :] = qk[i]
-            self.values[i][..., prev : self.offset, :] = qv[i]
         if self.sink is not None and prev < self.sink_tokens:
             m = min(self.sink_tokens, self.offset) - prev
             self.sink[0][..., prev : prev + m, :] = keys[..., :m, :]
