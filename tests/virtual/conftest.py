@@ -11,8 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pymobiledevice3.lockdown import create_using_usbmux
 from pymobiledevice3.remote.remote_service_discovery import RemoteServiceDiscoveryService
 from pymobiledevice3.remote.userspace_tunnel import UserspaceRsdTunnel
+from pymobiledevice3.services.installation_proxy import InstallationProxyService
 
 from examples.make_test_ipa import make_ipa  # the script users run: tests install the same placeholder app
 from toolchain.virtual.device import VirtualDevice
@@ -68,3 +70,29 @@ def through_tunnel(device: VirtualDevice, body: Callable[[RemoteServiceDiscovery
             return await body(rsd)
 
     return asyncio.run(asyncio.wait_for(main(), 120))
+
+
+def install(udid: str, ipa: Path) -> None:
+    """Installs `ipa` on the phone through pymobiledevice3's installation_proxy over lockdown."""
+
+    async def main() -> None:
+        lockdown = await create_using_usbmux(serial=udid)
+        try:
+            await InstallationProxyService(lockdown).install_from_local(ipa)
+        finally:
+            await lockdown.close()
+
+    asyncio.run(main())
+
+
+def lockdown_values(udid: str) -> dict:
+    """Every value lockdownd answers to pymobiledevice3 over usbmuxd."""
+
+    async def main() -> dict:
+        lockdown = await create_using_usbmux(serial=udid)
+        try:
+            return lockdown.all_values
+        finally:
+            await lockdown.close()
+
+    return asyncio.run(main())
