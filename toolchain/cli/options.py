@@ -7,13 +7,14 @@ from typing import Any
 
 import click
 
-from toolchain.virtual.state import IOS_BUILDS
-
 Decorator = Any
 
 
 def ios_option(default: str, help: str) -> Decorator:
     """`--ios`: a release the virtual iPhone emulates."""
+    # Imported here: only the virtual iPhone's commands take --ios, and the device layer never loads the emulator.
+    from toolchain.virtual.state import IOS_BUILDS
+
     return click.option("--ios", type=click.Choice(list(IOS_BUILDS)), default=default, show_default=True, help=help)
 
 
