@@ -33,7 +33,8 @@ test: $(STAMP)
 	$(BIN)/mypy
 	# The app's engine for Linux against MLX Swift (debug; incremental in .build/swift-engine).
 	$(BIN)/kvrig engine
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
+	# --durations: the slowest tests in every log, so where the time goes is never a guess.
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=30
 
 demo: $(STAMP)
 	$(BIN)/kvrig demo -o build/demo
