@@ -1,5 +1,6 @@
-"""The README's claims, checked: every `kvrig ...` command it names exists, and its exit-code table is the one
-the exceptions raise (both ways)."""
+"""The README's claims, checked: every `kvrig ...` command it names exists with the options it gives it, its
+exit-code table is the one the exceptions carry (both ways) and the CLI exits with, and every exit code its text
+names is in the table."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import re
 from pathlib import Path
 
 import click
+import pytest
 
 from toolchain import exceptions
-from toolchain.cli import cli
+from toolchain.cli import COMMANDS, cli, main
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -69,3 +71,51 @@ def test_json_everywhere_the_readme_says() -> None:
     aside = text[text.index("takes `--json` (") :].split(")", 1)[0]
     named = set(re.findall(r"`([a-z]+ [a-z]+)`", aside))
     assert without == named, f"without --json: {sorted(without)}; README names {sorted(named)}"
+
+
+def test_the_options_the_readme_gives_a_command_are_its_own() -> None:
+    """`kvrig soak ... --max-tokens N` in the README: --max-tokens is an option of `kvrig soak`."""
+    ctx = click.Context(cli)
+    checked, wrong = 0, []
+    for span in re.findall(r"`(kvrig [^`]+)`", README.read_text()):
+        words = span.split()[1:]
+        cmd = cli.get_command(ctx, words[0]) if words else None
+        if isinstance(cmd, click.Group) and len(words) > 1:
+            cmd = cmd.get_command(ctx, words[1])
+        if cmd is None or isinstance(cmd, click.Group):
+            continue
+        options = {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)}
+        for option in re.findall(r"(?<![\w-])(--?[a-zA-Z][\w-]*)", span):
+            checked += 1
+            if option not in options:
+                wrong.append(f"`{span}`: {option}")
+    assert checked > 50, checked  # the README's command table alone gives more
+    assert not wrong, wrong
+
+
+def test_every_exit_code_the_text_names_is_in_the_table() -> None:
+    named = {int(c) for c in re.findall(r"\bexit(?:s| with)?(?: code)? (\d+)", README.read_text())}
+    assert named, "the README names no exit code in its text"
+    assert named <= set(_exit_code_rows().values()), sorted(named - set(_exit_code_rows().values()))
+
+
+@click.command("raise-for-readme")
+@click.argument("name")
+def _raise(name: str) -> None:
+    cls = getattr(exceptions, name)
+    if cls is exceptions.UnsupportedArchitectureError:
+        raise cls("toy", ["llama"])
+    raise cls("raised for the README test")
+
+
+@pytest.mark.parametrize("name, code", sorted(_exit_code_rows().items()))
+def test_the_cli_exits_with_the_code_the_table_lists(
+    name: str, code: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Through the CLI's one error mapping (toolchain.cli.main), as a user meets it."""
+    monkeypatch.setitem(COMMANDS, "raise-for-readme", f"{__name__}:_raise")
+    with pytest.raises(SystemExit) as exited:
+        main(["raise-for-readme", name])
+    assert exited.value.code == code
+    err = capsys.readouterr().err
+    assert err.startswith("kvrig: error: ") and "Traceback" not in err, err

@@ -488,16 +488,10 @@ def verdict(report: JetsamReport, process: str) -> Verdict:
         process=process,
         present=True,
         killed=bool(killed),
-        reason=entry.reason,
-        reason_meaning=entry.reason_meaning,
-        footprint_bytes=entry.footprint_bytes,
-        implied_limit_bytes=entry.implied_limit_bytes,
-        lifetime_peak_bytes=entry.lifetime_peak_bytes,
-        states=entry.states,
-        priority=entry.priority,
-        priority_band=entry.priority_band,
         largest=largest,
         summary=summary,
+        # what the report says of the process itself: every field the two models share
+        **entry.model_dump(include=set(Verdict.model_fields) & set(JetsamProcess.model_fields)),
     )
 
 

@@ -11,7 +11,6 @@ iPhone was given, and its JetsamEvent report."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 from tests.appgen.swift_engine import engine_binary, read_events  # noqa: F401
 from tests.bundle_fixtures import packaged
 from tests.device.conftest import on_device, run
+from tests.virtual.conftest import emulator_host
 from toolchain.appgen.render import AppOptions, render_app
 from toolchain.appgen.virtual_ipa import build_virtual_ipa
 from toolchain.bundle import DEFAULT_BUFFER_CACHE_LIMIT as CACHE_CAP  # the bundle's buffer_cache_limit_bytes
@@ -32,7 +32,6 @@ from toolchain.plan.kv import parse_scheme
 from toolchain.profiles import load_profile
 from toolchain.soak import SoakOptions, make_plan, run_soak
 from toolchain.virtual.device import VirtualDevice
-from toolchain.virtual.host import EmulatorHost
 from toolchain.virtual.swiftapp import buffer_cache_held
 
 APP_ID = "dev.kvrig.swiftsoak"
@@ -73,20 +72,11 @@ def phone(engine_binary: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     root = tmp_path_factory.mktemp("swiftsoak")
     project = render_app(bundle, root / "project", AppOptions(name="Swift Soak", bundle_id=APP_ID)).project
     ipa = build_virtual_ipa(project, root / "SwiftSoak-virtual.ipa", "swift")
-    address = f"/tmp/kvrig-swift-{os.getpid()}-{root.name}.sock"
-    previous = os.environ.get("USBMUXD_SOCKET_ADDRESS")
-    os.environ["USBMUXD_SOCKET_ADDRESS"] = address
-    try:
-        with EmulatorHost(address) as host:
-            device = host.add_device(root / "phone", profile=PROFILE, limit_bytes=limit)
-            run(deploy(bundle, ipa=ipa, udid=device.identity.udid))
-            yield Phone(device, limit, bundle)
-            host.run(device.apps.kill_all())
-    finally:
-        if previous is None:
-            os.environ.pop("USBMUXD_SOCKET_ADDRESS", None)
-        else:
-            os.environ["USBMUXD_SOCKET_ADDRESS"] = previous
+    with emulator_host(root, "swift") as host:
+        device = host.add_device(root / "phone", profile=PROFILE, limit_bytes=limit)
+        run(deploy(bundle, ipa=ipa, udid=device.identity.udid))
+        yield Phone(device, limit, bundle)
+        host.run(device.apps.kill_all())
 
 
 def test_swift_engine_soaks_into_jetsam(phone: Phone, tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ import pytest
 
 from tests.device.conftest import run
 from tests.raw_telemetry import raw_steps
-from tests.virtual.conftest import BUNDLE_ID, LIMIT_BYTES, make_ipa
+from tests.virtual.conftest import BUNDLE_ID, LIMIT_BYTES, emulator_host, make_ipa
 from toolchain.device import apps, ostrace
 from toolchain.device.discovery import connect
 from toolchain.device.preflight import Preflight
@@ -63,9 +63,7 @@ class Phones:
 @pytest.fixture(scope="module")
 def phones(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Phones]:
     root = tmp_path_factory.mktemp("ios17")
-    address = f"/tmp/kvrig-ios17-{os.getpid()}-{root.name}.sock"
-    with pytest.MonkeyPatch.context() as env, EmulatorHost(address) as host:
-        env.setenv("USBMUXD_SOCKET_ADDRESS", address)
+    with emulator_host(root, "ios17") as host:
         found = Phones(host, root)
         ipa = make_ipa(root / "KVSoak.ipa")
 

@@ -3,20 +3,23 @@ iPhone 13 Pro at 128 MiB), the test app installed on both, driven by the real py
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.device.conftest import BUNDLE_ID, make_ipa, on_device, run
+from tests.virtual.conftest import emulator_host
 from toolchain.device import apps
 from toolchain.virtual.device import VirtualDevice
 from toolchain.virtual.host import EmulatorHost
 
-__all__ = ["BUNDLE_ID", "MIB", "Phones", "on_device", "phones", "run"]
+__all__ = ["BUNDLE_ID", "FAST", "MIB", "Phones", "on_device", "phones", "run", "short_entry"]
 MIB = 1024 * 1024
+FAST = {"hang_after_s": 30, "reconnect_s": 1, "report_wait_s": 5, "poll_interval_s": 0.2}
+"""Lab timeouts for the virtual phones: a hang or a lost phone shows within seconds."""
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -35,17 +38,23 @@ class Phones:
 @pytest.fixture(scope="module")
 def phones(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Phones]:
     root = tmp_path_factory.mktemp("lab-phones")
-    address = f"/tmp/kvrig-lab-{os.getpid()}.sock"  # unix socket paths are limited to ~100 bytes
-    previous = os.environ.get("USBMUXD_SOCKET_ADDRESS")
-    os.environ["USBMUXD_SOCKET_ADDRESS"] = address
     ipa = make_ipa(root / "KVSoak.ipa")
-    with EmulatorHost(address) as host:
+    with emulator_host(root, "lab") as host:
         pro15 = host.add_device(root / "pro15", profile="iPhone16,1", limit_bytes=160 * MIB, baseline_bytes=48 * MIB)
         pro13 = host.add_device(root / "pro13", profile="iPhone14,2", limit_bytes=128 * MIB, baseline_bytes=48 * MIB)
         for device in (pro15, pro13):
             run(on_device(device.identity.udid, lambda d: apps.install(d, ipa)))
-        yield Phones(host, address, pro15, pro13, ipa)
-    if previous is None:
-        os.environ.pop("USBMUXD_SOCKET_ADDRESS", None)
-    else:
-        os.environ["USBMUXD_SOCKET_ADDRESS"] = previous
+        yield Phones(host, host.address, pro15, pro13, ipa)
+
+
+def short_entry(ipa: Path | None = None, **changes: Any) -> dict[str, Any]:
+    """The lab entry most lab tests run: the test app in fp16, two 256-token steps to 512 (every phone holds it)."""
+    entry: dict[str, Any] = {
+        "name": "short",
+        "app_id": BUNDLE_ID,
+        "schemes": ["fp16"],
+        "soak": {"step_tokens": 256, "max_tokens": 512, "decode_tokens": 1},
+    }
+    if ipa is not None:
+        entry["ipa"] = str(ipa)
+    return {**entry, **changes}

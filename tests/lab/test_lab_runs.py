@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.lab.conftest import BUNDLE_ID, MIB, ROOT, Phones, phones
+from tests.lab.conftest import BUNDLE_ID, FAST, MIB, ROOT, Phones, phones, short_entry
 from tests.lab.test_lab_predict import reference_plan
 from tests.raw_telemetry import raw_steps
 from toolchain.cli.bridge import run_async
@@ -31,7 +31,6 @@ from toolchain.schemas.results import ResultsFile, SoakResult
 
 __all__ = ["phones"]
 MODEL = ROOT / "examples" / "testapp-model" / "config.json"
-FAST = {"hang_after_s": 30, "reconnect_s": 1, "report_wait_s": 5, "poll_interval_s": 0.2}
 
 
 def write_lab(path: Path, lab: dict[str, Any]) -> Path:
@@ -74,12 +73,7 @@ def matrix_lab(phones: Phones, tmp_path_factory: pytest.TempPathFactory) -> tupl
                     "schemes": ["fp16"],
                     "soak": {"step_tokens": 512, "max_tokens": 1_000_000, "decode_tokens": 1},
                 },
-                {
-                    "name": "short",
-                    "app_id": BUNDLE_ID,
-                    "schemes": ["fp16", {"name": "fp16-kv4", "arguments": ["--kv-heads", "4"]}],
-                    "soak": {"step_tokens": 256, "max_tokens": 512, "decode_tokens": 1},
-                },
+                short_entry(schemes=["fp16", {"name": "fp16-kv4", "arguments": ["--kv-heads", "4"]}]),
             ],
             "gates": {"min_max_safe_context": 512, "min_decode_tps_at": {256: 0.001}},
             "threshold": {"confirm_runs": 1, "max_attempts": 2},

@@ -4,21 +4,20 @@ through, and a phone whose preflight fails (Developer Mode off) fails its own ru
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from tests.lab.conftest import short_entry
 from tests.lab.test_lab_runs import write_lab
-from tests.virtual.conftest import BUNDLE_ID, make_ipa
+from tests.virtual.conftest import emulator_host, make_ipa
 from toolchain.cli.bridge import run_async
 from toolchain.lab import run_lab
 from toolchain.schemas import load_model_file
 from toolchain.schemas.lab import load_lab
 from toolchain.schemas.results import ResultsFile
 from toolchain.virtual.faults import FaultPlan
-from toolchain.virtual.host import EmulatorHost
 
 pytest.importorskip("toolchain.virtual.coredevice_proxy")
 
@@ -26,9 +25,7 @@ pytest.importorskip("toolchain.virtual.coredevice_proxy")
 @pytest.fixture(scope="module")
 def lab_out(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     root = tmp_path_factory.mktemp("lab-tunnels")
-    address = f"/tmp/kvrig-labtun-{os.getpid()}.sock"
-    with pytest.MonkeyPatch.context() as env, EmulatorHost(address) as host:
-        env.setenv("USBMUXD_SOCKET_ADDRESS", address)  # the worker processes inherit it
+    with emulator_host(root, "labtun") as host:  # the worker processes inherit USBMUXD_SOCKET_ADDRESS
         # A phone as most labs hold them: one before iOS 17 (process control over lockdown), one after (tunnel).
         good = [host.add_device(root / f"ios-{v}", ios=v) for v in ("16.7", "18.6")]
         off = host.add_device(root / "ios18-off", ios="18.6")
@@ -38,15 +35,7 @@ def lab_out(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
             {
                 "name": "tunnels",
                 "devices": [{"udid": "any"}],
-                "matrix": [
-                    {
-                        "name": "short",
-                        "app_id": BUNDLE_ID,
-                        "ipa": str(make_ipa(root / "KVSoak.ipa")),
-                        "schemes": ["fp16"],
-                        "soak": {"step_tokens": 256, "max_tokens": 512, "decode_tokens": 1},
-                    }
-                ],
+                "matrix": [short_entry(make_ipa(root / "KVSoak.ipa"))],
             },
         )
         results = run_async(run_lab(load_lab(lab_file), root / "out", tunnel="auto"))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.lab.conftest import BUNDLE_ID, Phones, phones
+from tests.lab.conftest import FAST, Phones, phones, short_entry
 from tests.virtual.conftest import make_ipa
 
 __all__ = ["phones"]
@@ -48,17 +48,9 @@ def test_pytest_kvrig_lab_runs_checks_per_phone_with_junit(phones: Phones, tmp_p
     lab = {
         "schema": 1,
         "devices": [{"udid": "any"}],
-        "matrix": [
-            {
-                "name": "short",
-                "app_id": BUNDLE_ID,
-                "ipa": str(make_ipa(tmp_path / "KVSoak.ipa")),
-                "schemes": ["fp16"],
-                "soak": {"step_tokens": 256, "max_tokens": 512, "decode_tokens": 1},
-            }
-        ],
+        "matrix": [short_entry(make_ipa(tmp_path / "KVSoak.ipa"))],
         "gates": {"min_max_safe_context": 512},
-        "timeouts": {"hang_after_s": 30, "reconnect_s": 1, "report_wait_s": 5, "poll_interval_s": 0.2},
+        "timeouts": FAST,
     }
     (tmp_path / "lab.yaml").write_text(yaml.safe_dump(lab))
     (tmp_path / "test_phones.py").write_text(CHECKS)

@@ -21,7 +21,7 @@ import pytest
 import xmlschema
 import yaml
 
-from tests.lab.conftest import BUNDLE_ID, ROOT
+from tests.lab.conftest import BUNDLE_ID, FAST, ROOT, short_entry
 from tests.virtual.conftest import make_ipa
 from toolchain.lab.targets import shard_of
 from toolchain.profiles import load_profile
@@ -30,7 +30,6 @@ from toolchain.schemas.results import ResultsFile, SoakResult
 from toolchain.virtual.state import DeviceState
 
 JUNIT_XSD = ROOT / "tests" / "data" / "junit.xsd"
-FAST = {"hang_after_s": 30, "reconnect_s": 1, "report_wait_s": 5, "poll_interval_s": 0.2}
 PHONES = (("iPhone16,1", 160), ("iPhone14,2", 128))  # (profile, limit MiB) on each host
 
 
@@ -127,12 +126,7 @@ def write_lab(path: Path, ipa: Path, **extra: Any) -> Path:
                 # peak, so 160 MiB is killed in the step to 2048): a gate that splits the lab
                 "gates": {"min_max_safe_context": 1536},
             },
-            {
-                "name": "short",
-                "app_id": BUNDLE_ID,
-                "schemes": ["fp16"],
-                "soak": {"step_tokens": 256, "max_tokens": 512, "decode_tokens": 1},
-            },
+            short_entry(),
         ],
         "gates": {"min_max_safe_context": 512},
         "threshold": {"confirm_runs": 0},

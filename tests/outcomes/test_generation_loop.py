@@ -14,7 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from tests.plan.tiny_configs import TINY_CONFIGS
 from toolchain.runtime.generate import GenerationStats, generate_tokens
-from toolchain.schemas.kvcache import KVCacheConfig, LayerCache
+from toolchain.schemas.kvcache import KVCacheConfig, LayerCache, host_kvcache
 
 LAYERS = TINY_CONFIGS["llama"]["num_hidden_layers"]
 
@@ -28,20 +28,8 @@ def model() -> llama.Model:
 
 
 def _kv(prefill_step: int) -> KVCacheConfig:
-    return KVCacheConfig(
-        scheme="fp16",
-        key_bits=None,
-        value_bits=None,
-        group_size=64,
-        quantized_kv_start=0,
-        page_tokens=256,
-        max_context=4096,
-        keep_tokens=4,
-        prefill_step_size=prefill_step,
-        buffer_cache_limit_bytes=0,
-        memory_limit_bytes=0,
-        layers=[LayerCache(layer=i, kind="full") for i in range(LAYERS)],
-    )
+    layers = [LayerCache(layer=i, kind="full") for i in range(LAYERS)]
+    return host_kvcache(layers, max_context=4096, prefill_step_size=prefill_step)
 
 
 @pytest.mark.parametrize("prefill_step", [4, 7, 64])

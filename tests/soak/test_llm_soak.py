@@ -20,6 +20,7 @@ from pydantic import TypeAdapter
 
 from tests.bundle_fixtures import packaged
 from tests.device.conftest import on_device, run
+from tests.virtual.conftest import emulator_host
 from toolchain.appgen.render import AppOptions, render_app
 from toolchain.appgen.virtual_ipa import build_virtual_ipa
 from toolchain.bundle import PackageOptions
@@ -72,23 +73,14 @@ def phones(bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[P
     # No baseline, and the warning level (80% of the limit) reached by the footprint after a prefill chunk
     # (MLX's buffer cache full) once the KV has grown past 512 tokens: room to evict.
     roomy_limit = int((model_bytes + memory.kv_bytes["k8v4"]["512"] + 2**20) / 0.8)
-    address = f"/tmp/kvrig-llm-{os.getpid()}-{root.name}.sock"
-    previous = os.environ.get("USBMUXD_SOCKET_ADDRESS")
-    os.environ["USBMUXD_SOCKET_ADDRESS"] = address
-    try:
-        with EmulatorHost(address) as host:
-            small = host.add_device(root / "small", profile=PROFILE, limit_bytes=small_limit)
-            large = host.add_device(root / "large", profile=PROFILE)
-            roomy = host.add_device(root / "roomy", profile=PROFILE, limit_bytes=roomy_limit, baseline_bytes=0)
-            ipa = _ipa(bundle, root / "app", APP_ID)
-            for device in (small, large, roomy):
-                run(deploy(bundle, ipa=ipa, udid=device.identity.udid))
-            yield Phones(host, small, large, roomy, small_limit, bundle)
-    finally:
-        if previous is None:
-            os.environ.pop("USBMUXD_SOCKET_ADDRESS", None)
-        else:
-            os.environ["USBMUXD_SOCKET_ADDRESS"] = previous
+    with emulator_host(root, "llm") as host:
+        small = host.add_device(root / "small", profile=PROFILE, limit_bytes=small_limit)
+        large = host.add_device(root / "large", profile=PROFILE)
+        roomy = host.add_device(root / "roomy", profile=PROFILE, limit_bytes=roomy_limit, baseline_bytes=0)
+        ipa = _ipa(bundle, root / "app", APP_ID)
+        for device in (small, large, roomy):
+            run(deploy(bundle, ipa=ipa, udid=device.identity.udid))
+        yield Phones(host, small, large, roomy, small_limit, bundle)
 
 
 def _events(path: Path) -> list[dict]:

@@ -6,12 +6,15 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
+from pymobiledevice3.lockdown import create_using_usbmux
 from pymobiledevice3.remote.remote_service_discovery import RemoteServiceDiscoveryService
 from pymobiledevice3.remote.userspace_tunnel import UserspaceRsdTunnel
+from pymobiledevice3.services.installation_proxy import InstallationProxyService
 
 from examples.make_test_ipa import make_ipa  # the script users run: tests install the same placeholder app
 from toolchain.virtual.device import VirtualDevice
@@ -36,20 +39,22 @@ class Emulator:
         return self.device.identity.udid
 
 
+@contextmanager
+def emulator_host(root: Path, name: str) -> Iterator[EmulatorHost]:
+    """An emulator on its own usbmuxd socket, which USBMUXD_SOCKET_ADDRESS names while it runs (pymobiledevice3,
+    libimobiledevice and child processes read it); the variable is restored after."""
+    # Unix socket paths are limited to ~100 bytes; pytest's temp paths can be longer.
+    address = f"/tmp/kvrig-{name}-{os.getpid()}-{root.name}.sock"
+    with pytest.MonkeyPatch.context() as env, EmulatorHost(address) as host:
+        env.setenv("USBMUXD_SOCKET_ADDRESS", address)
+        yield host
+
+
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
     root = tmp_path_factory.mktemp("virtual")
-    # Unix socket paths are limited to ~100 bytes; pytest's temp paths can be longer.
-    address = f"/tmp/kvrig-test-{os.getpid()}-{root.name}.sock"
-    previous = os.environ.get("USBMUXD_SOCKET_ADDRESS")
-    os.environ["USBMUXD_SOCKET_ADDRESS"] = address
-    with EmulatorHost(address) as host:
-        emulator = Emulator(host, root)
-        yield emulator
-    if previous is None:
-        os.environ.pop("USBMUXD_SOCKET_ADDRESS", None)
-    else:
-        os.environ["USBMUXD_SOCKET_ADDRESS"] = previous
+    with emulator_host(root, "test") as host:
+        yield Emulator(host, root)
 
 
 @pytest.fixture(scope="module")
@@ -65,3 +70,29 @@ def through_tunnel(device: VirtualDevice, body: Callable[[RemoteServiceDiscovery
             return await body(rsd)
 
     return asyncio.run(asyncio.wait_for(main(), 120))
+
+
+def install(udid: str, ipa: Path) -> None:
+    """Installs `ipa` on the phone through pymobiledevice3's installation_proxy over lockdown."""
+
+    async def main() -> None:
+        lockdown = await create_using_usbmux(serial=udid)
+        try:
+            await InstallationProxyService(lockdown).install_from_local(ipa)
+        finally:
+            await lockdown.close()
+
+    asyncio.run(main())
+
+
+def lockdown_values(udid: str) -> dict:
+    """Every value lockdownd answers to pymobiledevice3 over usbmuxd."""
+
+    async def main() -> dict:
+        lockdown = await create_using_usbmux(serial=udid)
+        try:
+            return lockdown.all_values
+        finally:
+            await lockdown.close()
+
+    return asyncio.run(main())

@@ -18,11 +18,10 @@ from pymobiledevice3.lockdown import create_using_usbmux
 from pymobiledevice3.services.crash_reports import CrashReportsManager
 from pymobiledevice3.services.dvt.instruments.dvt_provider import DvtProvider
 from pymobiledevice3.services.dvt.instruments.process_control import ProcessControl
-from pymobiledevice3.services.installation_proxy import InstallationProxyService
 from pymobiledevice3.services.os_trace import OsTraceService
 from pymobiledevice3.services.syslog import SyslogService
 
-from tests.virtual.conftest import BUNDLE_ID, LIMIT_BYTES, TESTAPP_ARGS, Emulator
+from tests.virtual.conftest import BUNDLE_ID, LIMIT_BYTES, TESTAPP_ARGS, Emulator, install
 from toolchain.compat.crash_report import report_body
 from toolchain.schemas.telemetry import TELEMETRY_FILE, TelemetryEvent
 from toolchain.virtual.footprint import Measurement, footprint_bytes
@@ -32,12 +31,7 @@ PAGE = 16384
 
 @pytest.fixture(scope="module")
 def installed(emulator: Emulator, ipa: Path) -> Emulator:
-    async def main() -> None:
-        lockdown = await create_using_usbmux(serial=emulator.udid)
-        await InstallationProxyService(lockdown).install_from_local(ipa)
-        await lockdown.close()
-
-    asyncio.run(main())
+    install(emulator.udid, ipa)
     return emulator
 
 

@@ -87,79 +87,51 @@ def test_syslog_live_streams_for_a_few_seconds(emulator: Emulator) -> None:
     assert "SpringBoard" in out  # the device's own log lines arrived
 
 
-def kvrig(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
+def kvrig(*args: str, timeout: float = 90, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "toolchain", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=env,
         check=False,
     )
+
+
+def start(address: str, state: Path, *options: str) -> dict:
+    """`kvrig virtual start --json` on `address`; the phone it started."""
+    started = kvrig("virtual", "start", "--socket", address, "--state", str(state), *options, "--json")
+    assert started.returncode == 0, started.stderr
+    return json.loads(started.stdout)
+
+
+def pymobiledevice3(address: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, USBMUXD_SOCKET_ADDRESS=address)
+    return subprocess.run([*PYMOBILEDEVICE3, *args], env=env, capture_output=True, text=True, timeout=60, check=False)
 
 
 def test_kvrig_virtual_start_detach_status_stop_and_restart(tmp_path: Path) -> None:
     address = f"/tmp/kvrig-cli-{os.getpid()}.sock"
     state = tmp_path / "state"
     try:
-        started = kvrig(
-            "virtual",
-            "start",
-            "--socket",
-            address,
-            "--state",
-            str(state),
-            "--limit-mb",
-            "300",
-            "--detach",
-            "--json",
-        )
-        assert started.returncode == 0, started.stderr
-        first = json.loads(started.stdout)
+        first = start(address, state, "--limit-mb", "300", "--detach")
         assert first["socket"] == address and first["limit_bytes"] == 300 * 1024 * 1024
         status = json.loads(kvrig("virtual", "status", "--socket", address, "--json").stdout)
         assert [d["udid"] for d in status["Devices"]] == [first["udid"]]
 
         # a second device joins the same socket
-        second = kvrig(
-            "virtual",
-            "start",
-            "--socket",
-            address,
-            "--state",
-            str(tmp_path / "s2"),
-            "--ios",
-            "17.4",
-            "--json",
-        )
-        assert second.returncode == 0, second.stderr
-        assert json.loads(second.stdout)["ios"] == "17.4"
+        assert start(address, tmp_path / "s2", "--ios", "17.4")["ios"] == "17.4"
         assert kvrig("virtual", "stop", "--socket", address, "--state", str(tmp_path / "s2")).returncode == 0
 
-        env = dict(os.environ, USBMUXD_SOCKET_ADDRESS=address)
         ipa = make_ipa(tmp_path / "KVSoak.ipa")
-        run = subprocess.run(
-            [*PYMOBILEDEVICE3, "apps", "install", str(ipa)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        run = pymobiledevice3(address, "apps", "install", str(ipa))
         assert run.returncode == 0, run.stderr
         assert kvrig("virtual", "stop", "--socket", address).returncode == 0
         assert kvrig("virtual", "status", "--socket", address).returncode == 11  # DeviceNotFoundError
 
         # restart on the same state: same UDID, the app is still installed
-        again = kvrig("virtual", "start", "--socket", address, "--state", str(state), "--detach", "--json")
-        assert json.loads(again.stdout)["udid"] == first["udid"]
-        listed = subprocess.run(
-            [*PYMOBILEDEVICE3, "apps", "list", "--type", "User"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        assert start(address, state, "--detach")["udid"] == first["udid"]
+        listed = pymobiledevice3(address, "apps", "list", "--type", "User")
         assert BUNDLE_ID in json.loads(listed.stdout)
     finally:
         kvrig("virtual", "stop", "--socket", address)
@@ -202,31 +174,10 @@ def test_kvrig_virtual_start_on_a_socket_another_server_holds(tmp_path: Path) ->
 def test_kvrig_virtual_status_shows_developer_state(tmp_path: Path) -> None:
     address = f"/tmp/kvrig-dev-{os.getpid()}.sock"
     try:
-        started = kvrig(
-            "virtual",
-            "start",
-            "--socket",
-            address,
-            "--state",
-            str(tmp_path / "s"),
-            "--ios",
-            "18.6",
-            "--image-missing",
-            "--detach",
-            "--json",
-        )
-        assert started.returncode == 0, started.stderr
-        device = json.loads(started.stdout)
+        device = start(address, tmp_path / "s", "--ios", "18.6", "--image-missing", "--detach")
         assert (device["ios"], device["developer_mode"], device["image_mounted"]) == ("18.6", True, False)
         assert Path(device["ddi"]["image"]).is_file()
-        table = subprocess.run(
-            [sys.executable, "-m", "toolchain", "virtual", "status", "--socket", address],
-            capture_output=True,
-            text=True,
-            timeout=90,
-            env=dict(os.environ, COLUMNS="250"),  # one row per phone, unwrapped
-            check=False,
-        )
+        table = kvrig("virtual", "status", "--socket", address, env=dict(os.environ, COLUMNS="250"))  # unwrapped
         row = next(line for line in table.stdout.splitlines() if device["udid"] in line)
         assert "18.6" in row and "missing" in row and " on " in row
     finally:

@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 from pymobiledevice3.lockdown import create_using_usbmux
 from pymobiledevice3.services.diagnostics import DiagnosticsService
-from pymobiledevice3.services.installation_proxy import InstallationProxyService
 
-from tests.virtual.conftest import BUNDLE_ID, Emulator
+from tests.virtual.conftest import BUNDLE_ID, Emulator, install
 from toolchain.virtual.apprun import _cpu_seconds
 
 
@@ -60,12 +59,7 @@ def test_temperature_rises_under_load_and_not_at_idle(emulator: Emulator, ipa: P
     idle_2 = asyncio.run(_battery(emulator.udid))[0]["Temperature"]
     assert idle_2 == pytest.approx(idle_1, abs=5)  # within 0.05 °C: nothing ran
 
-    async def install() -> None:
-        lockdown = await create_using_usbmux(serial=emulator.udid)
-        await InstallationProxyService(lockdown).install_from_local(ipa)
-        await lockdown.close()
-
-    asyncio.run(install())
+    install(emulator.udid, ipa)
     busy = ["--layers", "2", "--kv-heads", "2", "--head-dim", "64", "--weights-mb", "1"]
     busy += ["--decode-tokens", "400", "--max-tokens", "200000"]
     pid = emulator.host.run(emulator.device.apps.launch(BUNDLE_ID, arguments=busy))

@@ -13,9 +13,8 @@ from pymobiledevice3 import usbmux
 from pymobiledevice3.exceptions import InvalidServiceError, PyMobileDevice3Exception
 from pymobiledevice3.lockdown import create_using_usbmux
 from pymobiledevice3.services.afc import AfcService
-from pymobiledevice3.services.installation_proxy import InstallationProxyService
 
-from tests.virtual.conftest import BUNDLE_ID, TESTAPP_ARGS, Emulator
+from tests.virtual.conftest import BUNDLE_ID, TESTAPP_ARGS, Emulator, install
 from toolchain.virtual.faults import FaultPlan
 
 
@@ -63,18 +62,9 @@ def test_refused_service(clean_faults: Emulator) -> None:
         asyncio.run(main())
 
 
-def _install(emulator: Emulator, ipa: Path) -> None:
-    async def main() -> None:
-        lockdown = await create_using_usbmux(serial=emulator.udid)
-        await InstallationProxyService(lockdown).install_from_local(ipa)
-        await lockdown.close()
-
-    asyncio.run(main())
-
-
 def test_crash_at_tokens(clean_faults: Emulator, ipa: Path) -> None:
     emulator = clean_faults
-    _install(emulator, ipa)
+    install(emulator.udid, ipa)
     emulator.device.faults = FaultPlan(crash_at_tokens=512)
     pid = emulator.host.run(emulator.device.apps.launch(BUNDLE_ID, arguments=TESTAPP_ARGS))
     process = emulator.host.run(emulator.device.apps.wait(pid, 60), timeout=70)
@@ -88,7 +78,7 @@ def test_crash_at_tokens(clean_faults: Emulator, ipa: Path) -> None:
 
 def test_hang_at_tokens_leaves_a_stopped_process(clean_faults: Emulator, ipa: Path) -> None:
     emulator = clean_faults
-    _install(emulator, ipa)
+    install(emulator.udid, ipa)
     emulator.device.faults = FaultPlan(hang_at_tokens=256)
     apps = emulator.device.apps
     pid = emulator.host.run(apps.launch(BUNDLE_ID, arguments=TESTAPP_ARGS))

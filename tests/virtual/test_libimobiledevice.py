@@ -19,7 +19,7 @@ from pymobiledevice3.lockdown import create_using_usbmux
 from pymobiledevice3.services.diagnostics import DiagnosticsService
 from pymobiledevice3.services.installation_proxy import InstallationProxyService
 
-from tests.virtual.conftest import BUNDLE_ID, Emulator
+from tests.virtual.conftest import BUNDLE_ID, Emulator, lockdown_values
 from toolchain.virtual.device import VirtualDevice
 
 TOOLS = ("ideviceinfo", "idevicedate", "idevicediagnostics", "ideviceinstaller", "idevicecrashreport", "idevicesyslog")
@@ -48,20 +48,9 @@ def tool(emulator: Emulator, phone: VirtualDevice, *args: str, timeout: float = 
     return result.stdout
 
 
-def lockdown_values(phone: VirtualDevice) -> dict:
-    async def main() -> dict:
-        lockdown = await create_using_usbmux(serial=phone.identity.udid)
-        try:
-            return lockdown.all_values
-        finally:
-            await lockdown.close()
-
-    return asyncio.run(main())
-
-
 def test_ideviceinfo_agrees_with_pymobiledevice3(emulator: Emulator, phone: VirtualDevice) -> None:
     info = dict(line.split(": ", 1) for line in tool(emulator, phone, "ideviceinfo").splitlines() if ": " in line)
-    values = lockdown_values(phone)
+    values = lockdown_values(phone.identity.udid)
     for key in ("UniqueDeviceID", "ProductType", "ProductVersion", "BuildVersion", "SerialNumber"):
         assert info[key] == str(values[key])
     battery = tool(emulator, phone, "ideviceinfo", "-q", "com.apple.mobile.battery", "-k", "BatteryCurrentCapacity")

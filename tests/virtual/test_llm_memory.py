@@ -10,7 +10,7 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from toolchain.runtime.kv_cache import DequantizingKVCache
-from toolchain.schemas.kvcache import KVCacheConfig, LayerCache, PressurePolicy
+from toolchain.schemas.kvcache import KVCacheConfig, LayerCache, PressurePolicy, host_kvcache
 from toolchain.virtual.llm_memory import evict_front, kv_bytes, respond, stored_weight_bytes
 from toolchain.virtual.llmapp import AppError, find_bundle
 
@@ -18,19 +18,13 @@ HEADS, DIM = 3, 64
 
 
 def _kv(**changes: object) -> KVCacheConfig:
-    base = KVCacheConfig(
+    base = host_kvcache(
+        [LayerCache(layer=0, kind="full", key_bits=8, value_bits=4)],
+        max_context=8192,
+        prefill_step_size=512,
         scheme="k8v4",
         key_bits=8,
         value_bits=4,
-        group_size=64,
-        quantized_kv_start=0,
-        page_tokens=256,
-        max_context=8192,
-        keep_tokens=4,
-        prefill_step_size=512,
-        buffer_cache_limit_bytes=0,
-        memory_limit_bytes=0,
-        layers=[LayerCache(layer=0, kind="full", key_bits=8, value_bits=4)],
     )
     return base.model_copy(update=changes)
 

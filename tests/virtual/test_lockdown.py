@@ -114,6 +114,17 @@ def _mux_packet(payload: dict) -> bytes:
     return struct.pack("<IIII", 16 + len(body), 1, 8, 1) + body
 
 
+def _mux_connect(raw: socket.socket, emulator: Emulator, port: int) -> int:
+    """A usbmuxd Connect to the phone's `port` written by hand on `raw`; the result number usbmuxd answers."""
+    raw.settimeout(5)
+    raw.connect(emulator.address)
+    packet = {"MessageType": "Connect", "DeviceID": emulator.device.device_id, "PortNumber": socket.htons(port)}
+    raw.sendall(_mux_packet(packet))
+    header = raw.recv(16)
+    length = struct.unpack("<I", header[:4])[0]
+    return plistlib.loads(raw.recv(length - 16))["Number"]
+
+
 def test_garbage_on_the_socket_drops_only_that_client(emulator: Emulator) -> None:
     garbage = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     garbage.settimeout(5)
@@ -123,13 +134,7 @@ def test_garbage_on_the_socket_drops_only_that_client(emulator: Emulator) -> Non
     garbage.close()
     # a lockdown connection that receives non-plist bytes is dropped too
     raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    raw.settimeout(5)
-    raw.connect(emulator.address)
-    port = socket.htons(62078)
-    raw.sendall(_mux_packet({"MessageType": "Connect", "DeviceID": emulator.device.device_id, "PortNumber": port}))
-    header = raw.recv(16)
-    length = struct.unpack("<I", header[:4])[0]
-    assert plistlib.loads(raw.recv(length - 16))["Number"] == 0
+    assert _mux_connect(raw, emulator, 62078) == 0
     raw.sendall(struct.pack(">I", 12) + b"not a plist!")
     assert raw.recv(100) == b""
     raw.close()
@@ -140,10 +145,4 @@ def test_garbage_on_the_socket_drops_only_that_client(emulator: Emulator) -> Non
 
 def test_connect_to_a_closed_port_is_refused(emulator: Emulator) -> None:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
-        raw.settimeout(5)
-        raw.connect(emulator.address)
-        port = socket.htons(50999)
-        raw.sendall(_mux_packet({"MessageType": "Connect", "DeviceID": emulator.device.device_id, "PortNumber": port}))
-        header = raw.recv(16)
-        length = struct.unpack("<I", header[:4])[0]
-        assert plistlib.loads(raw.recv(length - 16))["Number"] == 3  # CONNREFUSED
+        assert _mux_connect(raw, emulator, 50999) == 3  # CONNREFUSED

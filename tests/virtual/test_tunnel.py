@@ -24,7 +24,7 @@ from pymobiledevice3.services.dvt.instruments.dvt_provider import DvtProvider
 from pymobiledevice3.services.dvt.instruments.process_control import ProcessControl
 from pymobiledevice3.services.installation_proxy import InstallationProxyService
 
-from tests.virtual.conftest import BUNDLE_ID, TESTAPP_ARGS, Emulator, through_tunnel
+from tests.virtual.conftest import BUNDLE_ID, TESTAPP_ARGS, Emulator, lockdown_values, through_tunnel
 from toolchain.virtual.device import VirtualDevice
 from toolchain.virtual.faults import FaultPlan
 
@@ -48,14 +48,7 @@ def test_rsd_names_the_phone_and_its_services(phones: dict[str, VirtualDevice]) 
 
     peer, remote_version, in_process = through_tunnel(phone, body)
 
-    async def over_lockdown() -> dict:
-        lockdown = await create_using_usbmux(serial=phone.identity.udid)
-        try:
-            return lockdown.all_values
-        finally:
-            await lockdown.close()
-
-    values = asyncio.run(over_lockdown())
+    values = lockdown_values(phone.identity.udid)
     properties = peer["Properties"]
     assert properties["UniqueDeviceID"] == values["UniqueDeviceID"]
     assert properties["ProductType"] == values["ProductType"] == "iPhone17,1"

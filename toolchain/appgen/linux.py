@@ -20,7 +20,7 @@ from pathlib import Path
 
 from toolchain.appgen.render import AppOptions, render_app
 from toolchain.exceptions import SwiftBuildError, SwiftDepsNotFoundError
-from toolchain.schemas.kvcache import KVCacheConfig, LayerCache
+from toolchain.schemas.kvcache import KVCacheConfig, LayerCache, host_kvcache
 
 DEPS_ENV = "KVRIG_SWIFT_DEPS"
 MODE_ENV = "KVRIG_SWIFT_LANGUAGE_MODE"
@@ -69,20 +69,7 @@ def swift_executable() -> str:
 
 def _engine_kvcache() -> KVCacheConfig:
     # Only AppConfig.swift depends on the bundle, and the runner takes its bundle as an argument.
-    return KVCacheConfig(
-        scheme="fp16",
-        key_bits=None,
-        value_bits=None,
-        group_size=64,
-        quantized_kv_start=0,
-        page_tokens=256,
-        max_context=2048,
-        keep_tokens=4,
-        prefill_step_size=256,
-        buffer_cache_limit_bytes=0,
-        memory_limit_bytes=0,
-        layers=[LayerCache(layer=0, kind="full")],
-    )
+    return host_kvcache([LayerCache(layer=0, kind="full")], max_context=2048, prefill_step_size=256)
 
 
 def sync_tree(source: Path, target: Path, *, keep: tuple[str, ...] = ()) -> None:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from toolchain.cli.options import ios_option, tokens_option
 from toolchain.cli.render import echo_json, human_bytes, json_option
 
 if TYPE_CHECKING:
@@ -26,24 +27,15 @@ if TYPE_CHECKING:
 @click.option(
     "--prefill-step", default="512", show_default=True, help="Prefill step size (kvcache.json), or several: 256,512."
 )
-@click.option(
+@tokens_option(
     "--room-tokens",
-    type=click.IntRange(min=256),
-    default=2048,
-    show_default=True,
-    help="The virtual iPhone's limit is the plan's peak footprint at this context (KV, transients and all).",
+    2048,
+    "The virtual iPhone's limit is the plan's peak footprint at this context (KV, transients and all).",
+    minimum=256,
 )
-@click.option(
-    "--step-tokens", type=click.IntRange(min=1), default=256, show_default=True, help="Context added per soak step."
-)
-@click.option("--decode-tokens", type=click.IntRange(min=1), default=4, show_default=True, help="Timed per step.")
-@click.option(
-    "--ios",
-    type=click.Choice(["16.7", "17.0", "17.4", "18.6", "26.1"]),
-    default="18.6",
-    show_default=True,
-    help="The virtual iPhone's iOS; from 17.4 the app is launched through the CoreDeviceProxy tunnel.",
-)
+@tokens_option("--step-tokens", 256, "Context added per soak step.")
+@tokens_option("--decode-tokens", 4, "Timed per step.")
+@ios_option("18.6", "The virtual iPhone's iOS; from 17.4 the app is launched through the CoreDeviceProxy tunnel.")
 @click.option(
     "--app-runtime",
     type=click.Choice(["auto", "swift", "python"]),

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from toolchain.cli.options import backend_option
 from toolchain.cli.render import echo_json, human_bytes, json_option
 
 
@@ -57,12 +58,8 @@ def _str_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
     type=click.Path(path_type=Path),
     help="Calibration file from `kvrig calibrate`: use its measured baseline for this device's profile.",
 )
-@click.option(
-    "--backend",
-    type=click.Choice(["mlx", "coreml"]),
-    default="mlx",
-    show_default=True,
-    help="coreml: bytes of the stateful Core ML program `kvrig export coreml` writes (weights, KV state).",
+@backend_option(
+    "mlx", "coreml: bytes of the stateful Core ML program `kvrig export coreml` writes (weights, KV state)."
 )
 @click.option(
     "--mlx-backend",

@@ -8,6 +8,7 @@ import click
 
 from toolchain.cli.bridge import run_async
 from toolchain.cli.device import parse_tunnel, tunnel_option
+from toolchain.cli.options import backend_option, seconds_option, tokens_option
 from toolchain.cli.render import echo_json, human_bytes, json_option
 
 
@@ -20,50 +21,33 @@ from toolchain.cli.render import echo_json, human_bytes, json_option
 @click.option(
     "--plan", "plan_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="A soak plan file."
 )
-@click.option("--max-tokens", type=click.IntRange(min=1), default=131072, show_default=True, help="Stop growing here.")
-@click.option("--step", type=click.IntRange(min=1), default=256, show_default=True, help="Tokens added per step.")
-@click.option(
-    "--decode-tokens", type=click.IntRange(min=1), default=16, show_default=True, help="Tokens timed per step."
-)
-@click.option(
-    "--backend",
-    type=click.Choice(["mlx", "coreml"]),
-    default=None,
-    help="Runtime the app soaks: MLX (default) or the Core ML program `kvrig app --coreml` shipped; "
-    "overrides the plan file's.",
+@tokens_option("--max-tokens", 131072, "Stop growing here.")
+@tokens_option("--step", 256, "Tokens added per step.")
+@tokens_option("--decode-tokens", 16, "Tokens timed per step.")
+@backend_option(
+    None,
+    "Runtime the app soaks: MLX (default) or the Core ML program `kvrig app --coreml` shipped; overrides the plan "
+    "file's.",
 )
 @click.option("--bundle", "bundle_name", default=None, help="Name of the model bundle the app runs (recorded).")
 @click.option("--scheme", default="default", show_default=True, help="KV scheme name recorded with the run.")
-@click.option(
-    "--hang-after",
-    type=click.FloatRange(min=0.1),
-    default=120.0,
-    show_default=True,
-    help="Seconds without telemetry (app alive) before the run counts as hung.",
+@seconds_option(
+    "--hang-after", 120.0, "Seconds without telemetry (app alive) before the run counts as hung.", minimum=0.1
 )
-@click.option("--timeout", type=click.FloatRange(min=1), default=None, help="Seconds for the whole run.")
+@seconds_option("--timeout", None, "Seconds for the whole run.", minimum=1)
 @tunnel_option
-@click.option(
+@seconds_option(
     "--reconnect",
-    "reconnect_s",
-    type=click.FloatRange(min=0),
-    default=30.0,
-    show_default=True,
-    help="Seconds a dropped tunnel or an unplugged phone may take to come back before the run ends as lost.",
+    30.0,
+    "Seconds a dropped tunnel or an unplugged phone may take to come back before the run ends as lost.",
+    minimum=0,
+    dest="reconnect_s",
 )
-@click.option(
-    "--handshake-timeout",
-    type=click.FloatRange(min=0.1),
-    default=20.0,
-    show_default=True,
-    help="Seconds the phone gets to finish the tunnel handshake (iOS 17+).",
+@seconds_option(
+    "--handshake-timeout", 20.0, "Seconds the phone gets to finish the tunnel handshake (iOS 17+).", minimum=0.1
 )
-@click.option(
-    "--battery-interval",
-    type=click.FloatRange(min=0.5),
-    default=5.0,
-    show_default=True,
-    help="Seconds between battery temperature/level reads (diagnostics relay).",
+@seconds_option(
+    "--battery-interval", 5.0, "Seconds between battery temperature/level reads (diagnostics relay).", minimum=0.5
 )
 @click.option(
     "-o",

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from toolchain.cli.options import ios_option
 from toolchain.cli.render import echo_json, human_bytes, json_option
 
 
@@ -40,13 +41,7 @@ def _socket_option(func):  # type: ignore[no-untyped-def]
 @click.option(
     "--baseline-mb", type=float, default=None, help="App footprint before weights and KV, MiB (default: the profile's)."
 )
-@click.option(
-    "--ios",
-    type=click.Choice(["16.7", "17.0", "17.4", "18.6", "26.1"]),
-    default="16.7",
-    show_default=True,
-    help="iOS release; from 17.4 developer services are reached through a CoreDeviceProxy tunnel.",
-)
+@ios_option("16.7", "iOS release; from 17.4 developer services are reached through a CoreDeviceProxy tunnel.")
 @click.option("--detach", is_flag=True, help="Run in the background and return.")
 @click.option(
     "--tcp",

@@ -189,35 +189,6 @@ def _peak_bytes(
     )
 
 
-def _estimate(
-    spec: ModelSpec,
-    scheme: KVScheme,
-    budget: int,
-    fixed: int,
-    prefill_step: int,
-    dtype: str,
-    cap: int,
-    backend: Backend = DEFAULT_BACKEND,
-) -> int:
-    """Closed form: every term is affine in the context (caches in whole 256-token steps), so solve
-    fixed + constant + per_token × C ≤ budget; the exact check in `max_context_for` settles the last step."""
-    per_token = bytes_per_token(spec, scheme)
-    copy_row = max((row_bytes(spec, scheme, layer) for layer in spec.layers if layer.grows), default=0)
-    deq_row = dequantized_read_bytes(spec, scheme, 1)
-    ref = max(prefill_step, MLX_STEP) * 4
-    act_ref, act_next = (
-        prefill_activation_bytes(spec, prefill_step, c, dtype, scheme=scheme, backend=backend)
-        for c in (ref, ref + MLX_STEP)
-    )
-    act_row = (act_next - act_ref) / MLX_STEP
-    constant = kv_bytes(spec, scheme, context_schedule(ref, prefill_step)) - per_token * ref
-    slope = per_token + copy_row + deq_row + act_row
-    room = budget - fixed - constant - (act_ref - act_row * ref)
-    if slope <= 0:
-        return cap
-    return max(1, min(cap, int(room // slope) // MLX_STEP * MLX_STEP))
-
-
 def largest_fitting(fits: Callable[[int], bool], estimate: int, cap: int) -> int:
     """Largest context in [1, cap] with fits(context), 0 if none; `fits` is monotone (bytes grow with the
     context). Starts at the closed-form estimate, walks whole 256-token steps to bracket the answer, then
@@ -261,12 +232,27 @@ def max_context_for(
     cap: int,
     backend: Backend = DEFAULT_BACKEND,
 ) -> tuple[int, Literal["memory", "model", "weights"]]:
-    """Largest context whose peak fits the budget: the closed-form solve, then MLX's exact bytes around it."""
+    """Largest context whose peak fits the budget: the closed-form solve, then MLX's exact bytes around it.
+
+    Closed form: every term is affine in the context (caches in whole 256-token steps), so solve
+    fixed + constant + per_token × C ≤ budget; the exact check settles the last step."""
+    per_token = bytes_per_token(spec, scheme)
+    copy_row = max((row_bytes(spec, scheme, layer) for layer in spec.layers if layer.grows), default=0)
+    deq_row = dequantized_read_bytes(spec, scheme, 1)
+    ref = max(prefill_step, MLX_STEP) * 4
+    act_ref, act_next = (
+        prefill_activation_bytes(spec, prefill_step, c, dtype, scheme=scheme, backend=backend)
+        for c in (ref, ref + MLX_STEP)
+    )
+    act_row = (act_next - act_ref) / MLX_STEP
+    constant = kv_bytes(spec, scheme, context_schedule(ref, prefill_step)) - per_token * ref
+    slope = per_token + copy_row + deq_row + act_row
+    room = budget - fixed - constant - (act_ref - act_row * ref)
+    estimate = cap if slope <= 0 else max(1, min(cap, int(room // slope) // MLX_STEP * MLX_STEP))
 
     def fits(c: int) -> bool:
         return _peak_bytes(spec, scheme, c, fixed, prefill_step, dtype, backend).total_bytes <= budget
 
-    estimate = _estimate(spec, scheme, budget, fixed, prefill_step, dtype, cap, backend)
     best = largest_fitting(fits, estimate, cap)
     if best == 0:
         return 0, "weights"

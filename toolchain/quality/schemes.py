@@ -11,7 +11,7 @@ from typing import Any
 from toolchain.exceptions import KVSchemeError
 from toolchain.models.spec import DTYPE_BYTES, ModelSpec
 from toolchain.plan.kv import KVScheme, parse_scheme
-from toolchain.schemas.kvcache import KVCacheConfig, LayerCache
+from toolchain.schemas.kvcache import KVCacheConfig, LayerCache, host_kvcache
 
 _EXTRA = re.compile(r"^(rot|rotk|s(\d+)|w(\d+))$")
 
@@ -64,22 +64,17 @@ def kv_config(spec: ModelSpec, variant: KVVariant, *, max_context: int = 4096) -
         )
         for layer in spec.layers
     ]
-    return KVCacheConfig(
+    return host_kvcache(
+        layers,
+        max_context=max_context,
+        prefill_step_size=256,
         scheme=s.name,
         key_bits=s.key_bits,
         value_bits=s.value_bits,
         group_size=s.group_size,
-        quantized_kv_start=0,
-        rotation=variant.rotation,  # type: ignore[arg-type]
+        rotation=variant.rotation,
         sink_tokens=variant.sink_tokens,
         recent_tokens=variant.recent_tokens,
-        page_tokens=256,
-        max_context=max_context,
-        keep_tokens=4,
-        prefill_step_size=256,
-        buffer_cache_limit_bytes=0,
-        memory_limit_bytes=0,
-        layers=layers,
     )
 
 

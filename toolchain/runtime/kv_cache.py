@@ -21,17 +21,16 @@ DEQUANTIZED_ROWS = 16
 """Query rows (heads sharing a KV head x tokens) from which attention reads dequantized copies (BLAS)."""
 
 
-class DequantizingKVCache(BaseCache):
-    step = 256
+class _QuantizedStore(BaseCache):
+    """What both caches share: keys and values stored as mx.quantize triples, grown in mlx-lm's 256-token steps."""
 
-    def __init__(self, key_bits: int = 8, value_bits: int = 4, group_size: int = 64) -> None:
-        self.keys: Quantized | None = None
-        self.values: Quantized | None = None
-        self.offset = 0
-        self.key_bits = key_bits
-        self.value_bits = value_bits
-        self.group_size = group_size
-        self._dtype: mx.Dtype = mx.float16
+    step = 256
+    keys: Quantized | None
+    values: Quantized | None
+    offset: int
+    group_size: int
+    key_bits: int
+    value_bits: int
 
     def _empty(self, shape: tuple[int, ...], dim: int, bits: int, dtype: mx.Dtype) -> Quantized:
         return (
@@ -40,15 +39,16 @@ class DequantizingKVCache(BaseCache):
             mx.zeros((*shape, dim // self.group_size), dtype=dtype),
         )
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    def _store(self, keys: mx.array, values: mx.array) -> int:
+        """Quantizes `keys` and `values` into the store after the tokens it holds, growing it first as mlx-lm's
+        caches grow (whole 256-token steps, a ragged tail trimmed first; the planner replays this rule).
+        Returns the offset the new tokens start at."""
         B, n_kv_heads, n, k_dim = keys.shape
-        v_dim = values.shape[-1]
         prev = self.offset
-        if self.keys is None or prev + n > self.keys[0].shape[-2]:
-            # Same growth rule as mlx-lm's caches: whole 256-token steps, trimming a ragged tail first.
+        if self.keys is None or self.values is None or prev + n > self.keys[0].shape[-2]:
             shape = (B, n_kv_heads, (self.step + n - 1) // self.step * self.step)
             new_k = self._empty(shape, k_dim, self.key_bits, keys.dtype)
-            new_v = self._empty(shape, v_dim, self.value_bits, values.dtype)
+            new_v = self._empty(shape, values.shape[-1], self.value_bits, values.dtype)
             if self.keys is None or self.values is None:
                 self.keys, self.values = new_k, new_v
             else:
@@ -63,6 +63,30 @@ class DequantizingKVCache(BaseCache):
         for i in range(3):
             self.keys[i][..., prev : self.offset, :] = qk[i]
             self.values[i][..., prev : self.offset, :] = qv[i]
+        return prev
+
+    def size(self) -> int:
+        return self.offset
+
+    def make_mask(self, *args: Any, **kwargs: Any) -> Any:
+        return create_attention_mask(*args, offset=self.offset, **kwargs)  # type: ignore[misc]
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+
+class DequantizingKVCache(_QuantizedStore):
+    def __init__(self, key_bits: int = 8, value_bits: int = 4, group_size: int = 64) -> None:
+        self.keys: Quantized | None = None
+        self.values: Quantized | None = None
+        self.offset = 0
+        self.key_bits = key_bits
+        self.value_bits = value_bits
+        self.group_size = group_size
+        self._dtype: mx.Dtype = mx.float16
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self._store(keys, values)
         self._dtype = keys.dtype
         return self.keys_and_values()
 
@@ -96,9 +120,6 @@ class DequantizingKVCache(BaseCache):
     def state(self, v: Any) -> None:
         self.keys, self.values, self.offset, self.group_size, self.key_bits, self.value_bits = v
 
-    def size(self) -> int:
-        return self.offset
-
     def is_trimmable(self) -> bool:
         return True
 
@@ -106,12 +127,6 @@ class DequantizingKVCache(BaseCache):
         n = min(self.offset, n)
         self.offset -= n
         return n
-
-    def make_mask(self, *args: Any, **kwargs: Any) -> Any:
-        return create_attention_mask(*args, offset=self.offset, **kwargs)  # type: ignore[misc]
-
-    def empty(self) -> bool:
-        return self.keys is None
 
     @property
     def nbytes(self) -> int:
@@ -133,7 +148,7 @@ def rotate(x: mx.array) -> mx.array:
     return mx.hadamard_transform(x)
 
 
-class SchemeKVCache(BaseCache):
+class SchemeKVCache(_QuantizedStore):
     """Keys and values quantized at rest with their own bit widths, read by quantized matmuls (no dequantized
     copy), with the kvcache.json extras:
 
@@ -146,8 +161,6 @@ class SchemeKVCache(BaseCache):
 
     Attention goes through `attention` (see `install_attention`): mlx-lm's own quantized SDPA takes one width.
     """
-
-    step = 256
 
     def __init__(
         self,
@@ -169,54 +182,29 @@ class SchemeKVCache(BaseCache):
         self.sink: tuple[mx.array, mx.array] | None = None
         self.recent: tuple[mx.array, mx.array] | None = None
 
-    def _empty(self, shape: tuple[int, ...], dim: int, bits: int, dtype: mx.Dtype) -> Quantized:
-        return (
-            mx.zeros((*shape, dim * bits // 32), dtype=mx.uint32),
-            mx.zeros((*shape, dim // self.group_size), dtype=dtype),
-            mx.zeros((*shape, dim // self.group_size), dtype=dtype),
-        )
-
-    def _grow(self, keys: mx.array, values: mx.array) -> None:
-        B, n_kv_heads, n, k_dim = keys.shape
-        prev = self.offset
-        if self.keys is not None and prev + n <= self.keys[0].shape[-2]:
-            return
-        # mlx-lm's growth rule: whole 256-token steps, a ragged tail trimmed first (the planner replays it).
-        shape = (B, n_kv_heads, (self.step + n - 1) // self.step * self.step)
-        new_k = self._empty(shape, k_dim, self.key_bits, keys.dtype)
-        new_v = self._empty(shape, values.shape[-1], self.value_bits, values.dtype)
-        if self.keys is None or self.values is None:
-            self.keys, self.values = new_k, new_v
-            if self.sink_tokens:
-                self.sink = (
-                    mx.zeros((B, n_kv_heads, self.sink_tokens, k_dim), dtype=keys.dtype),
-                    mx.zeros((B, n_kv_heads, self.sink_tokens, values.shape[-1]), dtype=values.dtype),
-                )
-            if self.recent_tokens:
-                self.recent = (
-                    mx.zeros((B, n_kv_heads, self.recent_tokens, k_dim), dtype=keys.dtype),
-                    mx.zeros((B, n_kv_heads, self.recent_tokens, values.shape[-1]), dtype=values.dtype),
-                )
-            return
-        if prev % self.step:
-            self.keys, self.values = tree_map(lambda x: x[..., :prev, :], (self.keys, self.values))
-        self.keys = tuple(mx.concatenate([a, b], axis=-2) for a, b in zip(self.keys, new_k, strict=True))  # type: ignore[assignment]
-        self.values = tuple(mx.concatenate([a, b], axis=-2) for a, b in zip(self.values, new_v, strict=True))  # type: ignore[assignment]
+    def _allocate_extras(self, keys: mx.array, values: mx.array) -> None:
+        """The sink and recent buffers: fixed size, allocated with the first update."""
+        B, n_kv_heads, _, k_dim = keys.shape
+        if self.sink_tokens:
+            self.sink = (
+                mx.zeros((B, n_kv_heads, self.sink_tokens, k_dim), dtype=keys.dtype),
+                mx.zeros((B, n_kv_heads, self.sink_tokens, values.shape[-1]), dtype=values.dtype),
+            )
+        if self.recent_tokens:
+            self.recent = (
+                mx.zeros((B, n_kv_heads, self.recent_tokens, k_dim), dtype=keys.dtype),
+                mx.zeros((B, n_kv_heads, self.recent_tokens, values.shape[-1]), dtype=values.dtype),
+            )
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Quantized, Quantized]:
         if self.rotate_keys:
             keys = rotate(keys)
         if self.rotate_values:
             values = rotate(values)
-        self._grow(keys, values)
+        if self.keys is None:
+            self._allocate_extras(keys, values)
+        prev = self._store(keys, values)
         assert self.keys is not None and self.values is not None
-        prev, n = self.offset, keys.shape[-2]
-        self.offset += n
-        qk = mx.quantize(keys, group_size=self.group_size, bits=self.key_bits)
-        qv = mx.quantize(values, group_size=self.group_size, bits=self.value_bits)
-        for i in range(3):
-            self.keys[i][..., prev : self.offset, :] = qk[i]
-            self.values[i][..., prev : self.offset, :] = qv[i]
         if self.sink is not None and prev < self.sink_tokens:
             m = min(self.sink_tokens, self.offset) - prev
             self.sink[0][..., prev : prev + m, :] = keys[..., :m, :]
@@ -326,15 +314,6 @@ class SchemeKVCache(BaseCache):
     @state.setter
     def state(self, v: Any) -> None:
         self.keys, self.values, self.sink, self.recent = v
-
-    def size(self) -> int:
-        return self.offset
-
-    def make_mask(self, *args: Any, **kwargs: Any) -> Any:
-        return create_attention_mask(*args, offset=self.offset, **kwargs)  # type: ignore[misc]
-
-    def empty(self) -> bool:
-        return self.keys is None
 
     @property
     def nbytes(self) -> int:

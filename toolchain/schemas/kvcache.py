@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 from pydantic import Field, model_validator
 
@@ -68,3 +68,34 @@ class KVCacheConfig(StrictModel):
     memory_limit_bytes: int = Field(ge=0, description="MLX Memory.memoryLimit, below the jetsam limit")
     pressure: PressurePolicy = PressurePolicy()
     layers: list[LayerCache]
+
+
+def host_kvcache(
+    layers: list[LayerCache],
+    *,
+    max_context: int,
+    prefill_step_size: int,
+    scheme: str = "fp16",
+    key_bits: int | None = None,
+    value_bits: int | None = None,
+    **fields: Any,
+) -> KVCacheConfig:
+    """kvcache.json for a run on this host with no phone plan behind it: no memory or buffer-cache limit,
+    quantized from the first token, the packager's default pages (256 tokens, 4 kept); `fields` set the rest."""
+    defaults: dict[str, Any] = {
+        "group_size": 64,
+        "quantized_kv_start": 0,
+        "page_tokens": 256,
+        "keep_tokens": 4,
+        "buffer_cache_limit_bytes": 0,
+        "memory_limit_bytes": 0,
+    }
+    return KVCacheConfig(
+        scheme=scheme,
+        key_bits=key_bits,
+        value_bits=value_bits,
+        max_context=max_context,
+        prefill_step_size=prefill_step_size,
+        layers=layers,
+        **(defaults | fields),
+    )

@@ -202,7 +202,7 @@ class AppRunner:
         }
 
     def _jetsam(self, process: AppProcess) -> None:
-        ident, account = self.device.identity, process.account
+        account = process.account
         process.outcome = "jetsam"
         with contextlib.suppress(ProcessLookupError):
             os.kill(process.pid, signal.SIGKILL)
@@ -222,13 +222,7 @@ class AppRunner:
             age_s=time.time() - process.started,
             cpu_time_s=_cpu_seconds(process.pid),
         )
-        text = build_report(
-            product_type=ident.product_type,
-            product_version=ident.product_version,
-            build_version=ident.build_version,
-            page_size=ident.page_size,
-            victim=victim,
-        )
+        text = build_report(phone=self.device.identity, victim=victim)
         path = write_report(self.device.state.crash, text)
         self.device.syslog.emit(
             "osanalyticshelper",
@@ -237,14 +231,11 @@ class AppRunner:
         )
 
     def _crash(self, process: AppProcess) -> None:
-        ident = self.device.identity
         process.outcome = "crash"
         with contextlib.suppress(ProcessLookupError):
             os.kill(process.pid, signal.SIGSEGV)
         text = build_crash_report(
-            product_type=ident.product_type,
-            product_version=ident.product_version,
-            build_version=ident.build_version,
+            phone=self.device.identity,
             pid=process.pid,
             name=process.name,
             bundle_id=process.bundle_id,

@@ -17,11 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pymobiledevice3.lockdown import SERVICE_PORT as LOCKDOWN_PORT
+
 from toolchain.virtual.battery import Battery
 from toolchain.virtual.faults import FaultPlan
-from toolchain.virtual.lockdownd import LOCKDOWN_PORT, serve_lockdownd
+from toolchain.virtual.lockdownd import serve_lockdownd
 from toolchain.virtual.pairing import Pairing
-from toolchain.virtual.state import DeviceState
+from toolchain.virtual.state import IOS_BUILDS, DeviceState
 from toolchain.virtual.syslog import SyslogBus
 from toolchain.virtual.wire import Link, ProtocolViolation, Unplugged
 
@@ -32,7 +34,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Link], Awaitable[None]]
-SUPPORTED_IOS = ("16.7", "17.0", "17.4", "18.6", "26.1")
+SUPPORTED_IOS = tuple(IOS_BUILDS)
 REBOOT_DOWN_S = 1.0  # how long a restarting phone stays off usbmuxd
 
 
@@ -243,7 +245,7 @@ class VirtualDevice:
     # --- ports and services ----------------------------------------------------------------------------
 
     def take_port(self, port: int) -> Handler | None:
-        if port == LOCKDOWN_PORT:
+        if port == LOCKDOWN_PORT:  # pymobiledevice3's lockdown SERVICE_PORT
             return serve_lockdownd
         return self._pending.pop(port, None)
 

@@ -32,6 +32,8 @@ from pymobiledevice3.dtx.structs import (
     DTXMessageType,
     DTXTransportFlags,
 )
+from pymobiledevice3.services.dvt.instruments.device_info import DeviceInfoService
+from pymobiledevice3.services.dvt.instruments.process_control import ProcessControlService
 
 from toolchain.virtual.apprun import AppLaunchError
 from toolchain.virtual.wire import Link, ProtocolViolation
@@ -43,8 +45,8 @@ log = logging.getLogger(__name__)
 register_ns_keyed_classes()
 MAX_MESSAGE = 32 * 1024 * 1024
 
-PROCESS_CONTROL = "com.apple.instruments.server.services.processcontrol"
-DEVICE_INFO = "com.apple.instruments.server.services.deviceinfo"
+PROCESS_CONTROL = ProcessControlService.IDENTIFIER
+DEVICE_INFO = DeviceInfoService.IDENTIFIER
 PROCESS_CONTROL_DOMAIN = "com.apple.dt.deviceprocesscontrolservice"
 TRANSIENT_LAUNCH_ERROR = 1  # the code of the transient launch failure the launch-error fault injects
 # Limit a process gets after requestDisableMemoryLimitsForPid: (the per-process limit is waived).

@@ -16,9 +16,11 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from pymobiledevice3.usbmux import UsbmuxdResult
+
 from toolchain.virtual.device import VirtualDevice
 from toolchain.virtual.faults import FaultPlan
-from toolchain.virtual.usbmuxd import RESULT_BADDEV, RESULT_OK, UsbmuxServer
+from toolchain.virtual.usbmuxd import UsbmuxServer, result_message
 
 T = TypeVar("T")
 
@@ -61,13 +63,13 @@ def control_handler(server_ref: list[UsbmuxServer], stop: asyncio.Event) -> Call
                 raise ValueError(f"a device with state {request['State']} is already running")
             added = device_from_options(request)
             await server.add_device(added)
-            return {"MessageType": "Result", "Number": RESULT_OK, "UDID": added.identity.udid}
+            return result_message(UsbmuxdResult.OK, UDID=added.identity.udid)
         if kind == "KvrigShutdown":
             stop.set()
-            return {"MessageType": "Result", "Number": RESULT_OK}
+            return result_message(UsbmuxdResult.OK)
         device = _find(server, request)
         if device is None:
-            return {"MessageType": "Result", "Number": RESULT_BADDEV, "Error": "no such virtual device"}
+            return result_message(UsbmuxdResult.BADDEV, Error="no such virtual device")
         if kind == "KvrigRemoveDevice":
             await server.remove_device(device)
             if not server.devices:
@@ -78,7 +80,7 @@ def control_handler(server_ref: list[UsbmuxServer], stop: asyncio.Event) -> Call
             await device.replug()
         else:
             raise ValueError(f"unknown control message {kind}")
-        return {"MessageType": "Result", "Number": RESULT_OK}
+        return result_message(UsbmuxdResult.OK)
 
     return handle
 

@@ -13,7 +13,10 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from toolchain.virtual.state import Identity
 
 # Foreground app priority band, and the system daemons every report lists alongside the app.
 FOREGROUND_PRIORITY = 10
@@ -43,17 +46,14 @@ def _stamp(t: float) -> str:
 
 def build_report(
     *,
-    product_type: str,
-    product_version: str,
-    build_version: str,
-    page_size: int,
+    phone: Identity,
     victim: JetsamVictim,
     reason: str = "per-process-limit",
     t: float | None = None,
 ) -> str:
     t = time.time() if t is None else t
     incident = str(uuid.uuid4()).upper()
-    os_version = f"iPhone OS {product_version} ({build_version})"
+    os_version = f"iPhone OS {phone.product_version} ({phone.build_version})"
     metadata = {
         "bug_type": "298",
         "timestamp": _stamp(t),
@@ -104,9 +104,9 @@ def build_report(
     )
     total_pages = sum(p["rpages"] for p in processes)
     body = {
-        "crashReporterKey": str(uuid.uuid5(uuid.NAMESPACE_OID, product_type)).replace("-", "")[:40],
-        "kernel": f"Darwin Kernel Version {product_version}: virtual; root:xnu/RELEASE_ARM64",
-        "product": product_type,
+        "crashReporterKey": str(uuid.uuid5(uuid.NAMESPACE_OID, phone.product_type)).replace("-", "")[:40],
+        "kernel": f"Darwin Kernel Version {phone.product_version}: virtual; root:xnu/RELEASE_ARM64",
+        "product": phone.product_type,
         "incident": incident,
         "date": _stamp(t),
         "build": os_version,
@@ -118,7 +118,7 @@ def build_report(
             "zoneMapCap": 1_073_741_824,
             "largestZone": "APFS_4K_OBJS",
             "largestZoneSize": 35_000_000,
-            "pageSize": page_size,
+            "pageSize": phone.page_size,
             "uncompressed": 0,
             "zoneMapSize": 200_000_000,
             "memoryPages": {
@@ -154,9 +154,7 @@ def write_report(folder: Path, text: str, t: float | None = None) -> Path:
 
 def build_crash_report(
     *,
-    product_type: str,
-    product_version: str,
-    build_version: str,
+    phone: Identity,
     pid: int,
     name: str,
     bundle_id: str,
@@ -164,7 +162,7 @@ def build_crash_report(
 ) -> str:
     """A minimal app crash report (bug_type 309) for the crash fault."""
     t = time.time()
-    os_version = f"iPhone OS {product_version} ({build_version})"
+    os_version = f"iPhone OS {phone.product_version} ({phone.build_version})"
     incident = str(uuid.uuid4()).upper()
     metadata = {
         "bug_type": "309",
@@ -178,8 +176,8 @@ def build_crash_report(
         "incident": incident,
         "procName": name,
         "pid": pid,
-        "modelCode": product_type,
-        "osVersion": {"train": f"iPhone OS {product_version}", "build": build_version},
+        "modelCode": phone.product_type,
+        "osVersion": {"train": f"iPhone OS {phone.product_version}", "build": phone.build_version},
         "bundleInfo": {"CFBundleIdentifier": bundle_id},
         "exception": {"type": "EXC_BAD_ACCESS", "signal": signal},
         "termination": {"namespace": "SIGNAL", "indicator": f"Segmentation fault: 11 ({signal})"},

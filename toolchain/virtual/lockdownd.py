@@ -19,7 +19,6 @@ from toolchain.virtual.wire import Link
 if TYPE_CHECKING:
     from toolchain.virtual.device import VirtualDevice
 
-LOCKDOWN_PORT = 62078
 LOCKDOWN_TYPE = "com.apple.mobile.lockdown"
 
 

@@ -12,15 +12,16 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pymobiledevice3.services.os_trace import SyslogLogLevel
+
+from toolchain.compat.os_trace import SyslogRecordHeader
 from toolchain.virtual.wire import Link, encode_plist
 
 if TYPE_CHECKING:
     from toolchain.virtual.device import VirtualDevice
 
 HISTORY = 256
-# os_trace_relay record header (little-endian); the layout pymobiledevice3's parse_syslog_entry reads.
-_RECORD = struct.Struct("<9sIQ16s18sIIIBB6sQQ16sHHHIIII")
-LEVELS = {"notice": 0x00, "info": 0x01, "debug": 0x02, "error": 0x10, "fault": 0x11}
+LEVELS = {level.name.lower(): level for level in SyslogLogLevel}
 SYSTEM_PIDS = {"kernel": 0, "launchd": 1, "SpringBoard": 34, "lockdownd": 61, "osanalyticshelper": 210}
 
 
@@ -85,29 +86,29 @@ def format_record(line: LogLine) -> bytes:
     message = line.message.encode() + b"\0"
     subsystem = line.subsystem.encode() + b"\0" if line.subsystem else b""
     category = (line.category or "default").encode() + b"\0" if line.subsystem else b""
-    header = _RECORD.pack(
-        b"\0" * 9,
-        line.pid,
-        line.pid,
-        uuid.uuid5(uuid.NAMESPACE_DNS, line.process).bytes,
-        b"\0" * 18,
-        seconds,
-        0,
-        int((line.t - seconds) * 1_000_000),
-        0,
-        LEVELS.get(line.level, 0),
-        b"\0" * 6,
-        int(line.t * 24_000_000),
-        line.pid * 1000 + 1,
-        uuid.uuid5(uuid.NAMESPACE_URL, line.process).bytes,
-        len(image),
-        len(message),
-        0,
-        0,
-        len(subsystem),
-        len(category),
-        0,
-    )
+    header = SyslogRecordHeader(
+        _unknown0=b"\0" * 9,
+        pid=line.pid,
+        procid=line.pid,
+        process_image_uuid=uuid.uuid5(uuid.NAMESPACE_DNS, line.process),
+        _unknown1=b"\0" * 18,
+        seconds=seconds,
+        _unknown2=0,
+        microseconds=int((line.t - seconds) * 1_000_000),
+        _unknown3=0,
+        level=LEVELS.get(line.level, SyslogLogLevel.NOTICE),
+        _unknown4=b"\0" * 6,
+        mach_timestamp=int(line.t * 24_000_000),
+        thread_id=line.pid * 1000 + 1,
+        image_uuid=uuid.uuid5(uuid.NAMESPACE_URL, line.process),
+        image_name_size=len(image),
+        message_size=len(message),
+        _unknown5=0,
+        sender_image_offset=0,
+        subsystem_size=len(subsystem),
+        category_size=len(category),
+        _unknown6=0,
+    ).build()
     filename = f"/usr/libexec/{line.process}".encode() + b"\0"
     return header + filename + image + message + subsystem + category
 

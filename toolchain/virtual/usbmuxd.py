@@ -15,26 +15,28 @@ import logging
 import os
 import plistlib
 import socket
-import struct
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from bytestruct import U32_LE
+from pymobiledevice3.usbmux import (
+    UsbmuxdHeader,
+    UsbmuxdMessageType,
+    UsbmuxdResult,
+    UsbmuxdResultData,
+    UsbmuxdVersion,
+    build_usbmuxd_request,
+)
 
 if TYPE_CHECKING:
     from toolchain.virtual.device import VirtualDevice
 
 log = logging.getLogger(__name__)
 
-HEADER = struct.Struct("<IIII")
-PLIST_VERSION = 1
-MSG_RESULT = 1
-MSG_PLIST = 8
-RESULT_OK = 0
-RESULT_BADCOMMAND = 1
-RESULT_BADDEV = 2
-RESULT_CONNREFUSED = 3
-RESULT_BADVERSION = 6
+# The header layout, message types and result codes are pymobiledevice3's (a client these serve).
+HEADER_SIZE = U32_LE.size + len(UsbmuxdHeader(0, 0, 0).build())  # the length prefix, then version, message, tag
 MAX_PACKET = 1 << 20
 APPLE_USB_PRODUCT_ID = 0x12A8
 
@@ -42,8 +44,12 @@ ControlHandler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
 def _packet(payload: dict[str, Any], tag: int) -> bytes:
-    body = plistlib.dumps(payload)
-    return HEADER.pack(HEADER.size + len(body), PLIST_VERSION, MSG_PLIST, tag) + body
+    return build_usbmuxd_request(UsbmuxdVersion.PLIST, UsbmuxdMessageType.PLIST, tag, plistlib.dumps(payload))
+
+
+def result_message(number: UsbmuxdResult, **extra: Any) -> dict[str, Any]:
+    """A plist `Result` answer with one of usbmuxd's result numbers (and any extra keys)."""
+    return {"MessageType": "Result", "Number": int(number), **extra}
 
 
 class UsbmuxServer:
@@ -175,24 +181,27 @@ class UsbmuxServer:
 
     async def _serve_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while True:
-            header = await reader.readexactly(HEADER.size)
-            length, version, message, tag = HEADER.unpack(header)
-            if length < HEADER.size or length > MAX_PACKET:
+            header = await reader.readexactly(HEADER_SIZE)
+            length = U32_LE.unpack(header[: U32_LE.size])[0]
+            if length < HEADER_SIZE or length > MAX_PACKET:
                 return  # not usbmuxd protocol: real usbmuxd drops such a client
-            body = await reader.readexactly(length - HEADER.size)
-            if version != PLIST_VERSION or message != MSG_PLIST:
+            fields = UsbmuxdHeader.parse(header[U32_LE.size :])
+            body = await reader.readexactly(length - HEADER_SIZE)
+            if fields.version != UsbmuxdVersion.PLIST or fields.message != UsbmuxdMessageType.PLIST:
                 # The binary protocol is not spoken here; clients retry with plists on BADVERSION.
-                writer.write(HEADER.pack(HEADER.size + 4, version, MSG_RESULT, tag) + struct.pack("<I", 6))
+                result = UsbmuxdResultData(UsbmuxdResult.BADVERSION).build()
+                writer.write(build_usbmuxd_request(fields.version, UsbmuxdMessageType.RESULT, fields.tag, result))
                 await writer.drain()
                 continue
+            tag = fields.tag
             try:
                 request = plistlib.loads(body)
                 kind = request["MessageType"]
             except Exception:
-                await self._reply(writer, tag, {"MessageType": "Result", "Number": RESULT_BADCOMMAND})
+                await self._reply(writer, tag, result_message(UsbmuxdResult.BADCOMMAND))
                 continue
             if kind == "Listen":
-                await self._reply(writer, tag, {"MessageType": "Result", "Number": RESULT_OK})
+                await self._reply(writer, tag, result_message(UsbmuxdResult.OK))
                 await self._listen(writer)
                 return
             if kind == "Connect":
@@ -214,17 +223,17 @@ class UsbmuxServer:
         if kind == "ReadPairRecord":
             device = self.device_by_udid(str(request.get("PairRecordID", "")))
             if device is None:
-                return {"MessageType": "Result", "Number": RESULT_BADDEV}
+                return result_message(UsbmuxdResult.BADDEV)
             return {"PairRecordData": plistlib.dumps(device.pairing.pair_record())}
         if kind in ("SavePairRecord", "DeletePairRecord"):
             # Pairing of a new host is not emulated; the record the emulator generated stays authoritative.
-            return {"MessageType": "Result", "Number": RESULT_OK}
+            return result_message(UsbmuxdResult.OK)
         if kind.startswith("Kvrig") and self.control is not None:
             try:
                 return await self.control(request)
             except Exception as exc:
-                return {"MessageType": "Result", "Number": RESULT_BADCOMMAND, "Error": str(exc)}
-        return {"MessageType": "Result", "Number": RESULT_BADCOMMAND}
+                return result_message(UsbmuxdResult.BADCOMMAND, Error=str(exc))
+        return result_message(UsbmuxdResult.BADCOMMAND)
 
     async def _listen(self, writer: asyncio.StreamWriter) -> None:
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
@@ -243,15 +252,15 @@ class UsbmuxServer:
     ) -> bool:
         device = self.devices.get(int(request.get("DeviceID", -1)))
         if device is None or not device.plugged:
-            await self._reply(writer, tag, {"MessageType": "Result", "Number": RESULT_BADDEV})
+            await self._reply(writer, tag, result_message(UsbmuxdResult.BADDEV))
             return False
         # PortNumber travels in network byte order inside the plist.
         port = socket.ntohs(int(request.get("PortNumber", 0)) & 0xFFFF)
         handler = device.take_port(port)
         if handler is None:
-            await self._reply(writer, tag, {"MessageType": "Result", "Number": RESULT_CONNREFUSED})
+            await self._reply(writer, tag, result_message(UsbmuxdResult.CONNREFUSED))
             return False
-        await self._reply(writer, tag, {"MessageType": "Result", "Number": RESULT_OK})
+        await self._reply(writer, tag, result_message(UsbmuxdResult.OK))
         await device.serve(handler, reader, writer)
         return True
 
