@@ -103,13 +103,15 @@ def test_hang_is_detected_and_killed(faults_cleared: Emulator, tmp_path: Path) -
 
 def test_unplugged_phone_is_device_lost(faults_cleared: Emulator, tmp_path: Path) -> None:
     emulator = faults_cleared
-    telemetry = emulator.device.state.container(BUNDLE_ID) / "Documents" / "telemetry.jsonl"
-    telemetry.unlink(missing_ok=True)
+    (emulator.device.state.container(BUNDLE_ID) / "Documents" / "telemetry.jsonl").unlink(missing_ok=True)
+    # The cable goes once the driver has pulled two steps (its local copy), not when the app wrote them: the app
+    # can write both between two polls, and then nothing was pulled before the loss.
+    pulled = tmp_path / "telemetry.jsonl"
 
     def pull_the_cable_after_two_steps() -> None:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            if telemetry.exists() and telemetry.read_text().count('"event":"step"') >= 2:
+            if pulled.exists() and pulled.read_text().count('"event":"step"') >= 2:
                 emulator.host.run(emulator.device.unplug())
                 return
             time.sleep(0.05)
