@@ -25,8 +25,9 @@ from tests.raw_telemetry import raw_steps
 from toolchain.cli.bridge import run_async
 from toolchain.device.discovery import list_devices
 from toolchain.lab import LabResults, run_lab
+from toolchain.lab.model import RUNS_DIR
 from toolchain.schemas import load_model_file
-from toolchain.schemas.lab import load_lab
+from toolchain.schemas.lab import load_lab, slug
 from toolchain.schemas.results import ResultsFile, SoakResult
 
 __all__ = ["phones"]
@@ -278,14 +279,19 @@ def test_unplugged_phone_is_device_lost_while_the_other_completes(replugged: Pho
         },
     )
     out = tmp_path / "out"
-    telemetry = phones.telemetry(phones.pro13)
-    telemetry.unlink(missing_ok=True)
+    phones.telemetry(phones.pro13).unlink(missing_ok=True)
     snapshot: dict[str, bytes] = {}
+
+    def pulled_steps() -> int:
+        """Steps the lab has pulled from the phone (its local copies), not the steps the app wrote: the app can
+        write two between two polls, and then nothing was pulled before the loss."""
+        copies = (out / RUNS_DIR / slug(phones.pro13.identity.udid)).rglob("telemetry.jsonl")
+        return sum(path.read_text().count('"event":"step"') for path in copies)
 
     def pull_the_cable_after_two_steps() -> None:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
-            if telemetry.exists() and telemetry.read_text().count('"event":"step"') >= 2:
+            if pulled_steps() >= 2:
                 snapshot["junit"] = (out / "junit.xml").read_bytes()  # what a lab that died here would leave
                 snapshot["results"] = (out / "results.json").read_bytes()
                 phones.host.run(phones.pro13.unplug())
