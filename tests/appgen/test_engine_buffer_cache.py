@@ -39,3 +39,18 @@ def test_a_failing_probe_is_an_engine_run_error(monkeypatch: pytest.MonkeyPatch,
     with pytest.raises(exceptions.EngineRunError) as failure:
         buffer_cache_held("swift", CAP)
     assert failure.value.exit_code == 32 and "unknown argument" in str(failure.value)
+
+
+def test_a_probe_printing_no_cache_bytes_is_an_engine_run_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from toolchain import exceptions
+    from toolchain.virtual import swiftapp
+
+    garbled = tmp_path / "kvrig-engine"
+    garbled.write_text("#!/bin/sh\necho '{\"cache_limit_bytes\": 1}'\n")
+    garbled.chmod(0o755)
+    monkeypatch.setattr(swiftapp, "engine_binary", lambda: garbled)
+    with pytest.raises(exceptions.EngineRunError) as failure:
+        buffer_cache_held("swift", CAP)
+    assert failure.value.exit_code == 32

@@ -101,7 +101,13 @@ def buffer_cache_held(runtime: str, limit: int) -> int:
             raise EngineRunError(
                 f"kvrig-engine --probe-buffer-cache exited {proc.returncode}: {proc.stderr.strip()[-500:]}"
             )
-        return int(json.loads(proc.stdout)["cache_bytes"])
+        try:
+            return int(json.loads(proc.stdout)["cache_bytes"])
+        except (ValueError, KeyError, TypeError) as err:
+            raise EngineRunError(
+                f"kvrig-engine --probe-buffer-cache printed no JSON object with an integer `cache_bytes`: "
+                f"{proc.stdout.strip()[-200:]!r}"
+            ) from err
     import mlx.core as mx
 
     previous = mx.set_cache_limit(limit)
