@@ -173,6 +173,9 @@ def _print_quality(report: object, paths: list[Path]) -> None:
                 f"{human_bytes(r.predicted_kv_bytes[last]):>12}{human_bytes(r.phone_kv_bytes[last]):>12}{frac:8.1%}"
                 + "".join(f"{r.decode_tps[c]:12.2f}" for c in ctx)
             )
+        for r in report.kv:
+            if r.kv_scheme and r.kv_scheme != r.kv.split("+")[0] and "@top" in r.kv:
+                click.echo(f"{r.kv}: layers chosen by measurement: {r.kv_scheme}")
         exact = all(r.kv_bytes == r.predicted_kv_bytes for r in report.kv)
         click.echo(f"measured cache bytes equal the plan at every context: {'yes' if exact else 'NO'}")
     if report.factual:

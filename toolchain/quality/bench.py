@@ -59,6 +59,8 @@ class Row:
     phone_kv_bytes: dict[int, int] = field(default_factory=dict)
     """The planner's bytes at float16 (the phone's activation dtype) for a prompt of that length."""
     decode_tps: dict[int, float] = field(default_factory=dict)
+    kv_scheme: str = ""
+    """The planner's scheme the KV row ran (a `+kN@topM` variant names the layers the measurement chose)."""
 
 
 @dataclass
@@ -285,6 +287,11 @@ def run_quality_bench(
         for variant in variants:
             progress(f"kv {variant.name}")
             t0 = time.perf_counter()
+            if variant.promote_keys is not None:
+                from toolchain.quality.kv_sensitivity import resolve_variant
+
+                variant = resolve_variant(source, spec, variant, sensitivity_tokens(tokenizer))
+                progress(f"  layers chosen: {variant.scheme.name}")
             res = perplexity(source, ids[: kv_tokens + 1], make_variant_caches(source, spec, variant), contexts=ppl_ctx)
             if base_kv is None:
                 base_kv = res.ppl
@@ -305,6 +312,7 @@ def run_quality_bench(
                 predicted_kv_bytes=predicted,
                 phone_kv_bytes=phone,
                 decode_tps={c: round(t, 3) for c, t in tps.items()},
+                kv_scheme=variant.scheme.name,
             )
             report.kv.append(row)
             progress(f"  ppl {res.ppl:.3f} ({row.ppl_delta_pct:+.2f} %), decode {tps}")
@@ -320,6 +328,13 @@ def run_quality_bench(
             report.factual = [factual_check(source, quant, tokenizer, p, e) for p, e in FACTUAL_PROMPTS]
         report.goals = goals(report)
     return report
+
+
+def sensitivity_tokens(tokenizer: Any, length: int = 512) -> list[int]:
+    """The calibration text's first tokens: where `+kN@topM` variants measure which layers' keys suffer most."""
+    from toolchain.quality.recipes import calibration_tokens
+
+    return [int(t) for t in calibration_tokens(tokenizer, samples=1, length=length).reshape(-1).tolist()]
 
 
 def factual_check(source: Any, model: Any, tokenizer: Any, prompt: str, expected: str) -> FactualCheck:
