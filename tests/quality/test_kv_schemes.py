@@ -231,3 +231,26 @@ def test_layer_key_widths_reach_kvcache_json_and_the_caches() -> None:
     model(mx.array([[1, 2, 3]]), cache=caches)
     assert [c.keys[0].shape[-1] for c in caches] == [8, 16]
     assert [c.values[0].shape[-1] for c in caches] == [8, 8]
+
+
+@pytest.mark.parametrize("name", ["k4v4+rot+s4+w16", "k3v4+w8", "k4v3+rotk+w24"])
+def test_per_query_window_reads_chunks_as_decoding_reads_them(name: str) -> None:
+    """With `per_query_window`, a chunked pass gives every position the logits a token-by-token pass gives it
+    (each query reads its own latest tokens in float); the plain chunked pass does not."""
+    from toolchain.quality.perplexity import perplexity
+
+    model, spec = tiny()
+    tokens = [int(t) for t in mx.random.randint(0, 97, (70,), key=mx.random.key(2)).tolist()]
+    variant = parse_kv_variant(name)
+
+    def caches(per_query: bool) -> list[SchemeKVCache]:
+        made = make_variant_caches(model, spec, variant)
+        for c in made:
+            c.per_query_window = per_query
+        return made
+
+    decoded = perplexity(model, tokens, caches(False), chunk=1).ppl
+    per_query = perplexity(model, tokens, caches(True), chunk=32).ppl
+    chunked = perplexity(model, tokens, caches(False), chunk=32).ppl
+    assert per_query == pytest.approx(decoded, rel=1e-5)
+    assert abs(chunked / decoded - 1) > 1e-4
