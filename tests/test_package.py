@@ -287,7 +287,7 @@ def test_top_layer_keys_are_measured_and_written_per_layer(source_dir: Path, tmp
     keys in kvcache.json; the manifest's scheme names them, and the bundle verifies."""
     out = tmp_path / "top2"
     result = package(source_dir, out, PackageOptions(weights="q8", kv="k4v4+k8@top2", quality_gate=False))
-    kv = load_model_file(out / "kvcache.json", KVCacheConfig)
+    kv = load_model_file(KVCacheConfig, out / "kvcache.json")
     wide = [e.layer for e in kv.layers if e.key_bits == 8]
     assert len(wide) == 2 and all(e.key_bits == 4 and e.value_bits == 4 for e in kv.layers if e.layer not in wide)
     assert result.manifest.recipe.kv_scheme == f"k4v4+k8@{wide[0]}.{wide[1]}"
