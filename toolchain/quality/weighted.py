@@ -149,7 +149,8 @@ def mlp_g32_layout(model: Any, target_bpw: float, bits: int, scale_bytes: int) -
     from mlx.utils import tree_flatten
 
     quantizable = {p: m for p, m in model.named_modules() if hasattr(m, "to_quantized") and "weight" in m}
-    params = sum(v.size for _, v in tree_flatten(model.parameters()))
+    flat: list[tuple[str, Any]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+    params = sum(v.size for _, v in flat)
     q_size = {p: m.weight.size for p, m in quantizable.items()}
     # Everything not quantized (norms, biases) is stored in the scales' float dtype.
     other_bits = 8 * scale_bytes * (params - sum(q_size.values()))
