@@ -435,7 +435,7 @@ def layer_caches(src_dir: Path, scheme: KVScheme) -> list[LayerCache]:
     spec = load_model_spec(src_dir / "config.json")
     out = []
     for layer in spec.layers:
-        bits = (scheme.key_bits, scheme.value_bits) if layer.kind == "full" else (None, None)
+        bits = (scheme.key_bits_for(layer.index), scheme.value_bits) if layer.kind == "full" else (None, None)
         out.append(
             LayerCache(
                 layer=layer.index,

@@ -136,7 +136,18 @@ SCHEDULE = [1] * 5 + [100, 151, 1, 1, 40, 214, 1, 2]
 
 @pytest.mark.parametrize(
     "name",
-    ["fp16", "k8v4", "k8v8+rot", "k4v4+rotk+s4", "k4v3+rot+s4+w64", "k4v4g32+w16", "k8v4+s300", "k5v3+rot+s4+w64"],
+    [
+        "fp16",
+        "k8v4",
+        "k8v8+rot",
+        "k4v4+rotk+s4",
+        "k4v3+rot+s4+w64",
+        "k4v4g32+w16",
+        "k8v4+s300",
+        "k5v3+rot+s4+w64",
+        "k4v4+k8@1",
+        "k4v4+rot+k8@0+s4",
+    ],
 )
 def test_cache_bytes_equal_the_plan(name: str) -> None:
     """After every update of a ragged schedule, MLX's nbytes over the model's caches equals the planner's
@@ -151,8 +162,10 @@ def test_cache_bytes_equal_the_plan(name: str) -> None:
         fed.append(n)
         measured = sum(c.nbytes for c in caches)
         assert measured == predicted_bytes(spec, variant, fed, "float32"), (name, fed)
-    if variant.has_extras or variant.scheme.mixed:
-        assert all(type(c) is SchemeKVCache for c in caches)
+    s = variant.scheme
+    for layer, cache in enumerate(caches):
+        if variant.has_extras or s.key_bits_for(layer) != s.value_bits:
+            assert type(cache) is SchemeKVCache
 
 
 def test_k8v8_keeps_greedy_tokens_on_a_tiny_model() -> None:
@@ -184,6 +197,10 @@ def test_unsupported_schemes_are_clear_errors() -> None:
     with pytest.raises(KVSchemeError, match="quantized schemes only"):
         parse_kv_variant("fp16+rot")
     assert KVSchemeError.exit_code == 47 and issubclass(KVSchemeError, QuantizationError)
+    with pytest.raises(QuantizationError, match="key bits 7"):
+        parse_kv_variant("k4v4+k7@1")
+    with pytest.raises(QuantizationError, match="not a layer override"):
+        parse_kv_variant("fp16+k8@1")
 
     # head dim 96: the 64 group does not divide it (the planner's check names the layer and a fix) ...
     from toolchain.plan.kv import check_dims
@@ -197,3 +214,43 @@ def test_unsupported_schemes_are_clear_errors() -> None:
         make_caches(model, kv, "llama")
     # without the rotation the same scheme is fine
     make_caches(model, kv.model_copy(update={"rotation": "none"}), "llama")
+    # a per-layer key width for a layer the model does not have
+    with pytest.raises(QuantizationError, match="layer 5 has no quantized KV cache"):
+        check_dims(spec, parse_kv_variant("k4v4+k8@5").scheme)
+
+
+def test_layer_key_widths_reach_kvcache_json_and_the_caches() -> None:
+    """`+k8@1`: kvcache.json gives layer 1 8-bit keys and the cache built from it stores 8-bit keys there
+    (MLX's packed width: 64 dims x 8 bits = 16 uint32 words per row, 4 bits: 8)."""
+    model, spec = tiny()
+    variant = parse_kv_variant("k4v4+k8@1")
+    assert variant.scheme.name == "k4v4+k8@1"
+    kv = kv_config(spec, variant)
+    assert [(e.key_bits, e.value_bits) for e in kv.layers] == [(4, 4), (8, 4)]
+    caches = make_caches(model, kv, "llama")
+    model(mx.array([[1, 2, 3]]), cache=caches)
+    assert [c.keys[0].shape[-1] for c in caches] == [8, 16]
+    assert [c.values[0].shape[-1] for c in caches] == [8, 8]
+
+
+@pytest.mark.parametrize("name", ["k4v4+rot+s4+w16", "k3v4+w8", "k4v3+rotk+w24"])
+def test_per_query_window_reads_chunks_as_decoding_reads_them(name: str) -> None:
+    """With `per_query_window`, a chunked pass gives every position the logits a token-by-token pass gives it
+    (each query reads its own latest tokens in float); the plain chunked pass does not."""
+    from toolchain.quality.perplexity import perplexity
+
+    model, spec = tiny()
+    tokens = [int(t) for t in mx.random.randint(0, 97, (70,), key=mx.random.key(2)).tolist()]
+    variant = parse_kv_variant(name)
+
+    def caches(per_query: bool) -> list[SchemeKVCache]:
+        made = make_variant_caches(model, spec, variant)
+        for c in made:
+            c.per_query_window = per_query
+        return made
+
+    decoded = perplexity(model, tokens, caches(False), chunk=1).ppl
+    per_query = perplexity(model, tokens, caches(True), chunk=32).ppl
+    chunked = perplexity(model, tokens, caches(False), chunk=32).ppl
+    assert per_query == pytest.approx(decoded, rel=1e-5)
+    assert abs(chunked / decoded - 1) > 1e-4

@@ -90,7 +90,21 @@ def _csv(text: str) -> tuple[str, ...]:
 @click.option("--kv-tokens", default=2048, show_default=True, type=int, help="Tokens for the KV rows.")
 @click.option("--contexts", default="512,1024,2048,4096", show_default=True, help="Contexts for bytes and decode.")
 @click.option("--decode-steps", default=8, show_default=True, type=int)
-@click.option("--factual-recipe", default="q4", show_default=True, help="Recipe checked on factual prompts ('' skips).")
+@click.option(
+    "--kv-reads",
+    type=click.Choice(["decoded", "chunked"]),
+    default="decoded",
+    show_default=True,
+    help="How the KV rows' perplexity reads a recent window: decoded (each position its own latest tokens in "
+    "float, as generating that token reads them) or chunked (the window at each 256-token chunk's end, as a "
+    "prefill chunk reads it).",
+)
+@click.option(
+    "--factual-recipe",
+    default="q8",
+    show_default=True,
+    help="Recipe checked on factual prompts, with the package's default KV scheme (k8v4); '' skips.",
+)
 @click.option(
     "-o",
     "--output",
@@ -108,6 +122,7 @@ def quality(
     kv_tokens: int,
     contexts: str,
     decode_steps: int,
+    kv_reads: str,
     factual_recipe: str,
     output: Path,
     as_json: bool,
@@ -133,6 +148,7 @@ def quality(
         kv_tokens=kv_tokens,
         contexts=tuple(int(c) for c in _csv(contexts)),
         decode_steps=decode_steps,
+        kv_reads=kv_reads,
         factual_recipe=factual_recipe or None,
         progress=progress,
     )
@@ -162,7 +178,11 @@ def _print_quality(report: object, paths: list[Path]) -> None:
     if report.kv:
         ctx = sorted(report.kv[0].decode_tps)
         fp = next((r for r in report.kv if r.kv == "fp16"), None)
-        click.echo(f"\nKV variants (source weights, {report.kv[0].tokens} tokens); bytes at {ctx[-1]} tokens")
+        reads = {
+            "decoded": "each position reads its own recent window, as decoding it would",
+            "chunked": "the recent window at each 256-token chunk's end",
+        }[report.kv_reads]
+        click.echo(f"\nKV variants (source weights, {report.kv[0].tokens} tokens, {reads}); bytes at {ctx[-1]} tokens")
         head = f"{'kv':20}{'PPL':>8}{'change':>9}{'host bytes':>12}{'planned':>12}{'phone plan':>12}{'of fp16':>8}"
         click.echo(head + "".join(f"{'tok/s@' + str(c):>12}" for c in ctx))
         for r in report.kv:
@@ -173,6 +193,9 @@ def _print_quality(report: object, paths: list[Path]) -> None:
                 f"{human_bytes(r.predicted_kv_bytes[last]):>12}{human_bytes(r.phone_kv_bytes[last]):>12}{frac:8.1%}"
                 + "".join(f"{r.decode_tps[c]:12.2f}" for c in ctx)
             )
+        for r in report.kv:
+            if r.kv_scheme and r.kv_scheme != r.kv.split("+")[0] and "@top" in r.kv:
+                click.echo(f"{r.kv}: layers chosen by measurement: {r.kv_scheme}")
         exact = all(r.kv_bytes == r.predicted_kv_bytes for r in report.kv)
         click.echo(f"measured cache bytes equal the plan at every context: {'yes' if exact else 'NO'}")
     if report.factual:

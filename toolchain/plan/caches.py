@@ -328,8 +328,11 @@ def _replay(
 def _memo_key(slot: Slot, schedule: tuple[int, ...], make: Callable[[Slot], Any] | None) -> tuple[Any, ...]:
     # What a replay depends on: the slot's own signature, the schedule, and the cache `make` gives this slot
     # (None where it keeps the model's own: a nested or unchosen cache of the same signature differs).
+    # (`key` may depend on the slot: per-layer key widths give layers of one signature different caches.)
     picks = getattr(make, "picks", None)
     made = getattr(make, "key", None) if picks is None or picks(slot) else None
+    if callable(made):
+        made = made(slot)
     return (slot.signature, schedule, made)
 
 

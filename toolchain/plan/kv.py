@@ -22,6 +22,7 @@ DEFAULT_SCHEMES = ("fp16", "k8v8", "k8v4", "k4v8", "k4v4")
 ALL_NAMED_SCHEMES = ("fp16", "bf16", "k8v8", "k8v4", "k4v8", "k4v4")
 
 _SCHEME_RE = re.compile(r"^k(\d+)v(\d+)(?:g(\d+))?$")
+_LAYER_KEYS_RE = re.compile(r"^k(\d+)@(\d+(?:\.\d+)*)$")
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,9 @@ class KVScheme:
     value_bits: int | None
     group_size: int = 64
     dtype: str = "float16"
+    layer_key_bits: tuple[tuple[int, int], ...] = ()
+    """(layer index, key bits) for layers whose keys differ from `key_bits` (`k4v4+k8@1.3`): the layers whose
+    keys suffer most at the base width keep more bits; kvcache.json carries them as per-layer `key_bits`."""
 
     @property
     def quantized(self) -> bool:
@@ -41,8 +45,13 @@ class KVScheme:
 
     @property
     def mixed(self) -> bool:
-        """K and V at different bits: needs kvrig's own cache (mlx-lm's takes one bit width)."""
-        return self.quantized and self.key_bits != self.value_bits
+        """K and V at different bits in some layer: needs kvrig's own cache (mlx-lm's takes one bit width)."""
+        return self.quantized and any(
+            k != self.value_bits for k in (self.key_bits, *dict(self.layer_key_bits).values())
+        )
+
+    def key_bits_for(self, layer: int) -> int | None:
+        return dict(self.layer_key_bits).get(layer, self.key_bits)
 
     def dequantizes_on_read(self, spec: ModelSpec) -> bool:
         """Whether attention reads a dequantized copy (kvrig's cache) rather than the quantized cache."""
@@ -50,8 +59,40 @@ class KVScheme:
 
 
 def parse_scheme(text: str, *, group_size: int = 64, dtype: str = "float16") -> KVScheme:
-    """`fp16`, `bf16`, `fp32`, `k8v4` or `k8v4g32` (group size in the name overrides `group_size`)."""
-    name = text.strip().lower()
+    """`fp16`, `bf16`, `fp32`, `k8v4` or `k8v4g32` (group size in the name overrides `group_size`), optionally
+    with keys of some layers at other widths: `k4v4+k8@1.3` (layers 1 and 3 keep 8-bit keys)."""
+    base, *overrides = text.strip().lower().split("+")
+    scheme = _parse_base_scheme(base, text, group_size=group_size, dtype=dtype)
+    by_layer: dict[int, int] = {}
+    for part in overrides:
+        m = _LAYER_KEYS_RE.match(part)
+        if not m or not scheme.quantized:
+            raise QuantizationError(
+                f"KV scheme '{text}': '+{part}' is not a layer override; expected kXvY+kN@L1.L2 (e.g. k4v4+k8@1.3)"
+            )
+        bits = int(m.group(1))
+        if bits not in SUPPORTED_BITS:
+            raise QuantizationError(f"KV scheme '{text}': key bits {bits} not in {SUPPORTED_BITS}")
+        by_layer |= dict.fromkeys((int(i) for i in m.group(2).split(".")), bits)
+    return with_layer_key_bits(scheme, by_layer)
+
+
+def with_layer_key_bits(scheme: KVScheme, by_layer: dict[int, int]) -> KVScheme:
+    """`scheme` with keys of the given layers at their own widths (the name spells them out, `+k8@1.3`)."""
+    from dataclasses import replace
+
+    pairs = tuple(sorted((i, b) for i, b in by_layer.items() if b != scheme.key_bits))
+    if not pairs:
+        return scheme
+    groups: dict[int, list[int]] = {}
+    for i, b in pairs:
+        groups.setdefault(b, []).append(i)
+    base = scheme.name.split("+")[0]
+    name = base + "".join(f"+k{b}@{'.'.join(map(str, layers))}" for b, layers in sorted(groups.items()))
+    return replace(scheme, name=name, layer_key_bits=pairs)
+
+
+def _parse_base_scheme(name: str, text: str, *, group_size: int, dtype: str) -> KVScheme:
     plain = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
     if name in plain:
         return KVScheme(name, None, None, group_size, plain[name])
@@ -76,10 +117,18 @@ def check_dims(spec: ModelSpec, scheme: KVScheme) -> None:
     uint32); the dims are those the model's own step handed its caches."""
     if not scheme.quantized:
         return
+    known = {layer.index for layer in spec.layers if layer_quantized(layer, scheme)}
+    for index, _ in scheme.layer_key_bits:
+        if index not in known:
+            raise QuantizationError(
+                f"KV scheme {scheme.name}: layer {index} has no quantized KV cache "
+                f"(quantized full-attention layers: {_ranges(sorted(known))})"
+            )
     for layer in spec.layers:
         if not layer_quantized(layer, scheme):
             continue
-        dims = (("key", layer.k_head_dim, scheme.key_bits), ("value", layer.v_head_dim, scheme.value_bits))
+        key_bits = scheme.key_bits_for(layer.index)
+        dims = (("key", layer.k_head_dim, key_bits), ("value", layer.v_head_dim, scheme.value_bits))
         for what, dim, bits in dims:
             assert bits is not None
             if dim % scheme.group_size or (dim * bits) % 32:
@@ -89,6 +138,14 @@ def check_dims(spec: ModelSpec, scheme: KVScheme) -> None:
                     f"layer {layer.index}: {what} head dim {dim} is not divisible by KV group size "
                     f"{scheme.group_size} (scheme {scheme.name}); {hint}"
                 )
+
+
+def _ranges(indices: list[int]) -> str:
+    return (
+        f"{indices[0]}-{indices[-1]}"
+        if indices and indices == list(range(indices[0], indices[-1] + 1))
+        else (", ".join(map(str, indices)) or "none")
+    )
 
 
 def layer_quantized(layer: LayerSpec, scheme: KVScheme) -> bool:
@@ -150,9 +207,16 @@ def _make_factory(spec: ModelSpec, scheme: KVScheme) -> Callable[[Slot], Any]:
     def make(slot: Slot) -> Any:
         if not picks(slot):
             return None
-        return DequantizingKVCache(kb, vb, gs) if dequantizing else QuantizedKVCache(group_size=gs, bits=kb)
+        bits = scheme.key_bits_for(owners[slot.index].index) or kb
+        return DequantizingKVCache(bits, vb, gs) if dequantizing else QuantizedKVCache(group_size=gs, bits=bits)
 
-    make.key = (scheme.name, scheme.group_size, dequantizing)  # type: ignore[attr-defined]
+    make.key = lambda slot: (  # type: ignore[attr-defined]
+        scheme.key_bits_for(owners[slot.index].index),
+        vb,
+        gs,
+        scheme.dtype,
+        dequantizing,
+    )
     make.picks = picks  # type: ignore[attr-defined]
     return make
 

@@ -59,6 +59,8 @@ class Row:
     phone_kv_bytes: dict[int, int] = field(default_factory=dict)
     """The planner's bytes at float16 (the phone's activation dtype) for a prompt of that length."""
     decode_tps: dict[int, float] = field(default_factory=dict)
+    kv_scheme: str = ""
+    """The planner's scheme the KV row ran (a `+kN@topM` variant names the layers the measurement chose)."""
 
 
 @dataclass
@@ -81,7 +83,10 @@ class QualityReport:
     kv: list[Row]
     paired_decode_tps: dict[str, float] = field(default_factory=dict)
     """fp16 and k8v4 decode tok/s at GOAL_CONTEXT with their steps interleaved (the side-by-side ratio)."""
+    kv_reads: str = "decoded"
+    """decoded: KV rows read a recent window per position, as decoding does; chunked: as a prefill chunk does."""
     factual_recipe: str = ""
+    factual_kv: str = ""
     factual: list[FactualCheck] = field(default_factory=list)
     goals: list[dict[str, Any]] = field(default_factory=list)
 
@@ -193,13 +198,16 @@ def paired_decode(
     return {name: steps / seconds[name] for name in names}
 
 
-def greedy_answer(model: Any, tokenizer: Any, prompt: str, max_tokens: int = 16) -> str:
-    """Greedy continuation by direct forward passes (an fp cache), for the factual check."""
+def greedy_answer(
+    model: Any, tokenizer: Any, prompt: str, max_tokens: int = 16, caches: Callable[[Any], list[Any]] | None = None
+) -> str:
+    """Greedy continuation by direct forward passes (an fp cache unless `caches` makes others), for the factual
+    check."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
     ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-    cache = make_prompt_cache(model)
+    cache = caches(model) if caches is not None else make_prompt_cache(model)
     logits = model(mx.array(ids)[None], cache=cache)
     out: list[int] = []
     eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
@@ -221,7 +229,9 @@ def run_quality_bench(
     kv_tokens: int = 2048,
     contexts: tuple[int, ...] = DEFAULT_CONTEXTS,
     decode_steps: int = 8,
-    factual_recipe: str | None = "q4",
+    kv_reads: str = "decoded",
+    factual_recipe: str | None = "q8",
+    factual_kv: str = "k8v4",
     progress: Callable[[str], None] = lambda _: None,
 ) -> QualityReport:
     from mlx_lm.utils import load_tokenizer
@@ -247,6 +257,7 @@ def run_quality_bench(
         report = QualityReport(
             name, used, [str(LICENSES / f) for f in CALIBRATION_FILES] if needs_calibration else [], {}, [], []
         )
+        report.kv_reads = kv_reads
         fp = parse_kv_variant("fp16")
 
         progress("source weights, unquantized KV")
@@ -285,7 +296,15 @@ def run_quality_bench(
         for variant in variants:
             progress(f"kv {variant.name}")
             t0 = time.perf_counter()
-            res = perplexity(source, ids[: kv_tokens + 1], make_variant_caches(source, spec, variant), contexts=ppl_ctx)
+            if variant.promote_keys is not None:
+                from toolchain.quality.kv_sensitivity import resolve_variant
+
+                variant = resolve_variant(source, spec, variant, sensitivity_tokens(tokenizer))
+                progress(f"  layers chosen: {variant.scheme.name}")
+            caches = make_variant_caches(source, spec, variant)
+            for cache in caches:
+                cache.per_query_window = kv_reads == "decoded"
+            res = perplexity(source, ids[: kv_tokens + 1], caches, contexts=ppl_ctx)
             if base_kv is None:
                 base_kv = res.ppl
                 report.source_ppl[f"{kv_tokens}"] = res.ppl
@@ -305,6 +324,7 @@ def run_quality_bench(
                 predicted_kv_bytes=predicted,
                 phone_kv_bytes=phone,
                 decode_tps={c: round(t, 3) for c, t in tps.items()},
+                kv_scheme=variant.scheme.name,
             )
             report.kv.append(row)
             progress(f"  ppl {res.ppl:.3f} ({row.ppl_delta_pct:+.2f} %), decode {tps}")
@@ -314,18 +334,32 @@ def run_quality_bench(
             progress(f"decode at {GOAL_CONTEXT}: fp16 and k8v4 interleaved")
             report.paired_decode_tps = paired_decode(source, spec, ("fp16", "k8v4"), GOAL_CONTEXT, steps=decode_steps)
         if factual_recipe:
-            progress(f"factual prompts: source vs {factual_recipe}")
-            report.factual_recipe = factual_recipe
+            progress(f"factual prompts: source vs {factual_recipe} with {factual_kv} KV")
+            report.factual_recipe, report.factual_kv = factual_recipe, factual_kv
             quant, _ = load_weights(src, factual_recipe, calibration)
-            report.factual = [factual_check(source, quant, tokenizer, p, e) for p, e in FACTUAL_PROMPTS]
+            kv = parse_kv_variant(factual_kv)
+            report.factual = [
+                factual_check(source, quant, tokenizer, p, e, lambda m: make_variant_caches(m, spec, kv))
+                for p, e in FACTUAL_PROMPTS
+            ]
         report.goals = goals(report)
     return report
 
 
-def factual_check(source: Any, model: Any, tokenizer: Any, prompt: str, expected: str) -> FactualCheck:
+def sensitivity_tokens(tokenizer: Any, length: int = 512) -> list[int]:
+    """The calibration text's first tokens: where `+kN@topM` variants measure which layers' keys suffer most."""
+    from toolchain.quality.recipes import calibration_tokens
+
+    return [int(t) for t in calibration_tokens(tokenizer, samples=1, length=length).reshape(-1).tolist()]
+
+
+def factual_check(
+    source: Any, model: Any, tokenizer: Any, prompt: str, expected: str, caches: Callable[[Any], list[Any]]
+) -> FactualCheck:
+    """The source with an fp cache vs `model` with the caches `caches` makes."""
     import re
 
-    a, b = greedy_answer(source, tokenizer, prompt), greedy_answer(model, tokenizer, prompt)
+    a, b = greedy_answer(source, tokenizer, prompt), greedy_answer(model, tokenizer, prompt, caches=caches)
     pat = re.compile(rf"\b({expected})\b", re.IGNORECASE)
     return FactualCheck(prompt, expected, a, b, bool(pat.search(a)), bool(pat.search(b)))
 
@@ -382,7 +416,8 @@ def goals(report: QualityReport) -> list[dict[str, Any]]:
         same = all(c.ok == c.source_ok for c in report.factual) and all(c.ok for c in report.factual if c.source_ok)
         out.append(
             {
-                "goal": f"{report.factual_recipe} answers factual prompts as the unquantized model does",
+                "goal": f"{report.factual_recipe} weights with {report.factual_kv} KV answer factual prompts as the "
+                "unquantized model does",
                 "met": same,
                 "best": "; ".join(f"{c.expected.split('|')[0]}: {'ok' if c.ok else 'wrong'}" for c in report.factual),
             }

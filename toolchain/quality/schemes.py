@@ -1,6 +1,6 @@
-"""KV variants for the quality bench: a planner scheme (kXvY[gZ], fp16) plus the kvcache.json extras, written
-`k4v4+rot+s4+w128` (rot: Hadamard on keys and values, rotk: keys only, sN: N sink tokens, wN: a recent window
-of N tokens kept in the activation dtype)."""
+"""KV variants for the quality bench: a planner scheme (kXvY[gZ], fp16, with per-layer key widths `+k8@1.3`)
+plus the kvcache.json extras, written `k4v4+rot+s4+w128` (rot: Hadamard on keys and values, rotk: keys only,
+sN: N sink tokens, wN: a recent window of N tokens kept in the activation dtype)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from toolchain.plan.kv import KVScheme, parse_scheme
 from toolchain.schemas.kvcache import KVCacheConfig, LayerCache, host_kvcache
 
 _EXTRA = re.compile(r"^(rot|rotk|s(\d+)|w(\d+))$")
+_LAYER_KEYS = re.compile(r"^k\d+@[\d.]+$")
+_TOP_KEYS = re.compile(r"^k(\d+)@top(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,9 @@ class KVVariant:
     rotation: str = "none"
     sink_tokens: int = 0
     recent_tokens: int = 0
+    promote_keys: tuple[int, int] | None = None
+    """`+k8@top2`: (bits, count) for the layers whose keys suffer most, chosen by measuring
+    (quality/kv_sensitivity.py `resolve_variant`); the caches are made once they are explicit layers."""
 
     @property
     def has_extras(self) -> bool:
@@ -30,13 +35,24 @@ class KVVariant:
 
 
 def parse_kv_variant(text: str, group_size: int = 64) -> KVVariant:
-    base, *extras = text.strip().lower().split("+")
-    scheme = parse_scheme(base, group_size=group_size)
+    base, *parts = text.strip().lower().split("+")
+    # Per-layer key widths (+k8@1.3) belong to the planner's scheme; the rest are kvcache.json extras.
+    layer_keys = [p for p in parts if _LAYER_KEYS.match(p)]
+    extras = [p for p in parts if not _LAYER_KEYS.match(p)]
+    scheme = parse_scheme("+".join([base, *layer_keys]), group_size=group_size)
     rotation, sinks, recent = "none", 0, 0
+    promote = None
     for extra in extras:
+        top = _TOP_KEYS.match(extra)
+        if top:
+            promote = (int(top.group(1)), int(top.group(2)))
+            parse_scheme(f"{base}+k{promote[0]}@0", group_size=group_size)  # the width is checked now
+            continue
         m = _EXTRA.match(extra)
         if not m:
-            raise KVSchemeError(f"KV variant '{text}': unknown part '+{extra}' (expected +rot, +rotk, +sN, +wN)")
+            raise KVSchemeError(
+                f"KV variant '{text}': unknown part '+{extra}' (expected +rot, +rotk, +sN, +wN, +kN@L1.L2, +kN@topM)"
+            )
         if m.group(1) == "rot":
             rotation = "hadamard"
         elif m.group(1) == "rotk":
@@ -47,7 +63,7 @@ def parse_kv_variant(text: str, group_size: int = 64) -> KVVariant:
             recent = int(m.group(3))
     if extras and not scheme.quantized:
         raise KVSchemeError(f"KV variant '{text}': rotation, sinks and windows apply to quantized schemes only")
-    return KVVariant(text.strip().lower(), scheme, rotation, sinks, recent)
+    return KVVariant(text.strip().lower(), scheme, rotation, sinks, recent, promote)
 
 
 def kv_config(spec: ModelSpec, variant: KVVariant, *, max_context: int = 4096) -> KVCacheConfig:
@@ -59,7 +75,7 @@ def kv_config(spec: ModelSpec, variant: KVVariant, *, max_context: int = 4096) -
             kind=layer.kind,
             window=layer.window if layer.kind == "sliding" else None,
             source_layer=layer.source_layer if layer.kind == "shared" else None,
-            key_bits=s.key_bits if layer.kind == "full" else None,
+            key_bits=s.key_bits_for(layer.index) if layer.kind == "full" else None,
             value_bits=s.value_bits if layer.kind == "full" else None,
         )
         for layer in spec.layers
@@ -83,6 +99,8 @@ def make_variant_caches(model: Any, spec: ModelSpec, variant: KVVariant) -> list
 
     from toolchain.runtime.caches import make_caches
 
+    if variant.promote_keys is not None:
+        raise KVSchemeError(f"KV variant '{variant.name}': resolve its +k{variant.promote_keys[0]}@top layers first")
     if not variant.scheme.quantized:
         return make_prompt_cache(model)
     return make_caches(model, kv_config(spec, variant), spec.model_type)

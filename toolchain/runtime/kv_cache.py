@@ -160,7 +160,13 @@ class SchemeKVCache(_QuantizedStore):
       sink and ring are fixed extra buffers allocated with the first update.
 
     Attention goes through `attention` (see `install_attention`): mlx-lm's own quantized SDPA takes one width.
+
+    With `per_query_window` set, a multi-token update reads the recent window per query, as decoding reads it:
+    each query its own latest `recent_tokens` tokens in float, older ones quantized (without it, the window
+    at the update's end, as a prefill chunk reads it here and in the app). Perplexity sets it (quality/).
     """
+
+    per_query_window = False
 
     def __init__(
         self,
@@ -181,6 +187,8 @@ class SchemeKVCache(_QuantizedStore):
         self.sink_tokens, self.recent_tokens = sink_tokens, recent_tokens
         self.sink: tuple[mx.array, mx.array] | None = None
         self.recent: tuple[mx.array, mx.array] | None = None
+        self._band: tuple[int, mx.array, mx.array] | None = None
+        """(first position, keys, values) in float of the tokens the last update's queries read in float."""
 
     def _allocate_extras(self, keys: mx.array, values: mx.array) -> None:
         """The sink and recent buffers: fixed size, allocated with the first update."""
@@ -203,6 +211,8 @@ class SchemeKVCache(_QuantizedStore):
             values = rotate(values)
         if self.keys is None:
             self._allocate_extras(keys, values)
+        if self.per_query_window and self.recent_tokens:
+            self._band = self._band_before(keys, values)
         prev = self._store(keys, values)
         assert self.keys is not None and self.values is not None
         if self.sink is not None and prev < self.sink_tokens:
@@ -216,6 +226,53 @@ class SchemeKVCache(_QuantizedStore):
             self.recent[0][..., slots, :] = keys[..., first - prev :, :]
             self.recent[1][..., slots, :] = values[..., first - prev :, :]
         return self.keys, self.values
+
+    def _band_before(self, keys: mx.array, values: mx.array) -> tuple[int, mx.array, mx.array]:
+        """The float tokens an update's queries may read: the ring's last `recent_tokens - 1` (read before
+        this update overwrites them) and the update's own."""
+        prev, w = self.offset, self.recent_tokens
+        lo = max(0, prev - (w - 1))
+        if self.recent is None or lo == prev:
+            return prev, keys, values
+        slots = mx.array([p % w for p in range(lo, prev)])
+        old_k, old_v = (mx.take(x, slots, axis=-2) for x in self.recent)
+        return lo, mx.concatenate([old_k, keys], axis=-2), mx.concatenate([old_v, values], axis=-2)
+
+    def _attention_per_query(self, q: mx.array, mask: Any) -> mx.array:
+        """Attention of L > 1 queries (scaled, rotated, [B, kv heads, reps, L, D]) as decoding reads the
+        cache: a key is read in float when it is a sink token or among the query's own latest
+        `recent_tokens`, dequantized otherwise."""
+        assert self.keys is not None and self.values is not None and self._band is not None
+        T, L = self.offset, q.shape[-2]
+        lo, band_k, band_v = self._band
+        sink_end = min(self.sink_tokens, T)
+        kq, vq = self._dequantized(
+            (tuple(x[..., :T, :] for x in self.keys), tuple(x[..., :T, :] for x in self.values))  # type: ignore[arg-type]
+        )
+        kf, vf = kq[..., :lo, :], vq[..., :lo, :]
+        if sink_end and self.sink is not None:
+            cut = min(sink_end, lo)
+            kf = mx.concatenate([self.sink[0][..., :cut, :], kf[..., cut:, :]], axis=-2)
+            vf = mx.concatenate([self.sink[1][..., :cut, :], vf[..., cut:, :]], axis=-2)
+        kf = mx.concatenate([kf, band_k.astype(kq.dtype)], axis=-2)
+        vf = mx.concatenate([vf, band_v.astype(vq.dtype)], axis=-2)
+        pos, key = mx.arange(T - L, T)[:, None], mx.arange(T)[None]
+        in_float = (key < sink_end) | ((key >= lo) & (key > pos - self.recent_tokens))
+        kq, kf, vq, vf = (mx.expand_dims(x, -3) for x in (kq, kf, vq, vf))
+        s = mx.where(in_float, q @ kf.swapaxes(-1, -2), q @ kq.swapaxes(-1, -2))
+        s = self._masked(s, mask, T, L)
+        p = mx.softmax(s, axis=-1, precise=True)
+        return mx.where(in_float, p, 0) @ vf + mx.where(in_float, 0, p) @ vq
+
+    @staticmethod
+    def _masked(s: mx.array, mask: Any, T: int, L: int) -> mx.array:
+        if mask is None:
+            return s
+        if isinstance(mask, str):
+            mask = mx.arange(T - L, T)[:, None] >= mx.arange(T)[None]
+        elif mask.ndim > 3:
+            mask = mx.expand_dims(mask, -3)
+        return mx.where(mask, s, mx.finfo(s.dtype).min) if mask.dtype == mx.bool_ else s + mask
 
     def attention(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
         """Softmax attention of `queries` over every cached token: sink and recent tokens from their float
@@ -231,6 +288,9 @@ class SchemeKVCache(_QuantizedStore):
         if self.rotate_keys:
             q = rotate(q)
         q = q.reshape(B, n_kv_heads, reps, L, D)
+        if L > 1 and self._band is not None:
+            read = self._attention_per_query(q, mask)
+            return (rotate(read) if self.rotate_values else read).reshape(B, n_q_heads, L, -1)
 
         def part(x: mx.array, lo: int, hi: int) -> mx.array:
             return mx.expand_dims(x[..., lo:hi, :], -3)
@@ -264,14 +324,9 @@ class SchemeKVCache(_QuantizedStore):
                     )
                 )
         s = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1)
-        if mask is not None:
-            if isinstance(mask, str):
-                mask = mx.arange(T - L, T)[:, None] >= mx.arange(T)[None]
-            elif mask.ndim > 3:
-                mask = mx.expand_dims(mask, -3)
-            s = mx.where(mask, s, mx.finfo(s.dtype).min) if mask.dtype == mx.bool_ else s + mask
+        s = self._masked(s, mask, T, L)
         p = mx.softmax(s, axis=-1, precise=True)
-        out = None
+        out: mx.array | None = None
         start = 0
         for (kind, (_k, v)), sc in zip(segments, scores, strict=True):
             width = sc.shape[-1]
