@@ -4,7 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvrig-setup-3
 # pytest workers (pytest-xdist): tests spend much of their time waiting on subprocesses and virtual phones, so two
-# workers pay off even on two cores. Each test file stays on one worker, so module fixtures are built once.
+# workers pay off even on two cores. Each test file stays on one worker, so module fixtures are built once; files
+# go out in collection order (tests/conftest.py puts the longest first), not xdist's most-tests-first.
 PYTEST_WORKERS ?= 2
 # MLX Swift's sources for `kvrig engine` (patched to build offline on Linux); this project's machines keep them
 # beside the repository. Set KVRIG_SWIFT_DEPS to use another copy.
@@ -34,7 +35,7 @@ test: $(STAMP)
 	# The app's engine for Linux against MLX Swift (debug; incremental in .build/swift-engine).
 	$(BIN)/kvrig engine
 	# --durations: the slowest tests in every log, so where the time goes is never a guess.
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=30
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30
 
 demo: $(STAMP)
 	$(BIN)/kvrig demo -o build/demo

@@ -280,3 +280,15 @@ def test_cli_errors_are_clear(q4_bundle: Path, tmp_path: Path) -> None:
         assert proc.returncode == code, (args, proc.stderr)
         assert text in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+
+
+def test_top_layer_keys_are_measured_and_written_per_layer(source_dir: Path, tmp_path: Path) -> None:
+    """`--kv k4v4+k8@top2`: the two layers whose keys suffer most at 4 bits (measured on the source) get 8-bit
+    keys in kvcache.json; the manifest's scheme names them, and the bundle verifies."""
+    out = tmp_path / "top2"
+    result = package(source_dir, out, PackageOptions(weights="q8", kv="k4v4+k8@top2", quality_gate=False))
+    kv = load_model_file(out / "kvcache.json", KVCacheConfig)
+    wide = [e.layer for e in kv.layers if e.key_bits == 8]
+    assert len(wide) == 2 and all(e.key_bits == 4 and e.value_bits == 4 for e in kv.layers if e.layer not in wide)
+    assert result.manifest.recipe.kv_scheme == f"k4v4+k8@{wide[0]}.{wide[1]}"
+    verify_bundle(out)

@@ -13,6 +13,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -63,6 +64,7 @@ TOKENIZER_FILES = (
 )
 DEFAULT_BUFFER_CACHE_LIMIT = DEFAULT_BUFFER_CACHE_BYTES
 MLX_CACHE_STEP = MLX_STEP
+_TOP_KEYS = re.compile(r"\+k\d+@top\d+")
 
 
 # --- options ----------------------------------------------------------------------------------------------
@@ -188,7 +190,8 @@ def package(model: str | Path | None, out: str | Path, options: PackageOptions) 
 
     out = Path(out)
     recipe = parse_recipe(options.weights, options.group_size)
-    scheme = parse_scheme(options.kv, group_size=options.kv_group_size)
+    # `+kN@topM` (the layers whose keys suffer most get N bits) is resolved on the source below.
+    scheme = parse_scheme(_TOP_KEYS.sub("", options.kv), group_size=options.kv_group_size)
     _check_output(out, force=options.force)
     source = Path(model) if model is not None else embedded_default_model()
     _check_readable_source(source)
@@ -199,6 +202,10 @@ def package(model: str | Path | None, out: str | Path, options: PackageOptions) 
 
     with _source_dir(source, scratch_parent=out.parent) as (src_dir, source_info):
         config = json.loads((src_dir / "config.json").read_text())
+        if _TOP_KEYS.search(options.kv):
+            from toolchain.quality.kv_sensitivity import resolve_for_source
+
+            scheme = resolve_for_source(src_dir, options.kv, options.kv_group_size).scheme
         _check_kv_group(config, options.kv_group_size, scheme, src_dir / "config.json")
         warnings: list[str] = []
         plan: PlanView | None = None

@@ -346,7 +346,7 @@ def run_quality_bench(
     return report
 
 
-def sensitivity_tokens(tokenizer: Any, length: int = 512) -> list[int]:
+def sensitivity_tokens(tokenizer: Any, length: int = 256) -> list[int]:
     """The calibration text's first tokens: where `+kN@topM` variants measure which layers' keys suffer most."""
     from toolchain.quality.recipes import calibration_tokens
 

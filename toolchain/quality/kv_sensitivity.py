@@ -13,11 +13,14 @@ from toolchain.quality.schemes import KVVariant, kv_config
 
 
 def key_sensitivity(model: Any, spec: ModelSpec, variant: KVVariant, tokens: list[int]) -> list[tuple[int, float]]:
-    """(layer index, mean KL in nats per token) for every layer the scheme quantizes, worst first."""
+    """(layer index, mean KL in nats per token) for every layer the scheme quantizes, worst first. The layer
+    under test gets kvrig's scheme cache (its prefill reads dequantized copies through BLAS: MLX's CPU
+    quantized matmul is a slow loop), every other layer the model's own unquantized cache."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from toolchain.runtime.caches import make_caches
+    from toolchain.runtime.caches import check_scheme, scheme_extras
+    from toolchain.runtime.kv_cache import SchemeKVCache, install_attention
 
     ids = mx.array(tokens)[None]
 
@@ -28,17 +31,18 @@ def key_sensitivity(model: Any, spec: ModelSpec, variant: KVVariant, tokens: lis
     reference = log_probs(make_prompt_cache(model))
     p_ref = mx.exp(reference)
     mx.eval(reference, p_ref)
-    base = replace(variant, scheme=replace(variant.scheme, layer_key_bits=()))
-    full = kv_config(spec, base)
-    quantized = [e.layer for e in full.layers if e.kind == "full" and e.key_bits is not None]
+    kv = kv_config(spec, replace(variant, scheme=replace(variant.scheme, layer_key_bits=())))
+    check_scheme(model, kv, spec.model_type)
+    install_attention(model)
+    owners = [e for e in kv.layers if e.kind != "shared"]
     out = []
-    for layer in quantized:
-        only = [
-            e if e.layer == layer else e.model_copy(update={"key_bits": None, "value_bits": None}) for e in full.layers
-        ]
-        logp = log_probs(make_caches(model, full.model_copy(update={"layers": only}), spec.model_type))
-        kl = mx.mean(mx.sum(p_ref * (reference - logp), axis=-1))
-        out.append((layer, float(kl.item())))  # type: ignore[arg-type]
+    for index, entry in enumerate(owners):
+        if entry.kind != "full" or entry.key_bits is None or entry.value_bits is None:
+            continue
+        caches = make_prompt_cache(model)
+        caches[index] = SchemeKVCache(entry.key_bits, entry.value_bits, kv.group_size, **scheme_extras(kv))
+        kl = mx.mean(mx.sum(p_ref * (reference - log_probs(caches)), axis=-1))
+        out.append((entry.layer, float(kl.item())))  # type: ignore[arg-type]
         mx.clear_cache()
     return sorted(out, key=lambda lk: -lk[1])
 
@@ -52,3 +56,22 @@ def resolve_variant(model: Any, spec: ModelSpec, variant: KVVariant, tokens: lis
     chosen = {layer: bits for layer, _ in ranked[:count]}
     scheme = with_layer_key_bits(variant.scheme, dict(variant.scheme.layer_key_bits) | chosen)
     return replace(variant, scheme=scheme, promote_keys=None)
+
+
+def resolve_for_source(src_dir: Any, text: str, group_size: int) -> KVVariant:
+    """A package's `--kv` with `+kN@topM`, resolved on the source model in `src_dir` (float weights, the local
+    calibration text): what `kvrig package` writes to kvcache.json."""
+    from mlx_lm.utils import load_tokenizer
+
+    from toolchain.models import load_model_spec
+    from toolchain.quality.bench import sensitivity_tokens
+    from toolchain.quality.schemes import parse_kv_variant
+    from toolchain.quantize import load_source_model
+    from toolchain.runtime.host import prepare_for_host
+
+    variant = parse_kv_variant(text, group_size=group_size)
+    if variant.promote_keys is None:
+        return variant
+    model = prepare_for_host(load_source_model(src_dir)[0])
+    tokens = sensitivity_tokens(load_tokenizer(src_dir))
+    return resolve_variant(model, load_model_spec(src_dir / "config.json"), variant, tokens)

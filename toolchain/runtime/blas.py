@@ -38,6 +38,18 @@ def openblas_loaded() -> bool:
         return False
 
 
+def load_openblas() -> bool:
+    """Loads OpenBLAS into this process with global symbol binding, so that MLX, imported afterwards, resolves
+    its BLAS calls to it as it would under LD_PRELOAD (without re-executing; children do not inherit it).
+    Returns whether OpenBLAS is loaded; does nothing off Linux, when disabled, or once MLX is imported."""
+    if not sys.platform.startswith("linux") or os.environ.get(ENV_DISABLE) == "1" or "mlx.core" in sys.modules:
+        return openblas_loaded()
+    lib = find_openblas()
+    if lib is not None and not openblas_loaded():
+        ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+    return openblas_loaded()
+
+
 def ensure_openblas(argv: list[str] | None = None, *, module: str = "toolchain", guard: str = ENV_REEXECED) -> None:
     """Re-executes `python -m MODULE ARGV` with OpenBLAS preloaded, once, if it is not loaded yet (execve: the
     pid stays the same). `guard` is the variable that marks the re-executed process.
