@@ -14,14 +14,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from toolchain.exceptions import QuantizationError
+from toolchain.quality.weighted import PACKED_BITS
 
-METHODS = ("rtn", "awq", "gptq", "dynamic")
-_NAME = re.compile(r"^(?:(awq|gptq)-)?q(\d)(?:g(\d+))?$|^dq-(\d+(?:\.\d+)?)$|^(fp16|bf16|fp32|mixed_\d_\d)$")
+METHODS = ("rtn", "awq", "gptq", "imx", "dynamic")
+_NAME = re.compile(r"^(?:(awq|gptq|imx)-)?q(\d)(?:g(\d+))?$|^(dq|imx)-(\d+(?:\.\d+)?)$|^(fp16|bf16|fp32|mixed_\d_\d)$")
 
 
 @dataclass(frozen=True)
 class QualityRecipe:
-    """`q4`, `q4g32`, `awq-q4`, `gptq-q4g32`, `dq-4.6` (dynamic, target bits per weight), `mixed_4_6`, `fp16`."""
+    """`q4`, `q4g32`, `awq-q4`, `gptq-q4g32`, `imx-q4` (importance-weighted grids, q4's layout), `dq-4.6`
+    (dynamic, target bits per weight), `imx-4.6` (importance-weighted 4-bit, MLP up/down of the last layers at
+    group 32 up to the target bits per weight), `mixed_4_6`, `fp16`."""
 
     name: str
     method: str
@@ -41,16 +44,19 @@ def parse_quality_recipe(text: str, group_size: int = 64) -> QualityRecipe:
     m = _NAME.match(name)
     if not m:
         raise QuantizationError(
-            f"unknown weight recipe '{text}': expected qN[gG], awq-qN[gG], gptq-qN[gG], dq-BPW, mixed_X_Y or fp16"
+            f"unknown weight recipe '{text}': expected qN[gG], awq-qN[gG], gptq-qN[gG], imx-qN[gG], dq-BPW, "
+            "imx-BPW, mixed_X_Y or fp16"
         )
-    method, bits, group, bpw, plain = m.groups()
+    method, bits, group, target_method, bpw, plain = m.groups()
     if plain:
         return QualityRecipe(name, "rtn", plain, group_size)
     if bpw:
-        return QualityRecipe(name, "dynamic", "mixed", 64, float(bpw))
+        return QualityRecipe(name, "dynamic" if target_method == "dq" else "imx", "mixed", 64, float(bpw))
     group = int(group) if group else group_size
     if method == "gptq" and int(bits) not in (2, 4, 8):
         raise QuantizationError(f"recipe '{text}': mlx-lm's GPTQ packs 2, 4 or 8 bits, not {bits}")
+    if method == "imx" and int(bits) not in PACKED_BITS:
+        raise QuantizationError(f"recipe '{text}': importance-weighted recipes pack {PACKED_BITS} bits, not {bits}")
     return QualityRecipe(name, method or "rtn", f"q{bits}", group)
 
 
@@ -89,6 +95,8 @@ def apply_recipe(
             model, config = _gptq(model, config, recipe, calibration)
         elif recipe.method == "awq":
             model, config = _awq(model, config, recipe, calibration)
+        elif recipe.method == "imx":
+            model, config = _imx(model, config, recipe, calibration, dtype)
         else:
             model, config = _dynamic(model, config, recipe, calibration)
     model.set_dtype(dtype)  # floating parameters only: packed weights stay uint32
@@ -105,6 +113,21 @@ def _gptq(model: Any, config: dict[str, Any], recipe: QualityRecipe, calibration
     config = dict(config)
     config["quantization"] = quant
     config["quantization_config"] = quant
+    return model, config
+
+
+def _imx(
+    model: Any, config: dict[str, Any], recipe: QualityRecipe, calibration: Any, dtype: Any
+) -> tuple[Any, dict[str, Any]]:
+    from toolchain.quality.weighted import quantize_weighted
+
+    if recipe.target_bpw is None:
+        assert recipe.bits is not None
+        model, config = quantize_weighted(
+            model, config, recipe.bits, calibration, group_size=recipe.group_size, dtype=dtype
+        )
+    else:
+        model, config = quantize_weighted(model, config, 4, calibration, target_bpw=recipe.target_bpw, dtype=dtype)
     return model, config
 
 

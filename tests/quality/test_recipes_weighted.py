@@ -1,0 +1,182 @@
+"""Importance-weighted recipes (`imx-q4`, `imx-BPW`): MLX's own packing and dequantize read what they write,
+a weight already on a 4-bit group-32 grid (a Q4_1 GGUF's) comes back exactly, the fitted grid never does worse
+than MLX's round-to-nearest on the weighted error, the bits per weight stay within the target as mlx-lm counts
+them, and the bytes equal the planner's (uniform layout) or mlx-lm's own quantize_model of the same layout."""
+
+from __future__ import annotations
+
+import copy
+import io
+from contextlib import redirect_stdout
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models.llama import Model, ModelArgs
+from mlx_lm.utils import compute_bits_per_weight, quantize_model
+
+from toolchain.exceptions import QuantizationError
+from toolchain.models import spec_from_config
+from toolchain.plan.weights import account_weights, parse_recipe
+from toolchain.quality.recipes import apply_recipe, parse_quality_recipe
+from toolchain.quality.weighted import activation_importance, fit_affine, mlp_g32_layout, pack
+
+CONFIG: dict[str, Any] = {
+    "model_type": "llama",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 4,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": 256,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+    "torch_dtype": "float16",
+}
+
+
+def tiny() -> Any:
+    mx.random.seed(0)
+    model = Model(ModelArgs.from_dict(CONFIG))
+    mx.eval(model.parameters())
+    return model
+
+
+def nbytes(model: Any) -> int:
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def weighted_error(w: Any, q: tuple[Any, Any, Any], group: int, bits: int, imp: Any) -> float:
+    deq = mx.dequantize(q[0], q[1].astype(mx.float32), q[2].astype(mx.float32), group, bits)
+    return float((((deq - w) ** 2) * imp).sum().item())
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_pack_is_mlx_packing(bits: int) -> None:
+    w = mx.random.normal((8, 128))
+    packed, s, b = mx.quantize(w, 64, bits)
+    levels = mx.round((mx.dequantize(packed, s, b, 64, bits) - mx.repeat(b, 64, -1)) / mx.repeat(s, 64, -1))
+    assert mx.array_equal(pack(levels, bits), packed)
+
+
+def test_a_q4_1_grid_comes_back_exactly() -> None:
+    """Weights built on a 16-level grid per 32 columns (fp16 scale and minimum, every level used: what a
+    Q4_1 GGUF holds) are reproduced bit for bit at group 32; MLX's round-to-nearest grid (it keeps 0 exact)
+    is not."""
+    mx.random.seed(1)
+    rows, groups = 16, 8
+    levels = mx.random.randint(0, 16, (rows, groups, 32))
+    levels[..., 0], levels[..., 1] = 0, 15
+    scale = mx.random.uniform(0.001, 0.02, (rows, groups)).astype(mx.float16)
+    low = mx.random.uniform(-0.2, 0.0, (rows, groups)).astype(mx.float16)
+    w = (levels * scale[..., None].astype(mx.float32) + low[..., None].astype(mx.float32)).reshape(rows, -1)
+    q = fit_affine(w, 32, 4)
+    assert mx.array_equal(mx.dequantize(q[0], q[1].astype(mx.float32), q[2].astype(mx.float32), 32, 4), w)
+    rtn = mx.quantize(w, 32, 4)
+    assert weighted_error(w, rtn, 32, 4, mx.ones_like(w)) > 0
+
+
+@pytest.mark.parametrize("group", [32, 64])
+def test_fitted_grid_beats_round_to_nearest_on_the_weighted_error(group: int) -> None:
+    mx.random.seed(2)
+    w = mx.random.normal((32, 256)) * 0.05
+    imp = mx.random.uniform(0.1, 1.0, (256,)) ** 4  # a few heavy input channels, as in real activations
+    ours = weighted_error(w, fit_affine(w, group, 4, imp, mx.float32), group, 4, imp)
+    rtn = weighted_error(w, mx.quantize(w, group, 4), group, 4, imp)
+    assert ours < 0.9 * rtn
+
+
+def test_fit_refuses_what_it_cannot_pack() -> None:
+    with pytest.raises(QuantizationError):
+        fit_affine(mx.zeros((4, 64)), 32, 3)
+    with pytest.raises(QuantizationError):
+        fit_affine(mx.zeros((4, 96)), 64, 4)
+    with pytest.raises(QuantizationError):
+        parse_quality_recipe("imx-q3")
+
+
+def test_parse() -> None:
+    r = parse_quality_recipe("imx-4.6")
+    assert (r.method, r.base, r.target_bpw) == ("imx", "mixed", 4.6)
+    r = parse_quality_recipe("IMX-q4g32")
+    assert (r.method, r.base, r.group_size, r.bits) == ("imx", "q4", 32, 4)
+
+
+def test_importance_is_the_mean_square_input() -> None:
+    """The first layer's q_proj sees the normed embeddings; the tied embedding (as the output layer) sees the
+    final normed hidden states."""
+    model = tiny()
+    tokens = mx.random.randint(0, CONFIG["vocab_size"], (2, 16))
+    imp = activation_importance(model, tokens, batch_size=1)
+    layer = model.model.layers[0]
+    x = layer.input_layernorm(model.model.embed_tokens(tokens))
+    assert mx.allclose(imp["model.layers.0.self_attn.q_proj"], (x**2).reshape(-1, x.shape[-1]).mean(0), rtol=1e-4)
+    h = model.model(tokens)
+    assert mx.allclose(imp["model.embed_tokens"], (h**2).reshape(-1, h.shape[-1]).mean(0), rtol=1e-4)
+    assert type(model.model.layers[0].self_attn.q_proj) is nn.Linear  # the recorders are gone
+
+
+def test_imx_q4_bytes_equal_the_planners_q4() -> None:
+    model, config = apply_recipe(
+        tiny(), dict(CONFIG), parse_quality_recipe("imx-q4"), mx.random.randint(0, 256, (4, 16))
+    )
+    planned = account_weights(spec_from_config(CONFIG), parse_recipe("q4", 64), "float16").total_bytes
+    assert nbytes(model) == planned
+    assert config["quantization"]["group_size"] == 64
+
+
+def test_imx_target_layout_meets_the_target_and_matches_mlx_lm() -> None:
+    """The mixed recipe: MLP up/down projections of the last layers at group 32, bits per weight (mlx-lm's
+    count) within the target, and the bytes mlx-lm's quantize_model gives for the config's per-layer entries."""
+    target = 4.6
+    model, config = apply_recipe(
+        tiny(), dict(CONFIG), parse_quality_recipe(f"imx-{target}"), mx.random.randint(0, 256, (4, 16))
+    )
+    bpw = compute_bits_per_weight(model)
+    assert bpw <= target
+    groups = {p: m.group_size for p, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)}
+    assert groups["model.layers.3.mlp.down_proj"] == 32 and groups["model.layers.3.mlp.up_proj"] == 32
+    assert groups["model.layers.0.mlp.up_proj"] == 64
+    assert groups["model.layers.3.self_attn.q_proj"] == 64
+
+    reference = tiny()
+    reference.set_dtype(mx.float16)
+    quant = config["quantization"]
+
+    def predicate(path: str, module: Any) -> Any:
+        return quant.get(path, False) if hasattr(module, "to_quantized") else False
+
+    with redirect_stdout(io.StringIO()):
+        quantize_model(reference, copy.deepcopy(CONFIG), 64, 4, quant_predicate=predicate)  # type: ignore[arg-type]
+    assert nbytes(model) == nbytes(reference)
+    # the layout spends the budget: the next MLP projection in line would cross the target
+    layout = mlp_g32_layout(tiny(), target, 4, 2)
+    assert layout == groups | {"model.embed_tokens": 64}
+    left = sorted((p for p, g in groups.items() if g == 64 and ("mlp.up" in p or "mlp.down" in p)), reverse=True)
+    params = sum(v.size for _, v in tree_flatten(tiny().parameters()))
+    assert left and bpw + 0.5 * CONFIG["hidden_size"] * CONFIG["intermediate_size"] / params > target
+
+
+def test_smollm2_layout_is_within_4_6_bits_per_weight() -> None:
+    """On the embedded model's config, built lazily (nothing evaluated), mlx-lm's quantize_model with the
+    layout counts at most 4.6 bits per weight."""
+    from toolchain.models.gguf import embedded_default_model, gguf_config_from_header, read_gguf_header
+
+    config = gguf_config_from_header(read_gguf_header(embedded_default_model()))
+    spec = spec_from_config(config)
+    layout = mlp_g32_layout(spec.weights_model("float16"), 4.6, 4, 2)
+    model = spec.weights_model("float16")
+    with redirect_stdout(io.StringIO()):
+        quantize_model(
+            model,
+            dict(config),
+            64,
+            4,
+            quant_predicate=lambda p, m: {"bits": 4, "group_size": layout[p]} if p in layout else False,  # type: ignore[arg-type]
+        )
+    bpw = compute_bits_per_weight(model)
+    assert 4.55 < bpw <= 4.6
+    assert sum(g == 32 for g in layout.values()) >= 20
