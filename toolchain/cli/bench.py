@@ -143,7 +143,7 @@ def quality(
     report = run_quality_bench(
         model,
         recipes=_csv(recipes),
-        kv_variants=_csv(kv_variants) if kv_variants else DEFAULT_KV,
+        kv_variants=DEFAULT_KV if kv_variants is None else _csv(kv_variants),  # '' runs no KV rows
         weights_tokens=weights_tokens,
         kv_tokens=kv_tokens,
         contexts=tuple(int(c) for c in _csv(contexts)),

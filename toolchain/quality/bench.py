@@ -242,7 +242,7 @@ def run_quality_bench(
     from toolchain.quality.texts import EVAL_FILES, read_texts, tokens_of
 
     variants = [parse_kv_variant(v) for v in kv_variants]
-    if all(v.scheme.quantized for v in variants):
+    if variants and all(v.scheme.quantized for v in variants):
         variants.insert(0, parse_kv_variant("fp16"))
     with source_dir(model) as (src, name, bundle):
         tokenizer = load_tokenizer(src)
