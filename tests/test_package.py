@@ -292,3 +292,46 @@ def test_top_layer_keys_are_measured_and_written_per_layer(source_dir: Path, tmp
     assert len(wide) == 2 and all(e.key_bits == 4 and e.value_bits == 4 for e in kv.layers if e.layer not in wide)
     assert result.manifest.recipe.kv_scheme == f"k4v4+k8@{wide[0]}.{wide[1]}"
     verify_bundle(out)
+
+
+def _llama(head_dim: int, model_type: str = "llama") -> dict[str, object]:
+    return {
+        "model_type": model_type,
+        "hidden_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "intermediate_size": 256,
+        "vocab_size": 256,
+        "rms_norm_eps": 1e-5,
+        "head_dim": head_dim,
+    }
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "kv", "rotation", "expected"),
+    [
+        (64, "k8v4", "auto", "hadamard"),
+        (128, "k4v4", "auto", "hadamard"),
+        (80, "k8v4", "auto", "none"),  # 80 is not a power of two: no Hadamard matrix of that size is its own inverse
+        (64, "fp16", "auto", "none"),  # nothing quantized, nothing to spread
+        (64, "k8v4", "none", "none"),
+        (64, "k8v4", "hadamard_keys", "hadamard_keys"),
+    ],
+)
+def test_auto_rotation_applies_where_the_transform_does(
+    head_dim: int, kv: str, rotation: str, expected: str, tmp_path: Path
+) -> None:
+    from toolchain.plan.kv import parse_scheme
+
+    scheme = parse_scheme(kv)
+    assert bundle_mod.resolve_rotation(rotation, _llama(head_dim), tmp_path / "config.json", scheme) == expected
+
+
+def test_auto_rotation_is_none_where_attention_cannot_read_the_cache(tmp_path: Path) -> None:
+    from toolchain.models.families import NO_QUANTIZED_ATTENTION
+    from toolchain.plan.kv import parse_scheme
+
+    assert "gemma2" in NO_QUANTIZED_ATTENTION
+    config = {**_llama(64, "gemma2"), "query_pre_attn_scalar": 64}
+    assert bundle_mod.resolve_rotation("auto", config, tmp_path / "config.json", parse_scheme("k8v4")) == "none"

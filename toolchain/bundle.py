@@ -19,7 +19,7 @@ import sys
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +82,8 @@ class PackageOptions:
     force: bool = False
     """Package even if the plan says it does not fit, and replace an existing bundle at the output."""
     quantized_kv_start: int = 0
-    rotation: str = "none"
+    rotation: str = "auto"
+    """`auto`: Hadamard on keys and values wherever it applies (see `resolve_rotation`), else none."""
     page_tokens: int = MLX_CACHE_STEP
     keep_tokens: int = 4
     prefill_step_size: int = 512
@@ -207,6 +208,7 @@ def package(model: str | Path | None, out: str | Path, options: PackageOptions) 
 
             scheme = resolve_for_source(src_dir, options.kv, options.kv_group_size).scheme
         _check_kv_group(config, options.kv_group_size, scheme, src_dir / "config.json")
+        options = replace(options, rotation=resolve_rotation(options.rotation, config, src_dir / "config.json", scheme))
         warnings: list[str] = []
         plan: PlanView | None = None
         if options.device is not None:
@@ -402,6 +404,23 @@ def _check_kv_group(config: dict[str, Any], group: int, scheme: KVScheme, file: 
     from toolchain.models import spec_from_config
 
     check_dims(spec_from_config(config, file), scheme)
+
+
+def resolve_rotation(rotation: str, config: dict[str, Any], file: Path, scheme: KVScheme) -> str:
+    """`auto` -> `hadamard` for a quantized scheme whose caches kvrig's attention reads and whose head dims are
+    powers of two (the transform is then its own inverse, here and in MLX Swift), `none` otherwise. On SmolLM2
+    it takes k8v4 from +1.4 % to +0.4 % PPL and brings back the answers the source gives (`kvrig bench
+    quality`)."""
+    if rotation != "auto":
+        return rotation
+    from toolchain.models import spec_from_config
+    from toolchain.models.families import NO_QUANTIZED_ATTENTION
+
+    spec = spec_from_config(config, file)
+    dims = [d for layer in spec.layers for d in (layer.k_head_dim, layer.v_head_dim) if d]
+    powers_of_two = bool(dims) and all(d & (d - 1) == 0 for d in dims)
+    usable = scheme.quantized and spec.model_type not in NO_QUANTIZED_ATTENTION and powers_of_two
+    return "hadamard" if usable else "none"
 
 
 def _write_weights(src_dir: Path, dst: Path, recipe: WeightRecipe) -> dict[str, Any]:

@@ -103,7 +103,8 @@ def _csv(text: str) -> tuple[str, ...]:
     "--factual-recipe",
     default="q8",
     show_default=True,
-    help="Recipe checked on factual prompts, with the package's default KV scheme (k8v4); '' skips.",
+    help="Recipe checked on factual prompts, with the KV scheme kvrig package writes by default (k8v4, rotated "
+    "where the head dims allow); '' skips.",
 )
 @click.option(
     "-o",

@@ -31,10 +31,11 @@ from toolchain.cli.render import echo_json, human_bytes, json_option
 )
 @click.option(
     "--rotation",
-    type=click.Choice(["none", "hadamard_keys", "hadamard"]),
-    default="none",
+    type=click.Choice(["auto", "none", "hadamard_keys", "hadamard"]),
+    default="auto",
     show_default=True,
-    help="Hadamard rotation before KV quantization: keys only, or keys and values.",
+    help="Hadamard rotation before KV quantization: keys only, or keys and values. auto: keys and values when "
+    "the KV cache is quantized and every head dim is a power of two, none otherwise.",
 )
 @click.option("--sink-tokens", default=0, show_default=True, type=int, help="First tokens kept unquantized.")
 @click.option("--recent-tokens", default=0, show_default=True, type=int, help="Latest tokens kept unquantized.")
