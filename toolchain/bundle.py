@@ -407,10 +407,10 @@ def _check_kv_group(config: dict[str, Any], group: int, scheme: KVScheme, file: 
 
 
 def resolve_rotation(rotation: str, config: dict[str, Any], file: Path, scheme: KVScheme) -> str:
-    """`auto` -> `hadamard` for a quantized scheme whose caches kvrig's attention reads and whose head dims are
-    powers of two (the transform is then its own inverse, here and in MLX Swift), `none` otherwise. On SmolLM2
-    it takes k8v4 from +1.4 % to +0.4 % PPL and brings back the answers the source gives (`kvrig bench
-    quality`)."""
+    """`auto` -> `hadamard` for a scheme with keys or values below 8 bits whose caches kvrig's attention reads
+    and whose head dims are powers of two (the transform is then its own inverse, here and in MLX Swift),
+    `none` otherwise. On SmolLM2 it takes k8v4 from +1.4 % to +0.4 % PPL and k4v4 from +18 % to +7 % (`kvrig
+    bench quality`); k8v8 (+0.1 %) keeps mlx-lm's own quantized cache and its fused attention."""
     if rotation != "auto":
         return rotation
     from toolchain.models import spec_from_config
@@ -419,7 +419,8 @@ def resolve_rotation(rotation: str, config: dict[str, Any], file: Path, scheme: 
     spec = spec_from_config(config, file)
     dims = [d for layer in spec.layers for d in (layer.k_head_dim, layer.v_head_dim) if d]
     powers_of_two = bool(dims) and all(d & (d - 1) == 0 for d in dims)
-    usable = scheme.quantized and spec.model_type not in NO_QUANTIZED_ATTENTION and powers_of_two
+    narrow = scheme.quantized and min(scheme.key_bits or 16, scheme.value_bits or 16) < 8
+    usable = narrow and spec.model_type not in NO_QUANTIZED_ATTENTION and powers_of_two
     return "hadamard" if usable else "none"
 
 
