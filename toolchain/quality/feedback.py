@@ -14,6 +14,10 @@ from toolchain.quality.weighted import PACKED_BITS, _levels, fit_grid, input_sta
 
 DAMPING = 0.01
 """Added to H's diagonal, as a fraction of its mean: keeps the inverse finite for rarely driven channels."""
+EMBEDDING_DAMPING = 1.0
+"""The same for a tied embedding: its rows are also looked up, where the error feedback moves onto other
+columns only hurts, so H is pulled towards its diagonal (SmolLM2 at imx-4.6's layout: +4.05 % PPL at 10,
++2.37 % at 1, +2.58 % at 0.1; at 0.01, all layers at group 64, worse than the plain weighted fit)."""
 
 
 def input_hessians(model: Any, calibration: Any, batch_size: int = 4) -> dict[str, Any]:

@@ -209,22 +209,21 @@ def quantize_weighted(
 ) -> tuple[Any, dict[str, Any]]:
     """Quantizes a float model with mlx-lm's `quantize_model` (its layout and config block: `group_size`
     everywhere, or the mixed layout for `target_bpw`), then refits every layer's grid with `fit_affine` and
-    the activation importance of the float model on `calibration`. With `feedback`, the linears are quantized
-    with GPTQ-style error feedback instead (`feedback.fit_feedback`, the float model's input Hessians); the
-    embedding keeps `fit_affine` (a tied embedding's rows are also looked up, which an error spread across
-    columns makes worse: +8.8 % instead of +7.9 % PPL at q4 on SmolLM2)."""
+    the activation importance of the float model on `calibration`. With `feedback`, every layer is quantized
+    with GPTQ-style error feedback instead (`feedback.fit_feedback`, the float model's input Hessians); a tied
+    embedding with heavy damping (its rows are also looked up, where error moved onto other columns hurts)."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx_lm.utils import quantize_model
 
-    from toolchain.quality.feedback import fit_feedback, input_hessians
+    from toolchain.quality.feedback import DAMPING, EMBEDDING_DAMPING, fit_feedback, input_hessians
 
     dtype = dtype or mx.float16
     if feedback:
         hessians = input_hessians(model, calibration)
         importance = {p: None if h is None else mx.diagonal(h) for p, h in hessians.items()}
     else:
-        importance = activation_importance(model, calibration)
+        hessians, importance = {}, activation_importance(model, calibration)
     floats = {p: m.weight for p, m in model.named_modules() if hasattr(m, "to_quantized") and "weight" in m}
     scale_bytes = mx.zeros((), dtype=dtype).itemsize
     layout = (
@@ -242,8 +241,9 @@ def quantize_weighted(
     for path, module in model.named_modules():
         if isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding) and path in floats:
             progress(path)
-            if feedback and isinstance(module, nn.QuantizedLinear):
-                q = fit_feedback(floats[path], hessians[path], module.group_size, module.bits, dtype)
+            if feedback and hessians.get(path) is not None:
+                damping = EMBEDDING_DAMPING if isinstance(module, nn.QuantizedEmbedding) else DAMPING
+                q = fit_feedback(floats[path], hessians[path], module.group_size, module.bits, dtype, damping)
             else:
                 q = fit_affine(floats[path], module.group_size, module.bits, importance.get(path), dtype)
             module.weight, module.scales, module.biases = q
