@@ -54,7 +54,7 @@ def weighted_error(w: Any, q: tuple[Any, Any, Any], group: int, bits: int, imp: 
     return float((((deq - w) ** 2) * imp).sum().item())
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
 def test_pack_is_mlx_packing(bits: int) -> None:
     w = mx.random.normal((8, 128))
     packed, s, b = mx.quantize(w, 64, bits)
@@ -91,11 +91,13 @@ def test_fitted_grid_beats_round_to_nearest_on_the_weighted_error(group: int) ->
 
 def test_fit_refuses_what_it_cannot_pack() -> None:
     with pytest.raises(QuantizationError):
-        fit_affine(mx.zeros((4, 64)), 32, 3)
+        fit_affine(mx.zeros((4, 64)), 32, 7)
     with pytest.raises(QuantizationError):
         fit_affine(mx.zeros((4, 96)), 64, 4)
     with pytest.raises(QuantizationError):
-        parse_quality_recipe("imx-q3")
+        parse_quality_recipe("imx-q7")
+    with pytest.raises(QuantizationError):
+        parse_quality_recipe("gpx-q7")
 
 
 def test_parse() -> None:
@@ -103,6 +105,10 @@ def test_parse() -> None:
     assert (r.method, r.base, r.target_bpw) == ("imx", "mixed", 4.6)
     r = parse_quality_recipe("IMX-q4g32")
     assert (r.method, r.base, r.group_size, r.bits) == ("imx", "q4", 32, 4)
+    r = parse_quality_recipe("gpx-4.6")
+    assert (r.method, r.base, r.target_bpw) == ("gpx", "mixed", 4.6)
+    r = parse_quality_recipe("gpx-q3g32")
+    assert (r.method, r.base, r.group_size, r.bits) == ("gpx", "q3", 32, 3)
 
 
 def test_importance_is_the_mean_square_input() -> None:

@@ -77,7 +77,7 @@ def _csv(text: str) -> tuple[str, ...]:
     "--recipes",
     default=",".join(("q4", "q4g32", "q8", "mixed_4_6", "awq-q4", "gptq-q4", "dq-4.6")),
     show_default=True,
-    help="Weight recipes: qN[gG], awq-qN, gptq-qN, imx-qN, dq-BPW, imx-BPW, mixed_X_Y.",
+    help="Weight recipes: qN[gG], awq-qN, gptq-qN, imx-qN, gpx-qN, dq-BPW, imx-BPW, gpx-BPW, mixed_X_Y.",
 )
 @click.option(
     "--kv",

@@ -16,15 +16,18 @@ from typing import Any
 from toolchain.exceptions import QuantizationError
 from toolchain.quality.weighted import PACKED_BITS
 
-METHODS = ("rtn", "awq", "gptq", "imx", "dynamic")
-_NAME = re.compile(r"^(?:(awq|gptq|imx)-)?q(\d)(?:g(\d+))?$|^(dq|imx)-(\d+(?:\.\d+)?)$|^(fp16|bf16|fp32|mixed_\d_\d)$")
+METHODS = ("rtn", "awq", "gptq", "imx", "gpx", "dynamic")
+_NAME = re.compile(
+    r"^(?:(awq|gptq|imx|gpx)-)?q(\d)(?:g(\d+))?$|^(dq|imx|gpx)-(\d+(?:\.\d+)?)$|^(fp16|bf16|fp32|mixed_\d_\d)$"
+)
 
 
 @dataclass(frozen=True)
 class QualityRecipe:
     """`q4`, `q4g32`, `awq-q4`, `gptq-q4g32`, `imx-q4` (importance-weighted grids, q4's layout), `dq-4.6`
     (dynamic, target bits per weight), `imx-4.6` (importance-weighted 4-bit, MLP up/down of the last layers at
-    group 32 up to the target bits per weight), `mixed_4_6`, `fp16`."""
+    group 32 up to the target bits per weight), `gpx-q4` / `gpx-4.6` (the same layouts, linears quantized with
+    GPTQ-style error feedback on the importance-weighted grids), `mixed_4_6`, `fp16`."""
 
     name: str
     method: str
@@ -44,18 +47,18 @@ def parse_quality_recipe(text: str, group_size: int = 64) -> QualityRecipe:
     m = _NAME.match(name)
     if not m:
         raise QuantizationError(
-            f"unknown weight recipe '{text}': expected qN[gG], awq-qN[gG], gptq-qN[gG], imx-qN[gG], dq-BPW, "
-            "imx-BPW, mixed_X_Y or fp16"
+            f"unknown weight recipe '{text}': expected qN[gG], awq-qN[gG], gptq-qN[gG], imx-qN[gG], gpx-qN[gG], "
+            "dq-BPW, imx-BPW, gpx-BPW, mixed_X_Y or fp16"
         )
     method, bits, group, target_method, bpw, plain = m.groups()
     if plain:
         return QualityRecipe(name, "rtn", plain, group_size)
     if bpw:
-        return QualityRecipe(name, "dynamic" if target_method == "dq" else "imx", "mixed", 64, float(bpw))
+        return QualityRecipe(name, "dynamic" if target_method == "dq" else target_method, "mixed", 64, float(bpw))
     group = int(group) if group else group_size
     if method == "gptq" and int(bits) not in (2, 4, 8):
         raise QuantizationError(f"recipe '{text}': mlx-lm's GPTQ packs 2, 4 or 8 bits, not {bits}")
-    if method == "imx" and int(bits) not in PACKED_BITS:
+    if method in ("imx", "gpx") and int(bits) not in PACKED_BITS:
         raise QuantizationError(f"recipe '{text}': importance-weighted recipes pack {PACKED_BITS} bits, not {bits}")
     return QualityRecipe(name, method or "rtn", f"q{bits}", group)
 
@@ -95,7 +98,7 @@ def apply_recipe(
             model, config = _gptq(model, config, recipe, calibration)
         elif recipe.method == "awq":
             model, config = _awq(model, config, recipe, calibration)
-        elif recipe.method == "imx":
+        elif recipe.method in ("imx", "gpx"):
             model, config = _imx(model, config, recipe, calibration, dtype)
         else:
             model, config = _dynamic(model, config, recipe, calibration)
@@ -121,14 +124,15 @@ def _imx(
 ) -> tuple[Any, dict[str, Any]]:
     from toolchain.quality.weighted import quantize_weighted
 
+    feedback = recipe.method == "gpx"
     if recipe.target_bpw is None:
         assert recipe.bits is not None
-        model, config = quantize_weighted(
-            model, config, recipe.bits, calibration, group_size=recipe.group_size, dtype=dtype
+        return quantize_weighted(
+            model, config, recipe.bits, calibration, group_size=recipe.group_size, dtype=dtype, feedback=feedback
         )
-    else:
-        model, config = quantize_weighted(model, config, 4, calibration, target_bpw=recipe.target_bpw, dtype=dtype)
-    return model, config
+    return quantize_weighted(
+        model, config, 4, calibration, target_bpw=recipe.target_bpw, dtype=dtype, feedback=feedback
+    )
 
 
 def _awq(model: Any, config: dict[str, Any], recipe: QualityRecipe, calibration: Any) -> tuple[Any, dict[str, Any]]:

@@ -8,14 +8,16 @@ the MLP up/down projections of the last layers group size 32 until a bits-per-we
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from typing import Any
 
 from toolchain.exceptions import QuantizationError
 
-PACKED_BITS = (2, 4, 8)
-"""Widths whose MLX packing (values laid low bits first in uint32 words) this module writes itself."""
+PACKED_BITS = (2, 3, 4, 5, 6, 8)
+"""Widths whose MLX packing this module writes itself (a little-endian bit stream of uint32 words: value k
+of a row takes bits k·b .. k·b+b-1, so 3, 5 and 6 bits cross word boundaries)."""
 SCALE_STEPS = 20
 """Candidate grids tried per group (scale stretched from range/(levels-1) by -1 .. +1 level), each refitted."""
 _MLP_G32 = re.compile(r"layers\.(\d+)\.mlp\.(up_proj|down_proj)$")
@@ -25,9 +27,15 @@ def pack(q: Any, bits: int) -> Any:
     """Integer levels (..., n) -> MLX's packed uint32 words (..., n * bits / 32)."""
     import mlx.core as mx
 
-    per = 32 // bits
+    per = 32 // math.gcd(32, bits)  # values in one period of whole words
     q = q.astype(mx.uint32).reshape(*q.shape[:-1], -1, per)
-    return (q << (mx.arange(per, dtype=mx.uint32) * bits)).sum(axis=-1).astype(mx.uint32)
+    words = [mx.zeros(q.shape[:-1], dtype=mx.uint32) for _ in range(per * bits // 32)]
+    for k in range(per):
+        word, offset = divmod(k * bits, 32)
+        words[word] = words[word] | (q[..., k] << offset)
+        if offset + bits > 32:  # the value's high bits open the next word
+            words[word + 1] = words[word + 1] | (q[..., k] >> (32 - offset))
+    return mx.stack(words, axis=-1).reshape(*q.shape[:-2], -1)
 
 
 def _levels(x: Any, s: Any, b: Any, top: int) -> Any:
@@ -48,24 +56,13 @@ def _refit(x: Any, q: Any, wt: Any) -> tuple[Any, Any]:
     return s, (sx - s * sq) / mx.maximum(sw, 1e-20)
 
 
-def fit_affine(w: Any, group_size: int, bits: int, importance: Any = None, dtype: Any = None) -> tuple[Any, Any, Any]:
-    """(packed weight, scales, biases) for `w` (out, in) in MLX's affine layout, the grid of each group chosen
-    to minimise sum(importance[col] * (w - s·q - b)²) with s and b rounded to `dtype` (default float16):
-    candidates are min/max grids of stretched ranges and MLX's own round-to-nearest grid, each refitted by
-    least squares, then a few alternating assign/refit steps."""
+def fit_grid(x: Any, wt: Any, bits: int, dtype: Any) -> tuple[Any, Any]:
+    """(scale, bias) per group of `x` (..., groups, group_size), rounded to `dtype`, returned as float32,
+    minimising sum(wt * (x - s·q - b)²): candidates are min/max grids of stretched ranges and MLX's own
+    round-to-nearest grid, each refitted by least squares, then a few alternating assign/refit steps."""
     import mlx.core as mx
 
-    if bits not in PACKED_BITS:
-        raise QuantizationError(f"importance-weighted recipes pack {PACKED_BITS} bits, not {bits}")
-    if w.shape[-1] % group_size:
-        raise QuantizationError(f"a {w.shape[-1]}-column weight does not split into groups of {group_size}")
-    dtype = dtype or mx.float16
     top = 2**bits - 1
-    x = w.astype(mx.float32).reshape(*w.shape[:-1], -1, group_size)
-    if importance is None:
-        wt = mx.ones_like(x)
-    else:
-        wt = mx.broadcast_to(importance.astype(mx.float32).reshape(-1, group_size), x.shape)
     lo, hi = x.min(-1), x.max(-1)
     span = mx.maximum(hi - lo, 1e-12)
 
@@ -75,7 +72,8 @@ def fit_affine(w: Any, group_size: int, bits: int, importance: Any = None, dtype
     def err(s: Any, b: Any) -> Any:
         return (wt * (x - s[..., None] * _levels(x, s, b, top) - b[..., None]) ** 2).sum(-1)
 
-    _, s0, b0 = mx.quantize(w.astype(mx.float32), group_size, bits)
+    _, s0, b0 = mx.quantize(x.reshape(-1, x.shape[-1]), x.shape[-1], bits)
+    s0, b0 = s0.reshape(x.shape[:-1]), b0.reshape(x.shape[:-1])
     best_s, best_b = rounded(s0), rounded(b0)
     best_e = err(best_s, best_b)
 
@@ -93,6 +91,27 @@ def fit_affine(w: Any, group_size: int, bits: int, importance: Any = None, dtype
         keep(*_refit(x, mx.clip(mx.round(stretch[..., None] * (x - lo[..., None])), 0, top), wt))
     for _ in range(3):
         keep(*_refit(x, _levels(x, best_s, best_b, top), wt))
+    return best_s, best_b
+
+
+def fit_affine(w: Any, group_size: int, bits: int, importance: Any = None, dtype: Any = None) -> tuple[Any, Any, Any]:
+    """(packed weight, scales, biases) for `w` (out, in) in MLX's affine layout, the grid of each group chosen
+    to minimise sum(importance[col] * (w - s·q - b)²) with s and b rounded to `dtype` (default float16), see
+    `fit_grid`."""
+    import mlx.core as mx
+
+    if bits not in PACKED_BITS:
+        raise QuantizationError(f"importance-weighted recipes pack {PACKED_BITS} bits, not {bits}")
+    if w.shape[-1] % group_size:
+        raise QuantizationError(f"a {w.shape[-1]}-column weight does not split into groups of {group_size}")
+    dtype = dtype or mx.float16
+    top = 2**bits - 1
+    x = w.astype(mx.float32).reshape(*w.shape[:-1], -1, group_size)
+    if importance is None:
+        wt = mx.ones_like(x)
+    else:
+        wt = mx.broadcast_to(importance.astype(mx.float32).reshape(-1, group_size), x.shape)
+    best_s, best_b = fit_grid(x, wt, bits, dtype)
     scales, biases = best_s.astype(dtype), best_b.astype(dtype)
     q = _levels(x, scales.astype(mx.float32), biases.astype(mx.float32), top)
     return pack(q.reshape(w.shape), bits), scales, biases
@@ -102,6 +121,13 @@ def activation_importance(model: Any, calibration: Any, batch_size: int = 4) -> 
     """Mean squared input per channel of every quantizable layer over the calibration rows, by path. A tied
     embedding is weighted by the hidden states it projects to logits; an untied one gets None (its rows are
     looked up, not multiplied)."""
+    return input_statistics(model, calibration, lambda x: (x**2).sum(0), batch_size)
+
+
+def input_statistics(model: Any, calibration: Any, reduce: Callable[[Any], Any], batch_size: int = 4) -> dict[str, Any]:
+    """Sum of `reduce(inputs)` over the calibration rows, divided by the token count, for every quantizable
+    layer by path (inputs as float32 (tokens, in_features); None for an untied embedding, which only looks
+    rows up)."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_unflatten
@@ -109,7 +135,7 @@ def activation_importance(model: Any, calibration: Any, batch_size: int = 4) -> 
     sums: dict[str, Any] = {}
 
     def add(path: str, x: Any) -> None:
-        v = (x.astype(mx.float32) ** 2).reshape(-1, x.shape[-1]).sum(0)
+        v = reduce(x.astype(mx.float32).reshape(-1, x.shape[-1]))
         sums[path] = v if path not in sums else sums[path] + v
 
     class Linear(nn.Module):
@@ -178,17 +204,26 @@ def quantize_weighted(
     group_size: int = 64,
     target_bpw: float | None = None,
     dtype: Any = None,
+    feedback: bool = False,
     progress: Callable[[str], None] = lambda _: None,
 ) -> tuple[Any, dict[str, Any]]:
     """Quantizes a float model with mlx-lm's `quantize_model` (its layout and config block: `group_size`
     everywhere, or the mixed layout for `target_bpw`), then refits every layer's grid with `fit_affine` and
-    the activation importance of the float model on `calibration`."""
+    the activation importance of the float model on `calibration`. With `feedback`, every layer is quantized
+    with GPTQ-style error feedback instead (`feedback.fit_feedback`, the float model's input Hessians); a tied
+    embedding with heavy damping (its rows are also looked up, where error moved onto other columns hurts)."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx_lm.utils import quantize_model
 
+    from toolchain.quality.feedback import DAMPING, EMBEDDING_DAMPING, fit_feedback, input_hessians
+
     dtype = dtype or mx.float16
-    importance = activation_importance(model, calibration)
+    if feedback:
+        hessians = input_hessians(model, calibration)
+        importance = {p: None if h is None else mx.diagonal(h) for p, h in hessians.items()}
+    else:
+        hessians, importance = {}, activation_importance(model, calibration)
     floats = {p: m.weight for p, m in model.named_modules() if hasattr(m, "to_quantized") and "weight" in m}
     scale_bytes = mx.zeros((), dtype=dtype).itemsize
     layout = (
@@ -206,9 +241,12 @@ def quantize_weighted(
     for path, module in model.named_modules():
         if isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding) and path in floats:
             progress(path)
-            module.weight, module.scales, module.biases = fit_affine(
-                floats[path], module.group_size, module.bits, importance.get(path), dtype
-            )
+            if feedback and hessians.get(path) is not None:
+                damping = EMBEDDING_DAMPING if isinstance(module, nn.QuantizedEmbedding) else DAMPING
+                q = fit_feedback(floats[path], hessians[path], module.group_size, module.bits, dtype, damping)
+            else:
+                q = fit_affine(floats[path], module.group_size, module.bits, importance.get(path), dtype)
+            module.weight, module.scales, module.biases = q
             mx.eval(module.parameters())
     config["quantization_config"] = config["quantization"]
     return model, config
