@@ -75,7 +75,7 @@ def _csv(text: str) -> tuple[str, ...]:
 @click.argument("model", required=False, type=click.Path(path_type=Path, exists=True))
 @click.option(
     "--recipes",
-    default=",".join(("q4", "q4g32", "q8", "mixed_4_6", "awq-q4", "gptq-q4", "dq-4.6")),
+    default="q4,q4g32,q8,mixed_4_6,gptq-q4,dq-4.6,imx-4.6,gpx-q4,gpx-4.6",
     show_default=True,
     help="Weight recipes: qN[gG], awq-qN, gptq-qN, imx-qN, gpx-qN, dq-BPW, imx-BPW, gpx-BPW, mixed_X_Y.",
 )

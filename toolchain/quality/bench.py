@@ -18,7 +18,8 @@ from typing import Any
 
 from toolchain.quality.schemes import KVVariant, make_variant_caches, parse_kv_variant, predicted_bytes
 
-DEFAULT_RECIPES = ("q4", "q4g32", "q8", "mixed_4_6", "awq-q4", "gptq-q4", "dq-4.6")
+# awq-q4 is left out: mlx-lm's AWQ takes ~80 s per layer here (ask for it with --recipes).
+DEFAULT_RECIPES = ("q4", "q4g32", "q8", "mixed_4_6", "gptq-q4", "dq-4.6", "imx-4.6", "gpx-q4", "gpx-4.6")
 DEFAULT_KV = (
     "fp16",
     "k8v8",
