@@ -6,6 +6,11 @@ never), less what was resident before and what the caches grew by."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
@@ -46,24 +51,41 @@ def _measured_chunk(quantized_bits: int | None) -> int:
     return mx.get_peak_memory() - resident
 
 
+def _cpu_case(scheme: str) -> dict[str, int]:
+    """MLX's measured chunk and the plan's numbers for it, in bytes."""
+    parsed = parse_scheme(scheme, dtype="float32")
+    spec = spec_from_config(CONFIG)
+    before = kv_bytes(spec, parsed, [CHUNK] * (CONTEXT // CHUNK - 1))
+    return {
+        "measured": _measured_chunk(parsed.key_bits),
+        "planned": _peak_bytes(spec, parsed, CONTEXT, 0, CHUNK, "float32", "cpu").total_bytes - before,
+        "scores": prefill_scores_bytes(spec, CHUNK, CONTEXT, "float32", scheme=parsed, backend="cpu"),
+        "metal": _peak_bytes(spec, parsed, CONTEXT, 0, CHUNK, "float32", "metal").total_bytes - before,
+    }
+
+
 @pytest.mark.parametrize("scheme", ["fp32", "k8v8", "k4v4"])
 def test_cpu_transient_is_what_mlx_allocates(scheme: str) -> None:
     """The chunk's step as the plan counts it on the CPU backend (the caches' growth, the growth copy, the
-    activations with the scores) against MLX's peak for the same chunk."""
-    parsed = parse_scheme(scheme, dtype="float32")
-    measured = _measured_chunk(parsed.key_bits)
-    spec = spec_from_config(CONFIG)
-    before = kv_bytes(spec, parsed, [CHUNK] * (CONTEXT // CHUNK - 1))
-    step = _peak_bytes(spec, parsed, CONTEXT, 0, CHUNK, "float32", "cpu")
-    planned = step.total_bytes - before
-    scores = prefill_scores_bytes(spec, CHUNK, CONTEXT, "float32", scheme=parsed, backend="cpu")
-    assert scores > 0.6 * measured  # the scores are most of it
+    activations with the scores) against MLX's peak for the same chunk.
+
+    Both sides run in a fresh interpreter: in a test worker that ran other MLX work first, MLX's peak for this
+    chunk and the plan's replay both came out lower (22.8 and 19.5 MB against 23.9 and 22.4 MB alone)."""
+    code = (
+        "import json, sys; sys.path[:0] = ['tests/plan', '.']; "
+        f"from tests.plan.test_transient import _cpu_case; print(json.dumps(_cpu_case({scheme!r})))"
+    )
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    case = json.loads(proc.stdout.strip().splitlines()[-1])
+    measured, planned, metal = case["measured"], case["planned"], case["metal"]
+    assert case["scores"] > 0.6 * measured  # the scores are most of it
     # Within 10 % of MLX's peak (measured here: the plan is 6-8 % under, from small buffers of the step it
     # does not name; the phone's old estimate was about a tenth of it).
     assert 0.9 * measured <= planned <= 1.1 * measured, (measured, planned)
     # The phone's plan (Metal, fused attention over an unquantized cache) holds much less for the same chunk.
-    metal = _peak_bytes(spec, parsed, CONTEXT, 0, CHUNK, "float32", "metal").total_bytes - before
-    assert (metal < 0.5 * measured) == (parsed.key_bits is None)
+    assert (metal < 0.5 * measured) == (scheme == "fp32")
 
 
 def test_metal_counts_scores_only_where_attention_is_not_fused() -> None:

@@ -15,6 +15,8 @@ struct RunnerOptions {
     var float32 = true
     var exitWhenDone = false
     var probeBufferCache: Int?
+    /// kvcache.json, input and output safetensors of `--attention-probe` (see AttentionProbe).
+    var attentionProbe: (config: URL, input: URL, output: URL)?
 
     struct UsageError: Error, CustomStringConvertible {
         let description: String
@@ -56,6 +58,9 @@ struct RunnerOptions {
                     throw UsageError(description: "--probe-buffer-cache: expected a byte count >= 0")
                 }
                 probeBufferCache = n
+            case "--attention-probe":
+                let paths = try (0 ..< 3).map { _ in URL(fileURLWithPath: try value(argument)) }
+                attentionProbe = (paths[0], paths[1], paths[2])
             default: throw UsageError(description: "unknown argument \(argument)")
             }
         }

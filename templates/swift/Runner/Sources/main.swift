@@ -5,6 +5,7 @@
 //   kvrig-engine --bundle DIR [--documents DIR] [--kvrig-soak-plan FILE] [--chat TEXT]... [--temperature T]
 //                [--max-tokens N] [--print-tokens] [--host-kernel] [--no-float32] [--exit-when-done]
 //   kvrig-engine --probe-buffer-cache BYTES   (prints what MLX's buffer cache keeps with that cap, as JSON)
+//   kvrig-engine --attention-probe KVCACHE_JSON IN.safetensors OUT.safetensors   (see AttentionProbe)
 //
 // --host-kernel: speak the virtual iPhone's JSON-line channel on stdin/stdout (toolchain/virtual/apprun.py):
 // a measurement after every step, the kernel's verdict back (footprint, available, pressure).
@@ -23,6 +24,16 @@ do {
 if let limit = options.probeBufferCache {
     let line = try JSONSerialization.data(withJSONObject: BufferCacheProbe.run(limit: limit), options: [.sortedKeys])
     FileHandle.standardOutput.write(line + Data("\n".utf8))
+    exit(0)
+}
+
+if let probe = options.attentionProbe {
+    do {
+        try AttentionProbe.run(config: probe.config, input: probe.input, output: probe.output)
+    } catch {
+        FileHandle.standardError.write(Data("kvrig-engine: \(error)\n".utf8))
+        exit(2)
+    }
     exit(0)
 }
 
