@@ -10,34 +10,13 @@ from typing import Any
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
-from mlx_lm.models.llama import Model, ModelArgs
 
+from tests.quality.test_recipes_weighted import CONFIG, tiny
 from toolchain.models import spec_from_config
 from toolchain.plan.weights import account_weights, parse_recipe
 from toolchain.quality.feedback import fit_feedback, input_hessians
 from toolchain.quality.recipes import apply_recipe, parse_quality_recipe
 from toolchain.quality.weighted import fit_affine
-
-CONFIG: dict[str, Any] = {
-    "model_type": "llama",
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "num_hidden_layers": 4,
-    "rms_norm_eps": 1e-5,
-    "vocab_size": 256,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": True,
-    "torch_dtype": "float16",
-}
-
-
-def tiny() -> Any:
-    mx.random.seed(0)
-    model = Model(ModelArgs.from_dict(CONFIG))
-    mx.eval(model.parameters())
-    return model
 
 
 def output_error(x: Any, w: Any, q: tuple[Any, Any, Any], group: int, bits: int) -> float:
