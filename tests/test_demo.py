@@ -22,20 +22,26 @@ def test_demo_soaks_into_jetsam(tmp_path: Path) -> None:
     assert saved["runs"][0]["outcome"] == "jetsam"
 
 
+def _no_swift_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    # No Swift toolchain: MLX Swift cannot be resolved on any machine, with or without network.
+    monkeypatch.delenv("KVRIG_SWIFT_DEPS", raising=False)
+    monkeypatch.setenv("PATH", "/nonexistent")
+
+
 def test_auto_runtime_falls_back_to_python_saying_why(monkeypatch: pytest.MonkeyPatch) -> None:
     from toolchain.virtual.swiftapp import resolve_runtime
 
-    monkeypatch.delenv("KVRIG_SWIFT_DEPS", raising=False)
+    _no_swift_here(monkeypatch)
     choice = resolve_runtime("auto")
     assert choice.runtime == "python"
-    assert "KVRIG_SWIFT_DEPS" in choice.why and "cannot be built" in choice.why
+    assert "cannot be built here (MLX Swift packages not resolvable: no `swift` on PATH" in choice.why
 
 
 def test_swift_runtime_asked_for_does_not_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
     from toolchain.exceptions import SwiftDepsNotFoundError
     from toolchain.virtual.swiftapp import resolve_runtime
 
-    monkeypatch.delenv("KVRIG_SWIFT_DEPS", raising=False)
+    _no_swift_here(monkeypatch)
     with pytest.raises(SwiftDepsNotFoundError) as failure:
         resolve_runtime("swift")
     assert failure.value.exit_code == 30

@@ -1,6 +1,8 @@
 """The generated app's engine as `kvrig engine` built it (make test builds it before pytest), and ways to run it.
 
-Tests reuse that build: none of them builds the engine again (test_engine_modes.py is the build check)."""
+Tests reuse that build: none of them builds the engine again (test_engine_modes.py is the build check). Whether
+they run follows what `kvrig engine` recorded: built → run; MLX Swift not resolvable here → skip, naming why;
+resolved but failed to build → fail."""
 
 from __future__ import annotations
 
@@ -12,15 +14,20 @@ from typing import Any
 
 import pytest
 
-from toolchain.appgen.linux import built_engine
+from toolchain.appgen.linux import built_engine, engine_status
 
 
 @pytest.fixture(scope="session")
 def engine_binary() -> Path:
+    status = engine_status()
+    if status is not None and status.state == "unresolvable":
+        pytest.skip(status.detail.splitlines()[0])
+    if status is not None and status.state == "build_failed":
+        pytest.fail(f"`kvrig engine` resolved MLX Swift and failed to build the engine:\n{status.detail}")
     binary = built_engine()
     if binary is None:
         why = "the Swift engine is not built here: `kvrig engine` builds it (make test does, before pytest)"
-        # In CI make test built it first, so a missing binary is a broken build, not a reason to skip.
+        # In CI make test ran `kvrig engine` first, so no record and no binary is a broken step, not a skip.
         if os.environ.get("CI"):
             pytest.fail(why)
         pytest.skip(why)
