@@ -43,6 +43,7 @@ def materializes_scores(backend: Backend, head_dim: int, queries: int, quantized
 _HEADS, _KV_HEADS, _DIM = 8, 2, 64
 _QUERIES = (16, 32)
 _KEYS = (128, 384)
+_REPEATS = 15
 
 
 @dataclass(frozen=True)
@@ -82,13 +83,16 @@ def _peak(queries: int, keys: int, key_bits: int | None) -> int:
         )
     mx.eval(attend())  # once unmeasured: a first call's one-off allocations (kernel set-up) are not attention's
     peaks = []
-    for _ in range(3):  # the largest of three: MLX sometimes donates a buffer already counted as resident
+    for _ in range(_REPEATS):
         mx.synchronize()
         mx.clear_cache()  # a cached buffer larger than asked for would count at its own size
         before = mx.get_active_memory()
         mx.reset_peak_memory()
         mx.eval(attend())
         peaks.append(mx.get_peak_memory() - before)
+    # The largest: now and then MLX donates a buffer already counted as resident or frees one early, and the
+    # peak reads lower (by up to a few KB, in up to half the runs under load; never higher). Fifteen runs keep
+    # a plan from changing from one run to the next.
     return int(max(peaks))
 
 
@@ -103,10 +107,16 @@ def attention_peak(key_bits: int | None) -> AttentionPeak:
     per_query_key = (slope[q1] - slope[q0]) / (q1 - q0)
     intercept = {q: peaks[q, k0] - slope[q] * k0 for q in _QUERIES}  # at no keys
     return AttentionPeak(
-        per_score=per_query_key / _HEADS,
-        per_key=max(0.0, (slope[q0] - per_query_key * q0) / (_KV_HEADS * _DIM)),
-        per_query=max(0.0, (intercept[q1] - intercept[q0]) / (q1 - q0) / (_HEADS * _DIM)),
+        per_score=_steady(per_query_key / _HEADS),
+        per_key=_steady(max(0.0, (slope[q0] - per_query_key * q0) / (_KV_HEADS * _DIM))),
+        per_query=_steady(max(0.0, (intercept[q1] - intercept[q0]) / (q1 - q0) / (_HEADS * _DIM))),
     )
+
+
+def _steady(elements: float) -> float:
+    """To 1/1024 of an element: the allocator's few stray bytes in a probe (a 4-byte scalar) move a coefficient
+    by less than that, and a plan must not change from one run to the next (the change: ≤ 0.1 % of a score)."""
+    return round(elements * 1024) / 1024
 
 
 def scores_bytes(

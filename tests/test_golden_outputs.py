@@ -1,0 +1,58 @@
+"""The commands' output on the embedded model held to golden files: `kvrig plan --json` byte for byte, and what
+`kvrig package` writes (every file's sha256, kvcache.json, config.json, the manifest but for its clock and
+version). A refactoring changes none of it; a change that means to, regenerates them and says why:
+KVRIG_UPDATE_GOLDEN=1 pytest tests/test_golden_outputs.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+GOLDEN = Path(__file__).parent / "golden"
+# The installed command, as a user runs it (not an import path, which a refactoring may move).
+KVRIG = str(Path(sys.executable).parent / "kvrig")
+PLAN_ARGS = ("plan", "--device", "iPhone16,1", "--json")
+PACKAGE_ARGS = ("package", "--device", "iPhone16,1", "--weights", "q8", "--kv", "k8v4")
+
+
+def _kvrig(*args: str) -> str:
+    proc = subprocess.run([KVRIG, *args], capture_output=True, text=True, timeout=1200, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, f"kvrig {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def _check(name: str, current: str) -> None:
+    path = GOLDEN / name
+    if os.environ.get("KVRIG_UPDATE_GOLDEN") == "1":
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(current)
+    assert current == path.read_text(), f"{name} changed (KVRIG_UPDATE_GOLDEN=1 to accept)"
+
+
+def test_plan_json_is_unchanged() -> None:
+    _check("plan-iphone16-1.json", _kvrig(*PLAN_ARGS))
+
+
+def _bundle_record(bundle: Path) -> dict[str, Any]:
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    # The clock, the tool's version and the gate's wall time change from run to run; nothing else may.
+    manifest.pop("created")
+    manifest.pop("tool_version")
+    if manifest.get("quality"):
+        manifest["quality"].pop("seconds")
+    return {
+        "manifest": manifest,
+        "kvcache.json": json.loads((bundle / "kvcache.json").read_text()),
+        "config.json": json.loads((bundle / "config.json").read_text()),
+    }
+
+
+def test_package_writes_the_same_bundle(tmp_path: Path) -> None:
+    _kvrig(*PACKAGE_ARGS, "-o", str(tmp_path / "bundle"))
+    record = _bundle_record(tmp_path / "bundle")
+    _check("package-q8-k8v4.json", json.dumps(record, indent=2, sort_keys=True) + "\n")
