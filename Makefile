@@ -26,8 +26,8 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/ruff check toolchain tests
-	$(BIN)/ruff format --check toolchain tests
+	$(BIN)/ruff check kvrig tests
+	$(BIN)/ruff format --check kvrig tests
 	$(BIN)/mypy
 	# The app's engine for this host against the pinned MLX Swift (debug; incremental in .build/swift-engine).
 	# Where MLX Swift cannot be resolved (no network, no KVRIG_SWIFT_DEPS, no mirror: docs/engine-linux.md) this
@@ -41,8 +41,8 @@ demo: $(STAMP)
 	$(BIN)/kvrig demo -o build/demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check toolchain tests
-	$(BIN)/ruff format --check toolchain tests
+	$(BIN)/ruff check kvrig tests
+	$(BIN)/ruff format --check kvrig tests
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

@@ -1,6 +1,6 @@
 """Writes a placeholder .ipa for the virtual iPhone: an Info.plist with the bundle id and a dummy executable.
 
-The virtual iPhone runs its test app (`python -m toolchain.virtual.testapp`) for any installed app, so this is
+The virtual iPhone runs its test app (`python -m kvrig.virtual.testapp`) for any installed app, so this is
 all it needs. Usage: python examples/make_test_ipa.py [OUT.ipa] [BUNDLE_ID]
 """
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from toolchain.bundle import PackageOptions, package
-from toolchain.models.gguf import embedded_default_model
-from toolchain.models.gguf_convert import convert_gguf
+from kvrig.bundle import PackageOptions, package
+from kvrig.models.gguf import embedded_default_model
+from kvrig.models.gguf_convert import convert_gguf
 
 
 def _shared(factory: pytest.TempPathFactory, name: str, make: Callable[[Path], None]) -> Path:

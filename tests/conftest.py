@@ -1,6 +1,6 @@
 """Session-wide test set-up.
 
-OpenBLAS for the test processes, as the CLI has it (toolchain/runtime/blas.py): in-process MLX work (the
+OpenBLAS for the test processes, as the CLI has it (kvrig/runtime/blas.py): in-process MLX work (the
 package quality gate, calibration, perplexity) runs float matmuls, ~15x slower on the wheel's reference BLAS.
 Loaded here, before any test module imports MLX; the CLI subprocesses tests start still preload it themselves
 (nothing is inherited), so their re-execution stays covered.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from toolchain.runtime.blas import load_openblas
+from kvrig.runtime.blas import load_openblas
 
 load_openblas()
 

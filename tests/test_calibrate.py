@@ -17,23 +17,23 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from kvrig.appgen.render import AppOptions, render_app
+from kvrig.appgen.virtual_ipa import build_virtual_ipa
+from kvrig.bundle import KVCACHE_NAME, PackageOptions
+from kvrig.calibrate import calibrate
+from kvrig.cli import cli, main
+from kvrig.device.deploy import deploy
+from kvrig.exceptions import CalibrationError
+from kvrig.plan import plan as make_memory_plan
+from kvrig.profiles import AppMemoryLimit, SourcedInt, load_profile
+from kvrig.schemas import load_model_file
+from kvrig.schemas.kvcache import KVCacheConfig
+from kvrig.schemas.results import ResultsFile, SoakResult
+from kvrig.soak import SoakOptions, make_plan
+from kvrig.soak.driver import soak
+from kvrig.telemetry import read_telemetry
+from kvrig.virtual.host import EmulatorHost
 from tests.bundle_fixtures import packaged
-from toolchain.appgen.render import AppOptions, render_app
-from toolchain.appgen.virtual_ipa import build_virtual_ipa
-from toolchain.bundle import KVCACHE_NAME, PackageOptions
-from toolchain.calibrate import calibrate
-from toolchain.cli import cli, main
-from toolchain.device.deploy import deploy
-from toolchain.exceptions import CalibrationError
-from toolchain.plan import plan as make_memory_plan
-from toolchain.profiles import AppMemoryLimit, SourcedInt, load_profile
-from toolchain.schemas import load_model_file
-from toolchain.schemas.kvcache import KVCacheConfig
-from toolchain.schemas.results import ResultsFile, SoakResult
-from toolchain.soak import SoakOptions, make_plan
-from toolchain.soak.driver import soak
-from toolchain.telemetry import read_telemetry
-from toolchain.virtual.host import EmulatorHost
 
 PROFILE = "iPhone16,1"
 APP_ID = "dev.kvrig.calibrate"

@@ -5,7 +5,7 @@ import sys
 
 CODE = """
 import sys
-from toolchain.cli import main
+from kvrig.cli import main
 try:
     main(["--help"])
 except SystemExit:
@@ -22,14 +22,14 @@ def test_help_does_not_import_mlx():
 
 
 def test_unknown_command_is_usage_error():
-    proc = subprocess.run([sys.executable, "-m", "toolchain", "no-such-command"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "kvrig", "no-such-command"], capture_output=True, text=True)
     assert proc.returncode == 2
     assert "no-such-command" in proc.stderr
 
 
 CORE_ML_LIGHT = """
 import sys
-from toolchain.cli import main
+from kvrig.cli import main
 for args in (["export", "--help"], ["export", "coreml", "--help"], ["devices", "--help"], ["deploy", "--help"],
              ["plan", "--device", "iPhone16,1", "--backend", "coreml", "--json"]):
     try:
@@ -51,7 +51,7 @@ def test_every_command_has_one_summary():
     """Help lists each command's click `short_help`, the one place its summary lives."""
     import click
 
-    from toolchain.cli import COMMANDS, cli
+    from kvrig.cli import COMMANDS, cli
 
     ctx = click.Context(cli)
     for name in COMMANDS:

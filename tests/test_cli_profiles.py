@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from toolchain.cli import main
-from toolchain.profiles import DeviceProfile
-from toolchain.schemas import json_schema
+from kvrig.cli import main
+from kvrig.profiles import DeviceProfile
+from kvrig.schemas import json_schema
 
 ROOT = Path(__file__).resolve().parents[1]
 CSV_ROWS = list(csv.DictReader((Path(__file__).parent / "data" / "device_facts.csv").open(newline="")))
@@ -92,7 +92,7 @@ def test_bad_profile_file_exit_3_without_traceback(tmp_path):
     good = (ROOT / "device_profiles" / "iphone-15-pro.yaml").read_text()
     bad.write_text(good.replace("chip: A17 Pro", "chip: A17 Pro\nchips: 2"))
     proc = subprocess.run(
-        [sys.executable, "-m", "toolchain", "profiles", "show", str(bad)],
+        [sys.executable, "-m", "kvrig", "profiles", "show", str(bad)],
         cwd=ROOT,
         capture_output=True,
         text=True,

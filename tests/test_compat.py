@@ -1,4 +1,4 @@
-"""The adapters for dependencies' private names (toolchain/compat/): each still reaches what it wraps, states the
+"""The adapters for dependencies' private names (kvrig/compat/): each still reaches what it wraps, states the
 range pyproject.toml pins and the installed version is in it, and no other module imports a private name."""
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-import toolchain.compat
+import kvrig.compat
 
 REPO = Path(__file__).resolve().parents[1]
 JETSAM = REPO / "tests" / "data" / "jetsam" / "JetsamEvent-ios16.6-iPhone14-2-excerpt.ips"
-ADAPTERS = [f"toolchain.compat.{m.name}" for m in pkgutil.iter_modules(toolchain.compat.__path__)]
+ADAPTERS = [f"kvrig.compat.{m.name}" for m in pkgutil.iter_modules(kvrig.compat.__path__)]
 
 
 def _pinned() -> dict[str, Requirement]:
@@ -42,7 +42,7 @@ def test_adapter_states_the_pinned_range_and_the_installed_version_is_in_it(name
 def test_model_classes_are_mlx_lms_own() -> None:
     import mlx_lm.models.llama as llama
 
-    from toolchain.compat.mlx_lm_classes import model_classes
+    from kvrig.compat.mlx_lm_classes import model_classes
 
     assert model_classes({"model_type": "llama"}) == (llama.Model, llama.ModelArgs)
 
@@ -50,7 +50,7 @@ def test_model_classes_are_mlx_lms_own() -> None:
 def test_base_cache_is_the_base_of_mlx_lms_caches() -> None:
     from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
-    from toolchain.compat.mlx_lm_cache import BaseCache
+    from kvrig.compat.mlx_lm_cache import BaseCache
 
     assert all(issubclass(cls, BaseCache) for cls in (KVCache, QuantizedKVCache, RotatingKVCache))
 
@@ -58,7 +58,7 @@ def test_base_cache_is_the_base_of_mlx_lms_caches() -> None:
 def test_crash_report_header_and_body_are_the_files_two_json_parts() -> None:
     from pycrashreport.crash_report import get_crash_report_from_buf
 
-    from toolchain.compat.crash_report import report_body, report_header
+    from kvrig.compat.crash_report import report_body, report_header
 
     text = JETSAM.read_text()
     first, _, rest = text.partition("\n")
@@ -69,13 +69,13 @@ def test_crash_report_header_and_body_are_the_files_two_json_parts() -> None:
 
 def _third_party(module: str) -> bool:
     top = module.split(".")[0]
-    return top not in sys.stdlib_module_names and top not in {"toolchain", "tests", "conftest"}
+    return top not in sys.stdlib_module_names and top not in {"kvrig", "tests", "conftest"}
 
 
 def test_no_module_but_the_adapters_imports_a_dependencys_private_name() -> None:
     offenders = []
-    for path in sorted((REPO / "toolchain").rglob("*.py")) + sorted((REPO / "tests").rglob("*.py")):
-        if path.is_relative_to(REPO / "toolchain" / "compat"):
+    for path in sorted((REPO / "kvrig").rglob("*.py")) + sorted((REPO / "tests").rglob("*.py")):
+        if path.is_relative_to(REPO / "kvrig" / "compat"):
             continue
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and _third_party(node.module):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from toolchain.demo import DemoOptions, run_demo
+from kvrig.demo import DemoOptions, run_demo
 
 
 @pytest.mark.slow
@@ -29,7 +29,7 @@ def _no_swift_here(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_auto_runtime_falls_back_to_python_saying_why(monkeypatch: pytest.MonkeyPatch) -> None:
-    from toolchain.virtual.swiftapp import resolve_runtime
+    from kvrig.virtual.swiftapp import resolve_runtime
 
     _no_swift_here(monkeypatch)
     choice = resolve_runtime("auto")
@@ -38,8 +38,8 @@ def test_auto_runtime_falls_back_to_python_saying_why(monkeypatch: pytest.Monkey
 
 
 def test_swift_runtime_asked_for_does_not_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    from toolchain.exceptions import SwiftDepsNotFoundError
-    from toolchain.virtual.swiftapp import resolve_runtime
+    from kvrig.exceptions import SwiftDepsNotFoundError
+    from kvrig.virtual.swiftapp import resolve_runtime
 
     _no_swift_here(monkeypatch)
     with pytest.raises(SwiftDepsNotFoundError) as failure:

@@ -10,9 +10,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from kvrig.exceptions import ModelConfigError, UnsupportedArchitectureError
+from kvrig.models.gguf import embedded_default_model, read_gguf_config, read_gguf_header
 from tests.gguf_writer import write_gguf
-from toolchain.exceptions import ModelConfigError, UnsupportedArchitectureError
-from toolchain.models.gguf import embedded_default_model, read_gguf_config, read_gguf_header
 
 
 @pytest.fixture(scope="module")

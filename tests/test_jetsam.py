@@ -15,8 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from toolchain.exceptions import NotAJetsamReportError, ReportError
-from toolchain.jetsam import MAX_REPORT_BYTES, read_report, verdict
+from kvrig.exceptions import NotAJetsamReportError, ReportError
+from kvrig.jetsam import MAX_REPORT_BYTES, read_report, verdict
 
 DATA = Path(__file__).parent / "data" / "jetsam"
 IOS11 = DATA / "JetsamEvent-ios11.4.1-iPhone10-1-excerpt.ips"
@@ -381,7 +381,7 @@ def test_fuzz_random_json_shapes(tmp_path: Path, header: object, body: object, c
 
 
 def run_kvrig(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "toolchain", *args], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "kvrig", *args], capture_output=True, text=True)
 
 
 def test_cli_json_lists_reports_and_fails_at_the_end_for_bad_files() -> None:

@@ -16,11 +16,9 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
-from tests.bundle_fixtures import Q4_K8V8, converted_source, packaged
-from tests.gguf_writer import write_gguf
-from toolchain import bundle as bundle_mod
-from toolchain.bundle import PackageOptions, PlanView, package, verify_bundle
-from toolchain.exceptions import (
+from kvrig import bundle as bundle_mod
+from kvrig.bundle import PackageOptions, PlanView, package, verify_bundle
+from kvrig.exceptions import (
     BundleError,
     BundleExistsError,
     DoesNotFitError,
@@ -28,10 +26,12 @@ from toolchain.exceptions import (
     UnsupportedArchitectureError,
     VerifyError,
 )
-from toolchain.models.gguf import embedded_default_model
-from toolchain.schemas import load_model_file
-from toolchain.schemas.bundle import Manifest
-from toolchain.schemas.kvcache import KVCacheConfig
+from kvrig.models.gguf import embedded_default_model
+from kvrig.schemas import load_model_file
+from kvrig.schemas.bundle import Manifest
+from kvrig.schemas.kvcache import KVCacheConfig
+from tests.bundle_fixtures import Q4_K8V8, converted_source, packaged
+from tests.gguf_writer import write_gguf
 
 PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 
@@ -141,7 +141,7 @@ def test_verify_ok_and_catches_truncated_and_edited_files(q4_bundle: Path, tmp_p
     text = str(info.value)
     assert "model.safetensors: size 1000 bytes" in text
     assert "kvcache.json: sha256 differs" in text
-    proc = subprocess.run([sys.executable, "-m", "toolchain", "verify", str(copy)], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "kvrig", "verify", str(copy)], capture_output=True, text=True)
     assert proc.returncode == 8
     assert "model.safetensors" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -276,7 +276,7 @@ def test_cli_errors_are_clear(q4_bundle: Path, tmp_path: Path) -> None:
         (["package", "--kv", "k7v4", "-o", str(tmp_path / "o3")], 5, "k7v4"),
     ]
     for args, code, text in cases:
-        proc = subprocess.run([sys.executable, "-m", "toolchain", *args], capture_output=True, text=True)
+        proc = subprocess.run([sys.executable, "-m", "kvrig", *args], capture_output=True, text=True)
         assert proc.returncode == code, (args, proc.stderr)
         assert text in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
@@ -323,15 +323,15 @@ def _llama(head_dim: int, model_type: str = "llama") -> dict[str, object]:
 def test_auto_rotation_applies_where_the_transform_does(
     head_dim: int, kv: str, rotation: str, expected: str, tmp_path: Path
 ) -> None:
-    from toolchain.plan.kv import parse_scheme
+    from kvrig.plan.kv import parse_scheme
 
     scheme = parse_scheme(kv)
     assert bundle_mod.resolve_rotation(rotation, _llama(head_dim), tmp_path / "config.json", scheme) == expected
 
 
 def test_auto_rotation_is_none_where_attention_cannot_read_the_cache(tmp_path: Path) -> None:
-    from toolchain.models.families import NO_QUANTIZED_ATTENTION
-    from toolchain.plan.kv import parse_scheme
+    from kvrig.models.families import NO_QUANTIZED_ATTENTION
+    from kvrig.plan.kv import parse_scheme
 
     assert "gemma2" in NO_QUANTIZED_ATTENTION
     config = {**_llama(64, "gemma2"), "query_pre_attn_scalar": 64}

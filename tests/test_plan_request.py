@@ -7,9 +7,9 @@ import inspect
 
 import pytest
 
-from toolchain.exceptions import PlanInputError
-from toolchain.plan import PlanRequest, plan
-from toolchain.plan.memory import _plan_memory
+from kvrig.exceptions import PlanInputError
+from kvrig.plan import PlanRequest, plan
+from kvrig.plan.memory import _plan_memory
 
 
 def test_the_request_has_every_planner_option_with_its_default() -> None:

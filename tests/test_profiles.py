@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import yaml
 
-from toolchain.exceptions import ProfileError
-from toolchain.profiles import (
+from kvrig.exceptions import ProfileError
+from kvrig.profiles import (
     PROFILE_DIRS,
     DeviceProfile,
     find_profile_by_product_type,
@@ -28,7 +28,7 @@ from toolchain.profiles import (
     load_profile,
     profiles_dir,
 )
-from toolchain.schemas import json_schema
+from kvrig.schemas import json_schema
 
 ROOT = Path(__file__).resolve().parents[1]
 CSV_ROWS = list(csv.DictReader((Path(__file__).parent / "data" / "device_facts.csv").open(newline="")))
@@ -141,7 +141,7 @@ def test_lookup_by_product_type_name_and_path(tmp_path):
 
 
 def test_loader_prefers_the_wheel_data_folder_then_the_repo():
-    assert PROFILE_DIRS[0].parts[-3:] == ("toolchain", "_data", "device_profiles")
+    assert PROFILE_DIRS[0].parts[-3:] == ("kvrig", "_data", "device_profiles")
     assert profiles_dir() == ROOT / "device_profiles"  # source checkout: no _data folder
 
 
@@ -240,7 +240,7 @@ def test_wheel_ships_the_profiles(tmp_path):
     src.mkdir()
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, src / name)
-    for folder in ("toolchain", "device_profiles", "templates"):
+    for folder in ("kvrig", "device_profiles", "templates"):
         if (ROOT / folder).is_dir():
             shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
     # pyproject force-includes templates/; another part of the project adds it, the wheel must still build.
@@ -264,12 +264,12 @@ def test_wheel_ships_the_profiles(tmp_path):
     )
     (wheel,) = tmp_path.glob("kvrig-*.whl")
     with zipfile.ZipFile(wheel) as zf:
-        shipped = {n for n in zf.namelist() if n.startswith("toolchain/_data/device_profiles/")}
+        shipped = {n for n in zf.namelist() if n.startswith("kvrig/_data/device_profiles/")}
         zf.extractall(tmp_path / "installed")
-    expected = {f"toolchain/_data/device_profiles/{p.name}" for p in (ROOT / "device_profiles").iterdir()}
+    expected = {f"kvrig/_data/device_profiles/{p.name}" for p in (ROOT / "device_profiles").iterdir()}
     assert shipped == expected
     code = (
-        "import toolchain.profiles as m; print(m.profiles_dir()); print(len(m.list_profiles()));"
+        "import kvrig.profiles as m; print(m.profiles_dir()); print(len(m.list_profiles()));"
         "print(m.load_profile('iPhone16,1').name)"
     )
     out = subprocess.run(
@@ -281,7 +281,7 @@ def test_wheel_ships_the_profiles(tmp_path):
         text=True,
     ).stdout.split()
     assert out == [
-        str(tmp_path / "installed" / "toolchain" / "_data" / "device_profiles"),
+        str(tmp_path / "installed" / "kvrig" / "_data" / "device_profiles"),
         "39",
         "iphone-15-pro",
     ]

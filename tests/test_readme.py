@@ -10,8 +10,8 @@ from pathlib import Path
 import click
 import pytest
 
-from toolchain import exceptions
-from toolchain.cli import COMMANDS, cli, main
+from kvrig import exceptions
+from kvrig.cli import COMMANDS, cli, main
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -112,7 +112,7 @@ def _raise(name: str) -> None:
 def test_the_cli_exits_with_the_code_the_table_lists(
     name: str, code: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Through the CLI's one error mapping (toolchain.cli.main), as a user meets it."""
+    """Through the CLI's one error mapping (kvrig.cli.main), as a user meets it."""
     monkeypatch.setitem(COMMANDS, "raise-for-readme", f"{__name__}:_raise")
     with pytest.raises(SystemExit) as exited:
         main(["raise-for-readme", name])

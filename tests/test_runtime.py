@@ -15,9 +15,9 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
+from kvrig.models.gguf_convert import convert_gguf
 from tests.bundle_fixtures import Q4_K8V8, converted_source, packaged
 from tests.gguf_writer import write_gguf
-from toolchain.models.gguf_convert import convert_gguf
 
 QUESTION = "What is the capital of France?"
 REPO = Path(__file__).resolve().parents[1]
@@ -30,7 +30,7 @@ def q4_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_run_matches_plain_mlx_lm(q4_bundle: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "toolchain", "run", str(q4_bundle), "-p", QUESTION, "-n", "8", "--json"],
+        [sys.executable, "-m", "kvrig", "run", str(q4_bundle), "-p", QUESTION, "-n", "8", "--json"],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -54,7 +54,7 @@ def test_run_matches_plain_mlx_lm(q4_bundle: Path) -> None:
 
 def test_run_streams_text_and_prints_stats(q4_bundle: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "toolchain", "run", str(q4_bundle), "-p", QUESTION, "-n", "6"],
+        [sys.executable, "-m", "kvrig", "run", str(q4_bundle), "-p", QUESTION, "-n", "6"],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -66,7 +66,7 @@ def test_run_streams_text_and_prints_stats(q4_bundle: Path) -> None:
 
 def test_run_on_a_folder_that_is_not_a_bundle(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "toolchain", "run", str(tmp_path), "-p", "hi"], capture_output=True, text=True
+        [sys.executable, "-m", "kvrig", "run", str(tmp_path), "-p", "hi"], capture_output=True, text=True
     )
     assert proc.returncode == 3
     assert "manifest.json" in proc.stderr and "Traceback" not in proc.stderr
@@ -75,7 +75,7 @@ def test_run_on_a_folder_that_is_not_a_bundle(tmp_path: Path) -> None:
 PERPLEXITY = """
 import math, sys
 import mlx.core as mx, mlx.nn as nn
-from toolchain.runtime.host import load_bundle_model
+from kvrig.runtime.host import load_bundle_model
 model, tok, _ = load_bundle_model(sys.argv[1])
 ids = mx.array(tok.encode(open(sys.argv[2]).read())[:256])[None]
 print(math.exp(nn.losses.cross_entropy(model(ids[:, :-1]), ids[:, 1:]).mean().item()))
@@ -85,7 +85,7 @@ print(math.exp(nn.losses.cross_entropy(model(ids[:, :-1]), ids[:, 1:]).mean().it
 def test_conversion_perplexity_on_english(tmp_path_factory: pytest.TempPathFactory) -> None:
     """About 18 on the GPL-3 text with the right rope layout, about 900 with the wrong one.
     Run in a child with OpenBLAS preloaded (float matmuls are several times faster)."""
-    from toolchain.runtime.blas import preload_env
+    from kvrig.runtime.blas import preload_env
 
     source = converted_source(tmp_path_factory)
     proc = subprocess.run(
@@ -102,7 +102,7 @@ def test_conversion_perplexity_on_english(tmp_path_factory: pytest.TempPathFacto
 def test_rebuilt_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> None:
     from tokenizers import Tokenizer
 
-    from toolchain.models.gguf import embedded_default_model, read_gguf_header
+    from kvrig.models.gguf import embedded_default_model, read_gguf_header
 
     tok = Tokenizer.from_file(str(converted_source(tmp_path_factory) / "tokenizer.json"))
     tokens = read_gguf_header(embedded_default_model()).metadata["tokenizer.ggml.tokens"]
@@ -168,9 +168,9 @@ def test_tiny_qwen2_gguf_converts_and_runs(tmp_path: Path) -> None:
 def test_caches_follow_kvcache_json(q4_bundle: Path) -> None:
     from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-    from toolchain.runtime.caches import make_caches
-    from toolchain.runtime.generate import GenerationStats, generate_tokens, load_bundle
-    from toolchain.runtime.kv_cache import SchemeKVCache
+    from kvrig.runtime.caches import make_caches
+    from kvrig.runtime.generate import GenerationStats, generate_tokens, load_bundle
+    from kvrig.runtime.kv_cache import SchemeKVCache
 
     loaded = load_bundle(q4_bundle)
     kv = loaded.kvcache

@@ -1,6 +1,6 @@
 """Telemetry JSONL: runs, torn last line, skipped lines, summaries, and correlation with a real jetsam report.
 
-Records are written with the contract models (toolchain.schemas.telemetry); expected numbers are computed
+Records are written with the contract models (kvrig.schemas.telemetry); expected numbers are computed
 here from the lists written, and from the real report's raw JSON.
 """
 
@@ -16,10 +16,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from toolchain.exceptions import ReportError
-from toolchain.jetsam import read_report
-from toolchain.schemas.telemetry import EndEvent, MemoryPressureEvent, StartEvent, StepEvent
-from toolchain.telemetry import correlate, read_telemetry, summarize, summarize_run
+from kvrig.exceptions import ReportError
+from kvrig.jetsam import read_report
+from kvrig.schemas.telemetry import EndEvent, MemoryPressureEvent, StartEvent, StepEvent
+from kvrig.telemetry import correlate, read_telemetry, summarize, summarize_run
 
 REPORT = Path(__file__).parent / "data" / "jetsam" / "JetsamEvent-ios11.4.1-iPhone10-1-excerpt.ips"
 T0 = datetime.strptime("2020-01-03 04:10:00.00 +0800", "%Y-%m-%d %H:%M:%S.%f %z").timestamp()
@@ -148,7 +148,7 @@ def test_cli_telemetry_json_with_report(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "toolchain",
+            "kvrig",
             "telemetry",
             str(path),
             str(missing),

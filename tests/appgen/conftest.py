@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from toolchain.appgen.render import AppOptions, render_app
-from toolchain.schemas.kvcache import KVCacheConfig, LayerCache, PressurePolicy
+from kvrig.appgen.render import AppOptions, render_app
+from kvrig.schemas.kvcache import KVCacheConfig, LayerCache, PressurePolicy
 
 # Every field set away from its default, every layer kind, per-layer bits: what the contract tests decode.
 REFERENCE_KVCACHE = KVCacheConfig(

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from toolchain.appgen.linux import built_engine, engine_status
+from kvrig.appgen.linux import built_engine, engine_status
 
 
 @pytest.fixture(scope="session")

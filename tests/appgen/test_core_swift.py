@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from pydantic import TypeAdapter
 
-from toolchain.appgen.linux import sync_tree
-from toolchain.schemas.soakplan import GrowthSchedule, SoakPlan, StopConditions
-from toolchain.schemas.telemetry import TelemetryEvent
+from kvrig.appgen.linux import sync_tree
+from kvrig.schemas.soakplan import GrowthSchedule, SoakPlan, StopConditions
+from kvrig.schemas.telemetry import TelemetryEvent
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def test_python_reads_core_telemetry(swift_run: dict[str, Path]) -> None:
     assert {e.reason for e in events if e.event == "end"} == {
         "completed", "stop_condition", "memory_critical", "allocation_failed", "error"
     }  # fmt: skip
-    from toolchain.telemetry import read_telemetry
+    from kvrig.telemetry import read_telemetry
 
     # kvrig's telemetry reader reads the same file, a torn last line (killed mid-write) included.
     torn = path.with_name("torn.jsonl")

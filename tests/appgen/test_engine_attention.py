@@ -14,9 +14,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from kvrig.runtime.kv_cache import SchemeKVCache
 from tests.appgen.conftest import REFERENCE_KVCACHE
 from tests.appgen.swift_engine import engine_binary  # noqa: F401
-from toolchain.runtime.kv_cache import SchemeKVCache
 
 HEADS, KV_HEADS, DIM = 6, 2, 64
 CHUNKS = [64, 64, 63] + [1] * 9  # 191 prefilled in three chunks, then nine decode steps

@@ -9,8 +9,8 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
+from kvrig.virtual.swiftapp import buffer_cache_held
 from tests.appgen.swift_engine import engine_binary  # noqa: F401
-from toolchain.virtual.swiftapp import buffer_cache_held
 
 CAP = 4 * 1024 * 1024
 
@@ -29,8 +29,8 @@ def test_the_swift_engines_mlx_keeps_no_buffer_cache(engine_binary: Path) -> Non
 
 
 def test_a_failing_probe_is_an_engine_run_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from toolchain import exceptions
-    from toolchain.virtual import swiftapp
+    from kvrig import exceptions
+    from kvrig.virtual import swiftapp
 
     broken = tmp_path / "kvrig-engine"
     broken.write_text("#!/bin/sh\necho 'kvrig-engine: unknown argument --probe-buffer-cache' >&2\nexit 2\n")
@@ -44,8 +44,8 @@ def test_a_failing_probe_is_an_engine_run_error(monkeypatch: pytest.MonkeyPatch,
 def test_a_probe_printing_no_cache_bytes_is_an_engine_run_error(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from toolchain import exceptions
-    from toolchain.virtual import swiftapp
+    from kvrig import exceptions
+    from kvrig.virtual import swiftapp
 
     garbled = tmp_path / "kvrig-engine"
     garbled.write_text("#!/bin/sh\necho '{\"cache_limit_bytes\": 1}'\n")

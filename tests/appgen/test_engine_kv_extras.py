@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
+from kvrig.bundle import PackageOptions
+from kvrig.schemas.kvcache import KVCacheConfig
 from tests.appgen.swift_engine import engine_binary, read_events, run_engine  # noqa: F401
 from tests.bundle_fixtures import packaged
-from toolchain.bundle import PackageOptions
-from toolchain.schemas.kvcache import KVCacheConfig
 
 PROMPT = "Write one sentence about the sea."
 TOKENS = 6
@@ -41,8 +41,8 @@ def _python_runtime(bundle: Path, kv: KVCacheConfig) -> tuple[list[int], list[An
     from mlx_lm import load
     from mlx_lm.utils import dequantize_model
 
-    from toolchain.runtime.caches import make_caches
-    from toolchain.runtime.generate import encode_prompt, generate_tokens
+    from kvrig.runtime.caches import make_caches
+    from kvrig.runtime.generate import encode_prompt, generate_tokens
 
     model, tokenizer = load(str(bundle))[:2]
     model.set_dtype(mx.float32)
@@ -59,9 +59,9 @@ def test_engine_applies_rotation_sinks_and_window_as_the_python_runtime(
     tmp_path: Path,
     engine_binary: Path,  # noqa: F811
 ) -> None:
-    from toolchain.models import load_model_spec
-    from toolchain.quality.schemes import parse_kv_variant, predicted_bytes
-    from toolchain.virtual.llm_memory import kv_bytes
+    from kvrig.models import load_model_spec
+    from kvrig.quality.schemes import parse_kv_variant, predicted_bytes
+    from kvrig.virtual.llm_memory import kv_bytes
 
     kv = KVCacheConfig.model_validate_json((bundle / "kvcache.json").read_text())
     assert (kv.rotation, kv.sink_tokens, kv.recent_tokens) == tuple(EXTRAS.values())

@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
+from kvrig.bundle import PackageOptions
+from kvrig.schemas.kvcache import KVCacheConfig
+from kvrig.schemas.soakplan import GrowthSchedule, SoakPlan
 from tests.appgen.swift_engine import engine_binary, read_events, run_engine  # noqa: F401
 from tests.bundle_fixtures import packaged
-from toolchain.bundle import PackageOptions
-from toolchain.schemas.kvcache import KVCacheConfig
-from toolchain.schemas.soakplan import GrowthSchedule, SoakPlan
 
 # Slow here: the engine's debug build runs MLX's C++ core unoptimised (a run of a few hundred tokens takes
 # minutes on 2 shared cores). The default run covers the same: test_engine_virtual.py's
@@ -54,8 +54,8 @@ def _expected_from_mlx(bundle: Path, updates: list[int]) -> int:
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
-    from toolchain.runtime.caches import maybe_quantize, quantized_cache
-    from toolchain.virtual.llm_memory import kv_bytes
+    from kvrig.runtime.caches import maybe_quantize, quantized_cache
+    from kvrig.virtual.llm_memory import kv_bytes
 
     kv = KVCacheConfig.model_validate_json((bundle / "kvcache.json").read_text())
     config = json.loads((bundle / "config.json").read_text())
@@ -77,9 +77,9 @@ def _expected_from_mlx(bundle: Path, updates: list[int]) -> int:
 
 
 def _expected_from_planner(bundle: Path, scheme: str, updates: list[int]) -> int:
-    from toolchain.models import load_model_spec
-    from toolchain.plan import kv_bytes
-    from toolchain.plan.kv import parse_scheme
+    from kvrig.models import load_model_spec
+    from kvrig.plan import kv_bytes
+    from kvrig.plan.kv import parse_scheme
 
     return kv_bytes(load_model_spec(bundle), parse_scheme(scheme), updates)
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from kvrig.appgen import linux, render
+from kvrig.appgen.linux import build_engine
+from kvrig.exceptions import SwiftBuildError
 from tests.appgen.swift_engine import engine_binary  # noqa: F401
-from toolchain.appgen import linux, render
-from toolchain.appgen.linux import build_engine
-from toolchain.exceptions import SwiftBuildError
 
 UNKNOWN = "kvrigNoSuchMLXSymbol"
 

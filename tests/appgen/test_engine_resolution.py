@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from toolchain.appgen import linux
-from toolchain.appgen.render import PINS
-from toolchain.cli import main
-from toolchain.exceptions import SwiftBuildError, SwiftDepsNotFoundError
+from kvrig.appgen import linux
+from kvrig.appgen.render import PINS
+from kvrig.cli import main
+from kvrig.exceptions import SwiftBuildError, SwiftDepsNotFoundError
 
 pytestmark = pytest.mark.skipif(linux.shutil.which("swift") is None, reason="no Swift toolchain on PATH")
 

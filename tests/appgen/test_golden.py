@@ -10,7 +10,7 @@ import json
 import os
 from pathlib import Path
 
-import toolchain
+import kvrig
 
 GOLDEN = Path(__file__).parent / "golden" / "reference-tree.json"
 
@@ -21,7 +21,7 @@ def tree(project: Path) -> dict[str, str]:
         if path.is_file():
             # The generator's version is stamped into some files; hash with it masked so a release bump alone
             # does not change the tree.
-            text = path.read_text().replace(toolchain.__version__, "<version>")
+            text = path.read_text().replace(kvrig.__version__, "<version>")
             listing[path.relative_to(project).as_posix()] = hashlib.sha256(text.encode()).hexdigest()
     return listing
 

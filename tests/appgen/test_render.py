@@ -13,9 +13,9 @@ import tree_sitter
 import tree_sitter_swift
 import yaml
 
-from toolchain.appgen.escape import swift_string
-from toolchain.appgen.render import AppOptions, product_name, render_app, templates_root
-from toolchain.exceptions import AppGenError, InputError
+from kvrig.appgen.escape import swift_string
+from kvrig.appgen.render import AppOptions, product_name, render_app, templates_root
+from kvrig.exceptions import AppGenError, InputError
 
 PARSER = tree_sitter.Parser(tree_sitter.Language(tree_sitter_swift.language()))
 
@@ -190,7 +190,7 @@ def test_product_name() -> None:
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "toolchain", *args], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "kvrig", *args], capture_output=True, text=True)
 
 
 def test_cli_app_and_build_refusal(tmp_path: Path, reference_bundle: Path) -> None:
@@ -213,5 +213,5 @@ def test_templates_ship_in_the_wheel() -> None:
 
     pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
     force = pyproject["tool"]["hatch"]["build"]["targets"]["wheel"]["force-include"]
-    assert force["templates"] == "toolchain/_data/templates"
+    assert force["templates"] == "kvrig/_data/templates"
     assert (templates_root() / "project.yml.j2").is_file()

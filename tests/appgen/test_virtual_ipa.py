@@ -8,11 +8,11 @@ import sys
 import zipfile
 from pathlib import Path
 
+from kvrig.appgen.virtual_ipa import VIRTUAL_RUNTIME_KEY, build_virtual_ipa
+from kvrig.device import apps
+from kvrig.virtual import swiftapp
+from kvrig.virtual.apprun import APP_RUNTIMES
 from tests.device.conftest import Emulator, emulator, on_device, run  # noqa: F401 (fixture)
-from toolchain.appgen.virtual_ipa import VIRTUAL_RUNTIME_KEY, build_virtual_ipa
-from toolchain.device import apps
-from toolchain.virtual import swiftapp
-from toolchain.virtual.apprun import APP_RUNTIMES
 
 
 def _info(ipa: Path) -> dict:
@@ -49,7 +49,7 @@ def test_virtual_iphone_installs_it_through_pymobiledevice3(
 
 def test_cli_build_virtual_works_on_linux(reference_project: Path, tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "toolchain", "build", str(reference_project), "--virtual", "-o", str(tmp_path)],
+        [sys.executable, "-m", "kvrig", "build", str(reference_project), "--virtual", "-o", str(tmp_path)],
         capture_output=True,
         text=True,
     )
@@ -59,7 +59,7 @@ def test_cli_build_virtual_works_on_linux(reference_project: Path, tmp_path: Pat
 
 def test_not_a_project_is_a_clear_error(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "toolchain", "build", str(tmp_path), "--virtual"], capture_output=True, text=True
+        [sys.executable, "-m", "kvrig", "build", str(tmp_path), "--virtual"], capture_output=True, text=True
     )
     assert proc.returncode == 3 and "project.yml" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -67,7 +67,7 @@ def test_not_a_project_is_a_clear_error(tmp_path: Path) -> None:
 def test_app_runtime_option_names_what_the_virtual_iphone_runs(reference_project: Path, tmp_path: Path) -> None:
     for choice, value in (("swift", "swift"), ("python", "llm")):
         out = tmp_path / choice
-        cmd = [sys.executable, "-m", "toolchain", "build", str(reference_project), "--virtual", "-o", str(out)]
+        cmd = [sys.executable, "-m", "kvrig", "build", str(reference_project), "--virtual", "-o", str(out)]
         proc = subprocess.run(
             [*cmd, "--app-runtime", choice],
             capture_output=True,

@@ -15,9 +15,9 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
+from kvrig.bundle import PackageOptions, package
+from kvrig.coreml.export import ExportResult, export_coreml
 from tests.bundle_fixtures import Q4_K8V8, packaged
-from toolchain.bundle import PackageOptions, package
-from toolchain.coreml.export import ExportResult, export_coreml
 
 logging.getLogger("coremltools").setLevel(logging.ERROR)
 

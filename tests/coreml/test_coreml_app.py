@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from toolchain.appgen.infokeys import COREML_MODEL_KEY
-from toolchain.appgen.render import AppOptions, render_app
-from toolchain.coreml.export import ExportResult
-from toolchain.exceptions import InputError
+from kvrig.appgen.infokeys import COREML_MODEL_KEY
+from kvrig.appgen.render import AppOptions, render_app
+from kvrig.coreml.export import ExportResult
+from kvrig.exceptions import InputError
 
 ENGINE = Path("App/CoreML/CoreMLEngine.swift")
 RUNNER = Path("App/CoreML/CoreMLRunner.swift")
@@ -74,7 +74,7 @@ def _parse(path: Path):  # type: ignore[no-untyped-def]
     import tree_sitter_swift
     from tree_sitter import Language, Parser
 
-    from toolchain.appgen.render import templates_root
+    from kvrig.appgen.render import templates_root
 
     source = (templates_root() / path).read_bytes()
     return source, Parser(Language(tree_sitter_swift.language())).parse(source)

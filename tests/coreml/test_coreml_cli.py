@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from toolchain.cli import main
-from toolchain.coreml.export import ExportResult
-from toolchain.exceptions import CoreMLExportError, CoreMLToolsMissingError, CoreMLUnsupportedError
+from kvrig.cli import main
+from kvrig.coreml.export import ExportResult
+from kvrig.exceptions import CoreMLExportError, CoreMLToolsMissingError, CoreMLUnsupportedError
 
 
 def _run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -92,7 +92,7 @@ def test_context_and_target_are_checked(smol_bundle: Path, tmp_path: Path, capsy
 def test_without_coremltools_exit_40(smol_bundle: Path, tmp_path: Path) -> None:
     code = (
         "import sys; sys.modules['coremltools'] = None\n"
-        "from toolchain.cli import main\n"
+        "from kvrig.cli import main\n"
         f"main(['export', 'coreml', {str(smol_bundle)!r}, '-o', {str(tmp_path / 'M.mlpackage')!r}])\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -11,9 +11,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from kvrig.coreml.export import ExportResult
+from kvrig.plan.coreml import plan_coreml, plan_coreml_model
 from tests.coreml.conftest import SMOL_CONTEXT, TINY, load_program
-from toolchain.coreml.export import ExportResult
-from toolchain.plan.coreml import plan_coreml, plan_coreml_model
 
 WEIGHT_BIN = Path("Data/com.apple.CoreML/weights/weight.bin")
 BITS = {"uint4": 4, "uint8": 8, "fp16": 16, "fp32": 32}

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from toolchain.coreml.export import ExportResult
+from kvrig.coreml.export import ExportResult
 
 pytestmark = pytest.mark.macos
 

@@ -1,5 +1,5 @@
 """The device layer against the virtual iPhone: the same emulator fixture as tests/virtual (a 16.7 iPhone 15
-Pro with a 160 MiB app limit and a 17.4 one on a private usbmuxd socket), driven through toolchain.device."""
+Pro with a 160 MiB app limit and a 17.4 one on a private usbmuxd socket), driven through kvrig.device."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import TypeVar
 
 import pytest
 
+from kvrig.device import apps
+from kvrig.device.discovery import Device, connect
 from tests.virtual.conftest import BUNDLE_ID, Emulator, emulator, ipa, make_ipa
-from toolchain.device import apps
-from toolchain.device.discovery import Device, connect
 
 __all__ = ["BUNDLE_ID", "Emulator", "emulator", "installed", "ipa", "make_ipa", "on_device", "run"]
 T = TypeVar("T")

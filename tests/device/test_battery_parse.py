@@ -3,7 +3,7 @@ degree Celsius; `CurrentCapacity` a percentage where `MaxCapacity` is 100, both 
 
 from __future__ import annotations
 
-from toolchain.device.battery import parse_battery
+from kvrig.device.battery import parse_battery
 
 
 def test_recent_iphone_entry() -> None:

@@ -1,4 +1,4 @@
-"""installation_proxy through toolchain.device.apps: install an .ipa built here, list, uninstall, refusals."""
+"""installation_proxy through kvrig.device.apps: install an .ipa built here, list, uninstall, refusals."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from kvrig.device import apps
+from kvrig.device.deploy import ipa_bundle_id
+from kvrig.exceptions import AppError, InputError
 from tests.device.conftest import BUNDLE_ID, Emulator, make_ipa, on_device, run
-from toolchain.device import apps
-from toolchain.device.deploy import ipa_bundle_id
-from toolchain.exceptions import AppError, InputError
 
 
 def test_install_list_uninstall(emulator: Emulator, tmp_path: Path) -> None:

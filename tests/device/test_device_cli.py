@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _cli(emulator: Emulator, *args: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, USBMUXD_SOCKET_ADDRESS=emulator.address)
     return subprocess.run(
-        [sys.executable, "-m", "toolchain", *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120
+        [sys.executable, "-m", "kvrig", *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120
     )
 
 

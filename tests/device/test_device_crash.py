@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from kvrig.device import crash, syslog
+from kvrig.device.paths import clean_component, flat_name, safe_join
+from kvrig.exceptions import DeviceError
 from tests.device.conftest import Emulator, on_device, run
-from toolchain.device import crash, syslog
-from toolchain.device.paths import clean_component, flat_name, safe_join
-from toolchain.exceptions import DeviceError
 
 HOSTILE_ON_DISK = [
     "..\\..\\evil-backslash.ips",  # a Windows-style climb

@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kvrig.device.discovery import list_devices, select_device
+from kvrig.exceptions import DeviceNotFoundError
 from tests.device.conftest import Emulator, run
-from toolchain.device.discovery import list_devices, select_device
-from toolchain.exceptions import DeviceNotFoundError
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _profile_names_for(product_type: str) -> set[str]:
-    """Read straight from the shipped YAML files, not through toolchain.profiles."""
+    """Read straight from the shipped YAML files, not through kvrig.profiles."""
     names = set()
     for path in (ROOT / "device_profiles").glob("*.yaml"):
         data = yaml.safe_load(path.read_text())
@@ -54,7 +54,7 @@ def test_no_usbmuxd_is_device_not_found(tmp_path: Path) -> None:
 
 CLI = """
 import sys
-from toolchain.cli import main
+from kvrig.cli import main
 try:
     main(sys.argv[1:])
 except SystemExit as exc:
@@ -81,7 +81,7 @@ def test_cli_devices_json_without_mlx(emulator: Emulator) -> None:
 def test_cli_devices_without_usbmuxd_exits_11(tmp_path: Path) -> None:
     env = dict(os.environ, USBMUXD_SOCKET_ADDRESS=str(tmp_path / "none.sock"))
     proc = subprocess.run(
-        [sys.executable, "-m", "toolchain", "devices"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60
+        [sys.executable, "-m", "kvrig", "devices"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60
     )
     assert proc.returncode == 11
     assert proc.stderr.startswith("kvrig: error:") and "Traceback" not in proc.stderr
@@ -89,10 +89,10 @@ def test_cli_devices_without_usbmuxd_exits_11(tmp_path: Path) -> None:
 
 def test_device_layer_and_soak_import_neither_the_emulator_nor_mlx() -> None:
     code = (
-        "import sys, toolchain.device.apps, toolchain.device.crash, toolchain.device.deploy, "
-        "toolchain.device.files, toolchain.device.processes, toolchain.device.syslog, toolchain.soak, "
-        "toolchain.cli.device, toolchain.cli.soak\n"
-        "print(sorted(m for m in sys.modules if m.startswith(('toolchain.virtual', 'mlx'))))"
+        "import sys, kvrig.device.apps, kvrig.device.crash, kvrig.device.deploy, "
+        "kvrig.device.files, kvrig.device.processes, kvrig.device.syslog, kvrig.soak, "
+        "kvrig.cli.device, kvrig.cli.soak\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('kvrig.virtual', 'mlx'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
     assert out.strip() == "[]"

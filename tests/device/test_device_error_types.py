@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pymobiledevice3 import exceptions as pmd3
 
-from toolchain.device.errors import translate
-from toolchain.exceptions import DeveloperModeOffError, DeviceLockedError, ServiceRefusedError
+from kvrig.device.errors import translate
+from kvrig.exceptions import DeveloperModeOffError, DeviceLockedError, ServiceRefusedError
 
 
 def test_locked_and_untrusted_phones_are_device_locked() -> None:

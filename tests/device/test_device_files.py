@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from kvrig.device import files
+from kvrig.device.files import Progress, pull, push_bundle
+from kvrig.exceptions import DeviceLostError, VerifyError
+from kvrig.virtual.faults import FaultPlan
 from tests.device.conftest import BUNDLE_ID, Emulator, installed, on_device, run
-from toolchain.device import files
-from toolchain.device.files import Progress, pull, push_bundle
-from toolchain.exceptions import DeviceLostError, VerifyError
-from toolchain.virtual.faults import FaultPlan
 
 __all__ = ["installed"]
 

@@ -1,4 +1,4 @@
-"""DTX process control through toolchain.device.processes; iOS 17.4 without a tunnel is refused clearly."""
+"""DTX process control through kvrig.device.processes; iOS 17.4 without a tunnel is refused clearly."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from kvrig.device.processes import Processes, kill_app, pid_for
+from kvrig.exceptions import AppError, ServiceRefusedError
 from tests.device.conftest import BUNDLE_ID, Emulator, installed, on_device, run
-from toolchain.device.processes import Processes, kill_app, pid_for
-from toolchain.exceptions import AppError, ServiceRefusedError
 
 __all__ = ["installed"]
 

@@ -18,30 +18,30 @@ from typing import Any
 
 import pytest
 
-from tests.device.conftest import run
-from tests.raw_telemetry import raw_steps
-from tests.virtual.conftest import BUNDLE_ID, LIMIT_BYTES, emulator_host, make_ipa
-from toolchain.device import apps, ostrace
-from toolchain.device.discovery import connect
-from toolchain.device.preflight import Preflight
-from toolchain.device.processes import Processes
-from toolchain.device.session import open_session
-from toolchain.exceptions import (
+from kvrig.device import apps, ostrace
+from kvrig.device.discovery import connect
+from kvrig.device.preflight import Preflight
+from kvrig.device.processes import Processes
+from kvrig.device.session import open_session
+from kvrig.exceptions import (
     DeveloperModeOffError,
     ImageNotMountedError,
     LaunchError,
     NoTunnelError,
     TunnelHandshakeTimeoutError,
 )
-from toolchain.schemas import load_model_file
-from toolchain.schemas.results import ResultsFile
-from toolchain.soak import SoakOptions, make_plan, soak
-from toolchain.virtual.faults import FaultPlan
-from toolchain.virtual.host import EmulatorHost
+from kvrig.schemas import load_model_file
+from kvrig.schemas.results import ResultsFile
+from kvrig.soak import SoakOptions, make_plan, soak
+from kvrig.virtual.faults import FaultPlan
+from kvrig.virtual.host import EmulatorHost
+from tests.device.conftest import run
+from tests.raw_telemetry import raw_steps
+from tests.virtual.conftest import BUNDLE_ID, LIMIT_BYTES, emulator_host, make_ipa
 
 ROOT = Path(__file__).resolve().parents[2]
 # The virtual iPhone's iOS 17+ side (branch ios17-virtual) serves the tunnel these tests drive.
-pytest.importorskip("toolchain.virtual.coredevice_proxy")
+pytest.importorskip("kvrig.virtual.coredevice_proxy")
 
 
 class Phones:
@@ -100,7 +100,7 @@ def cli(phones: Phones, *args: str, home: Path | None = None) -> subprocess.Comp
     if home is not None:
         env.update(HOME=str(home), XDG_DATA_HOME=str(home / ".local" / "share"))
     return subprocess.run(
-        [sys.executable, "-m", "toolchain", *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=180
+        [sys.executable, "-m", "kvrig", *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=180
     )
 
 

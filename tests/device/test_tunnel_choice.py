@@ -12,8 +12,8 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from toolchain.device.tunnel import Tunnel, TunnelMode, TunnelPlan, plan_tunnel
-from toolchain.exceptions import InputError, NoTunnelError
+from kvrig.device.tunnel import Tunnel, TunnelMode, TunnelPlan, plan_tunnel
+from kvrig.exceptions import InputError, NoTunnelError
 
 UDID = "00008130-001A2B3C4D5E6F70"
 

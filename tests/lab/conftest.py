@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
+from kvrig.device import apps
+from kvrig.virtual.device import VirtualDevice
+from kvrig.virtual.host import EmulatorHost
 from tests.device.conftest import BUNDLE_ID, make_ipa, on_device, run
 from tests.virtual.conftest import emulator_host
-from toolchain.device import apps
-from toolchain.virtual.device import VirtualDevice
-from toolchain.virtual.host import EmulatorHost
 
 __all__ = ["BUNDLE_ID", "FAST", "MIB", "Phones", "on_device", "phones", "run", "short_entry"]
 MIB = 1024 * 1024

@@ -13,8 +13,8 @@ import click
 import pytest
 import yaml
 
+from kvrig.cli import cli
 from tests.lab.conftest import ROOT
-from toolchain.cli import cli
 
 CI = ROOT / "examples" / "ci"
 TEMPLATES = {"github-actions.yml": "vendor.github-workflows", "gitlab-ci.yml": "vendor.gitlab-ci"}
@@ -88,7 +88,7 @@ def test_templates_use_kvrig_commands() -> None:
 @pytest.mark.parametrize("name,path,options", kvrig_commands(), ids=lambda v: v if isinstance(v, str) else None)
 def test_every_command_and_option_a_template_uses_exists(name: str, path: list[str], options: list[str]) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "toolchain", *path, "--help"], capture_output=True, text=True, cwd=ROOT, timeout=60
+        [sys.executable, "-m", "kvrig", *path, "--help"], capture_output=True, text=True, cwd=ROOT, timeout=60
     )
     assert proc.returncode == 0, proc.stderr
     for option in options:

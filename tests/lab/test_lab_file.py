@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from toolchain.exceptions import SchemaError
-from toolchain.gates import decode_tps_at, evaluate, failures, prediction_error
-from toolchain.schemas.lab import Gates, load_lab, slug
-from toolchain.schemas.results import Confirmation, DeviceRef, Prediction, SoakResult, TpsPoint
+from kvrig.exceptions import SchemaError
+from kvrig.gates import decode_tps_at, evaluate, failures, prediction_error
+from kvrig.schemas.lab import Gates, load_lab, slug
+from kvrig.schemas.results import Confirmation, DeviceRef, Prediction, SoakResult, TpsPoint
 
 ROOT = Path(__file__).resolve().parents[2]
 MINIMAL = "schema: 1\nmatrix:\n  - app_id: dev.kvrig.soak\n    schemes: [fp16]\n"
@@ -62,7 +62,7 @@ def test_cli_bad_lab_file_exit_code_and_no_traceback(tmp_path: Path) -> None:
     path = tmp_path / "lab.yaml"
     path.write_text("schema: 1\nmatrix: [ {app_id: x, schemes: [fp16]\n")  # unclosed
     proc = subprocess.run(
-        [sys.executable, "-m", "toolchain", "lab", "run", str(path), "-o", str(tmp_path / "out")],
+        [sys.executable, "-m", "kvrig", "lab", "run", str(path), "-o", str(tmp_path / "out")],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -123,8 +123,8 @@ def test_failures_cover_outcomes_confirmations_and_gates() -> None:
 
 def test_lab_modules_do_not_import_mlx_or_matplotlib() -> None:
     code = (
-        "import sys, toolchain.lab, toolchain.report, toolchain.junit, toolchain.cli.lab\n"
-        "from toolchain.cli import main\n"
+        "import sys, kvrig.lab, kvrig.report, kvrig.junit, kvrig.cli.lab\n"
+        "from kvrig.cli import main\n"
         "try:\n    main(['lab', 'run', '--help'])\nexcept SystemExit:\n    pass\n"
         "heavy = {'mlx', 'mlx_lm', 'matplotlib'}\n"
         "print('HEAVY=' + ','.join(sorted(m for m in sys.modules if m.split('.')[0] in heavy)))"

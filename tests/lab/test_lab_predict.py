@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from toolchain.lab.predict import Predictor
-from toolchain.models import load_model_spec
-from toolchain.plan import PlanRequest, plan_memory
-from toolchain.profiles import AppMemoryLimit, SourcedInt, load_profile
-from toolchain.schemas.lab import LabDevice, MatrixEntry, PlanOptions
+from kvrig.lab.predict import Predictor
+from kvrig.models import load_model_spec
+from kvrig.plan import PlanRequest, plan_memory
+from kvrig.profiles import AppMemoryLimit, SourcedInt, load_profile
+from kvrig.schemas.lab import LabDevice, MatrixEntry, PlanOptions
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "examples" / "testapp-model" / "config.json"

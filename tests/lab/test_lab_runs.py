@@ -19,16 +19,16 @@ from typing import Any
 import pytest
 import yaml
 
+from kvrig.cli.bridge import run_async
+from kvrig.device.discovery import list_devices
+from kvrig.lab import LabResults, run_lab
+from kvrig.lab.model import RUNS_DIR
+from kvrig.schemas import load_model_file
+from kvrig.schemas.lab import load_lab, slug
+from kvrig.schemas.results import ResultsFile, SoakResult
 from tests.lab.conftest import BUNDLE_ID, FAST, MIB, ROOT, Phones, phones, short_entry
 from tests.lab.test_lab_predict import reference_plan
 from tests.raw_telemetry import raw_steps
-from toolchain.cli.bridge import run_async
-from toolchain.device.discovery import list_devices
-from toolchain.lab import LabResults, run_lab
-from toolchain.lab.model import RUNS_DIR
-from toolchain.schemas import load_model_file
-from toolchain.schemas.lab import load_lab, slug
-from toolchain.schemas.results import ResultsFile, SoakResult
 
 __all__ = ["phones"]
 MODEL = ROOT / "examples" / "testapp-model" / "config.json"
@@ -46,7 +46,7 @@ def by_key(runs: list[SoakResult]) -> dict[tuple[str, str, str], SoakResult]:
 def cli(phones: Phones, *args: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, USBMUXD_SOCKET_ADDRESS=phones.address)
     return subprocess.run(
-        [sys.executable, "-m", "toolchain", *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=180
+        [sys.executable, "-m", "kvrig", *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=180
     )
 
 
@@ -195,7 +195,7 @@ def test_report_html_references_pngs_that_exist(matrix_lab: tuple[LabResults, Pa
 
     # `kvrig lab report` renders the same from results.json alone, elsewhere
     proc = subprocess.run(
-        [sys.executable, "-m", "toolchain", "lab", "report", str(out / "results.json"), "-o", str(tmp_path)],
+        [sys.executable, "-m", "kvrig", "lab", "report", str(out / "results.json"), "-o", str(tmp_path)],
         capture_output=True,
         text=True,
         cwd=ROOT,

@@ -9,17 +9,17 @@ from typing import Any
 
 import pytest
 
+from kvrig.cli.bridge import run_async
+from kvrig.lab import run_lab
+from kvrig.schemas import load_model_file
+from kvrig.schemas.lab import load_lab
+from kvrig.schemas.results import ResultsFile
+from kvrig.virtual.faults import FaultPlan
 from tests.lab.conftest import short_entry
 from tests.lab.test_lab_runs import write_lab
 from tests.virtual.conftest import emulator_host, make_ipa
-from toolchain.cli.bridge import run_async
-from toolchain.lab import run_lab
-from toolchain.schemas import load_model_file
-from toolchain.schemas.lab import load_lab
-from toolchain.schemas.results import ResultsFile
-from toolchain.virtual.faults import FaultPlan
 
-pytest.importorskip("toolchain.virtual.coredevice_proxy")
+pytest.importorskip("kvrig.virtual.coredevice_proxy")
 
 
 @pytest.fixture(scope="module")

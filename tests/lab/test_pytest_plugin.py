@@ -41,7 +41,7 @@ def test_bundle_is_deployed(kvrig_bundle):
 
 def test_plugin_is_an_entry_point() -> None:
     (plugin,) = [e for e in entry_points(group="pytest11") if e.name == "kvrig"]
-    assert plugin.value == "toolchain.pytest_plugin"
+    assert plugin.value == "kvrig.pytest_plugin"
 
 
 def test_pytest_kvrig_lab_runs_checks_per_phone_with_junit(phones: Phones, tmp_path: Path) -> None:

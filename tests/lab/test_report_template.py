@@ -5,9 +5,9 @@ from __future__ import annotations
 import html.parser
 from pathlib import Path
 
-from toolchain.report import write_report
-from toolchain.schemas.lab import LabRecord
-from toolchain.schemas.results import DeviceRef, ResultsFile, SoakResult
+from kvrig.report import write_report
+from kvrig.schemas.lab import LabRecord
+from kvrig.schemas.results import DeviceRef, ResultsFile, SoakResult
 
 
 class Cells(html.parser.HTMLParser):
@@ -65,7 +65,7 @@ def test_report_lists_each_run_with_host_and_escapes_names(tmp_path: Path) -> No
 
 
 def test_thermal_figure_only_for_runs_with_battery_samples(tmp_path: Path) -> None:
-    from toolchain.schemas.results import BatterySample, TpsPoint
+    from kvrig.schemas.results import BatterySample, TpsPoint
 
     t0 = 1_700_000_000.0
     hot = SoakResult(

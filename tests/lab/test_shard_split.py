@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kvrig.device.discovery import DeviceInfo
+from kvrig.device.hosts import UsbmuxHost, parse_host, parse_hosts
+from kvrig.exceptions import LabShardError
+from kvrig.lab.targets import Shard, select_targets, shard_of
+from kvrig.schemas.lab import Lab
 from tests.lab.conftest import ROOT
-from toolchain.device.discovery import DeviceInfo
-from toolchain.device.hosts import UsbmuxHost, parse_host, parse_hosts
-from toolchain.exceptions import LabShardError
-from toolchain.lab.targets import Shard, select_targets, shard_of
-from toolchain.schemas.lab import Lab
 
 
 def udids(n: int) -> list[str]:
@@ -91,7 +91,7 @@ def test_cli_refuses_bad_shard_options_with_exit_42(args: list[str], tmp_path: P
     lab_file = tmp_path / "lab.yaml"
     lab_file.write_text(yaml.safe_dump({"schema": 1, "matrix": [{"app_id": "a", "schemes": ["fp16"]}]}))
     proc = subprocess.run(
-        [sys.executable, "-m", "toolchain", "lab", "run", str(lab_file), "-o", str(tmp_path / "o"), *args],
+        [sys.executable, "-m", "kvrig", "lab", "run", str(lab_file), "-o", str(tmp_path / "o"), *args],
         capture_output=True,
         text=True,
         cwd=ROOT,

@@ -21,13 +21,13 @@ import pytest
 import xmlschema
 import yaml
 
+from kvrig.lab.targets import shard_of
+from kvrig.profiles import load_profile
+from kvrig.schemas import load_model_file
+from kvrig.schemas.results import ResultsFile, SoakResult
+from kvrig.virtual.state import DeviceState
 from tests.lab.conftest import BUNDLE_ID, FAST, ROOT, short_entry
 from tests.virtual.conftest import make_ipa
-from toolchain.lab.targets import shard_of
-from toolchain.profiles import load_profile
-from toolchain.schemas import load_model_file
-from toolchain.schemas.results import ResultsFile, SoakResult
-from toolchain.virtual.state import DeviceState
 
 JUNIT_XSD = ROOT / "tests" / "data" / "junit.xsd"
 PHONES = (("iPhone16,1", 160), ("iPhone14,2", 128))  # (profile, limit MiB) on each host
@@ -36,14 +36,14 @@ PHONES = (("iPhone16,1", 160), ("iPhone14,2", 128))  # (profile, limit MiB) on e
 def kvrig(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "USBMUXD_SOCKET_ADDRESS"}  # only what --usbmuxd says
     return subprocess.run(
-        [sys.executable, "-m", "toolchain", *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout
+        [sys.executable, "-m", "kvrig", *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout
     )
 
 
 def kvrig_popen(*args: str) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if k != "USBMUXD_SOCKET_ADDRESS"}
     return subprocess.Popen(
-        [sys.executable, "-m", "toolchain", *args],
+        [sys.executable, "-m", "kvrig", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -253,8 +253,8 @@ def test_merge_reports_duplicates_and_missing_shards(sharded: dict[str, Any], tm
 def test_a_phone_lost_on_one_host_fails_only_that_hosts_runs(
     sharded: dict[str, Any], hosts: list[Host], tmp_path: Path
 ) -> None:
-    from toolchain.virtual import control
-    from toolchain.virtual.faults import FaultPlan
+    from kvrig.virtual import control
+    from kvrig.virtual.faults import FaultPlan
 
     lost_host = hosts[1]
     lost = lost_host.udids[0]

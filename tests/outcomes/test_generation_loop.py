@@ -1,4 +1,4 @@
-"""One generation loop (toolchain.runtime.generate on mlx-lm's generate_step) with kvrig's memory hook, on a
+"""One generation loop (kvrig.runtime.generate on mlx-lm's generate_step) with kvrig's memory hook, on a
 tiny mlx-lm llama built from its own arguments. Expected tokens come from mlx-lm's generate_step called
 directly; expected cache offsets from the prefill chunking generate_step documents."""
 
@@ -12,9 +12,9 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
+from kvrig.runtime.generate import GenerationStats, generate_tokens
+from kvrig.schemas.kvcache import KVCacheConfig, LayerCache, host_kvcache
 from tests.plan.tiny_configs import TINY_CONFIGS
-from toolchain.runtime.generate import GenerationStats, generate_tokens
-from toolchain.schemas.kvcache import KVCacheConfig, LayerCache, host_kvcache
 
 LAYERS = TINY_CONFIGS["llama"]["num_hidden_layers"]
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kvrig.schemas.telemetry import TELEMETRY_FILE
+from kvrig.virtual.footprint import FootprintAccount, Measurement, footprint_bytes, peak_footprint_bytes
 from tests.device.conftest import BUNDLE_ID, Emulator, emulator, installed, ipa
 from tests.virtual.conftest import LIMIT_BYTES, TESTAPP_ARGS
-from toolchain.schemas.telemetry import TELEMETRY_FILE
-from toolchain.virtual.footprint import FootprintAccount, Measurement, footprint_bytes, peak_footprint_bytes
 
 __all__ = ["emulator", "installed", "ipa"]
 PAGE = 16384

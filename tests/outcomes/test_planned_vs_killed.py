@@ -2,7 +2,7 @@
 step of the context at which the kernel killed the app, for each KV scheme at two prefill step sizes, and
 the JetsamEvent report's footprint is within one page of the limit.
 
-Each case is `kvrig demo` (toolchain.demo.run_demo): package SmolLM2, plan it for a virtual iPhone whose limit
+Each case is `kvrig demo` (kvrig.demo.run_demo): package SmolLM2, plan it for a virtual iPhone whose limit
 leaves room for a few hundred tokens, build the app, deploy, soak with the real LLM app runtime (real MLX,
 mlx-lm's generate_step) until jetsam. The measured side is independent of the planner: the kill comes from the
 kernel charging the app's own MLX peak per step, and the footprint at the kill is read from the raw report.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from toolchain.demo import DemoOptions, run_demo
+from kvrig.demo import DemoOptions, run_demo
 
 SOAK_STEP = 512
 PREFILL_STEPS = (256, 512)  # a soak step is fed in two chunks, or in one (MLX's default prefill step)

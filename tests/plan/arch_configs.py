@@ -12,7 +12,7 @@ import importlib
 import io
 from typing import Any
 
-from toolchain.models.lazy import mlx_lm_architectures
+from kvrig.models.lazy import mlx_lm_architectures
 
 # Sizes by field name: small enough to run a real model on CPU in milliseconds, head dims of 64 (every KV
 # group size divides them).

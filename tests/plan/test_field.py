@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import yaml
 
-from toolchain.models import load_model_spec
-from toolchain.plan import PlanRequest, plan_memory
-from toolchain.plan.kv import context_schedule, kv_bytes, parse_scheme
-from toolchain.profiles import load_profile
+from kvrig.models import load_model_spec
+from kvrig.plan import PlanRequest, plan_memory
+from kvrig.plan.kv import context_schedule, kv_bytes, parse_scheme
+from kvrig.profiles import load_profile
 
 FIELD = Path(__file__).parents[1] / "data" / "field"
 REPORTS: dict[str, list[dict[str, Any]]] = yaml.safe_load((FIELD / "reports.yaml").read_text())
@@ -70,7 +70,7 @@ def test_plan_json_on_the_published_config_gives_the_reported_kv(fact: dict[str,
     config = FIELD / "configs" / fact["config"]
     context = str(fact["context"])
     args = ["plan", str(config), "--device", fact["device"], "--json", "--schemes", "fp16", "--contexts", context]
-    proc = subprocess.run([sys.executable, "-m", "toolchain", *args], capture_output=True, text=True, check=True)
+    proc = subprocess.run([sys.executable, "-m", "kvrig", *args], capture_output=True, text=True, check=True)
     value, tolerance = _expected(fact)
     got = json.loads(proc.stdout)["kv_bytes"]["fp16"][context]
     assert abs(got - value) <= tolerance, (got, value, fact["source"])

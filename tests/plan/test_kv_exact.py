@@ -13,11 +13,11 @@ import mlx.core as mx
 import pytest
 from tiny_configs import TINY_CONFIGS
 
-from toolchain.compat.mlx_lm_classes import model_classes
-from toolchain.exceptions import QuantizationError
-from toolchain.models import spec_from_config
-from toolchain.plan.kv import bytes_per_token, check_dims, kv_bytes, parse_scheme
-from toolchain.runtime.caches import make_kv_caches
+from kvrig.compat.mlx_lm_classes import model_classes
+from kvrig.exceptions import QuantizationError
+from kvrig.models import spec_from_config
+from kvrig.plan.kv import bytes_per_token, check_dims, kv_bytes, parse_scheme
+from kvrig.runtime.caches import make_kv_caches
 
 # The phone keeps activations (and so caches) in fp16; a few families run that way here. The rest run in
 # fp32 because MLX's CPU matmul is far faster there (and its GatherMM for MoE experts is fp32-only); the

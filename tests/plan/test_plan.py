@@ -11,14 +11,14 @@ import mlx.core as mx
 import pytest
 from tiny_configs import TINY_CONFIGS
 
-from toolchain.compat.mlx_lm_classes import model_classes
-from toolchain.exceptions import ModelConfigError, PlanInputError, QuantizationError, UnsupportedArchitectureError
-from toolchain.models import load_model_spec, spec_from_config
-from toolchain.plan import plan
-from toolchain.plan.kv import context_schedule, kv_bytes, parse_scheme
-from toolchain.plan.memory import _peak_bytes, recommend
-from toolchain.profiles import load_profile
-from toolchain.runtime.caches import make_kv_caches
+from kvrig.compat.mlx_lm_classes import model_classes
+from kvrig.exceptions import ModelConfigError, PlanInputError, QuantizationError, UnsupportedArchitectureError
+from kvrig.models import load_model_spec, spec_from_config
+from kvrig.plan import plan
+from kvrig.plan.kv import context_schedule, kv_bytes, parse_scheme
+from kvrig.plan.memory import _peak_bytes, recommend
+from kvrig.profiles import load_profile
+from kvrig.runtime.caches import make_kv_caches
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def test_plan_json_carries_the_contract_keys() -> None:
         [
             sys.executable,
             "-m",
-            "toolchain",
+            "kvrig",
             "plan",
             "--device",
             "iphone-15-pro",
@@ -131,7 +131,7 @@ def test_recommendation_rules() -> None:
 def test_head_dim_not_divisible_by_group_is_refused() -> None:
     config = {**TINY_CONFIGS["llama"], "head_dim": 96}
     spec = spec_from_config(config)
-    from toolchain.plan.kv import check_dims
+    from kvrig.plan.kv import check_dims
 
     with pytest.raises(QuantizationError, match=r"head dim 96 is not divisible by KV group size 64.*group size 32"):
         check_dims(spec, parse_scheme("k8v4"))
@@ -176,7 +176,7 @@ def test_bad_margin_is_a_clear_error() -> None:
     ],
 )
 def test_cli_errors_have_distinct_exit_codes(args: list[str], code: int, needle: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", "toolchain", *args], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "kvrig", *args], capture_output=True, text=True)
     assert proc.returncode == code, proc.stderr
     assert needle in proc.stderr and "Traceback" not in proc.stderr
 
@@ -188,13 +188,13 @@ def test_cli_unknown_gguf_architecture(tmp_path: Path) -> None:
     path = tmp_path / "odd.gguf"
     write_gguf(path, {"general.architecture": "rwkv9"}, {})
     proc = subprocess.run(
-        [sys.executable, "-m", "toolchain", "plan", str(path), "--device", "iPhone16,1"], capture_output=True, text=True
+        [sys.executable, "-m", "kvrig", "plan", str(path), "--device", "iPhone16,1"], capture_output=True, text=True
     )
     assert proc.returncode == 4 and "rwkv9" in proc.stderr
 
 
 def test_prefill_scores_counted_only_without_fused_attention() -> None:
-    from toolchain.plan.runtime import prefill_activation_bytes
+    from kvrig.plan.runtime import prefill_activation_bytes
 
     fused = spec_from_config(TINY_CONFIGS["llama"])  # head dim 64: MLX's fused kernel
     plain = spec_from_config({**TINY_CONFIGS["llama"], "head_dim": 96})

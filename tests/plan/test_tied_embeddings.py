@@ -12,8 +12,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model
 from tiny_configs import TINY_CONFIGS
 
-from toolchain.models import load_model_spec, spec_from_config
-from toolchain.plan.weights import account_weights, parse_recipe
+from kvrig.models import load_model_spec, spec_from_config
+from kvrig.plan.weights import account_weights, parse_recipe
 
 CONFIGS = Path(__file__).parent / "configs"
 
@@ -54,7 +54,7 @@ def test_model_args_default_when_the_config_is_silent() -> None:
 
 def _checkpoint(folder: Path, config: dict, *, with_head: bool) -> Path:
     """A real checkpoint written by MLX: the tiny model's tensors, with or without an LM head."""
-    from toolchain.models.lazy import build_lazy_model
+    from kvrig.models.lazy import build_lazy_model
 
     folder.mkdir()
     model = build_lazy_model({**config, "tie_word_embeddings": not with_head})

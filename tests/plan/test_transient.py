@@ -16,15 +16,15 @@ import pytest
 from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 from tiny_configs import TINY_CONFIGS
 
-from toolchain.compat.mlx_lm_classes import model_classes
-from toolchain.exceptions import PlanInputError
-from toolchain.models import load_model_spec, spec_from_config
-from toolchain.plan import PlanRequest, plan, plan_memory
-from toolchain.plan.kv import kv_bytes, parse_scheme
-from toolchain.plan.memory import _peak_bytes
-from toolchain.plan.runtime import prefill_scores_bytes
-from toolchain.plan.transient import materializes_scores
-from toolchain.profiles import AppMemoryLimit, SourcedInt, load_profile
+from kvrig.compat.mlx_lm_classes import model_classes
+from kvrig.exceptions import PlanInputError
+from kvrig.models import load_model_spec, spec_from_config
+from kvrig.plan import PlanRequest, plan, plan_memory
+from kvrig.plan.kv import kv_bytes, parse_scheme
+from kvrig.plan.memory import _peak_bytes
+from kvrig.plan.runtime import prefill_scores_bytes
+from kvrig.plan.transient import materializes_scores
+from kvrig.profiles import AppMemoryLimit, SourcedInt, load_profile
 
 # 8 heads of dim 64 (a dim Metal's fused kernel takes) over 2 KV heads: the scores dominate the chunk's memory.
 CONFIG = {**TINY_CONFIGS["llama"], "num_attention_heads": 8, "num_key_value_heads": 2, "num_hidden_layers": 2}

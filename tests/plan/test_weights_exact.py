@@ -11,10 +11,10 @@ from mlx_lm.convert import mixed_quant_predicate_builder
 from mlx_lm.utils import quantize_model
 from tiny_configs import TINY_CONFIGS
 
-from toolchain.compat.mlx_lm_classes import model_classes
-from toolchain.exceptions import QuantizationError
-from toolchain.models import spec_from_config
-from toolchain.plan.weights import account_weights, parse_recipe
+from kvrig.compat.mlx_lm_classes import model_classes
+from kvrig.exceptions import QuantizationError
+from kvrig.models import spec_from_config
+from kvrig.plan.weights import account_weights, parse_recipe
 
 RECIPES = ["q4", "q8", "mixed_3_6", "fp16"]
 

@@ -11,12 +11,12 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
+from kvrig.models import spec_from_config
+from kvrig.plan.weights import account_weights, parse_recipe
+from kvrig.quality.feedback import fit_feedback, input_hessians
+from kvrig.quality.recipes import apply_recipe, parse_quality_recipe
+from kvrig.quality.weighted import fit_affine
 from tests.quality.test_recipes_weighted import CONFIG, tiny
-from toolchain.models import spec_from_config
-from toolchain.plan.weights import account_weights, parse_recipe
-from toolchain.quality.feedback import fit_feedback, input_hessians
-from toolchain.quality.recipes import apply_recipe, parse_quality_recipe
-from toolchain.quality.weighted import fit_affine
 
 
 def output_error(x: Any, w: Any, q: tuple[Any, Any, Any], group: int, bits: int) -> float:

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from mlx_lm.models import llama
 
-from toolchain.exceptions import KVSchemeError, QuantizationError
-from toolchain.models import spec_from_config
-from toolchain.quality.schemes import kv_config, make_variant_caches, parse_kv_variant, predicted_bytes
-from toolchain.runtime.caches import make_caches
-from toolchain.runtime.kv_cache import DEQUANTIZED_ROWS, SchemeKVCache, rotate
+from kvrig.exceptions import KVSchemeError, QuantizationError
+from kvrig.models import spec_from_config
+from kvrig.quality.schemes import kv_config, make_variant_caches, parse_kv_variant, predicted_bytes
+from kvrig.runtime.caches import make_caches
+from kvrig.runtime.kv_cache import DEQUANTIZED_ROWS, SchemeKVCache, rotate
 
 CONFIG = {
     "model_type": "llama",
@@ -203,7 +203,7 @@ def test_unsupported_schemes_are_clear_errors() -> None:
         parse_kv_variant("fp16+k8@1")
 
     # head dim 96: the 64 group does not divide it (the planner's check names the layer and a fix) ...
-    from toolchain.plan.kv import check_dims
+    from kvrig.plan.kv import check_dims
 
     model, spec = tiny(head_dim=96)
     with pytest.raises(QuantizationError, match="layer 0: key head dim 96 is not divisible by KV group size 64"):
@@ -237,7 +237,7 @@ def test_layer_key_widths_reach_kvcache_json_and_the_caches() -> None:
 def test_per_query_window_reads_chunks_as_decoding_reads_them(name: str) -> None:
     """With `per_query_window`, a chunked pass gives every position the logits a token-by-token pass gives it
     (each query reads its own latest tokens in float); the plain chunked pass does not."""
-    from toolchain.quality.perplexity import perplexity
+    from kvrig.quality.perplexity import perplexity
 
     model, spec = tiny()
     tokens = [int(t) for t in mx.random.randint(0, 97, (70,), key=mx.random.key(2)).tolist()]

@@ -7,10 +7,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import llama
 
-from toolchain.exceptions import KVSchemeError
-from toolchain.models import spec_from_config
-from toolchain.quality.kv_sensitivity import key_sensitivity, resolve_variant
-from toolchain.quality.schemes import kv_config, make_variant_caches, parse_kv_variant
+from kvrig.exceptions import KVSchemeError
+from kvrig.models import spec_from_config
+from kvrig.quality.kv_sensitivity import key_sensitivity, resolve_variant
+from kvrig.quality.schemes import kv_config, make_variant_caches, parse_kv_variant
 
 CONFIG = {
     "model_type": "llama",

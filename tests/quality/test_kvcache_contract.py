@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from toolchain.exceptions import SchemaError
-from toolchain.schemas import load_model_file
-from toolchain.schemas.kvcache import KVCACHE_SCHEMA_VERSION, KVCacheConfig
+from kvrig.exceptions import SchemaError
+from kvrig.schemas import load_model_file
+from kvrig.schemas.kvcache import KVCACHE_SCHEMA_VERSION, KVCacheConfig
 
 DOC = {
     "schema": 2,

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from toolchain.exceptions import QualityInputError
-from toolchain.quality.plan_hook import apply_quality
+from kvrig.exceptions import QualityInputError
+from kvrig.quality.plan_hook import apply_quality
 
 
 def report(tmp_path: Path, kv: dict[str, float]) -> Path:
@@ -26,7 +26,7 @@ def report(tmp_path: Path, kv: dict[str, float]) -> Path:
 
 
 def test_recommendation_skips_schemes_measured_over_the_limit(tmp_path: Path) -> None:
-    from toolchain.plan import plan
+    from kvrig.plan import plan
 
     p = plan(None, "iPhone16,1", schemes=("fp16", "k8v8", "k8v4", "k4v4"), weights="q4")
     # only k8v8 is within 2 % here, so whatever the planner picked by bytes, k8v8 is recommended
@@ -43,7 +43,7 @@ def test_recommendation_skips_schemes_measured_over_the_limit(tmp_path: Path) ->
     with pytest.raises(QualityInputError):
         apply_quality(p, bad)
     proc = subprocess.run(
-        [sys.executable, "-m", "toolchain", "plan", "--device", "iPhone16,1", "--quality", str(bad)],
+        [sys.executable, "-m", "kvrig", "plan", "--device", "iPhone16,1", "--quality", str(bad)],
         capture_output=True,
         text=True,
     )

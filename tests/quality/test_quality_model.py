@@ -12,14 +12,14 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
+from kvrig.bundle import PackageOptions, package
+from kvrig.exceptions import QualityGateError
+from kvrig.models import load_model_spec
+from kvrig.quality.schemes import make_variant_caches, parse_kv_variant
+from kvrig.quantize import load_source_model
+from kvrig.runtime.host import prepare_for_host
+from kvrig.runtime.kv_cache import SchemeKVCache
 from tests.bundle_fixtures import converted_source
-from toolchain.bundle import PackageOptions, package
-from toolchain.exceptions import QualityGateError
-from toolchain.models import load_model_spec
-from toolchain.quality.schemes import make_variant_caches, parse_kv_variant
-from toolchain.quantize import load_source_model
-from toolchain.runtime.host import prepare_for_host
-from toolchain.runtime.kv_cache import SchemeKVCache
 
 PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 
@@ -72,8 +72,8 @@ def test_default_bundle_answers_facts_as_the_source_does(source: Path, tmp_path:
 
     from mlx_lm.utils import load_tokenizer
 
-    from toolchain.quality.bench import FACTUAL_PROMPTS, greedy_answer
-    from toolchain.runtime.generate import load_bundle, run_bundle
+    from kvrig.quality.bench import FACTUAL_PROMPTS, greedy_answer
+    from kvrig.runtime.generate import load_bundle, run_bundle
 
     package(source, tmp_path / "default", PackageOptions())
     loaded = load_bundle(tmp_path / "default")
@@ -96,7 +96,7 @@ def test_default_bundle_answers_facts_as_the_source_does(source: Path, tmp_path:
 def test_gate_refuses_a_broken_bundle(source: Path, tmp_path: Path) -> None:
     out = tmp_path / "q2"
     proc = subprocess.run(
-        [sys.executable, "-m", "toolchain", "package", str(source), "--weights", "q2", "-o", str(out)],
+        [sys.executable, "-m", "kvrig", "package", str(source), "--weights", "q2", "-o", str(out)],
         capture_output=True,
         text=True,
     )

@@ -17,11 +17,11 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.llama import Model, ModelArgs
 from mlx_lm.utils import compute_bits_per_weight, quantize_model
 
-from toolchain.exceptions import QuantizationError
-from toolchain.models import spec_from_config
-from toolchain.plan.weights import account_weights, parse_recipe
-from toolchain.quality.recipes import apply_recipe, parse_quality_recipe
-from toolchain.quality.weighted import activation_importance, fit_affine, mlp_g32_layout, pack
+from kvrig.exceptions import QuantizationError
+from kvrig.models import spec_from_config
+from kvrig.plan.weights import account_weights, parse_recipe
+from kvrig.quality.recipes import apply_recipe, parse_quality_recipe
+from kvrig.quality.weighted import activation_importance, fit_affine, mlp_g32_layout, pack
 
 CONFIG: dict[str, Any] = {
     "model_type": "llama",
@@ -169,7 +169,7 @@ def test_imx_target_layout_meets_the_target_and_matches_mlx_lm() -> None:
 def test_smollm2_layout_is_within_4_6_bits_per_weight() -> None:
     """On the embedded model's config, built lazily (nothing evaluated), mlx-lm's quantize_model with the
     layout counts at most 4.6 bits per weight."""
-    from toolchain.models.gguf import embedded_default_model, gguf_config_from_header, read_gguf_header
+    from kvrig.models.gguf import embedded_default_model, gguf_config_from_header, read_gguf_header
 
     config = gguf_config_from_header(read_gguf_header(embedded_default_model()))
     spec = spec_from_config(config)

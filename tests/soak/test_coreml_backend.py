@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 
+from kvrig.appgen.infokeys import COREML_MODEL_KEY, VIRTUAL_RUNTIME_KEY
+from kvrig.device import apps
+from kvrig.exceptions import CoreMLBackendError, CoreMLVirtualPhoneError
+from kvrig.schemas import load_model_file
+from kvrig.schemas.lab import MatrixEntry
+from kvrig.schemas.results import ResultsFile
+from kvrig.schemas.soakplan import SoakPlan
+from kvrig.soak import SoakOptions, make_plan, run_soak
 from tests.soak.conftest import BUNDLE_ID, Emulator, installed, on_device, run
-from toolchain.appgen.infokeys import COREML_MODEL_KEY, VIRTUAL_RUNTIME_KEY
-from toolchain.device import apps
-from toolchain.exceptions import CoreMLBackendError, CoreMLVirtualPhoneError
-from toolchain.schemas import load_model_file
-from toolchain.schemas.lab import MatrixEntry
-from toolchain.schemas.results import ResultsFile
-from toolchain.schemas.soakplan import SoakPlan
-from toolchain.soak import SoakOptions, make_plan, run_soak
 
 __all__ = ["installed"]
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,7 +32,7 @@ CORE_ML_APP = "dev.kvrig.coremlvirtual"
 def _cli(emulator: Emulator, *args: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, USBMUXD_SOCKET_ADDRESS=emulator.address)
     return subprocess.run(
-        [sys.executable, "-m", "toolchain", *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120
+        [sys.executable, "-m", "kvrig", *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120
     )
 
 

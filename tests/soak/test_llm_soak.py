@@ -1,7 +1,7 @@
 """The real thing on the virtual iPhone: SmolLM2 packaged (q4, k8v4), its app rendered and built with
 `kvrig build --virtual`, deployed with the bundle, and soaked by the LLM app runtime with real MLX.
 
-Expected numbers come from elsewhere: the planner's KV bytes (toolchain.plan, its own replay of MLX's cache
+Expected numbers come from elsewhere: the planner's KV bytes (kvrig.plan, its own replay of MLX's cache
 growth) against the app's real cache buffers, and the JetsamEvent report's raw JSON against the limit the
 virtual iPhone was given."""
 
@@ -18,20 +18,20 @@ from pathlib import Path
 import pytest
 from pydantic import TypeAdapter
 
+from kvrig.appgen.render import AppOptions, render_app
+from kvrig.appgen.virtual_ipa import build_virtual_ipa
+from kvrig.bundle import PackageOptions
+from kvrig.device.deploy import deploy
+from kvrig.exceptions import SoakFailedError
+from kvrig.gates import failures
+from kvrig.plan import plan as make_memory_plan
+from kvrig.schemas.telemetry import TelemetryEvent
+from kvrig.soak import SoakOptions, make_plan, run_soak
+from kvrig.virtual.device import VirtualDevice
+from kvrig.virtual.host import EmulatorHost
 from tests.bundle_fixtures import packaged
 from tests.device.conftest import on_device, run
 from tests.virtual.conftest import emulator_host
-from toolchain.appgen.render import AppOptions, render_app
-from toolchain.appgen.virtual_ipa import build_virtual_ipa
-from toolchain.bundle import PackageOptions
-from toolchain.device.deploy import deploy
-from toolchain.exceptions import SoakFailedError
-from toolchain.gates import failures
-from toolchain.plan import plan as make_memory_plan
-from toolchain.schemas.telemetry import TelemetryEvent
-from toolchain.soak import SoakOptions, make_plan, run_soak
-from toolchain.virtual.device import VirtualDevice
-from toolchain.virtual.host import EmulatorHost
 
 Q4_K8V4 = PackageOptions(weights="q4", group_size=64, kv="k8v4")
 APP_ID = "dev.kvrig.llmsoak"
@@ -201,7 +201,7 @@ def test_critical_pressure_stops_and_saves(phones: Phones, tmp_path: Path) -> No
 
 
 def test_app_without_a_bundle_ends_with_a_clear_error(phones: Phones, tmp_path: Path) -> None:
-    from toolchain.device import apps
+    from kvrig.device import apps
 
     ipa = _ipa(phones.bundle, tmp_path / "app", EMPTY_APP_ID)
     run(on_device(phones.large.identity.udid, lambda d: apps.install(d, ipa)))
@@ -218,7 +218,7 @@ def test_app_without_a_bundle_ends_with_a_clear_error(phones: Phones, tmp_path: 
     env = dict(os.environ, USBMUXD_SOCKET_ADDRESS=phones.host.address)
     udid = phones.large.identity.udid
     args = ["soak", "--app-id", EMPTY_APP_ID, "--udid", udid, "--max-tokens", "512", "-o", str(tmp_path / "cli")]
-    proc = subprocess.run([sys.executable, "-m", "toolchain", *args], capture_output=True, text=True, env=env)
+    proc = subprocess.run([sys.executable, "-m", "kvrig", *args], capture_output=True, text=True, env=env)
     assert proc.returncode == SoakFailedError.exit_code == 16, proc.stderr
     assert "error" in proc.stderr and "no model bundle" in proc.stderr and "Traceback" not in proc.stderr
     saved = json.loads((tmp_path / "cli" / "results.json").read_text())

@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 
+from kvrig.device.processes import pid_for
+from kvrig.exceptions import AppError
+from kvrig.schemas import load_model_file
+from kvrig.schemas.results import ResultsFile
+from kvrig.soak import SoakOptions, make_plan, run_soak
+from kvrig.virtual.faults import FaultPlan
 from tests.raw_telemetry import raw_steps
 from tests.soak.conftest import BUNDLE_ID, Emulator, installed, on_device, run
 from tests.virtual.conftest import LIMIT_BYTES
-from toolchain.device.processes import pid_for
-from toolchain.exceptions import AppError
-from toolchain.schemas import load_model_file
-from toolchain.schemas.results import ResultsFile
-from toolchain.soak import SoakOptions, make_plan, run_soak
-from toolchain.virtual.faults import FaultPlan
 
 __all__ = ["installed"]
 ROOT = Path(__file__).resolve().parents[2]
@@ -141,7 +141,7 @@ def test_missing_app_leaves_partial_results(installed: Emulator, tmp_path: Path)
 def _cli(emulator: Emulator, *args: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, USBMUXD_SOCKET_ADDRESS=emulator.address)
     return subprocess.run(
-        [sys.executable, "-m", "toolchain", *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120
+        [sys.executable, "-m", "kvrig", *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120
     )
 
 

@@ -17,8 +17,8 @@ from pymobiledevice3.remote.userspace_tunnel import UserspaceRsdTunnel
 from pymobiledevice3.services.installation_proxy import InstallationProxyService
 
 from examples.make_test_ipa import make_ipa  # the script users run: tests install the same placeholder app
-from toolchain.virtual.device import VirtualDevice
-from toolchain.virtual.host import EmulatorHost
+from kvrig.virtual.device import VirtualDevice
+from kvrig.virtual.host import EmulatorHost
 
 BUNDLE_ID = "dev.kvrig.soak"
 LIMIT_BYTES = 160 * 1024 * 1024

@@ -21,10 +21,10 @@ from pymobiledevice3.services.dvt.instruments.process_control import ProcessCont
 from pymobiledevice3.services.os_trace import OsTraceService
 from pymobiledevice3.services.syslog import SyslogService
 
+from kvrig.compat.crash_report import report_body
+from kvrig.schemas.telemetry import TELEMETRY_FILE, TelemetryEvent
+from kvrig.virtual.footprint import Measurement, footprint_bytes
 from tests.virtual.conftest import BUNDLE_ID, LIMIT_BYTES, TESTAPP_ARGS, Emulator, install
-from toolchain.compat.crash_report import report_body
-from toolchain.schemas.telemetry import TELEMETRY_FILE, TelemetryEvent
-from toolchain.virtual.footprint import Measurement, footprint_bytes
 
 PAGE = 16384
 
@@ -175,7 +175,7 @@ def test_ios17_refuses_developer_services_without_tunnel(emulator: Emulator) -> 
 def test_relative_state_folder_gives_absolute_container_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Apps run with their container as working directory, so a relative state folder (`kvrig demo -o build/x`)
     must not leak relative paths into the app's environment (it did: the app could not find its container)."""
-    from toolchain.virtual.device import VirtualDevice
+    from kvrig.virtual.device import VirtualDevice
 
     monkeypatch.chdir(tmp_path)
     device = VirtualDevice("relative-state")

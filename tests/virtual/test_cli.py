@@ -89,7 +89,7 @@ def test_syslog_live_streams_for_a_few_seconds(emulator: Emulator) -> None:
 
 def kvrig(*args: str, timeout: float = 90, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "toolchain", *args],
+        [sys.executable, "-m", "kvrig", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

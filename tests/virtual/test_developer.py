@@ -25,8 +25,8 @@ from pymobiledevice3.services.mobile_image_mounter import (
     PersonalizedImageMounter,
 )
 
+from kvrig.virtual.faults import FaultPlan
 from tests.virtual.conftest import Emulator
-from toolchain.virtual.faults import FaultPlan
 
 
 def _run(coro):  # type: ignore[no-untyped-def]

@@ -12,8 +12,8 @@ import pytest
 from pymobiledevice3.lockdown import create_using_usbmux
 from pymobiledevice3.services.diagnostics import DiagnosticsService
 
+from kvrig.virtual.apprun import _cpu_seconds
 from tests.virtual.conftest import BUNDLE_ID, Emulator, install
-from toolchain.virtual.apprun import _cpu_seconds
 
 
 async def _battery(udid: str) -> tuple[dict, dict, dict]:

@@ -14,8 +14,8 @@ from pymobiledevice3.exceptions import InvalidServiceError, PyMobileDevice3Excep
 from pymobiledevice3.lockdown import create_using_usbmux
 from pymobiledevice3.services.afc import AfcService
 
+from kvrig.virtual.faults import FaultPlan
 from tests.virtual.conftest import BUNDLE_ID, TESTAPP_ARGS, Emulator, install
-from toolchain.virtual.faults import FaultPlan
 
 
 @pytest.fixture()

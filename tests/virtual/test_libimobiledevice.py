@@ -19,8 +19,8 @@ from pymobiledevice3.lockdown import create_using_usbmux
 from pymobiledevice3.services.diagnostics import DiagnosticsService
 from pymobiledevice3.services.installation_proxy import InstallationProxyService
 
+from kvrig.virtual.device import VirtualDevice
 from tests.virtual.conftest import BUNDLE_ID, Emulator, lockdown_values
-from toolchain.virtual.device import VirtualDevice
 
 TOOLS = ("ideviceinfo", "idevicedate", "idevicediagnostics", "ideviceinstaller", "idevicecrashreport", "idevicesyslog")
 

@@ -24,9 +24,9 @@ from pymobiledevice3.services.dvt.instruments.dvt_provider import DvtProvider
 from pymobiledevice3.services.dvt.instruments.process_control import ProcessControl
 from pymobiledevice3.services.installation_proxy import InstallationProxyService
 
+from kvrig.virtual.device import VirtualDevice
+from kvrig.virtual.faults import FaultPlan
 from tests.virtual.conftest import BUNDLE_ID, TESTAPP_ARGS, Emulator, lockdown_values, through_tunnel
-from toolchain.virtual.device import VirtualDevice
-from toolchain.virtual.faults import FaultPlan
 
 INSTRUMENTS = "com.apple.instruments.dtservicehub"
 

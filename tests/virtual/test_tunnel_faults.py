@@ -17,9 +17,9 @@ from pymobiledevice3.services.dvt.instruments.dvt_provider import DvtProvider
 from pymobiledevice3.services.dvt.instruments.process_control import ProcessControl
 from pymobiledevice3.services.installation_proxy import InstallationProxyService
 
+from kvrig.virtual.device import VirtualDevice
+from kvrig.virtual.faults import FaultPlan
 from tests.virtual.conftest import BUNDLE_ID, TESTAPP_ARGS, Emulator, through_tunnel
-from toolchain.virtual.device import VirtualDevice
-from toolchain.virtual.faults import FaultPlan
 
 IDLE_APP = [*TESTAPP_ARGS, "--max-tokens", "256"]  # grows to 256 tokens, then stays alive
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 
-from toolchain.virtual.tunnel_tcp import ACK, FIN, PSH, RST, SYN, Segment, TcpEndpoint, build_packet, parse_packet
+from kvrig.virtual.tunnel_tcp import ACK, FIN, PSH, RST, SYN, Segment, TcpEndpoint, build_packet, parse_packet
 
 PHONE, HOST = "fd00::1", "fd00::2"
 

@@ -137,7 +137,7 @@ final class PressureMonitor {
 }
 
 /// The app's memory after a step, in the phone's format, as a host kernel accounts it (the virtual iPhone's
-/// channel: see kvrig's toolchain/virtual/apprun.py).
+/// channel: see kvrig's kvrig/virtual/apprun.py).
 struct MemorySample: Sendable {
     var mlxActiveBytes: Int
     var mlxCacheBytes: Int

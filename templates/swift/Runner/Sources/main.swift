@@ -7,7 +7,7 @@
 //   kvrig-engine --probe-buffer-cache BYTES   (prints what MLX's buffer cache keeps with that cap, as JSON)
 //   kvrig-engine --attention-probe KVCACHE_JSON IN.safetensors OUT.safetensors   (see AttentionProbe)
 //
-// --host-kernel: speak the virtual iPhone's JSON-line channel on stdin/stdout (toolchain/virtual/apprun.py):
+// --host-kernel: speak the virtual iPhone's JSON-line channel on stdin/stdout (kvrig/virtual/apprun.py):
 // a measurement after every step, the kernel's verdict back (footprint, available, pressure).
 import Foundation
 import KvrigCore

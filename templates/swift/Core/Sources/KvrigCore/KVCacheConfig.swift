@@ -1,6 +1,6 @@
 import Foundation
 
-/// kvcache.json, schema 2: mirrors toolchain/schemas/kvcache.py field for field (snake_case on disk).
+/// kvcache.json, schema 2: mirrors kvrig/schemas/kvcache.py field for field (snake_case on disk).
 
 public enum CacheKind: String, Codable, Sendable, CaseIterable {
     case full, sliding, shared, linear, latent

@@ -1,6 +1,6 @@
 import Foundation
 
-/// Soak plan, schema 2: mirrors toolchain/schemas/soakplan.py. Handed to the app with a launch argument.
+/// Soak plan, schema 2: mirrors kvrig/schemas/soakplan.py. Handed to the app with a launch argument.
 /// Schema 2 added `backend`: which runtime the soak runs on (MLX, or the shipped Core ML program).
 
 public struct GrowthSchedule: Codable, Equatable, Sendable {

@@ -1,6 +1,6 @@
 import Foundation
 
-/// Telemetry, schema 3: mirrors toolchain/schemas/telemetry.py. One JSON object per line, `event` says which.
+/// Telemetry, schema 3: mirrors kvrig/schemas/telemetry.py. One JSON object per line, `event` says which.
 /// Schema 2 added `backend` to `start`: which runtime ran the soak (MLX, or the Core ML program); schema 3
 /// added it to `step`.
 

@@ -1,0 +1,3 @@
+from kvrig.cli import main
+
+main()

@@ -1,0 +1,233 @@
+"""Render templates/swift into an Xcode project for one bundle: `render_app(bundle, out, AppOptions(...))`.
+
+Files ending in `.j2` are Jinja templates (StrictUndefined, autoescape off: every value goes through an
+escaper from escape.py); other files are copied as they are. `_meta/` holds data about the templates (the MLX
+symbol list) and is not rendered.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from pydantic import TypeAdapter
+
+from kvrig import __version__
+from kvrig.appgen.escape import FILTERS
+from kvrig.appgen.infokeys import COREML_MODEL_KEY
+from kvrig.exceptions import AppGenError, InputError
+from kvrig.fileio import read_data
+from kvrig.schemas import json_schema, load_model_file
+from kvrig.schemas.kvcache import KVCacheConfig
+from kvrig.schemas.soakplan import SOAKPLAN_FILE, GrowthSchedule, SoakPlan
+from kvrig.schemas.telemetry import TelemetryEvent
+
+# Swift packages the App target links. The engine's sources are compiled against these versions on Linux
+# (kvrig/appgen/linux.py); mlx-swift 0.31.5+ needs a Swift 6.3 toolchain, so 0.31.4.
+PINS: dict[str, dict[str, str]] = {
+    "mlx-swift-lm": {"url": "https://github.com/ml-explore/mlx-swift-lm", "version": "3.31.4"},
+    "mlx-swift": {"url": "https://github.com/ml-explore/mlx-swift", "version": "0.31.4"},
+    "swift-transformers": {"url": "https://github.com/huggingface/swift-transformers", "version": "1.3.3"},
+}
+
+IOS_DEPLOYMENT_TARGET = "17.0"
+# Bytes kept outside MLX's limit for the UI, Metal and the runtime (UI baseline + fragmentation).
+DEFAULT_HEADROOM_BYTES = 256 * 1024 * 1024
+CORE_FIXTURES = Path("Core/Tests/KvrigCoreTests/Fixtures")
+SOAK_EXAMPLE_TEXT = (
+    "The quick brown fox jumps over the lazy dog. A soak test feeds this text again and again so that the "
+    "context grows step by step until the phone runs out of memory or the plan says stop. "
+)
+
+# The Core ML program's name inside the app (Xcode compiles it to KvrigModel.mlmodelc), and its engine's folder.
+COREML_RESOURCE = "KvrigModel.mlpackage"
+COREML_SOURCES = ("App", "CoreML")
+
+_BUNDLE_ID = re.compile(r"^[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)+$")
+_TEAM_ID = re.compile(r"^[A-Z0-9]{10}$")
+
+
+@dataclass(frozen=True)
+class AppOptions:
+    name: str
+    bundle_id: str
+    team: str | None = None
+    extended_virtual_addressing: bool = False
+    headroom_bytes: int = DEFAULT_HEADROOM_BYTES
+    coreml_model: Path | None = None
+    """A .mlpackage from `kvrig export coreml` to ship beside the MLX bundle (with App/CoreML's engine)."""
+
+
+@dataclass
+class RenderResult:
+    project: Path
+    files: list[Path] = field(default_factory=list)
+    kvcache: KVCacheConfig | None = None
+
+
+def templates_root() -> Path:
+    """templates/swift: inside the wheel first, then the repository's top-level folder."""
+    here = Path(__file__).resolve().parent.parent
+    for candidate in (here / "_data" / "templates" / "swift", here.parent / "templates" / "swift"):
+        if candidate.is_dir():
+            return candidate
+    raise AppGenError("templates/swift not found (neither in the installed package nor next to it)")
+
+
+def product_name(name: str) -> str:
+    """A target/product name Xcode accepts from any display name: ASCII letters and digits, letter first."""
+    words = re.findall(r"[A-Za-z0-9]+", name)
+    candidate = "".join(w[:1].upper() + w[1:] for w in words)
+    if not candidate or not candidate[0].isalpha():
+        candidate = "App" + candidate
+    return candidate[:64]
+
+
+def validate_options(options: AppOptions) -> None:
+    if not options.name.strip():
+        raise InputError("the app name is empty", field="--name", expected="a display name")
+    if not _BUNDLE_ID.match(options.bundle_id):
+        raise InputError(
+            f"invalid bundle id {options.bundle_id!r}",
+            field="--bundle-id",
+            expected="reverse-DNS letters, digits and hyphens, like com.example.myllm",
+        )
+    if options.team is not None and not _TEAM_ID.match(options.team):
+        raise InputError(
+            f"invalid team id {options.team!r}", field="--team", expected="10 upper-case letters or digits"
+        )
+    if options.headroom_bytes < 0:
+        raise InputError("headroom must not be negative", field="headroom_bytes")
+
+
+def read_bundle(bundle: Path) -> tuple[KVCacheConfig, dict[str, Any]]:
+    """kvcache.json (required) and config.json (optional: only its model_type is shown in the app)."""
+    if not bundle.is_dir():
+        raise InputError("bundle folder not found", file=bundle, expected="a folder written by `kvrig package`")
+    kv = load_model_file(KVCacheConfig, bundle / "kvcache.json")
+    model_config: dict[str, Any] = {}
+    config_path = bundle / "config.json"
+    if config_path.is_file():
+        loaded = read_data(config_path)
+        if isinstance(loaded, dict):
+            model_config = loaded
+    return kv, model_config
+
+
+def example_soak_plan(kv: KVCacheConfig) -> SoakPlan:
+    start = min(512, kv.max_context)
+    return SoakPlan(
+        run_id="example",
+        scheme=kv.scheme,
+        schedule=GrowthSchedule(start_tokens=start, step_tokens=max(kv.page_tokens, 1), max_tokens=kv.max_context),
+        text=SOAK_EXAMPLE_TEXT,
+    )
+
+
+def template_context(
+    options: AppOptions, kv: KVCacheConfig, model_config: dict[str, Any], bundle: Path
+) -> dict[str, Any]:
+    model_type = model_config.get("model_type")
+    return {
+        "app_name": options.name,
+        "product_name": product_name(options.name),
+        "bundle_id": options.bundle_id,
+        "team": options.team,
+        "extended_virtual_addressing": options.extended_virtual_addressing,
+        "headroom_bytes": options.headroom_bytes,
+        # The bundle is pushed into Documents/<this folder> (file sharing is on).
+        "bundle_folder": bundle.resolve().name,
+        "model_type": model_type if isinstance(model_type, str) else "unknown",
+        "kv": kv.model_dump(mode="json", by_alias=True),
+        "pins": PINS,
+        "ios_target": IOS_DEPLOYMENT_TARGET,
+        "generator": f"kvrig {__version__}",
+        "soak_plan_argument": "--kvrig-soak-plan",
+        "soak_plan_file": SOAKPLAN_FILE,
+        "coreml_model": COREML_RESOURCE if options.coreml_model else None,
+        "coreml_info_key": COREML_MODEL_KEY,
+    }
+
+
+def _environment(root: Path) -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(root)),
+        undefined=jinja2.StrictUndefined,
+        autoescape=False,
+        keep_trailing_newline=True,
+    )
+    env.filters.update(FILTERS)
+    return env
+
+
+def _write(path: Path, text: str, written: list[Path]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    written.append(path)
+
+
+def _dump(data: Any) -> str:
+    return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
+
+
+def render_app(bundle: str | Path, out: str | Path, options: AppOptions, *, force: bool = False) -> RenderResult:
+    """Writes the Xcode project for `bundle` into `out`.
+
+    Raises InputError for bad options or a bad bundle, AppGenError when `out` holds files and not `force`.
+    """
+    bundle, out = Path(bundle), Path(out)
+    validate_options(options)
+    kv, model_config = read_bundle(bundle)
+    if out.exists() and not out.is_dir():
+        raise AppGenError(f"{out}: exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise AppGenError(f"{out}: folder is not empty (use --force to overwrite)")
+        shutil.rmtree(out)
+
+    if options.coreml_model is not None and not (options.coreml_model / "Manifest.json").is_file():
+        raise InputError(
+            "not a Core ML package", file=options.coreml_model, expected="a .mlpackage written by `kvrig export coreml`"
+        )
+    root = templates_root()
+    env = _environment(root)
+    context = template_context(options, kv, model_config, bundle)
+    result = RenderResult(project=out, kvcache=kv)
+    for source in sorted(root.rglob("*")):
+        rel = source.relative_to(root)
+        if source.is_dir() or rel.parts[0] == "_meta" or "__pycache__" in rel.parts:
+            continue
+        if rel.parts[:2] == COREML_SOURCES and options.coreml_model is None:
+            continue
+        if source.suffix == ".j2":
+            try:
+                text = env.get_template(rel.as_posix()).render(context)
+            except jinja2.TemplateError as exc:
+                raise AppGenError(f"template {rel}: {exc}") from exc
+            _write(out / rel.with_suffix(""), text, result.files)
+        else:
+            _write(out / rel, source.read_text(), result.files)
+
+    if options.coreml_model is not None:
+        shutil.copytree(options.coreml_model, out / "App" / "Resources" / COREML_RESOURCE)
+        result.files.append(out / "App" / "Resources" / COREML_RESOURCE)
+
+    # Contract files: the Core tests decode exactly what Python wrote; the schemas document them for Swift.
+    plan = example_soak_plan(kv)
+    _write(out / CORE_FIXTURES / "kvcache.json", _dump(kv.model_dump(mode="json", by_alias=True)), result.files)
+    _write(out / CORE_FIXTURES / SOAKPLAN_FILE, _dump(plan.model_dump(mode="json", by_alias=True)), result.files)
+    _write(out / "Schemas" / "kvcache.schema.json", _dump(json_schema(KVCacheConfig)), result.files)
+    _write(out / "Schemas" / "soakplan.schema.json", _dump(json_schema(SoakPlan)), result.files)
+    telemetry_schema = TypeAdapter(TelemetryEvent).json_schema(by_alias=True)
+    _write(out / "Schemas" / "telemetry.schema.json", _dump(telemetry_schema), result.files)
+    _write(
+        out / "Schemas" / "soakplan.example.json",
+        _dump(plan.model_dump(mode="json", by_alias=True)),
+        result.files,
+    )
+    return result

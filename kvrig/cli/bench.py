@@ -1,0 +1,213 @@
+"""`kvrig bench`: benchmarks as commands (ratios measured side by side in one run)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from kvrig.cli.plan import plan_bench
+from kvrig.cli.render import echo_json, human_bytes, json_option
+
+
+@click.group(
+    "bench",
+    short_help="Benchmarks: host runtime vs mlx-lm, quality of recipes x KV schemes, the planner's own cost.",
+)
+def bench() -> None:
+    """Benchmarks."""
+
+
+@bench.command("runtime")
+@click.argument("bundle", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.option("--prompt-tokens", default=64, show_default=True, type=int)
+@click.option("--decode-tokens", default=16, show_default=True, type=int)
+@click.option("--timeout", default=3600.0, show_default=True, type=float, help="Seconds per side.")
+@click.option(
+    "--reference/--no-reference",
+    default=True,
+    show_default=True,
+    help="Also run mlx-lm with the model cast to float32 and OpenBLAS preloaded (a reference row).",
+)
+@json_option
+def runtime(
+    bundle: Path, prompt_tokens: int, decode_tokens: int, timeout: float, reference: bool, as_json: bool
+) -> None:
+    """Our host runtime vs plain mlx-lm generate on BUNDLE: prefill tok/s, decode tok/s, peak memory.
+
+    Plain mlx-lm runs the bundle as installed (float16, MLX's bundled BLAS); it is slow on a CPU, so keep the
+    prompt short. Ratios are ours / plain; the reference row shows how much of the gap float32 alone closes."""
+    from kvrig.bundle import load_manifest
+    from kvrig.runtime.bench import run_side
+
+    load_manifest(bundle)
+    ours = run_side("ours", bundle, prompt_tokens, decode_tokens, timeout=timeout)
+    plain = run_side("plain", bundle, prompt_tokens, decode_tokens, timeout=timeout)
+    rows = [ours, plain]
+    if reference:
+        rows.append(run_side("plain-f32", bundle, prompt_tokens, decode_tokens, timeout=timeout))
+    ratios = {
+        "prefill": ours.prefill_tps / plain.prefill_tps if plain.prefill_tps else float("inf"),
+        "decode": ours.decode_tps / plain.decode_tps if plain.decode_tps else float("inf"),
+        "peak_memory": ours.peak_memory_bytes / plain.peak_memory_bytes if plain.peak_memory_bytes else 0.0,
+    }
+    if as_json:
+        out = {"bundle": str(bundle), "ours": vars(ours), "plain": vars(plain), "ratios": ratios}
+        if reference:
+            out["reference_f32"] = vars(rows[2])
+        echo_json(out)
+        return
+    click.echo(f"bundle {bundle}: {ours.prompt_tokens} prompt tokens, {ours.generated_tokens} generated")
+    click.echo(f"{'':14}{'prefill tok/s':>15}{'decode tok/s':>15}{'peak memory':>14}  kv     openblas")
+    for r in rows:
+        click.echo(
+            f"{r.side:14}{r.prefill_tps:15.2f}{r.decode_tps:15.2f}{human_bytes(r.peak_memory_bytes):>14}  "
+            f"{r.kv:6} {'yes' if r.openblas else 'no'}"
+        )
+    click.echo(f"{'ours / plain':14}{ratios['prefill']:14.1f}x{ratios['decode']:14.1f}x{ratios['peak_memory']:13.2f}x")
+
+
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(p.strip() for p in text.split(",") if p.strip())
+
+
+@bench.command("quality")
+@click.argument("model", required=False, type=click.Path(path_type=Path, exists=True))
+@click.option(
+    "--recipes",
+    default="q4,q4g32,q8,mixed_4_6,gptq-q4,dq-4.6,imx-4.6,gpx-q4,gpx-4.6",
+    show_default=True,
+    help="Weight recipes: qN[gG], awq-qN, gptq-qN, imx-qN, gpx-qN, dq-BPW, imx-BPW, gpx-BPW, mixed_X_Y.",
+)
+@click.option(
+    "--kv",
+    "kv_variants",
+    default=None,
+    help="KV variants, e.g. k8v4,k8v4+rot,k4v4+rot+s4+w64 "
+    "(rot: Hadamard on K and V, rotk: keys only, sN: sink tokens, wN: recent window).",
+)
+@click.option("--weights-tokens", default=512, show_default=True, type=int, help="Tokens for the weight rows.")
+@click.option("--kv-tokens", default=2048, show_default=True, type=int, help="Tokens for the KV rows.")
+@click.option("--contexts", default="512,1024,2048,4096", show_default=True, help="Contexts for bytes and decode.")
+@click.option("--decode-steps", default=8, show_default=True, type=int)
+@click.option(
+    "--kv-reads",
+    type=click.Choice(["decoded", "chunked"]),
+    default="decoded",
+    show_default=True,
+    help="How the KV rows' perplexity reads a recent window: decoded (each position its own latest tokens in "
+    "float, as generating that token reads them) or chunked (the window at each 256-token chunk's end, as a "
+    "prefill chunk reads it).",
+)
+@click.option(
+    "--factual-recipe",
+    default="q8",
+    show_default=True,
+    help="Recipe checked on factual prompts, with the KV scheme kvrig package writes by default (k8v4, rotated "
+    "where the head dims allow); '' skips.",
+)
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(path_type=Path),
+    default=Path("build/quality"),
+    show_default=True,
+    help="Folder for quality.json and the plots.",
+)
+@json_option
+def quality(
+    model: Path | None,
+    recipes: str,
+    kv_variants: str | None,
+    weights_tokens: int,
+    kv_tokens: int,
+    contexts: str,
+    decode_steps: int,
+    kv_reads: str,
+    factual_recipe: str,
+    output: Path,
+    as_json: bool,
+) -> None:
+    """Perplexity of weight recipes and KV variants against the unquantized source on the GPL-3 text (Debian
+    base-files), KV bytes measured vs planned, host decode tok/s by context, plots.
+
+    MODEL: a bundle (its manifest names the source; its own weights get a row), a model folder or GGUF; none:
+    the embedded SmolLM2. Minutes on a 2-core CPU; not part of the test suite."""
+    from kvrig.runtime.blas import ensure_openblas
+
+    ensure_openblas()
+    from kvrig.quality.bench import DEFAULT_KV, run_quality_bench, write_plots
+
+    def progress(line: str) -> None:
+        click.echo(line, err=True)
+
+    report = run_quality_bench(
+        model,
+        recipes=_csv(recipes),
+        kv_variants=DEFAULT_KV if kv_variants is None else _csv(kv_variants),  # '' runs no KV rows
+        weights_tokens=weights_tokens,
+        kv_tokens=kv_tokens,
+        contexts=tuple(int(c) for c in _csv(contexts)),
+        decode_steps=decode_steps,
+        kv_reads=kv_reads,
+        factual_recipe=factual_recipe or None,
+        progress=progress,
+    )
+    paths = write_plots(report, output)
+    if as_json:
+        echo_json(report.to_json())
+        return
+    _print_quality(report, paths)
+
+
+def _print_quality(report: object, paths: list[Path]) -> None:
+    from kvrig.quality.bench import QualityReport
+
+    assert isinstance(report, QualityReport)
+    click.echo(f"model {report.model}; text {', '.join(report.text)}")
+    if report.calibration:
+        click.echo(f"calibration text {', '.join(report.calibration)}")
+    click.echo(
+        "source PPL (unquantized weights and KV): "
+        + ", ".join(f"{v:.3f} on {k} tokens" for k, v in report.source_ppl.items())
+    )
+    click.echo(f"\nweight recipes (first {report.weights[0].tokens if report.weights else 0} tokens, fp KV)")
+    click.echo(f"{'recipe':14}{'bits/weight':>12}{'PPL':>9}{'change':>9}{'seconds':>9}")
+    for r in report.weights:
+        bpw = f"{r.bits_per_weight:.3f}" if r.bits_per_weight is not None else "-"
+        click.echo(f"{r.recipe:14}{bpw:>12}{r.ppl:9.3f}{r.ppl_delta_pct:+8.2f}%{r.seconds:9.0f}")
+    if report.kv:
+        ctx = sorted(report.kv[0].decode_tps)
+        fp = next((r for r in report.kv if r.kv == "fp16"), None)
+        reads = {
+            "decoded": "each position reads its own recent window, as decoding it would",
+            "chunked": "the recent window at each 256-token chunk's end",
+        }[report.kv_reads]
+        click.echo(f"\nKV variants (source weights, {report.kv[0].tokens} tokens, {reads}); bytes at {ctx[-1]} tokens")
+        head = f"{'kv':20}{'PPL':>8}{'change':>9}{'host bytes':>12}{'planned':>12}{'phone plan':>12}{'of fp16':>8}"
+        click.echo(head + "".join(f"{'tok/s@' + str(c):>12}" for c in ctx))
+        for r in report.kv:
+            last = ctx[-1]
+            frac = r.phone_kv_bytes[last] / fp.phone_kv_bytes[last] if fp else 0.0
+            click.echo(
+                f"{r.kv:20}{r.ppl:8.3f}{r.ppl_delta_pct:+8.2f}%{human_bytes(r.kv_bytes[last]):>12}"
+                f"{human_bytes(r.predicted_kv_bytes[last]):>12}{human_bytes(r.phone_kv_bytes[last]):>12}{frac:8.1%}"
+                + "".join(f"{r.decode_tps[c]:12.2f}" for c in ctx)
+            )
+        for r in report.kv:
+            if r.kv_scheme and r.kv_scheme != r.kv.split("+")[0] and "@top" in r.kv:
+                click.echo(f"{r.kv}: layers chosen by measurement: {r.kv_scheme}")
+        exact = all(r.kv_bytes == r.predicted_kv_bytes for r in report.kv)
+        click.echo(f"measured cache bytes equal the plan at every context: {'yes' if exact else 'NO'}")
+    if report.factual:
+        click.echo(f"\nfactual prompts, source vs {report.factual_recipe}")
+        for c in report.factual:
+            click.echo(f"  {c.prompt}\n    source: {c.source_answer!r}\n    {report.factual_recipe}: {c.answer!r}")
+    click.echo("\ngoals")
+    for g in report.goals:
+        click.echo(f"  [{'met' if g['met'] else 'MISSED'}] {g['goal']}: {g['best']}")
+    click.echo("\nwrote " + ", ".join(str(p) for p in paths))
+
+
+# `kvrig bench plan` lives beside the plan command it measures.
+bench.add_command(plan_bench, "plan")

@@ -1,0 +1,99 @@
+"""`kvrig jetsam REPORT...`: what each JetsamEvent report says, and the verdict for our app."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from kvrig.cli.render import echo_json, human_bytes, json_option, read_each
+from kvrig.exceptions import NotAJetsamReportError, ReportError
+
+if TYPE_CHECKING:
+    from kvrig.jetsam import JetsamProcess, JetsamReport, Verdict
+
+
+@click.command(
+    "jetsam",
+    short_help="Read JetsamEvent reports: memory, killed processes and why, the verdict for our app.",
+)
+@click.argument("reports", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--process", "process", metavar="NAME", help="Give the verdict for this process (our app).")
+@json_option
+def jetsam(reports: tuple[Path, ...], process: str | None, as_json: bool) -> None:
+    """Read JetsamEvent reports (.ips, .ips.synced): memory, largest process, killed processes and why."""
+    from kvrig.jetsam import read_report, verdict
+
+    results: list[dict[str, Any]] = []
+    errors: list[ReportError] = []
+    for _, report in read_each(reports, read_report, as_json=as_json, results=results, errors=errors):
+        entry = report.model_dump(mode="json", exclude={"processes"})
+        entry["killed"] = [_process_json(p) for p in report.killed]
+        if process:
+            entry["verdict"] = verdict(report, process).model_dump(mode="json")
+        results.append(entry)
+        if not as_json:
+            _render(report, verdict(report, process) if process else None)
+    if as_json:
+        echo_json(results)
+    if errors:
+        kind = ReportError if any(type(e) is not NotAJetsamReportError for e in errors) else NotAJetsamReportError
+        raise kind(f"{len(errors)} of {len(reports)} files could not be read as JetsamEvent reports")
+
+
+def _process_json(p: JetsamProcess) -> dict[str, Any]:
+    data = p.model_dump(mode="json")
+    data["killed"] = True
+    return data
+
+
+def _band_name(band: str | None, priority: int | None) -> str:
+    """'AGING_BAND1 (1)' out of 'AGING_BAND1 (1): aging band 1 ...' so the table stays narrow."""
+    if band:
+        return band.split(": ")[0]
+    return str(priority) if priority is not None else ""
+
+
+def _render(report: JetsamReport, v: Verdict | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(120, Console().width))
+    device = report.product or "unknown device"
+    if report.profile:
+        device += f" ({report.profile})"
+    page = f"{report.page_size} B pages" if report.page_size else "page size unknown"
+    console.print(f"[bold]{report.file}[/bold]")
+    console.print(f"  {report.os_version or 'OS unknown'} · {device} · {report.timestamp or 'time unknown'} · {page}")
+    mem = report.memory
+    parts = [f"{k} {human_bytes(b)}" for k, b in mem.bytes.items() if k in ("free", "active", "inactive", "wired")]
+    if mem.compressed_bytes is not None:
+        parts.append(f"compressed {human_bytes(mem.compressed_bytes)}")
+    if parts:
+        console.print("  memory: " + ", ".join(parts))
+    largest = report.largest_process or "not recorded"
+    if report.largest_process_bytes is not None:
+        largest += f" ({human_bytes(report.largest_process_bytes)})"
+    console.print(f"  largest process: {largest}")
+    if report.killed:
+        table = Table("killed", "pid", "reason", "footprint", "peak", "states", "priority band", "implied limit")
+        for p in report.killed:
+            table.add_row(
+                p.name or "?",
+                str(p.pid or "?"),
+                p.reason or "",
+                human_bytes(p.footprint_bytes) if p.footprint_bytes is not None else "?",
+                human_bytes(p.lifetime_peak_bytes) if p.lifetime_peak_bytes is not None else "",
+                ",".join(p.states),
+                _band_name(p.priority_band, p.priority),
+                human_bytes(p.implied_limit_bytes) if p.implied_limit_bytes is not None else "",
+            )
+        console.print(table)
+    else:
+        console.print("  no process killed in this report")
+    if report.partial:
+        console.print("  [yellow]partial:[/yellow] " + "; ".join(report.problems))
+    if v is not None:
+        colour = "red" if v.killed else "green"
+        console.print(f"  [{colour}]verdict:[/{colour}] {v.summary}")

@@ -1,0 +1,262 @@
+"""`kvrig plan`: the memory plan for a model on a device."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from kvrig.cli.options import backend_option
+from kvrig.cli.render import echo_json, human_bytes, json_option
+
+
+def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        items = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got '{value}'") from None
+    if not items or any(i < 1 for i in items):
+        raise click.BadParameter(f"expected positive integers, got '{value}'")
+    return items
+
+
+def _str_list(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str] | None:
+    return None if value is None else [v.strip() for v in value.split(",") if v.strip()]
+
+
+@click.command("plan", short_help="Plan memory for a model on a device: weights, KV cache per scheme, max context.")
+@click.argument("model", required=False, type=click.Path(path_type=Path))
+@click.option("--device", "-d", required=True, help="ProductType (iPhone16,1), profile name or profile file.")
+@click.option("--schemes", callback=_str_list, help="KV schemes, e.g. fp16,k8v4,k6v4g32 (default: all named).")
+@click.option("--contexts", callback=_int_list, help="Contexts to list, e.g. 2048,8192.")
+@click.option("--weights", default="q4", show_default=True, help="Weight recipe the budget uses.")
+@click.option("--recipes", callback=_str_list, help="Weight recipes to list (default q4,q8,mixed_4_6).")
+@click.option("--group-size", default=64, show_default=True, type=int, help="Weight quantization group size.")
+@click.option("--kv-group-size", type=int, help="KV quantization group size (default: --group-size).")
+@click.option("--dtype", default="float16", show_default=True, type=click.Choice(["float16", "bfloat16", "float32"]))
+@click.option("--prefill-step", default=512, show_default=True, type=click.IntRange(min=1))
+@click.option("--buffer-cache-mb", default=20.0, show_default=True, type=click.FloatRange(min=0))
+@click.option("--margin", default=0.10, show_default=True, type=click.FloatRange(0, 1, max_open=True))
+@click.option("--limit", type=click.Choice(["entitled", "default"]), default="entitled", show_default=True)
+@click.option("--target-context", type=click.IntRange(min=1), help="Recommend for this context.")
+@click.option(
+    "--cap",
+    default="trained",
+    show_default=True,
+    help="Upper bound on max context: 'trained' (max_position_embeddings), 'none' or a number.",
+)
+@click.option(
+    "--quality",
+    "quality_file",
+    type=click.Path(path_type=Path),
+    help="quality.json from `kvrig bench quality`: recommend only schemes within 2 % measured perplexity.",
+)
+@click.option(
+    "--calibration",
+    type=click.Path(path_type=Path),
+    help="Calibration file from `kvrig calibrate`: use its measured baseline for this device's profile.",
+)
+@backend_option(
+    "mlx", "coreml: bytes of the stateful Core ML program `kvrig export coreml` writes (weights, KV state)."
+)
+@click.option(
+    "--mlx-backend",
+    type=click.Choice(["metal", "cpu"]),
+    default="metal",
+    show_default=True,
+    help="Where MLX runs the app: metal (the phone: fused attention) or cpu (the host runtime, the virtual "
+    "iPhone: attention materializes the prefill scores).",
+)
+@json_option
+def plan(
+    model: Path | None,
+    device: str,
+    schemes: list[str] | None,
+    contexts: list[int] | None,
+    weights: str,
+    recipes: list[str] | None,
+    group_size: int,
+    kv_group_size: int | None,
+    dtype: str,
+    prefill_step: int,
+    buffer_cache_mb: float,
+    margin: float,
+    limit: str,
+    target_context: int | None,
+    cap: str,
+    calibration: Path | None,
+    quality_file: Path | None,
+    backend: str,
+    mlx_backend: str,
+    as_json: bool,
+) -> None:
+    """Plan memory for MODEL on a device: exact weight bytes per recipe, KV bytes per scheme, the app memory
+    limit and the max context each scheme holds, with a recommendation.
+
+    MODEL is a model directory, a config.json or a GGUF file; omitted, the embedded SmolLM2-135M."""
+    from kvrig.plan import PlanRequest
+    from kvrig.plan import plan as make_plan
+    from kvrig.plan.kv import ALL_NAMED_SCHEMES
+    from kvrig.plan.memory import DEFAULT_CONTEXTS
+    from kvrig.plan.weights import DEFAULT_RECIPES
+
+    if backend == "coreml":
+        from kvrig.cli.export import show_coreml_plan
+
+        show_coreml_plan(model, device, weights, group_size, list(contexts or DEFAULT_CONTEXTS), as_json)
+        return
+    if cap == "trained":
+        cap_value = None
+    elif cap == "none":
+        cap_value = 1 << 22
+    else:
+        try:
+            cap_value = int(cap)
+        except ValueError:
+            raise click.BadParameter("expected 'trained', 'none' or a number", param_hint="--cap") from None
+    request = PlanRequest(
+        schemes=tuple(schemes or ALL_NAMED_SCHEMES),
+        weights=weights,
+        recipes=tuple(recipes or DEFAULT_RECIPES),
+        group_size=group_size,
+        kv_group_size=kv_group_size,
+        dtype=dtype,
+        contexts=tuple(contexts or DEFAULT_CONTEXTS),
+        prefill_step=prefill_step,
+        buffer_cache_bytes=int(buffer_cache_mb * 1024 * 1024),
+        margin=margin,
+        limit=limit,  # type: ignore[arg-type]
+        target_context=target_context,
+        max_context_cap=cap_value,
+        backend=mlx_backend,  # type: ignore[arg-type]
+    )
+    if calibration is not None:
+        from kvrig.calibrate import calibrated_baseline
+        from kvrig.profiles import load_profile
+
+        entry = calibrated_baseline(calibration, load_profile(device).name)
+        request = request.model_copy(
+            update={"baseline_bytes": entry.baseline_bytes, "baseline_source": str(calibration)}
+        )
+    result = make_plan(model, device, request)
+    if quality_file is not None:
+        from kvrig.quality.plan_hook import apply_quality
+
+        result = apply_quality(result, quality_file)
+    if as_json:
+        echo_json(result)
+        return
+    render_plan(result)
+
+
+def render_plan(p) -> None:  # type: ignore[no-untyped-def]
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    m, d = p.model, p.device
+    console.print(
+        f"[bold]{Path(m.source).name}[/] ({m.model_type}, {m.layers} layers: "
+        + ", ".join(f"{n} {k}" for k, n in m.layer_kinds.items())
+        + f"; {m.parameters / 1e6:.0f}M parameters) on [bold]{d.marketing_name}[/] ({', '.join(d.product_types)})"
+    )
+    entitled = human_bytes(d.limit_entitled_bytes) if d.limit_entitled_bytes else "unknown"
+    console.print(
+        f"App memory limit: default {human_bytes(d.limit_default_bytes)}, entitled {entitled}; "
+        f"planning against {p.limit_kind} {human_bytes(p.limit_bytes)} − {p.margin:.0%} margin = "
+        f"{human_bytes(p.budget_bytes)}"
+    )
+    console.print(
+        "Runtime: MLX buffer cache "
+        f"{human_bytes(p.runtime.buffer_cache_bytes)}, baseline {human_bytes(p.runtime.baseline_bytes)} "
+        + ("(calibrated), " if p.runtime.baseline_calibrated_from else "(estimate), ")
+        + f"prefill step {p.runtime.prefill_step}, MLX on {p.runtime.backend}"
+    )
+    weights = Table(title="Weights", title_justify="left")
+    weights.add_column("recipe")
+    weights.add_column("bytes", justify="right")
+    for name, b in p.weights_by_recipe.items():
+        mark = " ◀ used" if name == p.weights_recipe else ""
+        weights.add_row(f"{name} (g{p.group_size}){mark}", human_bytes(b))
+    console.print(weights)
+
+    contexts = list(next(iter(p.kv_bytes.values())).keys())
+    kv = Table(title="KV cache by scheme", title_justify="left")
+    kv.add_column("scheme")
+    kv.add_column("bytes/token", justify="right")
+    for c in contexts:
+        kv.add_column(f"@{c}", justify="right")
+    kv.add_column("max context", justify="right")
+    kv.add_column("default limit", justify="right")
+    for name, per_token in p.kv_bytes_per_token.items():
+        bound = p.limited_by[name]
+        kv.add_row(
+            name,
+            f"{per_token:,}",
+            *[human_bytes(p.kv_bytes[name][c]) for c in contexts],
+            f"{p.max_context[name]:,} ({bound})",
+            f"{p.max_context_default_limit[name]:,}",
+        )
+    console.print(kv)
+
+    tps = Table(
+        title="Decode ceiling, tok/s (bandwidth / bytes read per token — a ceiling, not a forecast)",
+        title_justify="left",
+    )
+    tps.add_column("scheme")
+    for c in contexts:
+        tps.add_column(f"@{c}", justify="right")
+    for name, row in p.decode_tps_ceiling.items():
+        tps.add_row(name, *[f"{row[c]:.0f}" for c in contexts])
+    console.print(tps)
+
+    r = p.recommendation
+    console.print(f"[bold green]Recommendation:[/] {r.scheme} — max context {r.max_context:,}")
+    for reason in r.reasons:
+        console.print(f"  • {reason}")
+    for note in p.notes:
+        console.print(f"[dim]note: {note}[/]")
+
+
+@click.command("plan", short_help="Time and memory of planning, side by side with doing the same for real.")
+@click.argument("model", required=False, type=click.Path(path_type=Path))
+@click.option("--device", "-d", default="iPhone16,1", show_default=True, help="ProductType, profile name or file.")
+@click.option("--no-real", is_flag=True, help="Skip the evaluated KV and the measured prefill (large models).")
+@json_option
+def plan_bench(model: Path | None, device: str, no_real: bool, as_json: bool) -> None:
+    """Time and memory of planning MODEL (default: the embedded SmolLM2), side by side with doing the same
+    for real: MLX's peak memory and Python's while planning, the lazily answered KV bytes at 8192 tokens
+    against the evaluated caches, and the prefill transient measured on the real model against the plan's."""
+    from kvrig.runtime.blas import ensure_openblas
+
+    if not no_real:
+        ensure_openblas()  # the measured prefill runs float matmuls on the CPU
+    from kvrig.plan.bench import benchmark_plan
+
+    b = benchmark_plan(model, device, real=not no_real)
+    if as_json:
+        echo_json(b.to_dict())
+        return
+    click.echo(
+        f"{Path(b.model).name}: plan {b.plan_seconds:.2f} s; MLX peak {b.plan_mlx_peak_bytes:,} B, "
+        f"Python peak {human_bytes(b.plan_python_peak_bytes)}"
+    )
+    click.echo(
+        f"KV at {b.kv_context} tokens (fp16): {b.kv_bytes_lazy:,} B answered lazily in "
+        f"{b.kv_lazy_seconds:.3f} s with {b.kv_lazy_mlx_peak_bytes:,} B of MLX memory"
+    )
+    if b.kv_bytes_evaluated is not None and b.kv_evaluated_mlx_peak_bytes:
+        click.echo(
+            f"  evaluated for real: {b.kv_bytes_evaluated:,} B, MLX peak {b.kv_evaluated_mlx_peak_bytes:,} B "
+            f"(lazy allocates {b.kv_lazy_mlx_peak_bytes / b.kv_evaluated_mlx_peak_bytes:.2e} of it)"
+        )
+    if b.transient_measured_bytes is not None and b.transient_planned_bytes:
+        click.echo(
+            f"Prefill transient at {b.transient_context} (512-token chunk, float32, CPU): measured "
+            f"{human_bytes(b.transient_measured_bytes)}, planned for the CPU backend "
+            f"{human_bytes(b.transient_planned_bytes)} "
+            f"(measured/planned {b.transient_measured_bytes / b.transient_planned_bytes:.2f}); "
+            f"planned for Metal (fused attention) {human_bytes(b.transient_planned_metal_bytes or 0)}"
+        )

@@ -1,0 +1,111 @@
+"""`kvrig profiles`: the device profiles kvrig knows, with the source of every number."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from kvrig.cli.render import echo_json, human_bytes, json_option
+from kvrig.profiles import DeviceProfile, SourcedInt, list_profiles, load_profile
+from kvrig.schemas import json_schema
+
+MIB = 1 << 20
+
+
+@click.group(short_help="List and show the device profiles kvrig knows.")
+def profiles() -> None:
+    """List and show the device profiles kvrig knows."""
+
+
+@profiles.command("list")
+@json_option
+def list_command(as_json: bool) -> None:
+    """One line per device: ProductTypes, chip, RAM, app memory limits, bandwidth (~ marks estimates)."""
+    found = list_profiles()
+    if as_json:
+        echo_json(found)
+        return
+    table = Table(title=f"{len(found)} device profiles (~ estimated)")
+    for column in ("name", "product types", "chip", "RAM", "limit", "entitled", "bandwidth"):
+        table.add_column(column, justify="right" if column in {"RAM", "limit", "entitled", "bandwidth"} else "left")
+    for p in found:
+        table.add_row(
+            p.name,
+            " ".join(p.product_types),
+            p.chip,
+            _estimated(p.ram_bytes, human_bytes),
+            _estimated(p.app_memory_limit.default_bytes, _as_mib),
+            _estimated(p.app_memory_limit.entitled_bytes, _as_mib),
+            _estimated(p.memory_bandwidth_bytes_per_s, _gb_per_s),
+        )
+    Console().print(table)
+
+
+@profiles.command("show")
+@click.argument("ref")
+@json_option
+def show_command(ref: str, as_json: bool) -> None:
+    """Every field of one profile with its basis and source. REF: name, ProductType or YAML path."""
+    profile = load_profile(ref)
+    if as_json:
+        echo_json(profile)
+        return
+    _print_profile(profile)
+
+
+@profiles.command("schema")
+def schema_command() -> None:
+    """The JSON Schema of a profile file."""
+    echo_json(json_schema(DeviceProfile))
+
+
+def _print_profile(p: DeviceProfile) -> None:
+    console = Console()
+    console.print(f"[bold]{p.marketing_name}[/bold] ({p.name}): {', '.join(p.product_types)}, {p.chip}")
+    table = Table(show_lines=True)
+    table.add_column("field", no_wrap=True)
+    table.add_column("value")
+    table.add_column("basis")
+    table.add_column("source", overflow="fold")
+    rows: list[tuple[str, SourcedInt | None, Callable[[int], str]]] = [
+        ("ram_bytes", p.ram_bytes, human_bytes),
+        ("gpu_cores", p.gpu_cores, str),
+        ("memory_bandwidth_bytes_per_s", p.memory_bandwidth_bytes_per_s, _gb_per_s),
+        ("page_size_bytes", p.page_size_bytes, human_bytes),
+        ("app_memory_limit.default_bytes", p.app_memory_limit.default_bytes, _as_mib),
+        ("app_memory_limit.entitled_bytes", p.app_memory_limit.entitled_bytes, _as_mib),
+        ("app_baseline_bytes", p.app_baseline_bytes, human_bytes),
+    ]
+    for field, sourced, fmt in rows:
+        if sourced is None:
+            table.add_row(field, "unknown", "", "")
+        else:
+            shown = fmt(sourced.value)
+            value = str(sourced.value) if shown == str(sourced.value) else f"{sourced.value} ({shown})"
+            table.add_row(field, value, sourced.basis, sourced.source)
+    if p.os_seen is not None:
+        table.add_row("os_seen", p.os_seen.value, p.os_seen.basis, p.os_seen.source)
+    console.print(table)
+    for title, lines in (("notes", p.notes), ("sources", p.sources)):
+        if lines:
+            console.print(f"[bold]{title}[/bold]")
+            for line in lines:
+                console.print(f"  - {line}", markup=False, highlight=False)
+
+
+def _as_mib(n: int) -> str:
+    return f"{n / MIB:.0f} MiB"
+
+
+def _gb_per_s(n: float) -> str:
+    return f"{n / 1e9:.1f} GB/s"
+
+
+def _estimated(sourced: SourcedInt | None, fmt: Callable[[int], str]) -> str:
+    """Table cell: '~' marks an estimate."""
+    if sourced is None:
+        return "unknown"
+    return ("~" if sourced.basis == "estimated" else "") + fmt(sourced.value)

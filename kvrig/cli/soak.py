@@ -1,0 +1,140 @@
+"""`kvrig soak`: run one soak on a device and write results.json, telemetry and jetsam reports to a folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from kvrig.cli.bridge import run_async
+from kvrig.cli.device import parse_tunnel, tunnel_option
+from kvrig.cli.options import backend_option, seconds_option, tokens_option
+from kvrig.cli.render import echo_json, human_bytes, json_option
+
+
+@click.command(
+    "soak",
+    short_help="Grow the app's context on a device until it completes or jetsam kills it; write results.json.",
+)
+@click.option("--app-id", required=True, help="Bundle id of the installed app to soak.")
+@click.option("--udid", default=None, help="The device's UDID (needed when several are attached).")
+@click.option(
+    "--plan", "plan_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="A soak plan file."
+)
+@tokens_option("--max-tokens", 131072, "Stop growing here.")
+@tokens_option("--step", 256, "Tokens added per step.")
+@tokens_option("--decode-tokens", 16, "Tokens timed per step.")
+@backend_option(
+    None,
+    "Runtime the app soaks: MLX (default) or the Core ML program `kvrig app --coreml` shipped; overrides the plan "
+    "file's.",
+)
+@click.option("--bundle", "bundle_name", default=None, help="Name of the model bundle the app runs (recorded).")
+@click.option("--scheme", default="default", show_default=True, help="KV scheme name recorded with the run.")
+@seconds_option(
+    "--hang-after", 120.0, "Seconds without telemetry (app alive) before the run counts as hung.", minimum=0.1
+)
+@seconds_option("--timeout", None, "Seconds for the whole run.", minimum=1)
+@tunnel_option
+@seconds_option(
+    "--reconnect",
+    30.0,
+    "Seconds a dropped tunnel or an unplugged phone may take to come back before the run ends as lost.",
+    minimum=0,
+    dest="reconnect_s",
+)
+@seconds_option(
+    "--handshake-timeout", 20.0, "Seconds the phone gets to finish the tunnel handshake (iOS 17+).", minimum=0.1
+)
+@seconds_option(
+    "--battery-interval", 5.0, "Seconds between battery temperature/level reads (diagnostics relay).", minimum=0.5
+)
+@click.option(
+    "-o",
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    required=True,
+    help="Output folder (results.json, telemetry.jsonl, reports/).",
+)
+@json_option
+def soak(
+    app_id: str,
+    udid: str | None,
+    plan_file: Path | None,
+    max_tokens: int,
+    step: int,
+    decode_tokens: int,
+    backend: str | None,
+    bundle_name: str | None,
+    scheme: str,
+    hang_after: float,
+    timeout: float | None,
+    tunnel: str,
+    reconnect_s: float,
+    handshake_timeout: float,
+    battery_interval: float,
+    out_dir: Path,
+    as_json: bool,
+) -> None:
+    """Grow the app's context until it completes or iOS kills it; pull telemetry and the jetsam report."""
+    from kvrig.exceptions import SoakFailedError, TunnelLostError
+    from kvrig.schemas import load_model_file
+    from kvrig.schemas.results import BAD_OUTCOMES
+    from kvrig.schemas.soakplan import SoakPlan
+    from kvrig.soak import SoakOptions, make_plan
+    from kvrig.soak import soak as run
+
+    if plan_file is not None:
+        plan = load_model_file(SoakPlan, plan_file)
+    else:
+        plan = make_plan(max_tokens=max_tokens, step_tokens=step, decode_tokens=decode_tokens, scheme=scheme)
+    if backend is not None:
+        plan = plan.model_copy(update={"backend": backend})
+    echo = None if as_json else (lambda line: click.echo(line, err=True))
+    options = SoakOptions(
+        hang_after_s=hang_after,
+        timeout_s=timeout,
+        reconnect_s=reconnect_s,
+        bundle=bundle_name,
+        on_event=echo,
+        battery_interval_s=battery_interval,
+        tunnel=parse_tunnel(tunnel),
+        handshake_timeout_s=handshake_timeout,
+    )
+    result = run_async(run(app_id, plan, out_dir, udid=udid, options=options))
+    if as_json:
+        echo_json(result)
+    else:
+        _render(result, out_dir)
+    if result.outcome == "device_lost" and result.lost == "tunnel":
+        raise TunnelLostError(f"soak {result.run_id}: {result.outcome_detail} (results: {out_dir / 'results.json'})")
+    if result.outcome in BAD_OUTCOMES:
+        raise SoakFailedError(f"soak {result.run_id} ended in {result.outcome}: {result.outcome_detail}")
+
+
+def _render(result, out_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    def size(n: int | None) -> str:
+        return human_bytes(n) if n is not None else "?"
+
+    click.echo(f"run {result.run_id} on {result.device.udid} ({result.device.product_type}): {result.outcome}")
+    click.echo(f"  {result.outcome_detail}")
+    click.echo(f"  max context reached {result.max_context_reached}, max safe context {result.max_safe_context}")
+    if result.footprint_at_kill_bytes is not None:
+        click.echo(
+            f"  footprint at kill {size(result.footprint_at_kill_bytes)}, "
+            f"limit implied by the report {size(result.limit_bytes)}, app believed {size(result.app_limit_bytes)}"
+        )
+    points = [p for p in result.tps_curve if p.decode_tps is not None]
+    if points:
+        shown = points[:: max(1, len(points) // 8)]
+        click.echo("  decode tok/s: " + ", ".join(f"{p.context_tokens}:{p.decode_tps:.1f}" for p in shown))
+    if result.tunnel is not None:
+        click.echo(f"  tunnel: {result.tunnel.kind} ({result.tunnel.reason}), opened {result.tunnel.opened}x")
+    for i in result.interruptions:
+        state = f"resumed after {i.after_s:g} s" if i.resumed and i.after_s is not None else "did not come back"
+        click.echo(f"  interrupted ({i.cause}): {state}")
+    temps = [b.temperature_c for b in result.battery if b.temperature_c is not None]
+    if temps:
+        click.echo(f"  battery {temps[0]:.1f} -> {temps[-1]:.1f} °C (max {max(temps):.1f}) over {len(temps)} reads")
+    click.echo(f"  results: {out_dir / 'results.json'}")

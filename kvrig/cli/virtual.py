@@ -1,0 +1,181 @@
+"""`kvrig virtual start|stop|status`: a virtual iPhone that pymobiledevice3 drives over a usbmuxd socket."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from kvrig.cli.options import ios_option
+from kvrig.cli.render import echo_json, human_bytes, json_option
+
+
+@click.group(short_help="Run a virtual USB iPhone that pymobiledevice3 drives (start, stop, status).")
+def virtual() -> None:
+    """Run a virtual USB iPhone (usbmuxd socket, lockdownd, AFC, apps, crash reports, DTX)."""
+
+
+def _socket_option(func):  # type: ignore[no-untyped-def]
+    from kvrig.virtual.control import DEFAULT_SOCKET
+
+    return click.option(
+        "--socket",
+        "address",
+        default=DEFAULT_SOCKET,
+        show_default=True,
+        help="usbmuxd socket: a unix path or HOST:PORT (give it to clients as USBMUXD_SOCKET_ADDRESS).",
+    )(func)
+
+
+@virtual.command()
+@click.option("--profile", default="iPhone16,1", show_default=True, help="ProductType or device profile.")
+@_socket_option
+@click.option(
+    "--state",
+    "state",
+    type=click.Path(file_okay=False, path_type=Path),
+    required=True,
+    help="State folder (apps, containers, crash reports); kept across restarts.",
+)
+@click.option("--limit-mb", type=int, default=None, help="App memory limit in MiB (default: the profile's).")
+@click.option(
+    "--baseline-mb", type=float, default=None, help="App footprint before weights and KV, MiB (default: the profile's)."
+)
+@ios_option("16.7", "iOS release; from 17.4 developer services are reached through a CoreDeviceProxy tunnel.")
+@click.option("--detach", is_flag=True, help="Run in the background and return.")
+@click.option(
+    "--tcp",
+    default=None,
+    metavar="HOST:PORT",
+    help="Serve usbmuxd on this TCP address too (port 0: any free one; `status` shows it), for remote labs.",
+)
+@click.option("--unplug-after-afc-bytes", type=int, default=None, help="Fault: unplug after N bytes of AFC.")
+@click.option("--refuse-service", multiple=True, help="Fault: lockdownd refuses this service (repeatable).")
+@click.option("--crash-at-tokens", type=int, default=None, help="Fault: the app crashes at N context tokens.")
+@click.option("--hang-at-tokens", type=int, default=None, help="Fault: the app hangs at N context tokens.")
+@click.option("--slow-link-bps", type=float, default=None, help="Fault: pace every connection to N bytes/s.")
+@click.option("--developer-mode-off", is_flag=True, help="Fault: Developer Mode is off (AMFI can enable it).")
+@click.option(
+    "--image-missing", is_flag=True, help="Fault: no developer disk image mounted (the mounter can mount it)."
+)
+@click.option(
+    "--tunnel-drop-after-bytes", type=int, default=None, help="Fault: the CoreDeviceProxy tunnel drops after N bytes."
+)
+@click.option("--handshake-timeout", is_flag=True, help="Fault: the CDTunnel handshake is never answered.")
+@click.option("--launch-errors", type=int, default=0, help="Fault: the next N launches fail (transient NSError).")
+@json_option
+def start(
+    profile: str,
+    address: str,
+    state: Path,
+    limit_mb: int | None,
+    baseline_mb: float | None,
+    ios: str,
+    detach: bool,
+    tcp: str | None,
+    unplug_after_afc_bytes: int | None,
+    refuse_service: tuple[str, ...],
+    crash_at_tokens: int | None,
+    hang_at_tokens: int | None,
+    slow_link_bps: float | None,
+    developer_mode_off: bool,
+    image_missing: bool,
+    tunnel_drop_after_bytes: int | None,
+    handshake_timeout: bool,
+    launch_errors: int,
+    as_json: bool,
+) -> None:
+    """Start a virtual iPhone and print its socket address."""
+    from kvrig.virtual import control
+    from kvrig.virtual.faults import FaultPlan
+
+    faults = FaultPlan(
+        unplug_after_afc_bytes,
+        set(refuse_service),
+        crash_at_tokens,
+        hang_at_tokens,
+        slow_link_bps,
+        developer_mode_off=developer_mode_off,
+        image_missing=image_missing,
+        tunnel_drop_after_bytes=tunnel_drop_after_bytes,
+        handshake_timeout=handshake_timeout,
+        launch_errors=launch_errors,
+    )
+
+    def ready() -> None:
+        click.echo(f"USBMUXD_SOCKET_ADDRESS={address}", err=False)
+
+    result = control.start(
+        address,
+        state,
+        profile=profile,
+        ios=ios,
+        limit_bytes=limit_mb * 1024 * 1024 if limit_mb is not None else None,
+        baseline_bytes=int(baseline_mb * 1024 * 1024) if baseline_mb is not None else None,
+        faults=faults,
+        detach=detach,
+        on_ready=ready,
+        tcp=tcp,
+    )
+    if result:
+        tcp_address = control.status(address).get("TcpAddress")
+        if as_json:
+            echo_json({"socket": address, **({"tcp": tcp_address} if tcp_address else {}), **result})
+        else:
+            click.echo(f"USBMUXD_SOCKET_ADDRESS={address}")
+            if tcp_address:
+                click.echo(f"USBMUXD_SOCKET_ADDRESS={tcp_address}")
+            click.echo(
+                f"{result['udid']}  {result['product_type']}  iOS {result['ios']}  "
+                f"limit {human_bytes(result['limit_bytes'])}"
+            )
+
+
+@virtual.command()
+@_socket_option
+@click.option(
+    "--state",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Stop only the device with this state folder (default: the whole server).",
+)
+def stop(address: str, state: Path | None) -> None:
+    """Stop a virtual iPhone (or every one on the socket)."""
+    from kvrig.virtual import control
+
+    control.stop(address, state)
+    click.echo("stopped")
+
+
+@virtual.command()
+@_socket_option
+@json_option
+def status(address: str, as_json: bool) -> None:
+    """Show the virtual iPhones served on the socket."""
+    from kvrig.virtual import control
+
+    result = control.status(address)
+    if as_json:
+        echo_json(result)
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"virtual iPhones on {result['Address']} (pid {result['Pid']})")
+    columns = ("UDID", "ProductType", "iOS", "limit", "plugged", "dev mode", "image", "running apps", "state")
+    for column in columns:
+        table.add_column(column)
+    for d in result["Devices"]:
+        running = ", ".join(f"{name}[{pid}]" for pid, name in d["running"].items()) or "-"
+        table.add_row(
+            d["udid"],
+            d["product_type"],
+            d["ios"],
+            human_bytes(d["limit_bytes"]),
+            str(d["plugged"]),
+            "on" if d["developer_mode"] else "off",
+            "mounted" if d["image_mounted"] else "missing",
+            running,
+            d["state"],
+        )
+    Console().print(table)

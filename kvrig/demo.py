@@ -1,0 +1,236 @@
+"""The main job end to end on a virtual iPhone (what `kvrig demo` and `make demo` run).
+
+Package the embedded SmolLM2 (weights and KV scheme as given), plan it, render its app and build the .ipa for
+the virtual iPhone, start a virtual iPhone 15 Pro whose app limit is the plan's peak footprint at
+`room_tokens` (weights, KV, MLX buffer cache, the prefill transient, the profile's baseline; so jetsam comes in
+a minute or two on a laptop CPU), deploy the app and the bundle, soak until jetsam, and compare the planner's
+prediction with what the soak measured and what the JetsamEvent report says. The virtual iPhone is stopped at
+the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvrig.schemas.results import Prediction, SoakResult
+
+APP_NAME = "SmolLM2 Demo"
+APP_ID = "dev.kvrig.demo"
+Event = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    out: Path
+    device: str = "iPhone16,1"
+    weights: str = "q4"
+    kv: str = "k8v4"
+    room_tokens: int = 2048
+    prefill_step: int = 512
+    step_tokens: int = 256
+    decode_tokens: int = 4
+    max_tokens: int = 16384
+    max_seconds: float = 900.0
+    ios: str = "18.6"
+    app_runtime: str = "auto"
+    """`auto` (the app's Swift engine when it can be built here, else the Python runtime), `swift`, `python`."""
+
+
+@dataclass
+class DemoResult:
+    bundle: Path
+    project: Path
+    ipa: Path
+    device: str
+    limit_bytes: int
+    predicted_max_context: int
+    """Planner, no safety margin: the context whose estimated peak reaches the limit."""
+    predicted_max_context_with_margin: int
+    margin: float
+    predicted_footprint_bytes: int
+    soak: SoakResult
+    soak_dir: Path
+    kv: str = ""
+    prefill_step: int = 0
+    step_tokens: int = 0
+    ios: str = ""
+    app_runtime: str = ""
+    """What the virtual iPhone ran: `swift` (the app's engine) or `python` (kvrig's LLM runtime)."""
+    app_runtime_why: str = ""
+    buffer_cache_bytes: int = 0
+    """The buffer cache the plan counted: what the app's MLX keeps on this host, measured with the bundle's cap."""
+    buffer_cache_limit_bytes: int = 0
+
+    @property
+    def killed_in_step(self) -> tuple[int, int] | None:
+        """The soak step the kernel killed the app in: (last context it survived, the context it was growing
+        to); None unless jetsam ended the run."""
+        if self.soak.outcome != "jetsam" or self.soak.max_safe_context is None:
+            return None
+        return self.soak.max_safe_context, self.soak.max_safe_context + self.step_tokens
+
+    @property
+    def plan_within_one_step(self) -> bool | None:
+        """The issue's check: the planned max context (no margin) lies within one soak step of the kill."""
+        step = self.killed_in_step
+        if step is None:
+            return None
+        return abs(self.predicted_max_context - step[0]) <= self.step_tokens
+
+    @property
+    def kill_footprint_over_limit_bytes(self) -> int | None:
+        """The JetsamEvent report's footprint minus the limit (within one page when the kernel is exact)."""
+        at_kill = self.soak.footprint_at_kill_bytes
+        return None if at_kill is None else at_kill - self.limit_bytes
+
+
+def _say(on_event: Event | None, text: str) -> None:
+    if on_event is not None:
+        on_event(text)
+
+
+def run_demo(options: DemoOptions, on_event: Event | None = None) -> DemoResult:
+    from kvrig.appgen.render import AppOptions, render_app
+    from kvrig.appgen.virtual_ipa import APP_RUNTIMES, build_virtual_ipa
+    from kvrig.bundle import PackageOptions, package
+    from kvrig.models import load_model_spec
+    from kvrig.models.gguf import embedded_default_model
+    from kvrig.plan import PlanRequest, plan_memory
+    from kvrig.plan.memory import DEFAULT_MARGIN
+    from kvrig.profiles import AppMemoryLimit, SourcedInt, load_profile
+    from kvrig.schemas.kvcache import PressurePolicy
+    from kvrig.virtual.swiftapp import buffer_cache_held, resolve_runtime
+
+    out = options.out
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"smollm2-{options.weights}-{options.kv}-p{options.prefill_step}"
+    _say(on_event, f"packaging SmolLM2-135M ({options.weights} weights, {options.kv} KV) ...")
+    packaged = package(
+        embedded_default_model(),
+        out / "bundles" / name,
+        PackageOptions(
+            weights=options.weights,
+            kv=options.kv,
+            prefill_step_size=options.prefill_step,
+            # The demo measures where jetsam strikes: an app that evicted under pressure would move it.
+            pressure=PressurePolicy(warning="none", critical="none"),
+            force=True,
+        ),
+    )
+    bundle, kv = packaged.path, packaged.kvcache
+
+    profile = load_profile(options.device)
+    spec = load_model_spec(bundle)
+    runtime = resolve_runtime(options.app_runtime, on_event)
+    # The buffer cache the app's MLX really keeps on this host (measured; the bundle's cap is what Metal keeps).
+    held_cache = buffer_cache_held(runtime.runtime, kv.buffer_cache_limit_bytes)
+    common = PlanRequest(
+        schemes=(kv.scheme,),
+        weights=options.weights,
+        # The largest chunk the app prefills: the bundle's prefill step, or a whole soak step when that is
+        # smaller (each step feeds at most step_tokens new tokens).
+        prefill_step=min(kv.prefill_step_size, options.step_tokens),
+        buffer_cache_bytes=held_cache,
+        # The virtual iPhone runs the app's MLX on this host's CPU, whose attention materializes the prefill
+        # scores; a real phone's plan is the default (Metal).
+        backend="cpu",
+    )
+    # The limit: the plan's own peak footprint at `room_tokens` (capped there, so the plan stops at it).
+    sizing = plan_memory(
+        spec, profile, common.model_copy(update={"margin": 0.0, "max_context_cap": options.room_tokens})
+    )
+    limit = sizing.budget_at_max_context[kv.scheme].total_bytes
+    # The planner on the phone the soak runs on: the same profile with the small limit.
+    given = SourcedInt(value=limit, basis="reported", source="kvrig demo: the virtual iPhone's limit")
+    small = profile.model_copy(update={"app_memory_limit": AppMemoryLimit(default_bytes=given)})
+    exact = plan_memory(spec, small, common.model_copy(update={"margin": 0.0, "limit": "default"}))
+    margined = plan_memory(spec, small, common.model_copy(update={"margin": DEFAULT_MARGIN, "limit": "default"}))
+    predicted = Prediction(
+        max_context=exact.max_context[kv.scheme],
+        limit_bytes=limit,
+        footprint_at_max_context_bytes=exact.budget_at_max_context[kv.scheme].total_bytes,
+    )
+    _say(
+        on_event,
+        f"plan: limit {limit / 2**20:.1f} MiB on a virtual {profile.marketing_name}: "
+        f"max context {predicted.max_context} ({margined.max_context[kv.scheme]} with the {DEFAULT_MARGIN:.0%} margin)",
+    )
+
+    _say(on_event, "rendering the app and building the .ipa for the virtual iPhone ...")
+    project = render_app(bundle, out / "app", AppOptions(name=APP_NAME, bundle_id=APP_ID), force=True).project
+    ipa = build_virtual_ipa(project, out / f"{project.name}-virtual.ipa", APP_RUNTIMES[runtime.runtime])
+    _say(on_event, f"the virtual iPhone runs {runtime.why}")
+
+    soak_result = _soak_on_virtual_iphone(options, bundle, ipa, limit, predicted, kv.scheme, on_event)
+    return DemoResult(
+        bundle=bundle,
+        project=project,
+        ipa=ipa,
+        device=profile.marketing_name,
+        limit_bytes=limit,
+        predicted_max_context=exact.max_context[kv.scheme],
+        predicted_max_context_with_margin=margined.max_context[kv.scheme],
+        margin=DEFAULT_MARGIN,
+        predicted_footprint_bytes=exact.budget_at_max_context[kv.scheme].total_bytes,
+        soak=soak_result,
+        soak_dir=out / "soak",
+        kv=kv.scheme,
+        prefill_step=kv.prefill_step_size,
+        step_tokens=options.step_tokens,
+        ios=options.ios,
+        app_runtime=runtime.runtime,
+        app_runtime_why=runtime.why,
+        buffer_cache_bytes=held_cache,
+        buffer_cache_limit_bytes=kv.buffer_cache_limit_bytes,
+    )
+
+
+def _soak_on_virtual_iphone(
+    options: DemoOptions,
+    bundle: Path,
+    ipa: Path,
+    limit: int,
+    predicted: Prediction,
+    scheme: str,
+    on_event: Event | None,
+) -> SoakResult:
+    from kvrig.device.deploy import deploy
+    from kvrig.soak import SoakOptions, make_plan
+    from kvrig.soak.driver import soak
+    from kvrig.virtual.host import EmulatorHost
+
+    # A unix socket path must stay short; the state folder lives in the output folder.
+    address = f"/tmp/kvrig-demo-{os.getpid()}.sock"
+    state = options.out / "virtual-iphone"
+    phone = f"{options.device}, iOS {options.ios}, app limit {limit / 2**20:.1f} MiB"
+    _say(on_event, f"starting a virtual iPhone ({phone}) on {address}")
+    with EmulatorHost(address) as host:
+        # By default an iOS 18 phone: developer services go through the CoreDeviceProxy tunnel, as on most phones.
+        device = host.add_device(state, profile=options.device, limit_bytes=limit, ios=options.ios)
+        udid = device.identity.udid
+
+        _say(on_event, "deploying the app and the bundle ...")
+        asyncio.run(deploy(bundle, ipa=ipa, udid=udid, usbmux_address=address))
+
+        plan = make_plan(
+            max_tokens=options.max_tokens,
+            step_tokens=options.step_tokens,
+            decode_tokens=options.decode_tokens,
+            scheme=scheme,
+            max_seconds=options.max_seconds,
+        ).model_copy(update={"on_critical": "continue"})  # keep growing into the kernel's limit
+        soak_options = SoakOptions(
+            poll_interval_s=0.5, bundle=bundle.name, predicted=predicted, on_event=on_event, report_wait_s=10
+        )
+        _say(on_event, f"soaking: {options.step_tokens} tokens per step until jetsam ...")
+        try:
+            return asyncio.run(
+                soak(APP_ID, plan, options.out / "soak", udid=udid, options=soak_options, usbmux_address=address)
+            )
+        finally:
+            _say(on_event, "stopping the virtual iPhone")
+            host.run(device.apps.kill_all())

@@ -1,0 +1,192 @@
+"""Finding phones through usbmuxd and opening a lockdown session to one.
+
+A real phone and the virtual iPhone look the same here: usbmuxd lists them (pymobiledevice3 honours
+`USBMUXD_SOCKET_ADDRESS`), lockdownd tells us ProductType and iOS version, and the ProductType maps to one of
+our device profiles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+from pymobiledevice3 import usbmux
+from pymobiledevice3.lockdown import LockdownClient, create_using_usbmux
+from pymobiledevice3.lockdown_service_provider import LockdownServiceProvider
+
+from kvrig.device.errors import device_errors, translate
+from kvrig.exceptions import DeviceError, DeviceNotFoundError
+
+if TYPE_CHECKING:
+    from kvrig.device.preflight import Preflight
+    from kvrig.device.tunnel import Tunnel
+
+
+# A lockdown value only kvrig's virtual iPhone sends; real phones never have it.
+VIRTUAL_KEY = "KvrigVirtualDevice"
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    udid: str
+    connection: str
+    product_type: str | None = None
+    os_version: str | None = None
+    build_version: str | None = None
+    name: str | None = None
+    profile: str | None = None
+    error: str | None = None  # why lockdownd could not be asked (not trusted, refused)
+    host: str | None = None  # the usbmuxd host it was found on (device/hosts.py)
+    virtual: bool = False  # kvrig's virtual iPhone: its app runs MLX on the host's CPU, not on Metal
+    problem: DeviceError | None = field(default=None, compare=False, repr=False)  # the same, typed
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "problem"}
+
+    @property
+    def os_major(self) -> int:
+        try:
+            return int((self.os_version or "0").split(".")[0])
+        except ValueError:
+            return 0
+
+
+def profile_for(product_type: str | None) -> str | None:
+    """Our device profile's name for a ProductType; None when we have no profile for it."""
+    if not product_type:
+        return None
+    from kvrig.profiles import find_profile_by_product_type
+
+    profile = find_profile_by_product_type(product_type)
+    return profile.name if profile is not None else None
+
+
+def _info(udid: str, connection: str, values: dict[str, Any]) -> DeviceInfo:
+    product_type = values.get("ProductType")
+    return DeviceInfo(
+        udid=udid,
+        connection=connection,
+        product_type=product_type,
+        os_version=values.get("ProductVersion"),
+        build_version=values.get("BuildVersion"),
+        name=values.get("DeviceName"),
+        profile=profile_for(product_type),
+        virtual=values.get(VIRTUAL_KEY) is True,
+    )
+
+
+async def list_devices(*, usbmux_address: str | None = None) -> list[DeviceInfo]:
+    """Every device usbmuxd knows, USB first, each described by lockdownd (or with the reason it could not be)."""
+    async with device_errors("listing devices"):
+        mux_devices = await usbmux.list_devices(usbmux_address=usbmux_address)
+    found: list[DeviceInfo] = []
+    seen: set[str] = set()
+    for mux in sorted(mux_devices, key=lambda d: (not d.is_usb, d.serial)):
+        if mux.serial in seen:  # the same phone over USB and Wi-Fi
+            continue
+        seen.add(mux.serial)
+        try:
+            async with device_errors("reading device values", udid=mux.serial):
+                lockdown = await create_using_usbmux(
+                    serial=mux.serial,
+                    autopair=False,
+                    usbmux_address=usbmux_address,
+                    connection_type=mux.connection_type,
+                )
+                try:
+                    values = dict(lockdown.all_values)
+                finally:
+                    await lockdown.close()
+        except DeviceError as exc:
+            found.append(DeviceInfo(udid=mux.serial, connection=mux.connection_type, error=str(exc), problem=exc))
+            continue
+        found.append(_info(mux.serial, mux.connection_type, values))
+    return found
+
+
+async def select_device(udid: str | None = None, *, usbmux_address: str | None = None) -> DeviceInfo:
+    """The device with this UDID, or the only attached one when `udid` is None."""
+    devices = await list_devices(usbmux_address=usbmux_address)
+    if udid is not None:
+        for device in devices:
+            if device.udid == udid:
+                return device
+        attached = ", ".join(d.udid for d in devices) or "none"
+        raise DeviceNotFoundError(f"device {udid} is not attached (attached: {attached})")
+    if not devices:
+        raise DeviceNotFoundError("no device attached (connect an iPhone, or start one with `kvrig virtual start`)")
+    if len(devices) > 1:
+        listing = ", ".join(f"{d.udid} ({d.product_type}, iOS {d.os_version})" for d in devices)
+        raise DeviceNotFoundError(f"{len(devices)} devices attached: {listing}; choose one with --udid")
+    return devices[0]
+
+
+class Device:
+    """An open lockdown session to one phone; every service starts from it. Use `async with connect(...)`.
+
+    `tunnel` (iOS 17+) carries the developer services; `developer` is the provider they start from: the
+    tunnel's RSD when there is one, lockdown otherwise."""
+
+    def __init__(
+        self, info: DeviceInfo, lockdown: LockdownClient, usbmux_address: str | None, tunnel: Tunnel | None = None
+    ) -> None:
+        self.info = info
+        self.lockdown = lockdown
+        self.usbmux_address = usbmux_address
+        self.tunnel = tunnel
+        self.preflight: Preflight | None = None  # set by session.open_session
+
+    @property
+    def udid(self) -> str:
+        return self.info.udid
+
+    @property
+    def developer(self) -> LockdownServiceProvider:
+        if self.tunnel is not None and self.tunnel.rsd is not None:
+            return self.tunnel.rsd
+        return self.lockdown
+
+    def errors(self, what: str):  # type: ignore[no-untyped-def]
+        """`async with device.errors("pushing"):` — pymobiledevice3 errors as kvrig's, naming this device."""
+        return device_errors(what, udid=self.udid, os_version=self.info.os_version)
+
+    def translate(self, exc: BaseException, what: str) -> Exception:
+        return translate(exc, what, udid=self.udid, os_version=self.info.os_version)
+
+    async def reconnect(self) -> None:
+        """A fresh lockdown session and tunnel (after the phone was unplugged and came back)."""
+        await self.close()
+        async with self.errors("reconnecting"):
+            self.lockdown = await create_using_usbmux(serial=self.udid, usbmux_address=self.usbmux_address)
+        if self.tunnel is not None:
+            await self.tunnel.open()
+
+    async def reopen_tunnel(self) -> None:
+        """The phone is still there but its tunnel dropped: open a new one over the same lockdown session."""
+        if self.tunnel is not None:
+            await self.tunnel.reopen()
+
+    async def close(self) -> None:
+        if self.tunnel is not None:
+            await self.tunnel.close()
+        with contextlib.suppress(Exception):  # closing a session whose link is already gone
+            await self.lockdown.close()
+
+    async def __aenter__(self) -> Device:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+async def connect(udid: str | None = None, *, usbmux_address: str | None = None) -> Device:
+    """Opens a lockdown session to the selected device (pairing through usbmuxd's pair record)."""
+    info = await select_device(udid, usbmux_address=usbmux_address)
+    # A phone lockdownd could not describe (locked, not trusted) is asked again: the typed error says why.
+    async with device_errors("connecting", udid=info.udid, os_version=info.os_version):
+        lockdown = await create_using_usbmux(serial=info.udid, usbmux_address=usbmux_address)
+    if info.error:
+        with contextlib.suppress(Exception):
+            info = _info(info.udid, info.connection, dict(lockdown.all_values))
+    return Device(info, lockdown, usbmux_address)

@@ -1,0 +1,96 @@
+"""Phones on several usbmuxd hosts: a lab with one controller reaches each host's usbmuxd over TCP (what
+pymobiledevice3 takes as `USBMUXD_SOCKET_ADDRESS=HOST:PORT`, e.g. a Mac mini's usbmuxd exposed with socat), and
+every phone found is tagged with the host it is on."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvrig.device.discovery import DeviceInfo, list_devices
+from kvrig.exceptions import DeviceError, LabShardError
+
+if TYPE_CHECKING:
+    from kvrig.device.preflight import Preflight
+    from kvrig.device.tunnel import TunnelMode
+
+
+@dataclass(frozen=True)
+class UsbmuxHost:
+    name: str  # how results and JUnit name the host
+    address: str | None = None  # None: this machine's usbmuxd (or USBMUXD_SOCKET_ADDRESS)
+
+
+def local_host() -> UsbmuxHost:
+    return UsbmuxHost(socket.gethostname())
+
+
+def parse_host(text: str) -> UsbmuxHost:
+    """`[NAME=]HOST:PORT` or `[NAME=]/path/to/usbmuxd.sock`; without NAME the address names the host."""
+    name, sep, address = text.partition("=")
+    if not sep:
+        name, address = text, text
+    address, name = address.strip(), name.strip()
+    if not address or not name:
+        raise LabShardError(f"--usbmuxd {text!r}: expected [NAME=]HOST:PORT or [NAME=]/path/to/socket")
+    if not address.startswith("/") and ":" not in address:
+        raise LabShardError(f"--usbmuxd {text!r}: {address!r} is neither HOST:PORT nor a socket path")
+    if ":" in address and not address.startswith("/"):
+        port = address.rsplit(":", 1)[1]
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            raise LabShardError(f"--usbmuxd {text!r}: the port {port!r} is not a TCP port")
+    return UsbmuxHost(name, address)
+
+
+def parse_hosts(texts: list[str] | tuple[str, ...]) -> list[UsbmuxHost]:
+    """The hosts named on the command line (comma- or space-separated as well as repeated); none: this one."""
+    hosts = [parse_host(t) for text in texts for t in text.replace(",", " ").split()]
+    names = [h.name for h in hosts]
+    if len(set(names)) != len(names):
+        raise LabShardError(f"--usbmuxd: host names repeat: {names}")
+    return hosts or [local_host()]
+
+
+async def list_devices_on(hosts: list[UsbmuxHost]) -> tuple[list[DeviceInfo], dict[str, str]]:
+    """Every phone on every host, tagged with its host, and the hosts that could not be asked (with why).
+    A phone seen on two hosts is kept on the first."""
+    found: list[DeviceInfo] = []
+    unreachable: dict[str, str] = {}
+    seen: set[str] = set()
+    for host in hosts:
+        try:
+            devices = await list_devices(usbmux_address=host.address)
+        except DeviceError as exc:
+            unreachable[host.name] = str(exc)
+            continue
+        for info in devices:
+            if info.udid not in seen:
+                seen.add(info.udid)
+                found.append(dataclasses.replace(info, host=host.name))
+    return found, unreachable
+
+
+async def preflight_on(
+    hosts: list[UsbmuxHost], tunnel: TunnelMode | str | None = None
+) -> tuple[list[Preflight], dict[str, str]]:
+    """`kvrig devices`: every phone on every host with its preflight (Developer Mode, image, tunnel), tagged
+    with its host, and the hosts that could not be asked. A phone seen on two hosts is kept on the first."""
+    from kvrig.device.preflight import check_all
+
+    found: list[Preflight] = []
+    unreachable: dict[str, str] = {}
+    seen: set[str] = set()
+    for host in hosts:
+        try:
+            reports = await check_all(tunnel, usbmux_address=host.address)
+        except DeviceError as exc:
+            unreachable[host.name] = str(exc)
+            continue
+        for report in reports:
+            if report.device.udid not in seen:
+                seen.add(report.device.udid)
+                report.device = dataclasses.replace(report.device, host=host.name)
+                found.append(report)
+    return found, unreachable

@@ -1,0 +1,257 @@
+"""Tunnels to iOS 17+ phones: from iOS 17 developer services (process control) are reachable only through
+RemoteServiceDiscovery (RSD) inside a tunnel; lockdown keeps serving everything else.
+
+`--tunnel auto|userspace|tunneld[=HOST:PORT]|none`:
+- userspace: pymobiledevice3's no-root in-process tunnel over lockdown's CoreDeviceProxy service (iOS 17.4+).
+  Its network stack is process-wide, so one process holds one userspace tunnel: a lab runs one worker
+  process per iOS 17+ phone.
+- tunneld: an RSD served by a running `pymobiledevice3 remote tunneld` (root; any iOS 17).
+- auto: tunneld when it is reachable and serves this phone, else userspace (17.4+), else a refusal that says
+  what to do. Phones before iOS 17 need no tunnel ("lockdown").
+pymobiledevice3's Wi-Fi fallback (RemotePairing found by bonjour browsing) is never used: it sends
+multicast off the machine, and kvrig drives USB phones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from pymobiledevice3 import exceptions as pmd3
+from pymobiledevice3.remote.remote_service_discovery import RemoteServiceDiscoveryService
+from pymobiledevice3.tunneld.api import TUNNELD_DEFAULT_ADDRESS, get_tunneld_device_by_udid, get_tunneld_tunnels
+
+from kvrig.device.errors import translate
+from kvrig.exceptions import InputError, KvrigError, NoTunnelError, TunnelHandshakeTimeoutError
+
+Mode = Literal["auto", "userspace", "tunneld", "none"]
+Kind = Literal["lockdown", "userspace", "tunneld"]
+MODES: tuple[Mode, ...] = ("auto", "userspace", "tunneld", "none")
+CORE_DEVICE_PROXY_FROM = (17, 4)  # the first iOS with lockdown's CoreDeviceProxy service
+HANDSHAKE_TIMEOUT_S = 20.0
+
+TUNNELD_HINT = "start `sudo python3 -m pymobiledevice3 remote tunneld` on this computer and pass --tunnel tunneld"
+OLD_17_HINT = (
+    "iOS {version} has no CoreDeviceProxy service (it came with iOS 17.4), so kvrig cannot open a tunnel "
+    "without root: " + TUNNELD_HINT + ", or update the phone to iOS 17.4 or later"
+)
+
+
+@dataclass(frozen=True)
+class TunnelMode:
+    """What the user asked for (`--tunnel`)."""
+
+    mode: Mode = "auto"
+    tunneld: tuple[str, int] = TUNNELD_DEFAULT_ADDRESS
+
+    @classmethod
+    def parse(cls, text: str | TunnelMode | None) -> TunnelMode:
+        if isinstance(text, TunnelMode):
+            return text
+        if text is None:
+            return cls()
+        name, _, address = text.partition("=")
+        if name not in MODES or (address and name != "tunneld"):
+            raise InputError(
+                f"unknown tunnel mode {text!r}", field="--tunnel", expected="auto, userspace, tunneld[=HOST:PORT], none"
+            )
+        if not address:
+            return cls(name)  # type: ignore[arg-type]
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise InputError(f"bad tunneld address {address!r}", field="--tunnel", expected="tunneld=HOST:PORT")
+        return cls("tunneld", (host.strip("[]"), int(port)))
+
+    def __str__(self) -> str:
+        if self.mode == "tunneld" and self.tunneld != TUNNELD_DEFAULT_ADDRESS:
+            return f"tunneld={self.tunneld[0]}:{self.tunneld[1]}"
+        return self.mode
+
+
+@dataclass(frozen=True)
+class TunnelPlan:
+    """Which tunnel kvrig would use for one phone (`kind` None: none is possible; `reason` says what to do)."""
+
+    kind: Kind | None
+    reason: str
+    mode: str = "auto"
+    tunneld: str | None = None  # HOST:PORT when kind is "tunneld"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def version_tuple(version: str | None) -> tuple[int, int]:
+    parts = (version or "0").split(".")
+    try:
+        return int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
+    except ValueError:
+        return 0, 0
+
+
+async def tunneld_serves(udid: str, address: tuple[str, int]) -> bool | None:
+    """True if the tunneld at `address` holds a tunnel to `udid`, False if not, None if it is not reachable."""
+    try:
+        tunnels = await get_tunneld_tunnels(address)
+    except pmd3.TunneldConnectionError:
+        return None
+    return isinstance(tunnels, dict) and udid in tunnels
+
+
+async def plan_tunnel(udid: str, os_version: str | None, mode: TunnelMode | str | None = None) -> TunnelPlan:
+    """Decides (without opening anything) which tunnel to use for this phone."""
+    mode = TunnelMode.parse(mode)
+    version = version_tuple(os_version)
+    where = f"{mode.tunneld[0]}:{mode.tunneld[1]}"
+    if version[0] < 17:
+        return TunnelPlan("lockdown", f"iOS {os_version} serves developer services over lockdown", str(mode))
+    if mode.mode == "none":
+        why = f"iOS {os_version} needs a tunnel for process control and --tunnel none was given"
+        return TunnelPlan(None, why, "none")
+    if mode.mode in ("auto", "tunneld"):
+        serves = await tunneld_serves(udid, mode.tunneld)
+        if serves:
+            return TunnelPlan("tunneld", f"tunneld at {where} serves this phone", str(mode), where)
+        if mode.mode == "tunneld":
+            why = "is not reachable" if serves is None else "holds no tunnel to this phone"
+            return TunnelPlan(None, f"tunneld at {where} {why}; {TUNNELD_HINT}", str(mode))
+    if version >= CORE_DEVICE_PROXY_FROM:
+        return TunnelPlan("userspace", "no-root userspace tunnel over CoreDeviceProxy (iOS 17.4+)", str(mode))
+    return TunnelPlan(None, OLD_17_HINT.format(version=os_version), str(mode))
+
+
+# The userspace stack is one per process; which phone holds it (kvrig's own record, so a second phone gets a
+# clear refusal instead of pymobiledevice3's generic one).
+_userspace_holder: str | None = None
+
+
+@contextlib.contextmanager
+def _usbmux_env(address: str | None) -> Iterator[None]:
+    """pymobiledevice3's userspace tunnel finds usbmuxd only through USBMUXD_SOCKET_ADDRESS; point it at ours."""
+    if address is None:
+        yield
+        return
+    previous = os.environ.get("USBMUXD_SOCKET_ADDRESS")
+    os.environ["USBMUXD_SOCKET_ADDRESS"] = address
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("USBMUXD_SOCKET_ADDRESS", None)
+        else:
+            os.environ["USBMUXD_SOCKET_ADDRESS"] = previous
+
+
+class Tunnel:
+    """One phone's tunnel and its connected RSD: opened once, held for a whole soak or lab run, reopened
+    after the phone comes back. `rsd` is None for a phone that needs no tunnel (before iOS 17)."""
+
+    def __init__(
+        self,
+        udid: str,
+        plan: TunnelPlan,
+        *,
+        os_version: str | None = None,
+        usbmux_address: str | None = None,
+        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+    ) -> None:
+        self.udid, self.plan, self.os_version = udid, plan, os_version
+        self.usbmux_address = usbmux_address
+        self.handshake_timeout_s = handshake_timeout_s
+        self.rsd: RemoteServiceDiscoveryService | None = None
+        self.opened = 0  # how many times it was opened (1 + reopens)
+        self._userspace: Any = None  # pymobiledevice3's UserspaceRsdTunnel handle
+
+    @property
+    def kind(self) -> Kind | None:
+        return self.plan.kind
+
+    @property
+    def needed(self) -> bool:
+        return self.plan.kind in ("userspace", "tunneld")
+
+    @property
+    def alive(self) -> bool:
+        """False once the tunnel's transport died (pymobiledevice3 tears a userspace tunnel down then)."""
+        if not self.needed:
+            return True
+        if self._userspace is not None:
+            return self._userspace.rsd is not None
+        return self.rsd is not None
+
+    async def open(self) -> RemoteServiceDiscoveryService | None:
+        if not self.needed:
+            if self.plan.kind is None:
+                raise NoTunnelError(f"{self.udid}: no tunnel possible: {self.plan.reason}")
+            return None
+        if self.rsd is not None and self.alive:
+            return self.rsd
+        what = f"opening the {self.plan.kind} tunnel"
+        try:
+            self.rsd = await asyncio.wait_for(self._open(), self.handshake_timeout_s)
+        except (TimeoutError, pmd3.RemoteXPCHandshakeTimeoutError) as exc:
+            await self.close()
+            raise TunnelHandshakeTimeoutError(
+                f"{what} to {self.udid}: the phone accepted it but did not finish the handshake within "
+                f"{self.handshake_timeout_s:g} s; unplug and replug it (or restart it) and try again"
+            ) from exc
+        except pmd3.UserspaceTunnelUnavailableError as exc:
+            await self.close()
+            if version_tuple(self.os_version) >= CORE_DEVICE_PROXY_FROM:
+                why = f"the phone (iOS {self.os_version}) refused the CoreDeviceProxy service; {TUNNELD_HINT}"
+            else:
+                why = OLD_17_HINT.format(version=self.os_version)
+            raise NoTunnelError(f"{what} to {self.udid}: {why}") from exc
+        except KvrigError:
+            await self.close()
+            raise
+        except Exception as exc:
+            await self.close()
+            raise translate(exc, what, udid=self.udid, os_version=self.os_version) from exc
+        self.opened += 1
+        return self.rsd
+
+    async def _open(self) -> RemoteServiceDiscoveryService:
+        if self.plan.kind == "tunneld":
+            host, _, port = (self.plan.tunneld or "").rpartition(":")
+            rsd = await get_tunneld_device_by_udid(self.udid, (host, int(port)))
+            if rsd is None:
+                raise NoTunnelError(f"tunneld at {self.plan.tunneld} holds no tunnel to {self.udid}; {TUNNELD_HINT}")
+            return rsd
+        global _userspace_holder
+        if _userspace_holder not in (None, self.udid):
+            raise NoTunnelError(
+                f"this process already holds the userspace tunnel to {_userspace_holder}; pymobiledevice3's "
+                f"userspace network stack is one per process: drive {self.udid} from its own process"
+            )
+        from pymobiledevice3.remote.userspace_tunnel import UserspaceRsdTunnel  # its network stack is slow to import
+
+        handle = UserspaceRsdTunnel(serial=self.udid, autopair=False, remotepairing_fallback=False)
+        self._userspace = handle
+        _userspace_holder = self.udid
+        with _usbmux_env(self.usbmux_address):
+            return await handle.aopen()
+
+    async def close(self) -> None:
+        global _userspace_holder
+        rsd, handle = self.rsd, self._userspace
+        self.rsd = self._userspace = None
+        if handle is not None:
+            with contextlib.suppress(Exception):  # the transport may already be gone
+                await handle.aclose()
+            if _userspace_holder == self.udid:
+                _userspace_holder = None
+        elif rsd is not None:
+            with contextlib.suppress(Exception):
+                await rsd.close()
+
+    async def reopen(self) -> RemoteServiceDiscoveryService | None:
+        await self.close()
+        return await self.open()
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.plan.to_json(), "opened": self.opened}

@@ -1,0 +1,59 @@
+"""Reading the JSON and YAML files kvrig is given, and writing the files it keeps current, in one place each.
+
+Every read failure (missing, unreadable, not UTF-8, not parseable, not the mapping asked for) raises the caller's
+InputError subclass naming the file; writes go through a temporary file so a reader never sees half a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from kvrig.exceptions import InputError
+
+# libyaml is ~10x faster when present
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def parse_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_YAML_LOADER)
+
+
+def read_data(
+    path: str | Path,
+    *,
+    error: type[InputError] = InputError,
+    kind: Literal["json", "yaml"] = "json",
+    mapping: str | None = None,
+    expected: str | None = None,
+) -> Any:
+    """The parsed contents of a JSON or YAML file. With `mapping` (what the mapping should be, for the message),
+    anything but a mapping is refused; `expected` is added to every message."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise error("file not found", file=path, expected=expected) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise error(f"cannot read: {exc}", file=path, expected=expected) from None
+    try:
+        data = json.loads(text) if kind == "json" else parse_yaml(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise error(f"not valid {kind.upper()}: {exc}", file=path, expected=expected) from None
+    if mapping is not None and not isinstance(data, dict):
+        raise error(f"not a {kind.upper()} mapping", file=path, expected=mapping)
+    return data
+
+
+def atomic_write(path: Path, data: str | bytes) -> None:
+    """Replaces `path` whole: the new contents go to a hidden temporary beside it, then are renamed over it."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    if isinstance(data, bytes):
+        tmp.write_bytes(data)
+    else:
+        tmp.write_text(data)
+    os.replace(tmp, path)

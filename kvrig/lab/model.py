@@ -1,0 +1,92 @@
+"""What a lab run is made of: one run per phone × entry × scheme, and the lab's results."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import kvrig
+from kvrig import gates as gate_checks
+from kvrig.device.discovery import DeviceInfo
+from kvrig.schemas.lab import Lab, LabRecord, MatrixEntry, SchemeSpec, slug
+from kvrig.schemas.results import DeviceRef, Prediction, ResultsFile, SoakResult
+
+JUNIT_FILE = "junit.xml"
+RUNS_DIR = "runs"
+
+Event = Callable[[str], None]
+
+
+def fails(result: SoakResult) -> bool:
+    """A run CI fails on: a bad outcome, a failed gate, or a run that could not be made."""
+    return bool(gate_checks.failures(result)) or result.outcome is None
+
+
+@dataclass
+class LabRun:
+    """One device × entry × scheme: its final result (the main run, narrowed by the threshold search)."""
+
+    entry: MatrixEntry
+    scheme: SchemeSpec
+    folder: str  # relative to the output folder
+    result: SoakResult
+
+
+def device_ref(udid: str, info: DeviceInfo | None, host: str | None) -> DeviceRef:
+    """How results name a phone: what lockdownd said of it (if it was found) and the host it is on."""
+    return DeviceRef(
+        udid=udid,
+        product_type=info.product_type if info else None,
+        os_version=info.os_version if info else None,
+        profile=info.profile if info else None,
+        host=host,
+    )
+
+
+def new_run(
+    entry: MatrixEntry, scheme: SchemeSpec, device: DeviceRef, stamp: str, predicted: Prediction | None = None
+) -> LabRun:
+    """A run not made yet: its folder under runs/, its id, and a result with no outcome."""
+    folder = f"{RUNS_DIR}/{slug(device.udid)}/{slug(entry.label)}/{slug(scheme.name)}"
+    result = SoakResult(
+        run_id="-".join(slug(p) for p in (entry.label, scheme.name, device.udid[:8], stamp)),
+        device=device,
+        app_id=entry.app_id,
+        bundle=entry.bundle_name,
+        scheme=scheme.name,
+        entry=entry.label,
+        predicted=predicted,
+    )
+    return LabRun(entry, scheme, folder, result)
+
+
+@dataclass
+class LabResults:
+    lab: Lab
+    out_dir: Path
+    runs: list[LabRun]
+    notes: list[str] = field(default_factory=list)
+    shard: str | None = None  # "K/N" when this is one shard of the lab
+    hosts: list[str] = field(default_factory=list)
+
+    @property
+    def record(self) -> LabRecord:
+        gates = {e.label: self.lab.gates.merged(e.gates) for e in self.lab.matrix}
+        return LabRecord(name=self.lab.name, shard=self.shard, hosts=self.hosts, gates=gates, notes=self.notes)
+
+    @property
+    def results(self) -> ResultsFile:
+        return ResultsFile(tool_version=kvrig.__version__, runs=[r.result for r in self.runs], lab=self.record)
+
+    @property
+    def failed(self) -> list[LabRun]:
+        return [r for r in self.runs if fails(r.result)]
+
+    @property
+    def ran(self) -> list[LabRun]:
+        return [r for r in self.runs if r.result.outcome is not None]
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.runs) and not self.failed

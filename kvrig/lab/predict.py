@@ -1,0 +1,92 @@
+"""The planner's prediction for a run: per (model, profile, limit, plan options, scheme), cached; MLX is
+imported only here, and only when an entry names a model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvrig.exceptions import SchemaError
+from kvrig.schemas.lab import LabDevice, MatrixEntry, SchemeSpec
+from kvrig.schemas.results import Prediction
+
+if TYPE_CHECKING:
+    from kvrig.plan.transient import Backend
+
+
+class Predictor:
+    def __init__(self, notes: list[str]) -> None:
+        self.notes = notes
+        self.unavailable = False
+        self._cache: dict[tuple[str, ...], Prediction | None] = {}
+
+    def predict(
+        self, entry: MatrixEntry, scheme: SchemeSpec, profile: str | None, device: LabDevice, *, virtual: bool = False
+    ) -> Prediction | None:
+        """`virtual`: kvrig's virtual iPhone, whose app runs MLX on the host's CPU; it is planned on the `cpu`
+        backend (no fused attention, so prefill materializes the scores), a real phone on `metal`."""
+        source = entry.model_source
+        if source is None or profile is None or self.unavailable:
+            return None
+        from kvrig.exceptions import QuantizationError
+        from kvrig.plan.kv import parse_scheme
+
+        try:
+            planner_scheme = parse_scheme(scheme.plan_scheme or scheme.name).name
+        except QuantizationError:
+            if scheme.plan_scheme is not None:
+                raise SchemaError(
+                    f"'{scheme.plan_scheme}' is not a KV scheme the planner knows",
+                    field=f"matrix.{entry.label}.schemes.{scheme.name}.plan_scheme",
+                    expected="fp16, bf16 or kXvY such as k8v4",
+                ) from None
+            note = f"{entry.label}/{scheme.name}: no prediction (not a planner scheme; set plan_scheme)"
+            if note not in self.notes:
+                self.notes.append(note)
+            return None
+        key: tuple[str, ...] = (str(source), profile, str(device.limit_bytes), str(device.baseline_bytes))
+        backend: Backend = "cpu" if virtual else "metal"
+        key += (entry.plan.model_dump_json(), planner_scheme, backend)
+        if key not in self._cache:
+            self._cache[key] = self._plan(source, profile, device, entry, planner_scheme, backend)
+        return self._cache[key]
+
+    def _plan(
+        self, source: Path, profile_ref: str, device: LabDevice, entry: MatrixEntry, scheme: str, backend: Backend
+    ) -> Prediction | None:
+        try:
+            from kvrig.models import load_model_spec
+            from kvrig.plan import PlanRequest, plan_memory
+            from kvrig.profiles import AppMemoryLimit, SourcedInt, load_profile
+
+            profile = load_profile(profile_ref)
+            # A phone whose limit or baseline the lab knows better than the profile (a virtual iPhone).
+            if device.limit_bytes is not None:
+                given = SourcedInt(value=device.limit_bytes, basis="reported", source="lab file: limit_bytes")
+                profile = profile.model_copy(update={"app_memory_limit": AppMemoryLimit(default_bytes=given)})
+            if device.baseline_bytes is not None:
+                given = SourcedInt(value=device.baseline_bytes, basis="reported", source="lab file: baseline_bytes")
+                profile = profile.model_copy(update={"app_baseline_bytes": given})
+            opts = entry.plan
+            plan = plan_memory(
+                load_model_spec(source),
+                profile,
+                PlanRequest(
+                    schemes=(scheme,),
+                    weights=opts.weights,
+                    margin=opts.margin,
+                    limit=opts.limit,
+                    prefill_step=opts.prefill_step,
+                    contexts=(1024,),
+                    backend=backend,
+                ),
+            )
+        except ImportError as exc:  # no MLX on this machine: the lab still runs, without predictions
+            self.unavailable = True
+            self.notes.append(f"no predictions: the planner needs MLX ({exc})")
+            return None
+        return Prediction(
+            max_context=plan.max_context[scheme],
+            limit_bytes=plan.limit_bytes,
+            footprint_at_max_context_bytes=plan.budget_at_max_context[scheme].total_bytes,
+        )

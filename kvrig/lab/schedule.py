@@ -1,0 +1,166 @@
+"""Scheduling: the runs laid out per phone (with predictions), one worker process per phone started in
+parallel, and every result a worker reports saved as it arrives."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import queue as queue_module
+import time
+from pathlib import Path
+
+from kvrig.device.hosts import UsbmuxHost, list_devices_on, local_host
+from kvrig.exceptions import LabError
+from kvrig.lab.model import Event, LabResults, LabRun, device_ref, new_run
+from kvrig.lab.predict import Predictor
+from kvrig.lab.save import save_results
+from kvrig.lab.targets import Shard, Target, select_targets
+from kvrig.lab.worker import PhoneJob, worker_main
+from kvrig.schemas.lab import Lab
+from kvrig.schemas.results import SoakResult
+
+POLL_S = 0.5
+
+
+class Scheduler:
+    def __init__(
+        self, lab: Lab, out: Path, on_event: Event | None, hosts: list[UsbmuxHost], tunnel: str = "auto"
+    ) -> None:
+        self.lab, self.out, self.on_event, self.hosts = lab, out, on_event, hosts
+        self.tunnel = tunnel  # each worker opens its phone's own tunnel (`--tunnel`)
+        self.results = LabResults(lab, out, [], hosts=[h.name for h in hosts])
+        self.stamp = time.strftime("%Y%m%d-%H%M%S")
+
+    def say(self, line: str) -> None:
+        if self.on_event is not None:
+            self.on_event(line)
+
+    def save(self) -> None:
+        results = self.results.results
+        save_results(results, self.out)
+        for run, saved in zip(self.results.runs, results.runs, strict=True):
+            run.result.gates = saved.gates
+
+    def plan_runs(self, targets: list[Target]) -> dict[str, list[LabRun]]:
+        predictor = Predictor(self.results.notes)
+        only_host = self.hosts[0].name if len(self.hosts) == 1 else None
+        per_device: dict[str, list[LabRun]] = {}
+        for target in targets:
+            ref = device_ref(target.udid, target.info, target.host or only_host)
+            runs = per_device.setdefault(target.udid, [])
+            for entry in self.lab.matrix:
+                for scheme in entry.schemes:
+                    predicted = None
+                    if target.problem is None:
+                        predicted = predictor.predict(
+                            entry, scheme, ref.profile, target.spec, virtual=bool(target.info and target.info.virtual)
+                        )
+                    run = new_run(entry, scheme, ref, self.stamp, predicted)
+                    if target.problem is not None:
+                        run.result.error = f"device: {target.problem}"
+                    runs.append(run)
+        self.results.runs = [r for runs in per_device.values() for r in runs]
+        return per_device
+
+    async def run(self, shard: Shard | None, devices: list[str] | None) -> LabResults:
+        attached, unreachable = await list_devices_on(self.hosts)
+        for host, why in unreachable.items():
+            self.results.notes.append(f"host {host}: {why}")
+            self.say(f"host {host}: {why}")
+        targets = select_targets(self.lab, attached, shard=shard, devices=devices)
+        per_device = self.plan_runs(targets)
+        self.save()
+        if not targets and shard is not None and select_targets(self.lab, attached, devices=devices):
+            # Hashing leaves some shards without phones (3 phones, 4 shards): nothing to do is not a failure.
+            note = f"shard {shard} owns none of the phones the lab selects; nothing to run"
+            self.results.notes.append(note)
+            self.say(note)
+            self.save()
+            return self.results
+        if not targets:
+            seen = ", ".join(f"{d.udid} ({d.profile}) on {d.host}" for d in attached) or "none"
+            share = f" in shard {shard}" if shard else ""
+            raise LabError(f"no attached device matches the lab's devices{share} (attached: {seen})")
+        for t in targets:
+            if t.problem is not None:
+                self.say(f"{t.udid}: {t.problem}; its runs are not made")
+        address = {h.name: h.address for h in self.hosts}
+        jobs = [
+            PhoneJob(self.lab, self.out, t.udid, address.get(t.host or ""), per_device[t.udid], self.tunnel)
+            for t in targets
+            if t.problem is None
+        ]
+        await self.drive(jobs)
+        self.save()
+        return self.results
+
+    async def drive(self, jobs: list[PhoneJob]) -> None:
+        """One worker process per phone; their reports are applied here, in the one process that writes."""
+        if not jobs:
+            return
+        # spawn, not fork: the parent may hold threads (an embedded virtual iPhone, asyncio's executor).
+        ctx = multiprocessing.get_context("spawn")
+        messages = ctx.Queue()
+        workers = {job.udid: ctx.Process(target=worker_main, args=(job, messages), daemon=True) for job in jobs}
+        runs = {job.udid: job.runs for job in jobs}
+        for worker in workers.values():
+            worker.start()
+        open_ = set(workers)
+        try:
+            while open_:
+                try:
+                    kind, udid, payload = await asyncio.to_thread(messages.get, True, POLL_S)
+                except queue_module.Empty:
+                    for udid in [u for u in open_ if not workers[u].is_alive()]:
+                        self._worker_died(runs[udid], f"exit code {workers[udid].exitcode}")
+                        open_.discard(udid)
+                    continue
+                if kind == "event":
+                    self.say(payload)
+                elif kind == "run":
+                    index, data = payload
+                    runs[udid][index].result = SoakResult.model_validate_json(data)
+                    self.save()
+                elif kind == "crashed":
+                    self.say(f"{udid[:8]}: the worker failed:\n{payload}")
+                    self._worker_died(runs[udid], payload.strip().splitlines()[-1])
+                    open_.discard(udid)
+                elif kind == "done":
+                    open_.discard(udid)
+        finally:
+            for worker in workers.values():
+                worker.join(timeout=10)
+                if worker.is_alive():
+                    worker.terminate()
+                    worker.join()
+            messages.close()
+
+    def _worker_died(self, runs: list[LabRun], why: str) -> None:
+        for run in runs:
+            if run.result.outcome is None and run.result.error is None:
+                run.result.error = f"the worker process for this phone ended before the run ({why})"
+        self.save()
+
+
+async def run_lab(
+    lab: Lab,
+    out_dir: str | Path,
+    *,
+    on_event: Event | None = None,
+    hosts: list[UsbmuxHost] | None = None,
+    shard: Shard | None = None,
+    devices: list[str] | None = None,
+    tunnel: str = "auto",
+) -> LabResults:
+    """Runs the lab (or this runner's share of it) on the phones of `hosts`, each through the tunnel `tunnel`
+    asks for (auto, userspace, tunneld[=HOST:PORT], none); writes results.json, junit.xml and report.html."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    scheduler = Scheduler(lab, out, on_event, hosts or [local_host()], tunnel)
+    scheduler.results.shard = str(shard) if shard else None
+    results = await scheduler.run(shard, devices)
+    from kvrig.report import write_report
+
+    title = f"kvrig lab: {lab.name}" + (f" (shard {shard})" if shard else "")
+    write_report(results.results, out, title=title)
+    return results

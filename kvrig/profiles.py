@@ -1,0 +1,218 @@
+"""Device profiles: what a phone or iPad offers an app (RAM, jetsam limits, bandwidth, page size).
+
+One YAML file per device under `device_profiles/` (shipped in the wheel as `kvrig/_data/device_profiles`).
+Every number is a sourced value, `{value, basis, source}`, so a plan can say how much to trust it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import re
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import ConfigDict, Field, StrictInt, ValidationError, model_validator
+
+from kvrig.exceptions import ProfileError
+from kvrig.fileio import read_data
+from kvrig.schemas import StrictModel, describe_validation_error
+
+PRODUCT_TYPE_RE = re.compile(r"^(iPhone|iPad)\d+,\d+$")
+ProductType = Annotated[str, Field(pattern=PRODUCT_TYPE_RE.pattern, description="hw.machine, e.g. iPhone16,1")]
+
+Basis = Literal["measured", "derived", "estimated", "reported", "published"]
+"""measured: seen on a device (jetsam report, os_proc_available_memory); derived: computed from measured or
+published facts; estimated: our reasoned guess (reasoning in `source`); reported: a third party says so
+(press, Xcode data, leaks); published: the vendor's own specification."""
+
+_PACKAGE_DIR = Path(__file__).resolve().parent
+# Installed wheel first, then the repository's top-level folder (source checkout, editable install).
+PROFILE_DIRS = (_PACKAGE_DIR / "_data" / "device_profiles", _PACKAGE_DIR.parent / "device_profiles")
+
+
+class _Frozen(StrictModel):
+    model_config = ConfigDict(frozen=True)
+
+
+class SourcedInt(_Frozen):
+    value: StrictInt = Field(gt=0)
+    basis: Basis
+    source: str = Field(min_length=1, description="the evidence or the reasoning behind the value")
+
+
+class SourcedText(_Frozen):
+    value: str = Field(min_length=1)
+    basis: Basis
+    source: str = Field(min_length=1)
+
+
+class AppMemoryLimit(_Frozen):
+    default_bytes: SourcedInt = Field(description="foreground jetsam limit without entitlements")
+    entitled_bytes: SourcedInt | None = Field(
+        default=None, description="with com.apple.developer.kernel.increased-memory-limit; null: unknown"
+    )
+
+
+class GpuLimits(_Frozen):
+    """Metal's own limits, which bind besides jetsam: the GPU working set Metal recommends and the largest
+    single buffer it will allocate. null: not known for this device."""
+
+    recommended_working_set_bytes: SourcedInt | None = Field(
+        default=None, description="MTLDevice.recommendedMaxWorkingSetSize"
+    )
+    max_buffer_bytes: SourcedInt | None = Field(default=None, description="MTLDevice.maxBufferLength")
+
+
+class DeviceProfile(_Frozen):
+    schema_version: Literal[1] = Field(alias="schema")
+    name: str = Field(pattern=r"^[a-z0-9]+(-[a-z0-9]+)*$", description="kebab-case; the file name")
+    marketing_name: str = Field(min_length=1)
+    product_types: list[ProductType] = Field(min_length=1)
+    chip: str = Field(min_length=1)
+    ram_bytes: SourcedInt
+    gpu_cores: SourcedInt | None = None
+    memory_bandwidth_bytes_per_s: SourcedInt
+    page_size_bytes: SourcedInt
+    app_memory_limit: AppMemoryLimit
+    app_baseline_bytes: SourcedInt = Field(
+        description="footprint of the MLX-Swift SwiftUI app before weights and KV (Metal, runtime, UI)"
+    )
+    os_seen: SourcedText | None = Field(default=None, description="OS versions the limits were seen on")
+    gpu: GpuLimits | None = Field(default=None, description="Metal's limits (working set, largest buffer)")
+    notes: list[str] = Field(default_factory=list)
+    sources: list[str] = Field(default_factory=list, description="references behind the values")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DeviceProfile:
+        if self.limit_default > self.ram:
+            raise ValueError("app_memory_limit.default_bytes exceeds ram_bytes")
+        entitled = self.limit_entitled
+        if entitled is not None and not self.limit_default <= entitled <= self.ram:
+            raise ValueError("app_memory_limit.entitled_bytes must lie between default_bytes and ram_bytes")
+        return self
+
+    # Plain numbers for the planner (bytes, bytes/s).
+    @property
+    def ram(self) -> int:
+        return self.ram_bytes.value
+
+    @property
+    def memory_bandwidth(self) -> float:
+        return float(self.memory_bandwidth_bytes_per_s.value)
+
+    @property
+    def page_size(self) -> int:
+        return self.page_size_bytes.value
+
+    @property
+    def limit_default(self) -> int:
+        return self.app_memory_limit.default_bytes.value
+
+    @property
+    def limit_entitled(self) -> int | None:
+        entitled = self.app_memory_limit.entitled_bytes
+        return entitled.value if entitled is not None else None
+
+    @property
+    def baseline(self) -> int:
+        return self.app_baseline_bytes.value
+
+    @property
+    def gpu_working_set(self) -> int | None:
+        limit = self.gpu.recommended_working_set_bytes if self.gpu else None
+        return limit.value if limit is not None else None
+
+    @property
+    def gpu_max_buffer(self) -> int | None:
+        limit = self.gpu.max_buffer_bytes if self.gpu else None
+        return limit.value if limit is not None else None
+
+
+def profiles_dir() -> Path:
+    for candidate in PROFILE_DIRS:
+        if candidate.is_dir():
+            return candidate
+    looked = ", ".join(str(d) for d in PROFILE_DIRS)
+    raise ProfileError(f"no device_profiles folder found (looked in {looked})")
+
+
+def load_profile_file(path: str | Path) -> DeviceProfile:
+    """Reads one profile YAML, naming the file and the field at fault on any error."""
+    path = Path(path)
+    data = read_data(path, error=ProfileError, kind="yaml", mapping="a mapping of profile fields")
+    try:
+        return DeviceProfile.model_validate(data)
+    except ValidationError as exc:
+        raise _profile_error(exc, path) from None
+
+
+def _profile_error(exc: ValidationError, path: Path) -> ProfileError:
+    """Reports a typo'd key as unknown (it also shows up as a missing one), with the likely intended key."""
+    errors = exc.errors()
+    unknown = next((e for e in errors if e["type"] == "extra_forbidden"), None)
+    if unknown is None:
+        field, message, expected = describe_validation_error(exc)
+        return ProfileError(message, file=path, field=field, expected=expected or None)
+    loc = unknown["loc"]
+    missing_siblings = [str(e["loc"][-1]) for e in errors if e["type"] == "missing" and e["loc"][:-1] == loc[:-1]]
+    close = difflib.get_close_matches(str(loc[-1]), missing_siblings, n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    field = ".".join(str(p) for p in loc)
+    return ProfileError(f"unknown key{hint}", file=path, field=field, expected="one of the documented keys")
+
+
+def list_profiles() -> list[DeviceProfile]:
+    """Every shipped profile, iPhones first, then by ProductType (roughly by release)."""
+    paths = sorted(profiles_dir().glob("*.yaml"))
+    return list(_load_shipped(tuple((p, p.stat().st_mtime_ns) for p in paths)))
+
+
+@functools.lru_cache(maxsize=4)
+def _load_shipped(stamped_paths: tuple[tuple[Path, int], ...]) -> tuple[DeviceProfile, ...]:
+    # Keyed on modification times so an edited profile is re-read; the models are frozen, so sharing is safe.
+    profiles = []
+    for path, _ in stamped_paths:
+        profile = load_profile_file(path)
+        if profile.name != path.stem:
+            raise ProfileError(f"'{profile.name}' does not match the file name", file=path, field="name")
+        profiles.append(profile)
+    return tuple(sorted(profiles, key=_release_order))
+
+
+def find_profile_by_product_type(product_type: str) -> DeviceProfile | None:
+    wanted = product_type.strip().lower()
+    for profile in list_profiles():
+        if wanted in (pt.lower() for pt in profile.product_types):
+            return profile
+    return None
+
+
+def load_profile(ref: str | Path) -> DeviceProfile:
+    """A profile by ProductType (`iPhone16,1`), name (`iphone-15-pro`) or path to a YAML file."""
+    if isinstance(ref, Path) or ref.endswith((".yaml", ".yml")) or "/" in ref:
+        return load_profile_file(ref)
+    ref = ref.strip()
+    if re.match(PRODUCT_TYPE_RE.pattern, ref, re.IGNORECASE):
+        found = find_profile_by_product_type(ref)
+        if found is not None:
+            return found
+    else:
+        found = next((p for p in list_profiles() if p.name == ref.lower()), None)
+        if found is not None:
+            return found
+    raise ProfileError(_unknown_message(ref), expected="a profile name, a ProductType or a path to a YAML file")
+
+
+def _unknown_message(ref: str) -> str:
+    profiles = list_profiles()
+    known = [p.name for p in profiles] + [pt for p in profiles for pt in p.product_types]
+    by_lower = {k.lower(): k for k in known}
+    close = [by_lower[k] for k in difflib.get_close_matches(ref.lower(), by_lower, n=3, cutoff=0.6)]
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    return f"unknown device profile '{ref}'{hint} (see `kvrig profiles list`)"
+
+
+def _release_order(profile: DeviceProfile) -> tuple[int, int, int]:
+    family, major, minor = re.findall(r"^(\D+)(\d+),(\d+)$", profile.product_types[0])[0]
+    return (0 if family == "iPhone" else 1, int(major), int(minor))

@@ -1,0 +1,489 @@
+"""`kvrig bench quality`: perplexity of weight recipes and KV variants against the unquantized source, KV
+bytes measured from the caches next to the planner's prediction, host decode tok/s by context, plots.
+
+Weight rows run the evaluation text's first `weights_tokens` tokens with an unquantized KV cache; KV rows run
+the source weights (so only the cache differs) over `kv_tokens` tokens. Every delta is against the source with
+an unquantized cache on the same tokens, measured in the same run."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvrig.quality.schemes import KVVariant, make_variant_caches, parse_kv_variant, predicted_bytes
+
+# awq-q4 is left out: mlx-lm's AWQ takes ~80 s per layer here (ask for it with --recipes).
+DEFAULT_RECIPES = ("q4", "q4g32", "q8", "mixed_4_6", "gptq-q4", "dq-4.6", "imx-4.6", "gpx-q4", "gpx-4.6")
+DEFAULT_KV = (
+    "fp16",
+    "k8v8",
+    "k8v4",
+    "k8v4+rot",
+    "k4v4",
+    "k4v4+rot",
+    "k4v4+rot+s4",
+    "k4v4+rot+s4+w64",
+    "k5v3",
+    "k5v3+rot",
+    "k5v3+rot+s4+w64",
+)
+DEFAULT_CONTEXTS = (512, 1024, 2048, 4096)
+FACTUAL_PROMPTS = (
+    ("What is the capital of France?", "paris"),
+    ("What is the largest planet in our solar system?", "jupiter"),
+    ("How many days are there in a week?", "seven|7"),
+)
+
+# Goals from issue 12 (SmolLM2-135M); the bench prints whether this run met them.
+GOAL_RECIPE_BPW, GOAL_RECIPE_DELTA = 4.6, 5.0
+GOAL_ROT_K8V4_DELTA = 0.5
+GOAL_MOONSHOT_FRACTION, GOAL_MOONSHOT_DELTA, GOAL_CONTEXT = 0.30, 2.0, 4096
+
+
+@dataclass
+class Row:
+    recipe: str
+    kv: str
+    ppl: float
+    ppl_delta_pct: float
+    tokens: int
+    bits_per_weight: float | None = None
+    seconds: float = 0.0
+    kv_bytes: dict[int, int] = field(default_factory=dict)
+    predicted_kv_bytes: dict[int, int] = field(default_factory=dict)
+    phone_kv_bytes: dict[int, int] = field(default_factory=dict)
+    """The planner's bytes at float16 (the phone's activation dtype) for a prompt of that length."""
+    decode_tps: dict[int, float] = field(default_factory=dict)
+    kv_scheme: str = ""
+    """The planner's scheme the KV row ran (a `+kN@topM` variant names the layers the measurement chose)."""
+
+
+@dataclass
+class FactualCheck:
+    prompt: str
+    expected: str
+    source_answer: str
+    answer: str
+    source_ok: bool
+    ok: bool
+
+
+@dataclass
+class QualityReport:
+    model: str
+    text: list[str]
+    calibration: list[str]
+    source_ppl: dict[str, float]
+    weights: list[Row]
+    kv: list[Row]
+    paired_decode_tps: dict[str, float] = field(default_factory=dict)
+    """fp16, k8v4 (and k8v4+rot) decode tok/s at GOAL_CONTEXT, their steps interleaved (the side-by-side ratio)."""
+    kv_reads: str = "decoded"
+    """decoded: KV rows read a recent window per position, as decoding does; chunked: as a prefill chunk does."""
+    factual_recipe: str = ""
+    factual_kv: str = ""
+    factual: list[FactualCheck] = field(default_factory=list)
+    goals: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@contextlib.contextmanager
+def source_dir(model: str | Path | None) -> Iterator[tuple[Path, str, Path | None]]:
+    """(HF-layout source directory, a name, the bundle or None) for a model path, a GGUF, a bundle (its
+    manifest names the source) or None (the embedded SmolLM2)."""
+    from kvrig.models.gguf import embedded_default_model
+    from kvrig.models.gguf_convert import convert_gguf
+
+    bundle = None
+    path = Path(model) if model is not None else embedded_default_model()
+    if path.is_dir() and (path / "manifest.json").is_file():
+        from kvrig.bundle import load_manifest
+
+        bundle = path
+        path = Path(load_manifest(path).source.path)
+    if path.is_dir():
+        yield path, path.name, bundle
+        return
+    with tempfile.TemporaryDirectory(prefix="kvrig-quality-") as tmp:
+        convert_gguf(path, Path(tmp) / "src")
+        yield Path(tmp) / "src", path.name, bundle
+
+
+def load_weights(src: Path, recipe: str, calibration: Any) -> tuple[Any, float | None]:
+    """Source weights quantized by `recipe` ("source": unquantized), prepared for the host."""
+    from mlx_lm.utils import compute_bits_per_weight
+
+    from kvrig.quality.recipes import apply_recipe, parse_quality_recipe
+    from kvrig.quantize import load_source_model
+    from kvrig.runtime.host import prepare_for_host
+
+    model, config = load_source_model(src)
+    bpw = None
+    if recipe != "source":
+        model, config = apply_recipe(model, config, parse_quality_recipe(recipe), calibration)
+        bpw = float(compute_bits_per_weight(model))
+    return prepare_for_host(model), bpw
+
+
+def decode_speed(
+    model: Any, spec: Any, variant: KVVariant, contexts: tuple[int, ...], *, steps: int = 8, chunk: int = 256
+) -> tuple[dict[int, float], dict[int, int], dict[int, int]]:
+    """Decode tok/s at each context, with the caches filled by random keys and values (attention costs the same
+    whatever they hold); also the caches' bytes at each context and the planner's bytes for that schedule."""
+    import mlx.core as mx
+
+    caches = make_variant_caches(model, spec, variant)
+    layers = [layer for layer in spec.layers if layer.kind != "shared"]
+    schedule: list[int] = []
+    tps, measured, predicted = {}, {}, {}
+    offset = 0
+    token = mx.array([[1]])
+    for ctx in sorted(contexts):
+        while offset < ctx:
+            n = min(chunk, ctx - offset)
+            for layer, cache in zip(layers, caches, strict=True):
+                k = mx.random.normal((1, layer.kv_heads, n, layer.k_head_dim)).astype(mx.float32)
+                v = mx.random.normal((1, layer.kv_heads, n, layer.v_head_dim)).astype(mx.float32)
+                cache.update_and_fetch(k, v)
+            mx.eval([c.state for c in caches])
+            schedule.append(n)
+            offset += n
+        measured[ctx] = sum(int(c.nbytes) for c in caches)
+        predicted[ctx] = predicted_bytes(spec, variant, schedule, "float32")
+        mx.eval(model(token, cache=caches))  # warm-up step, not timed
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            mx.eval(model(token, cache=caches))
+        tps[ctx] = steps / (time.perf_counter() - t0)
+        schedule += [1] * (steps + 1)
+        offset += steps + 1
+        mx.clear_cache()
+    return tps, measured, predicted
+
+
+def paired_decode(
+    model: Any, spec: Any, names: tuple[str, ...], context: int, *, steps: int = 8, chunk: int = 256
+) -> dict[str, float]:
+    """Decode tok/s of several variants at one context, their steps interleaved (a, b, a, b, ...) so a machine
+    whose load changes during the run slows every variant alike: the ratio is the side-by-side number."""
+    import mlx.core as mx
+
+    layers = [layer for layer in spec.layers if layer.kind != "shared"]
+    sets = {}
+    for name in names:
+        caches = make_variant_caches(model, spec, parse_kv_variant(name))
+        for start in range(0, context, chunk):
+            n = min(chunk, context - start)
+            for layer, cache in zip(layers, caches, strict=True):
+                k = mx.random.normal((1, layer.kv_heads, n, layer.k_head_dim))
+                v = mx.random.normal((1, layer.kv_heads, n, layer.v_head_dim))
+                cache.update_and_fetch(k, v)
+            mx.eval([c.state for c in caches])
+        sets[name] = caches
+    token = mx.array([[1]])
+    seconds = dict.fromkeys(names, 0.0)
+    for step in range(steps + 1):
+        for name in names:
+            t0 = time.perf_counter()
+            mx.eval(model(token, cache=sets[name]))
+            if step:  # the first round warms up
+                seconds[name] += time.perf_counter() - t0
+    return {name: steps / seconds[name] for name in names}
+
+
+def greedy_answer(model: Any, tokenizer: Any, prompt: str, spec: Any, kv: str = "fp16", max_tokens: int = 16) -> str:
+    """Greedy answer to a chat prompt through the path `kvrig run` and the app take (mlx-lm's generate_step:
+    the prompt but its last token prefilled, then one token at a time) with caches of the KV variant `kv`.
+    A direct forward pass of the whole prompt reads the cache differently and, on a model this small, can
+    flip an answer the real path gets right."""
+    from kvrig.quality.schemes import kv_config
+    from kvrig.runtime.generate import encode_prompt, generate_tokens
+
+    variant = parse_kv_variant(kv)
+    ids = encode_prompt(tokenizer, prompt, chat=True)
+    stop = set(getattr(tokenizer, "eos_token_ids", None) or [])
+    caches = make_variant_caches(model, spec, variant)
+    out = [
+        t
+        for t in generate_tokens(
+            model,
+            ids,
+            caches,
+            kv_config(spec, variant),
+            max_tokens=max_tokens,
+            stop_tokens=stop,
+            model_type=spec.model_type,
+        )
+        if t not in stop
+    ]
+    return str(tokenizer.decode(out)).strip()
+
+
+def run_quality_bench(
+    model: str | Path | None,
+    *,
+    recipes: tuple[str, ...] = DEFAULT_RECIPES,
+    kv_variants: tuple[str, ...] = DEFAULT_KV,
+    weights_tokens: int = 512,
+    kv_tokens: int = 2048,
+    contexts: tuple[int, ...] = DEFAULT_CONTEXTS,
+    decode_steps: int = 8,
+    kv_reads: str = "decoded",
+    factual_recipe: str | None = "q8",
+    factual_kv: str | None = None,
+    progress: Callable[[str], None] = lambda _: None,
+) -> QualityReport:
+    from mlx_lm.utils import load_tokenizer
+
+    from kvrig.models import load_model_spec
+    from kvrig.quality.perplexity import perplexity
+    from kvrig.quality.recipes import calibration_tokens
+    from kvrig.quality.texts import EVAL_FILES, read_texts, tokens_of
+
+    variants = [parse_kv_variant(v) for v in kv_variants]
+    if variants and all(v.scheme.quantized for v in variants):
+        variants.insert(0, parse_kv_variant("fp16"))
+    with source_dir(model) as (src, name, bundle):
+        tokenizer = load_tokenizer(src)
+        spec = load_model_spec(src / "config.json")
+        text, used = read_texts(EVAL_FILES)
+        n = max(weights_tokens, kv_tokens) + 1
+        ids = tokens_of(tokenizer, text, n, what="the evaluation text", source=", ".join(used))
+        needs_calibration = any(not r.startswith(("q", "mixed", "fp")) for r in recipes)
+        calibration = calibration_tokens(tokenizer) if needs_calibration else None
+        from kvrig.quality.texts import CALIBRATION_FILES, LICENSES
+
+        report = QualityReport(
+            name, used, [str(LICENSES / f) for f in CALIBRATION_FILES] if needs_calibration else [], {}, [], []
+        )
+        report.kv_reads = kv_reads
+        fp = parse_kv_variant("fp16")
+
+        progress("source weights, unquantized KV")
+        source, _ = load_weights(src, "source", None)
+        base_w = perplexity(source, ids[: weights_tokens + 1], make_variant_caches(source, spec, fp)).ppl
+        report.source_ppl[f"{weights_tokens}"] = base_w
+
+        rows_w = []
+        weight_models: list[tuple[str, Any]] = []
+        if bundle is not None:
+            from kvrig.runtime.host import load_bundle_model
+
+            weight_models.append((f"bundle:{bundle.name}", None))
+        weight_models += [(r, None) for r in recipes]
+        for recipe, _ in weight_models:
+            progress(f"weights {recipe}")
+            t0 = time.perf_counter()
+            if recipe.startswith("bundle:"):
+                assert bundle is not None
+                m = load_bundle_model(bundle)[0]
+                from mlx_lm.utils import compute_bits_per_weight
+
+                bpw: float | None = float(compute_bits_per_weight(m))
+            else:
+                m, bpw = load_weights(src, recipe, calibration)
+            ppl = perplexity(m, ids[: weights_tokens + 1], make_variant_caches(m, spec, fp)).ppl
+            rows_w.append(
+                Row(recipe, "fp16", ppl, 100 * (ppl / base_w - 1), weights_tokens, bpw, time.perf_counter() - t0)
+            )
+            progress(f"  ppl {ppl:.3f} ({rows_w[-1].ppl_delta_pct:+.2f} %), {bpw:.3f} bits/weight")
+            del m
+        report.weights = rows_w
+
+        ppl_ctx = tuple(c for c in contexts if c <= kv_tokens and c % 256 == 0)
+        base_kv = None
+        for variant in variants:
+            progress(f"kv {variant.name}")
+            t0 = time.perf_counter()
+            if variant.promote_keys is not None:
+                from kvrig.quality.kv_sensitivity import resolve_variant
+
+                variant = resolve_variant(source, spec, variant, sensitivity_tokens(tokenizer))
+                progress(f"  layers chosen: {variant.scheme.name}")
+            caches = make_variant_caches(source, spec, variant)
+            for cache in caches:
+                cache.per_query_window = kv_reads == "decoded"
+            res = perplexity(source, ids[: kv_tokens + 1], caches, contexts=ppl_ctx)
+            if base_kv is None:
+                base_kv = res.ppl
+                report.source_ppl[f"{kv_tokens}"] = res.ppl
+            tps, measured, predicted = decode_speed(source, spec, variant, contexts, steps=decode_steps)
+            from kvrig.plan.kv import context_schedule
+
+            phone = {c: predicted_bytes(spec, variant, context_schedule(c, 256), "float16") for c in contexts}
+            row = Row(
+                "source",
+                variant.name,
+                res.ppl,
+                100 * (res.ppl / base_kv - 1),
+                kv_tokens,
+                None,
+                time.perf_counter() - t0,
+                kv_bytes=measured,
+                predicted_kv_bytes=predicted,
+                phone_kv_bytes=phone,
+                decode_tps={c: round(t, 3) for c, t in tps.items()},
+                kv_scheme=variant.scheme.name,
+            )
+            report.kv.append(row)
+            progress(f"  ppl {res.ppl:.3f} ({row.ppl_delta_pct:+.2f} %), decode {tps}")
+
+        names = {v.name for v in variants}
+        if {"fp16", "k8v4"} <= names and GOAL_CONTEXT in contexts:
+            paired = ("fp16", "k8v4", *(["k8v4+rot"] if "k8v4+rot" in names else []))
+            progress(f"decode at {GOAL_CONTEXT}: {', '.join(paired)} interleaved")
+            report.paired_decode_tps = paired_decode(source, spec, paired, GOAL_CONTEXT, steps=decode_steps)
+        if factual_recipe:
+            factual_kv = factual_kv or package_default_kv(src)
+            progress(f"factual prompts: source vs {factual_recipe} with {factual_kv} KV")
+            report.factual_recipe, report.factual_kv = factual_recipe, factual_kv
+            quant, _ = load_weights(src, factual_recipe, calibration)
+            report.factual = [
+                factual_check(source, quant, tokenizer, p, e, spec, factual_kv) for p, e in FACTUAL_PROMPTS
+            ]
+        report.goals = goals(report)
+    return report
+
+
+def package_default_kv(src: Path) -> str:
+    """The KV variant `kvrig package` writes by default for the model in `src`, in the bench's syntax."""
+    from kvrig.bundle import PackageOptions, resolve_rotation
+    from kvrig.plan.kv import parse_scheme
+
+    options = PackageOptions()
+    scheme = parse_scheme(options.kv, group_size=options.kv_group_size)
+    file = src / "config.json"
+    rotation = resolve_rotation(options.rotation, json.loads(file.read_text()), file, scheme)
+    return options.kv + {"none": "", "hadamard": "+rot", "hadamard_keys": "+rotk"}[rotation]
+
+
+def sensitivity_tokens(tokenizer: Any, length: int = 256) -> list[int]:
+    """The calibration text's first tokens: where `+kN@topM` variants measure which layers' keys suffer most."""
+    from kvrig.quality.recipes import calibration_tokens
+
+    return [int(t) for t in calibration_tokens(tokenizer, samples=1, length=length).reshape(-1).tolist()]
+
+
+def factual_check(
+    source: Any, model: Any, tokenizer: Any, prompt: str, expected: str, spec: Any, kv: str
+) -> FactualCheck:
+    """The source with an fp cache vs `model` with the KV variant `kv`."""
+    import re
+
+    a, b = greedy_answer(source, tokenizer, prompt, spec), greedy_answer(model, tokenizer, prompt, spec, kv)
+    pat = re.compile(rf"\b({expected})\b", re.IGNORECASE)
+    return FactualCheck(prompt, expected, a, b, bool(pat.search(a)), bool(pat.search(b)))
+
+
+def goals(report: QualityReport) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    small = [r for r in report.weights if r.bits_per_weight is not None and r.bits_per_weight <= GOAL_RECIPE_BPW]
+    best = min(small, key=lambda r: r.ppl_delta_pct, default=None)
+    out.append(
+        {
+            "goal": f"a <= {GOAL_RECIPE_BPW} bits/weight recipe within +{GOAL_RECIPE_DELTA} % PPL",
+            "met": best is not None and best.ppl_delta_pct <= GOAL_RECIPE_DELTA,
+            "best": None
+            if best is None
+            else f"{best.recipe}: {best.bits_per_weight:.3f} bpw, {best.ppl_delta_pct:+.2f} %",
+        }
+    )
+    kv = {r.kv: r for r in report.kv}
+    rot = kv.get("k8v4+rot")
+    out.append(
+        {
+            "goal": f"rotated k8v4 within +{GOAL_ROT_K8V4_DELTA} % of fp16 KV",
+            "met": rot is not None and rot.ppl_delta_pct <= GOAL_ROT_K8V4_DELTA,
+            "best": None if rot is None else f"k8v4+rot: {rot.ppl_delta_pct:+.2f} %",
+        }
+    )
+    fp = kv.get("fp16")
+    if fp is not None and GOAL_CONTEXT in fp.phone_kv_bytes:
+        full = fp.phone_kv_bytes[GOAL_CONTEXT]
+        small_kv = [r for r in report.kv if r.phone_kv_bytes.get(GOAL_CONTEXT, full) <= GOAL_MOONSHOT_FRACTION * full]
+        best_kv = min(small_kv, key=lambda r: r.ppl_delta_pct, default=None)
+        out.append(
+            {
+                "goal": f"KV <= {GOAL_MOONSHOT_FRACTION:.0%} of fp16 bytes at {GOAL_CONTEXT} "
+                f"with <= +{GOAL_MOONSHOT_DELTA} % PPL",
+                "met": best_kv is not None and best_kv.ppl_delta_pct <= GOAL_MOONSHOT_DELTA,
+                "best": None
+                if best_kv is None
+                else f"{best_kv.kv}: {best_kv.phone_kv_bytes[GOAL_CONTEXT] / full:.1%} of fp16, "
+                f"{best_kv.ppl_delta_pct:+.2f} %",
+            }
+        )
+    paired = report.paired_decode_tps
+    if paired.get("fp16") and "k8v4" in paired:
+        ratio = paired["k8v4"] / paired["fp16"]
+        rotated = f"; k8v4+rot / fp16 = {paired['k8v4+rot'] / paired['fp16']:.2f}x" if "k8v4+rot" in paired else ""
+        out.append(
+            {
+                "goal": f"decode at {GOAL_CONTEXT} (steps interleaved): k8v4 no slower than fp16",
+                "met": ratio >= 1.0,
+                "best": f"k8v4 / fp16 = {ratio:.2f}x{rotated}",
+            }
+        )
+    if report.factual:
+        same = all(c.ok == c.source_ok for c in report.factual) and all(c.ok for c in report.factual if c.source_ok)
+        out.append(
+            {
+                "goal": f"{report.factual_recipe} weights with {report.factual_kv} KV answer factual prompts as the "
+                "unquantized model does",
+                "met": same,
+                "best": "; ".join(
+                    f"{c.expected.split('|')[0]}: {'ok' if c.ok else 'wrong'}{'' if c.source_ok else ' (source too)'}"
+                    for c in report.factual
+                ),
+            }
+        )
+    return out
+
+
+def write_plots(report: QualityReport, out: Path) -> list[Path]:
+    """kv_memory.png (measured and planned KV bytes against context) and ppl_delta.png (PPL change per weight
+    recipe and per KV variant)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for row in report.kv:
+        ctx = sorted(row.phone_kv_bytes)
+        line = ax.plot(ctx, [row.phone_kv_bytes[c] / 2**20 for c in ctx], label=f"{row.kv} (plan, fp16 phone)")[0]
+        m = sorted(row.kv_bytes)
+        ax.scatter(m, [row.kv_bytes[c] / 2**20 / 2 for c in m], color=line.get_color(), marker="x", s=18)
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("KV cache (MiB)")
+    ax.set_title(f"{report.model}: KV memory vs context (x: host-measured bytes / 2)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out / "kv_memory.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.5))
+    a1.barh([r.recipe for r in report.weights], [r.ppl_delta_pct for r in report.weights], color="tab:blue")
+    a1.set_xlabel("PPL change vs source (%)")
+    a1.set_title("weight recipes (fp KV)")
+    a2.barh([r.kv for r in report.kv], [r.ppl_delta_pct for r in report.kv], color="tab:orange")
+    a2.set_xlabel("PPL change vs fp KV (%)")
+    a2.set_title("KV variants (source weights)")
+    fig.tight_layout()
+    paths.append(out / "ppl_delta.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    (out / "quality.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    paths.append(out / "quality.json")
+    return paths

@@ -1,0 +1,77 @@
+"""Which layers' keys suffer most from a KV scheme: the KL divergence of the model's next-token distributions
+(against an unquantized cache) when only that layer's cache uses the scheme, on the local calibration text.
+A variant `k4v4+k8@top2` gives the two worst layers 8-bit keys; the bits they cost are the planner's."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from kvrig.models.spec import ModelSpec
+from kvrig.plan.kv import with_layer_key_bits
+from kvrig.quality.schemes import KVVariant, kv_config
+
+
+def key_sensitivity(model: Any, spec: ModelSpec, variant: KVVariant, tokens: list[int]) -> list[tuple[int, float]]:
+    """(layer index, mean KL in nats per token) for every layer the scheme quantizes, worst first. The layer
+    under test gets kvrig's scheme cache (its prefill reads dequantized copies through BLAS: MLX's CPU
+    quantized matmul is a slow loop), every other layer the model's own unquantized cache."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kvrig.runtime.caches import check_scheme, scheme_extras
+    from kvrig.runtime.kv_cache import SchemeKVCache, install_attention
+
+    ids = mx.array(tokens)[None]
+
+    def log_probs(caches: list[Any]) -> mx.array:
+        logits = model(ids, cache=caches)[0].astype(mx.float32)
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    reference = log_probs(make_prompt_cache(model))
+    p_ref = mx.exp(reference)
+    mx.eval(reference, p_ref)
+    kv = kv_config(spec, replace(variant, scheme=replace(variant.scheme, layer_key_bits=())))
+    check_scheme(model, kv, spec.model_type)
+    install_attention(model)
+    owners = [e for e in kv.layers if e.kind != "shared"]
+    out = []
+    for index, entry in enumerate(owners):
+        if entry.kind != "full" or entry.key_bits is None or entry.value_bits is None:
+            continue
+        caches = make_prompt_cache(model)
+        caches[index] = SchemeKVCache(entry.key_bits, entry.value_bits, kv.group_size, **scheme_extras(kv))
+        kl = mx.mean(mx.sum(p_ref * (reference - log_probs(caches)), axis=-1))
+        out.append((entry.layer, float(kl.item())))  # type: ignore[arg-type]
+        mx.clear_cache()
+    return sorted(out, key=lambda lk: -lk[1])
+
+
+def resolve_variant(model: Any, spec: ModelSpec, variant: KVVariant, tokens: list[int]) -> KVVariant:
+    """`variant` with `+kN@topM` replaced by the M most sensitive layers (explicit per-layer key widths)."""
+    if variant.promote_keys is None:
+        return variant
+    bits, count = variant.promote_keys
+    ranked = key_sensitivity(model, spec, variant, tokens)
+    chosen = {layer: bits for layer, _ in ranked[:count]}
+    scheme = with_layer_key_bits(variant.scheme, dict(variant.scheme.layer_key_bits) | chosen)
+    return replace(variant, scheme=scheme, promote_keys=None)
+
+
+def resolve_for_source(src_dir: Any, text: str, group_size: int) -> KVVariant:
+    """A package's `--kv` with `+kN@topM`, resolved on the source model in `src_dir` (float weights, the local
+    calibration text): what `kvrig package` writes to kvcache.json."""
+    from mlx_lm.utils import load_tokenizer
+
+    from kvrig.models import load_model_spec
+    from kvrig.quality.bench import sensitivity_tokens
+    from kvrig.quality.schemes import parse_kv_variant
+    from kvrig.quantize import load_source_model
+    from kvrig.runtime.host import prepare_for_host
+
+    variant = parse_kv_variant(text, group_size=group_size)
+    if variant.promote_keys is None:
+        return variant
+    model = prepare_for_host(load_source_model(src_dir)[0])
+    tokens = sensitivity_tokens(load_tokenizer(src_dir))
+    return resolve_variant(model, load_model_spec(src_dir / "config.json"), variant, tokens)

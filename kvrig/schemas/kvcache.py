@@ -1,0 +1,101 @@
+"""kvcache.json: the KV-cache configuration and paging parameters the app applies (bundle contract)."""
+
+from __future__ import annotations
+
+from typing import Any, Final, Literal
+
+from pydantic import Field, model_validator
+
+from kvrig.schemas import StrictModel
+
+KVCACHE_SCHEMA_VERSION: Final = 2
+"""2: rotation gains `hadamard_keys` (and `hadamard` now rotates keys and values); `sink_tokens` and
+`recent_tokens` keep the first and the latest tokens in the activation dtype."""
+
+CacheKind = Literal["full", "sliding", "shared", "linear", "latent"]
+"""full: grows with context; sliding: ring of `window` tokens; shared: reuses `source_layer`'s cache;
+linear: constant recurrent state; latent: MLA compressed latent (+ rope part) that grows with context."""
+
+
+class LayerCache(StrictModel):
+    layer: int = Field(ge=0)
+    kind: CacheKind
+    window: int | None = Field(default=None, ge=1, description="ring size in tokens, sliding layers only")
+    source_layer: int | None = Field(default=None, ge=0, description="shared layers only")
+    key_bits: int | None = Field(default=None, description="null: stored in the activation dtype")
+    value_bits: int | None = None
+
+    @model_validator(mode="after")
+    def _kind_fields(self) -> LayerCache:
+        if self.kind == "sliding" and self.window is None:
+            raise ValueError("sliding layers need 'window'")
+        if self.kind == "shared" and self.source_layer is None:
+            raise ValueError("shared layers need 'source_layer'")
+        return self
+
+
+class PressurePolicy(StrictModel):
+    warning: Literal["evict_oldest_pages", "none"] = "evict_oldest_pages"
+    warning_evict_pages: int = Field(default=1, ge=0, description="pages evicted per warning")
+    critical: Literal["stop_and_save", "evict_oldest_pages", "none"] = "stop_and_save"
+
+
+class KVCacheConfig(StrictModel):
+    schema_version: Literal[2] = Field(default=KVCACHE_SCHEMA_VERSION, alias="schema")
+    scheme: str = Field(description="name such as k8v4, fp16")
+    dtype: Literal["float16", "bfloat16", "float32"] = "float16"
+    key_bits: int | None = Field(description="null: keys unquantized")
+    value_bits: int | None
+    group_size: int = Field(ge=1)
+    quantized_kv_start: int = Field(ge=0, description="context length at which quantization begins")
+    rotation: Literal["none", "hadamard_keys", "hadamard"] = Field(
+        default="none",
+        description="Walsh-Hadamard rotation before quantization: hadamard_keys rotates keys (and queries); "
+        "hadamard also rotates values and un-rotates the attention output. Needs a power-of-two head dim.",
+    )
+    sink_tokens: int = Field(
+        default=0, ge=0, description="first tokens also kept in the activation dtype; attention reads those"
+    )
+    recent_tokens: int = Field(
+        default=0, ge=0, description="ring of the latest tokens kept in the activation dtype; attention reads those"
+    )
+    step: int = Field(default=256, ge=1, description="cache growth step in tokens (MLX: 256)")
+    page_tokens: int = Field(ge=1, description="eviction granularity in tokens")
+    max_context: int = Field(ge=1, description="from the plan, with its safety margin")
+    keep_tokens: int = Field(ge=0, description="tokens kept at the start when evicting (attention sink)")
+    prefill_step_size: int = Field(ge=1)
+    buffer_cache_limit_bytes: int = Field(ge=0, description="MLX Memory.cacheLimit")
+    memory_limit_bytes: int = Field(ge=0, description="MLX Memory.memoryLimit, below the jetsam limit")
+    pressure: PressurePolicy = PressurePolicy()
+    layers: list[LayerCache]
+
+
+def host_kvcache(
+    layers: list[LayerCache],
+    *,
+    max_context: int,
+    prefill_step_size: int,
+    scheme: str = "fp16",
+    key_bits: int | None = None,
+    value_bits: int | None = None,
+    **fields: Any,
+) -> KVCacheConfig:
+    """kvcache.json for a run on this host with no phone plan behind it: no memory or buffer-cache limit,
+    quantized from the first token, the packager's default pages (256 tokens, 4 kept); `fields` set the rest."""
+    defaults: dict[str, Any] = {
+        "group_size": 64,
+        "quantized_kv_start": 0,
+        "page_tokens": 256,
+        "keep_tokens": 4,
+        "buffer_cache_limit_bytes": 0,
+        "memory_limit_bytes": 0,
+    }
+    return KVCacheConfig(
+        scheme=scheme,
+        key_bits=key_bits,
+        value_bits=value_bits,
+        max_context=max_context,
+        prefill_step_size=prefill_step_size,
+        layers=layers,
+        **(defaults | fields),
+    )

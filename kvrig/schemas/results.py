@@ -1,0 +1,158 @@
+"""Results: what a soak and the lab report per device × bundle × scheme; `results.json`, `kvrig soak --json`
+and `kvrig lab --json`.
+
+A results file is written as the run goes, so a run that fails half-way still leaves what it learned:
+`outcome` is None and `error` says which step failed until the run is classified.
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal
+
+from pydantic import Field
+
+from kvrig.schemas import StrictModel
+from kvrig.schemas.lab import LabRecord
+
+# 2: the tunnel a run used, battery samples, interruptions (tunnel drops) and what was lost.
+RESULTS_SCHEMA_VERSION: Final = 2
+RESULTS_FILE = "results.json"
+
+Outcome = Literal["completed", "jetsam", "crash", "hang", "device_lost", "error", "allocation_failed"]
+"""`error` / `allocation_failed`: the app ended itself with that reason in its end record (it failed)."""
+BAD_OUTCOMES: tuple[Outcome, ...] = ("crash", "hang", "device_lost", "error", "allocation_failed")
+"""Outcomes that fail a soak (non-zero exit) and a lab run; `completed` and `jetsam` are what a soak is for."""
+
+
+class DeviceRef(StrictModel):
+    udid: str
+    product_type: str | None = None
+    os_version: str | None = None
+    profile: str | None = Field(default=None, description="our device profile for the ProductType")
+    host: str | None = Field(default=None, description="the usbmuxd host the phone was reached through (lab)")
+
+
+class TpsPoint(StrictModel):
+    context_tokens: int = Field(ge=0)
+    t: float | None = Field(
+        default=None, description="when the app wrote this step (its clock, seconds since the Unix epoch)"
+    )
+    decode_tps: float | None = Field(default=None, ge=0)
+    prefill_tps: float | None = Field(default=None, ge=0)
+    phys_footprint_bytes: int | None = Field(default=None, ge=0)
+
+
+class Prediction(StrictModel):
+    """What the planner predicted for this device and scheme (optional until plan and soak are joined)."""
+
+    max_context: int | None = Field(default=None, ge=0)
+    limit_bytes: int | None = Field(default=None, ge=0)
+    footprint_at_max_context_bytes: int | None = Field(default=None, ge=0)
+
+
+class TunnelRef(StrictModel):
+    """The tunnel a run's developer services went through (iOS 17+), or "lockdown" before iOS 17."""
+
+    kind: Literal["lockdown", "userspace", "tunneld"]
+    mode: str = Field(description="what was asked: auto, userspace, tunneld[=HOST:PORT]")
+    reason: str = Field(description="why this kind (auto says which it chose and why)")
+    tunneld: str | None = Field(default=None, description="HOST:PORT of the tunneld used")
+    opened: int = Field(default=0, ge=0, description="times it was opened: 1, plus one per reopen after a drop")
+
+
+class BatterySample(StrictModel):
+    """One diagnostics-relay read of IORegistry AppleSmartBattery during the run."""
+
+    t: float = Field(description="seconds since the Unix epoch (host clock)")
+    temperature_c: float | None = Field(default=None, description="battery temperature, degrees Celsius")
+    level_percent: float | None = Field(default=None, ge=0)
+    charging: bool | None = None
+    external_power: bool | None = None
+
+
+class Interruption(StrictModel):
+    """The link to the phone broke during the run; resumed or not."""
+
+    t: float = Field(description="when it was noticed, seconds since the Unix epoch")
+    cause: Literal["tunnel", "device"] = Field(description="tunnel: the phone stayed attached; device: it went away")
+    resumed: bool
+    after_s: float | None = Field(default=None, ge=0, description="seconds until the run resumed")
+    app_running: bool | None = Field(default=None, description="os_trace's process list after it came back")
+
+
+class SoakFiles(StrictModel):
+    """Files pulled into the output folder, relative to the results file's folder."""
+
+    telemetry: str | None = None
+    jetsam_reports: list[str] = Field(default_factory=list)
+    crash_reports: list[str] = Field(default_factory=list)
+
+
+class Confirmation(StrictModel):
+    """A threshold-search run: the same plan again, stopped at the last context that survived."""
+
+    run_id: str
+    max_tokens: int = Field(ge=0, description="the context it was asked to reach")
+    outcome: Outcome | None = None
+    max_context_reached: int | None = Field(default=None, ge=0)
+    folder: str | None = Field(default=None, description="its files, relative to the results file")
+
+
+class GateCheck(StrictModel):
+    """One lab gate evaluated on one run."""
+
+    gate: str = Field(description="min_max_safe_context, min_decode_tps_at[<context>] or max_predicted_error")
+    status: Literal["passed", "failed", "not_evaluated"]
+    threshold: float
+    measured: float | None = None
+    message: str
+
+
+class SoakResult(StrictModel):
+    run_id: str
+    device: DeviceRef
+    app_id: str
+    process: str | None = Field(default=None, description="the app's process name (CFBundleExecutable)")
+    bundle: str | None = Field(default=None, description="the model bundle the app ran")
+    scheme: str
+    backend: Literal["mlx", "coreml"] = Field(
+        default="mlx", description="the runtime soaked: the plan's, then what the app's start record says ran"
+    )
+    entry: str | None = Field(default=None, description="the lab matrix entry this run belongs to")
+    outcome: Outcome | None = Field(default=None, description="None while running or when a step failed")
+    outcome_detail: str | None = None
+    max_context_reached: int | None = Field(default=None, ge=0, description="largest context in a step record")
+    max_safe_context: int | None = Field(
+        default=None, ge=0, description="largest context the app measured and survived (this run)"
+    )
+    max_safe_context_confirmed: bool = Field(
+        default=False, description="confirmed by a repeat run at that context (threshold search)"
+    )
+    footprint_at_kill_bytes: int | None = Field(default=None, ge=0, description="from the JetsamEvent report")
+    limit_bytes: int | None = Field(default=None, ge=0, description="limit implied by the JetsamEvent report")
+    app_limit_bytes: int | None = Field(default=None, ge=0, description="limit the app believed (start record)")
+    last_footprint_bytes: int | None = Field(default=None, ge=0, description="last footprint the app wrote")
+    tps_curve: list[TpsPoint] = Field(default_factory=list)
+    predicted: Prediction | None = None
+    started: float | None = Field(default=None, description="seconds since the Unix epoch")
+    finished: float | None = None
+    files: SoakFiles = Field(default_factory=SoakFiles)
+    confirmations: list[Confirmation] = Field(default_factory=list, description="threshold-search runs (lab)")
+    gates: list[GateCheck] = Field(default_factory=list, description="lab gates evaluated on this run")
+    tunnel: TunnelRef | None = Field(default=None, description="the tunnel used (None: not recorded)")
+    battery: list[BatterySample] = Field(
+        default_factory=list, description="battery temperature, level and charging state every few seconds"
+    )
+    interruptions: list[Interruption] = Field(default_factory=list, description="tunnel drops and unplugs")
+    lost: Literal["tunnel", "device"] | None = Field(
+        default=None, description="for outcome device_lost: whether the tunnel or the whole phone did not come back"
+    )
+    steps_done: list[str] = Field(default_factory=list, description="driver steps that completed, in order")
+    error: str | None = Field(default=None, description="the step that failed and why (partial results)")
+
+
+class ResultsFile(StrictModel):
+    schema_version: Literal[1, 2] = Field(default=RESULTS_SCHEMA_VERSION, alias="schema")  # 1 still reads
+    tool_version: str
+    runs: list[SoakResult]
+    lab: LabRecord | None = Field(default=None, description="the lab (and shard) these runs belong to")

@@ -1,0 +1,41 @@
+"""Soak plan: what the app runs when launched for a soak (a file in the container, named at launch)."""
+
+from __future__ import annotations
+
+from typing import Final, Literal
+
+from pydantic import Field
+
+from kvrig.schemas import StrictModel
+
+# 2: `backend` says which runtime the app soaks (mlx, or the Core ML program `kvrig app --coreml` ships).
+SOAKPLAN_SCHEMA_VERSION: Final = 2
+SOAKPLAN_FILE = "soakplan.json"
+SOAKPLAN_LAUNCH_ARGUMENT = "--kvrig-soak-plan"
+
+
+class GrowthSchedule(StrictModel):
+    start_tokens: int = Field(ge=1, description="context fed before the first measurement")
+    step_tokens: int = Field(ge=1, description="tokens added between measurements")
+    max_tokens: int = Field(ge=1, description="stop growing here")
+    decode_tokens: int = Field(default=16, ge=1, description="tokens generated at each point to measure tok/s")
+
+
+class StopConditions(StrictModel):
+    min_decode_tps: float | None = Field(default=None, ge=0)
+    max_footprint_bytes: int | None = Field(default=None, ge=0)
+    max_seconds: float | None = Field(default=None, gt=0)
+
+
+class SoakPlan(StrictModel):
+    schema_version: Literal[2] = Field(default=SOAKPLAN_SCHEMA_VERSION, alias="schema")
+    run_id: str = Field(min_length=1)
+    scheme: str
+    schedule: GrowthSchedule
+    stop: StopConditions = StopConditions()
+    text: str = Field(description="fed repeatedly to grow the context")
+    telemetry_file: str = "telemetry.jsonl"
+    on_critical: Literal["stop_and_save", "continue"] = "stop_and_save"
+    backend: Literal["mlx", "coreml"] = Field(
+        default="mlx", description="the runtime the app soaks: MLX, or KvrigModel.mlpackage (`kvrig app --coreml`)"
+    )

@@ -1,0 +1,95 @@
+"""Telemetry: JSON Lines the app writes into its container (and mirrors to os_log), one record per event.
+
+The app may be killed mid-write, so a torn last line is normal; readers skip it and say so.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Final, Literal
+
+from pydantic import Field, model_validator
+
+from kvrig.schemas import StrictModel
+
+# 2: `start` names the backend that ran (mlx or coreml). Schema-1 files (MLX-only apps) still read, as mlx.
+# 3: `step` names it too, so a step read alone (or a file mixing runs) says which runtime measured it.
+TELEMETRY_SCHEMA_VERSION: Final = 3
+TELEMETRY_FILE = "telemetry.jsonl"
+
+
+class _Event(StrictModel):
+    schema_version: Literal[1, 2, 3] = Field(default=TELEMETRY_SCHEMA_VERSION, alias="schema")
+    run_id: str
+    seq: int = Field(ge=0, description="record number within the run, from 0")
+    t: float = Field(description="seconds since the Unix epoch")
+
+
+class StartEvent(_Event):
+    event: Literal["start"] = "start"
+    model: str
+    scheme: str
+    product_type: str
+    os_version: str
+    limit_bytes: int | None = Field(default=None, description="app memory limit the app believes in")
+    backend: Literal["mlx", "coreml"] = Field(
+        default="mlx", description="the runtime that ran: MLX, or the Core ML program from `kvrig export coreml`"
+    )
+    converted: list[str] = Field(
+        default_factory=list,
+        description="fields the virtual iPhone converted to the phone's format (e.g. fp32 host activations)",
+    )
+
+    @model_validator(mode="after")
+    def _backend_needs_schema_2(self) -> StartEvent:
+        if self.schema_version == 1 and "backend" in self.model_fields_set:
+            raise ValueError("'backend' is a schema-2 field; a schema-1 record cannot carry it")
+        return self
+
+
+class StepEvent(_Event):
+    event: Literal["step"] = "step"
+    context_tokens: int = Field(ge=0)
+    decode_tps: float | None = Field(default=None, ge=0)
+    prefill_tps: float | None = Field(default=None, ge=0)
+    phys_footprint_bytes: int = Field(ge=0)
+    available_bytes: int | None = Field(default=None, ge=0, description="os_proc_available_memory()")
+    mlx_active_bytes: int | None = Field(default=None, ge=0)
+    mlx_cache_bytes: int | None = Field(default=None, ge=0)
+    mlx_peak_bytes: int | None = Field(default=None, ge=0)
+    kv_bytes: int | None = Field(default=None, ge=0)
+    thermal_state: Literal["nominal", "fair", "serious", "critical"] | None = None
+    backend: Literal["mlx", "coreml"] | None = Field(
+        default=None, description="the runtime that measured this step (schema 3; None: an older file)"
+    )
+
+    @model_validator(mode="after")
+    def _backend_needs_schema_3(self) -> StepEvent:
+        if self.schema_version < 3 and self.backend is not None:
+            raise ValueError("a step's 'backend' is a schema-3 field; a schema-1/2 record cannot carry it")
+        return self
+
+
+class MemoryPressureEvent(_Event):
+    event: Literal["memory_pressure"] = "memory_pressure"
+    level: Literal["normal", "warning", "critical"]
+    context_tokens: int = Field(ge=0)
+    phys_footprint_bytes: int | None = Field(default=None, ge=0)
+
+
+class EvictEvent(_Event):
+    event: Literal["evict"] = "evict"
+    tokens_evicted: int = Field(ge=0)
+    context_tokens: int = Field(ge=0, description="context after eviction")
+    kv_bytes: int | None = Field(default=None, ge=0)
+
+
+class EndEvent(_Event):
+    event: Literal["end"] = "end"
+    reason: Literal["completed", "stop_condition", "memory_critical", "allocation_failed", "error"]
+    context_tokens: int = Field(ge=0)
+    message: str | None = None
+
+
+TelemetryEvent = Annotated[
+    StartEvent | StepEvent | MemoryPressureEvent | EvictEvent | EndEvent, Field(discriminator="event")
+]

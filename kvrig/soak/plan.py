@@ -1,0 +1,42 @@
+"""Building a soak plan from command-line choices."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from kvrig.schemas.soakplan import GrowthSchedule, SoakPlan, StopConditions
+
+# Fed repeatedly to grow the context: plain prose, so tokenizers see ordinary text.
+DEFAULT_TEXT = (
+    "The harbour was quiet in the early morning. Fishing boats rocked against the pier while gulls "
+    "circled above the market, where traders laid out the night's catch on beds of ice. "
+)
+
+
+def make_plan(
+    *,
+    max_tokens: int,
+    step_tokens: int = 256,
+    start_tokens: int | None = None,
+    decode_tokens: int = 16,
+    scheme: str = "default",
+    run_id: str | None = None,
+    text: str = DEFAULT_TEXT,
+    max_seconds: float | None = None,
+    backend: Literal["mlx", "coreml"] = "mlx",
+) -> SoakPlan:
+    return SoakPlan(
+        run_id=run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}",
+        scheme=scheme,
+        schedule=GrowthSchedule(
+            start_tokens=start_tokens or step_tokens,
+            step_tokens=step_tokens,
+            max_tokens=max_tokens,
+            decode_tokens=decode_tokens,
+        ),
+        stop=StopConditions(max_seconds=max_seconds),
+        text=text,
+        backend=backend,
+    )

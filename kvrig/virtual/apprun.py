@@ -1,0 +1,310 @@
+"""Running launched apps as host processes, and playing the kernel for them.
+
+A launched app is a host process in the app's data container: `python -m kvrig.virtual.llmapp` for apps
+built with `kvrig build --virtual` (it runs the pushed bundle with real MLX), `kvrig.virtual.testapp`
+otherwise (it grows memory the way the LLM app does, without a model). It speaks a JSON-line channel on its
+stdin/stdout:
+
+    app -> emulator   {"measure": {mlx_active_bytes, mlx_cache_bytes, mlx_peak_bytes, kv_bytes, weight_bytes,
+                                   context_tokens, phone_format_delta_bytes, phone_format_peak_delta_bytes}}
+                      {"log": "text"}                      (goes to the device log under the app's name)
+    emulator -> app   {"footprint": n, "available": n, "pressure": "normal|warning|critical"}
+
+An app measures after every step (a forward pass, a cache conversion). `mlx_peak_bytes` is MLX's peak
+memory since the previous measurement (`mx.get_peak_memory()`, then `mx.reset_peak_memory()`; Swift:
+`Memory.peakMemory`, then `Memory.peakMemory = 0`), so the kernel charges the peak within each step, as iOS
+charges every page when it is touched. The two `phone_format_*` deltas (default 0) are what an app running
+in another format than the phone's adds to its active and peak bytes to get the phone's (see
+`kvrig.virtual.llm_memory`); the Swift engine runs in the phone's format and sends neither. All fields
+are optional integers; unknown ones are ignored. `footprint` in the reply is the footprint at the
+measurement (what the app's own phys_footprint query would return); see `kvrig.virtual.footprint`.
+
+The emulator answers each measurement only if the app survives it: when the step's peak crosses the limit
+it SIGKILLs the process and writes a JetsamEvent report showing the footprint at the page that crossed it;
+the crash and hang faults fire here too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import kvrig
+from kvrig.virtual import swiftapp
+from kvrig.virtual.footprint import FootprintAccount, Measurement, pressure_level
+from kvrig.virtual.jetsam_report import JetsamVictim, build_crash_report, build_report, write_report
+
+if TYPE_CHECKING:
+    from kvrig.virtual.device import VirtualDevice
+
+APP_RUNTIME = "kvrig.virtual.testapp"
+# Host runtimes an installed app may ask for with Info.plist `KvrigVirtualRuntime` (see appgen.virtual_ipa).
+# An allow-list: a value from an app's plist never names a module directly.
+APP_RUNTIMES = {"test": APP_RUNTIME, "llm": "kvrig.virtual.llmapp"}
+# Listener callbacks: (pid, exit code or None, crashing signal or None)
+TerminationListener = Callable[[int, int | None, int | None], None]
+
+
+class AppLaunchError(Exception):
+    pass
+
+
+@dataclass
+class AppProcess:
+    pid: int
+    bundle_id: str
+    name: str
+    proc: asyncio.subprocess.Process
+    account: FootprintAccount
+    started: float = field(default_factory=time.time)
+    outcome: str = "running"
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+
+class AppRunner:
+    def __init__(self, device: VirtualDevice, *, python: str | None = None) -> None:
+        self.device = device
+        self.python = python or sys.executable
+        self.processes: dict[int, AppProcess] = {}
+        self.finished: dict[int, AppProcess] = {}
+        self.termination_listeners: set[TerminationListener] = set()
+
+    def running(self) -> dict[int, str]:
+        return {pid: p.name for pid, p in self.processes.items()}
+
+    def pid_for_bundle(self, bundle_id: str) -> int:
+        for pid, process in self.processes.items():
+            if process.bundle_id == bundle_id:
+                return pid
+        return 0
+
+    async def launch(
+        self,
+        bundle_id: str,
+        *,
+        arguments: list[str] | None = None,
+        environment: dict[str, str] | None = None,
+        kill_existing: bool = True,
+        start_suspended: bool = False,
+    ) -> int:
+        state, ident = self.device.state, self.device.identity
+        record = state.user_apps().get(bundle_id)
+        if record is None:
+            raise AppLaunchError(f"The application {bundle_id} is not installed")
+        existing = self.pid_for_bundle(bundle_id)
+        if existing:
+            if not kill_existing:
+                return existing
+            await self.kill_bundle(bundle_id)
+        container = state.container(bundle_id)
+        bundle = state.app_bundle(bundle_id)
+        source_root = str(Path(kvrig.__file__).resolve().parents[1])
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [source_root, env.get("PYTHONPATH")]))
+        env.update({str(k): str(v) for k, v in (environment or {}).items()})
+        env.update(
+            {
+                "HOME": str(container),
+                "TMPDIR": str(container / "tmp"),
+                "KVRIG_CONTAINER": str(container),
+                "KVRIG_BUNDLE_PATH": str(bundle),
+                "KVRIG_BUNDLE_ID": bundle_id,
+                "KVRIG_PRODUCT_TYPE": ident.product_type,
+                "KVRIG_OS_VERSION": ident.product_version,
+                "KVRIG_LIMIT_BYTES": str(ident.limit_bytes),
+            }
+        )
+        # The one spot that picks the app's command: the compiled Swift engine, or a Python runtime.
+        runtime = str(record.get("KvrigVirtualRuntime", "test"))
+        try:
+            command = (
+                swiftapp.command(arguments or [])
+                if runtime == swiftapp.RUNTIME
+                else [self.python, "-m", APP_RUNTIMES.get(runtime, APP_RUNTIME), *(arguments or [])]
+            )
+        except swiftapp.SwiftEngineMissingError as exc:
+            raise AppLaunchError(str(exc)) from None
+        proc = await asyncio.create_subprocess_exec(
+            *command,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            cwd=str(container),
+            env=env,
+            start_new_session=True,
+        )
+        name = str(record.get("CFBundleExecutable") or bundle_id.rsplit(".", 1)[-1])
+        account = FootprintAccount(
+            limit_bytes=ident.limit_bytes, page_size=ident.page_size, baseline_bytes=self.device.baseline_bytes
+        )
+        process = AppProcess(proc.pid, bundle_id, name, proc, account)
+        self.processes[proc.pid] = process
+        if start_suspended:
+            os.kill(proc.pid, signal.SIGSTOP)
+        self.device.syslog.emit("SpringBoard", f"Launching {bundle_id} pid {proc.pid}")
+        process.tasks = [
+            asyncio.create_task(self._channel(process)),
+            asyncio.create_task(self._stderr(process)),
+            asyncio.create_task(self._reap(process)),
+        ]
+        return proc.pid
+
+    # --- the app's channel -----------------------------------------------------------------------------
+
+    async def _channel(self, process: AppProcess) -> None:
+        assert process.proc.stdout is not None and process.proc.stdin is not None
+        while True:
+            raw = await process.proc.stdout.readline()
+            if not raw:
+                return
+            try:
+                message = json.loads(raw)
+            except json.JSONDecodeError:
+                self.device.syslog.emit(process.name, raw.decode(errors="replace").rstrip(), pid=process.pid)
+                continue
+            if "log" in message:
+                self.device.syslog.emit(process.name, str(message["log"]), pid=process.pid)
+            if "measure" in message:
+                reply = self._on_measure(process, Measurement.from_json(message["measure"]))
+                if reply is not None:
+                    with contextlib.suppress(ConnectionError, BrokenPipeError):
+                        process.proc.stdin.write((json.dumps(reply) + "\n").encode())
+                        await process.proc.stdin.drain()
+
+    def _on_measure(self, process: AppProcess, m: Measurement) -> dict[str, Any] | None:
+        faults = self.device.faults
+        footprint = process.account.update(m)
+        if faults.crash_at_tokens is not None and m.context_tokens >= faults.crash_at_tokens:
+            self._crash(process)
+            return None
+        if faults.hang_at_tokens is not None and m.context_tokens >= faults.hang_at_tokens:
+            process.outcome = "hang"
+            os.kill(process.pid, signal.SIGSTOP)
+            self.device.syslog.emit("SpringBoard", f"{process.bundle_id} is not responding", level="error")
+            return None
+        if process.account.over_limit:
+            self._jetsam(process)
+            return None
+        return {
+            "footprint": footprint,
+            "available": process.account.available_bytes,
+            "pressure": pressure_level(footprint, process.account.limit_bytes),
+        }
+
+    def _jetsam(self, process: AppProcess) -> None:
+        account = process.account
+        process.outcome = "jetsam"
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGKILL)
+        self.device.syslog.emit(
+            "kernel",
+            f"memorystatus: killing_specific_process pid {process.pid} [{process.name}] "
+            "(per-process-limit 10) "
+            f"{account.current_bytes // 1024}KB - memorystatus_available_pages: 5000",
+        )
+        victim = JetsamVictim(
+            pid=process.pid,
+            name=process.name,
+            rpages=account.rpages,
+            lifetime_max_pages=account.lifetime_max_pages,
+            uuid=str(uuid.uuid5(uuid.NAMESPACE_URL, process.bundle_id)).upper(),
+            coalition=process.pid,
+            age_s=time.time() - process.started,
+            cpu_time_s=_cpu_seconds(process.pid),
+        )
+        text = build_report(phone=self.device.identity, victim=victim)
+        path = write_report(self.device.state.crash, text)
+        self.device.syslog.emit(
+            "osanalyticshelper",
+            f"Saved type '298(JetsamEvent)' report (1 of max 25) at "
+            f"/private/var/mobile/Library/Logs/CrashReporter/{path.name}",
+        )
+
+    def _crash(self, process: AppProcess) -> None:
+        process.outcome = "crash"
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGSEGV)
+        text = build_crash_report(
+            phone=self.device.identity,
+            pid=process.pid,
+            name=process.name,
+            bundle_id=process.bundle_id,
+            signal="SIGSEGV",
+        )
+        stamp = time.strftime("%Y-%m-%d-%H%M%S", time.gmtime())
+        (self.device.state.crash / f"{process.name}-{stamp}.ips").write_text(text)
+
+    async def _stderr(self, process: AppProcess) -> None:
+        assert process.proc.stderr is not None
+        while True:
+            raw = await process.proc.stderr.readline()
+            if not raw:
+                return
+            self.device.syslog.emit(process.name, raw.decode(errors="replace").rstrip(), pid=process.pid)
+
+    async def _reap(self, process: AppProcess) -> None:
+        code = await process.proc.wait()
+        self.processes.pop(process.pid, None)
+        self.finished[process.pid] = process
+        exit_code, crash_signal = (code, None) if code >= 0 else (None, -code)
+        if process.outcome == "running":
+            process.outcome = f"exited {exit_code}" if crash_signal is None else f"signal {crash_signal}"
+        self.device.syslog.emit(
+            "SpringBoard", f"{process.bundle_id} pid {process.pid} ended: {process.outcome}", level="info"
+        )
+        for listener in list(self.termination_listeners):
+            listener(process.pid, exit_code, crash_signal)
+
+    # --- control ---------------------------------------------------------------------------------------
+
+    def signal(self, pid: int, sig: int) -> None:
+        process = self.processes.get(pid)
+        if process is None:
+            raise ProcessLookupError(pid)
+        if sig == signal.SIGKILL:
+            process.outcome = "killed"
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        os.kill(pid, sig)
+
+    async def wait(self, pid: int, timeout: float | None = None) -> AppProcess:
+        process = self.processes.get(pid) or self.finished.get(pid)
+        if process is None:
+            raise ProcessLookupError(pid)
+        await asyncio.wait_for(asyncio.shield(process.tasks[2]), timeout)
+        return process
+
+    async def kill_bundle(self, bundle_id: str) -> None:
+        pid = self.pid_for_bundle(bundle_id)
+        if pid:
+            self.signal(pid, signal.SIGKILL)
+            await self.wait(pid, 10)
+
+    async def kill_all(self) -> None:
+        for pid in list(self.processes):
+            with contextlib.suppress(ProcessLookupError):
+                self.signal(pid, signal.SIGKILL)
+        for process in list(self.processes.values()):
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(process.proc.wait(), 10)
+            for task in process.tasks:
+                task.cancel()
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User+system CPU time of a live process (Linux /proc); 0 where that is not available."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0

@@ -1,0 +1,302 @@
+"""One virtual iPhone: identity, pairing, state folder, the services lockdownd starts, running apps, faults.
+
+A device belongs to one `UsbmuxServer` (several devices may share one). Service handlers take a `Link` and
+run until the client goes away; a handler that meets bad input raises `ProtocolViolation` and only that
+connection is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import itertools
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pymobiledevice3.lockdown import SERVICE_PORT as LOCKDOWN_PORT
+
+from kvrig.virtual.battery import Battery
+from kvrig.virtual.faults import FaultPlan
+from kvrig.virtual.lockdownd import serve_lockdownd
+from kvrig.virtual.pairing import Pairing
+from kvrig.virtual.state import IOS_BUILDS, DeviceState
+from kvrig.virtual.syslog import SyslogBus
+from kvrig.virtual.wire import Link, ProtocolViolation, Unplugged
+
+if TYPE_CHECKING:
+    from kvrig.virtual.apprun import AppRunner
+    from kvrig.virtual.usbmuxd import UsbmuxServer
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[Link], Awaitable[None]]
+SUPPORTED_IOS = tuple(IOS_BUILDS)
+REBOOT_DOWN_S = 1.0  # how long a restarting phone stays off usbmuxd
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    target: str  # "module:function" in kvrig.virtual, imported on first use
+    ssl: bool = False
+    developer: bool = False  # needs the image mounted (and Developer Mode); refused without a tunnel on iOS 17+
+    counts_afc: bool = False
+    min_ios: tuple[int, int] = (0, 0)  # the first iOS release that serves it
+    tunnel: bool = False  # opens a tunnel; never offered inside one
+
+    def handler(self) -> Handler:
+        module, func = self.target.split(":")
+        return getattr(importlib.import_module(f"kvrig.virtual.{module}"), func)
+
+
+SERVICES: dict[str, ServiceSpec] = {
+    "com.apple.afc": ServiceSpec("afc:serve_media", counts_afc=True),
+    "com.apple.mobile.house_arrest": ServiceSpec("house_arrest:serve_house_arrest", counts_afc=True),
+    "com.apple.mobile.installation_proxy": ServiceSpec("installation_proxy:serve_installation_proxy"),
+    "com.apple.crashreportcopymobile": ServiceSpec("crash_reports:serve_copy_mobile", counts_afc=True),
+    "com.apple.crashreportmover": ServiceSpec("crash_reports:serve_mover"),
+    "com.apple.syslog_relay": ServiceSpec("syslog:serve_syslog_relay"),
+    "com.apple.os_trace_relay": ServiceSpec("syslog:serve_os_trace_relay"),
+    "com.apple.instruments.remoteserver.DVTSecureSocketProxy": ServiceSpec(
+        "dtx:serve_instruments", ssl=True, developer=True
+    ),
+    "com.apple.mobile.mobile_image_mounter": ServiceSpec("image_mounter:serve_image_mounter"),
+    "com.apple.amfi.lockdown": ServiceSpec("amfi:serve_amfi", min_ios=(16, 0)),
+    "com.apple.mobile.heartbeat": ServiceSpec("heartbeat:serve_heartbeat", ssl=True),
+    "com.apple.mobile.diagnostics_relay": ServiceSpec("diagnostics_relay:serve_diagnostics_relay"),
+    "com.apple.iosdiagnostics.relay": ServiceSpec("diagnostics_relay:serve_diagnostics_relay"),
+    "com.apple.internal.devicecompute.CoreDeviceProxy": ServiceSpec(
+        "coredevice_proxy:serve_coredevice_proxy", ssl=True, min_ios=(17, 4), tunnel=True
+    ),
+}
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    product_type: str
+    marketing_name: str
+    limit_bytes: int
+    page_size: int
+    baseline_bytes: int
+
+
+def _profile_for(ref: str) -> DeviceProfile:
+    """The device profile for a ProductType (or profile name): marketing name, default limit, page size."""
+    from kvrig.profiles import load_profile
+
+    profile = load_profile(ref)
+    product_type = ref if ref in profile.product_types else profile.product_types[0]
+    return DeviceProfile(
+        product_type, profile.marketing_name, profile.limit_default, profile.page_size, profile.baseline
+    )
+
+
+class VirtualDevice:
+    def __init__(
+        self,
+        state_dir: str | Path,
+        *,
+        profile: str = "iPhone16,1",
+        ios: str = "16.7",
+        limit_bytes: int | None = None,
+        baseline_bytes: int | None = None,
+        faults: FaultPlan | None = None,
+        python: str | None = None,
+    ) -> None:
+        if ios not in SUPPORTED_IOS:
+            from kvrig.exceptions import InputError
+
+            raise InputError(f"unsupported iOS version '{ios}'", field="ios", expected=" or ".join(SUPPORTED_IOS))
+        spec = _profile_for(profile)
+        self.state, self.identity = DeviceState.open(
+            Path(state_dir).resolve(),  # the app runs with its container as cwd: paths must be absolute
+            product_type=spec.product_type,
+            marketing_name=spec.marketing_name,
+            ios=ios,
+            limit_bytes=limit_bytes if limit_bytes is not None else spec.limit_bytes,
+            page_size=spec.page_size,
+        )
+        # The app's footprint before weights and KV: the profile's baseline (the planner uses the same one).
+        self.baseline_bytes = baseline_bytes if baseline_bytes is not None else spec.baseline_bytes
+        self.pairing = Pairing.load_or_create(self.state.pairing_dir, self.identity.wifi_mac)
+        self.syslog = SyslogBus(self)
+        self.battery = Battery()
+        self.plugged = True
+        self._background: set[asyncio.Task[None]] = set()
+        developer = self.state.developer()
+        fresh = not (self.state.root / "developer.json").exists()
+        from kvrig.virtual.image_mounter import boot_state
+
+        boot_state(self, developer, fresh=fresh)
+        self.state.save_developer(developer)
+        self.faults = faults or FaultPlan()
+        self.afc_bytes = 0
+        self.tunnel_bytes = 0
+        self.device_id = 0
+        self.server: UsbmuxServer | None = None
+        self._ports = itertools.count(49152)
+        self._pending: dict[int, Handler] = {}
+        self._links: set[Link] = set()
+        from kvrig.virtual.apprun import AppRunner
+
+        self.apps: AppRunner = AppRunner(self, python=python)
+
+    @property
+    def ios_major(self) -> int:
+        return int(self.identity.product_version.split(".")[0])
+
+    @property
+    def ios_version(self) -> tuple[int, int]:
+        major, minor = self.identity.product_version.split(".")[:2]
+        return int(major), int(minor)
+
+    @property
+    def faults(self) -> FaultPlan:
+        return self._faults
+
+    @faults.setter
+    def faults(self, plan: FaultPlan) -> None:
+        """Faults that are device state (Developer Mode off, image missing) change that state when set; RSD
+        reads that state on every handshake and connection, so a tunnel sees the change at once."""
+        plan.check(self.identity.product_version)
+        self._faults = plan
+        self.tunnel_bytes = 0  # a tunnel-drop limit counts from when it was set
+        if plan.developer_mode_off or plan.image_missing:
+            developer = self.state.developer()
+            if plan.developer_mode_off:
+                developer.developer_mode = False
+            developer.mounted = {}  # Developer Mode off takes the image with it, as its restart does
+            self.state.save_developer(developer)
+
+    def developer_ready(self) -> bool:
+        developer = self.state.developer()
+        mode_ok = developer.developer_mode or self.ios_major < 16
+        from kvrig.virtual.image_mounter import image_type_for
+
+        return mode_ok and image_type_for(self) in developer.mounted
+
+    def schedule_reboot(self, *, come_back: bool = True) -> None:
+        """Restarts the phone shortly after the current reply went out: apps die, every connection drops,
+        usbmuxd loses it, the developer disk image is unmounted; it comes back after `REBOOT_DOWN_S`."""
+
+        async def reboot() -> None:
+            await asyncio.sleep(0.2)
+            await self.apps.kill_all()
+            await self.unplug()
+            developer = self.state.developer()
+            developer.mounted = {}
+            self.state.save_developer(developer)
+            if come_back:
+                await asyncio.sleep(REBOOT_DOWN_S)
+                await self.replug()
+
+        self.background(reboot())
+
+    def background(self, coro: Awaitable[None]) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # --- lifecycle -------------------------------------------------------------------------------------
+
+    def attach(self, server: UsbmuxServer, device_id: int) -> None:
+        self.server, self.device_id = server, device_id
+
+    async def start(self) -> None:
+        self.syslog.emit("kernel", f"virtual {self.identity.product_type} iOS {self.identity.product_version} up")
+
+    async def shutdown(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        await self.apps.kill_all()
+        self._drop_links()
+
+    def _drop_links(self) -> None:
+        for link in list(self._links):
+            link.close()
+        self._links.clear()
+        self._pending.clear()
+
+    async def unplug(self) -> None:
+        """Pulls the virtual cable: every open connection drops and usbmuxd reports the device detached."""
+        if not self.plugged:
+            return
+        self.plugged = False
+        self.battery.sample(self)
+        self.battery.external_connected = False
+        self._drop_links()
+        if self.server is not None:
+            self.server.notify_detached(self.device_id)
+
+    async def replug(self) -> None:
+        if self.plugged:
+            return
+        self.plugged = True
+        self.battery.sample(self)
+        self.battery.external_connected = True
+        self.afc_bytes = 0
+        self.faults.unplug_after_afc_bytes = None
+        if self.server is not None:
+            self.server.notify_attached(self)
+
+    # --- ports and services ----------------------------------------------------------------------------
+
+    def take_port(self, port: int) -> Handler | None:
+        if port == LOCKDOWN_PORT:  # pymobiledevice3's lockdown SERVICE_PORT
+            return serve_lockdownd
+        return self._pending.pop(port, None)
+
+    def open_service(self, name: str) -> tuple[int, bool] | str:
+        """Opens a one-shot port for a service; returns (port, ssl) or lockdownd's error string."""
+        spec = SERVICES.get(name)
+        if spec is None or name in self.faults.refuse_services or self.ios_version < spec.min_ios:
+            return "InvalidService"
+        if spec.developer and (self.ios_major >= 17 or not self.developer_ready()):
+            # iOS 17+ serves developer services only over a RemoteXPC tunnel, never through lockdownd; before
+            # that they exist only while the developer disk image is mounted (and, on 16, Developer Mode on).
+            return "InvalidService"
+        handler = spec.handler()
+        port = next(self._ports)
+
+        async def run(link: Link) -> None:
+            link.counts_afc = spec.counts_afc
+            if spec.ssl:
+                await link.start_tls()
+            await handler(link)
+
+        self._pending[port] = run
+        return port, spec.ssl
+
+    async def serve(self, handler: Handler, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        link = Link(reader, writer, self)
+        self._links.add(link)
+        try:
+            await handler(link)
+        except ProtocolViolation as exc:
+            log.info("%s: dropping a connection: %s", self.identity.udid, exc)
+        except (Unplugged, ConnectionError, asyncio.IncompleteReadError, OSError):
+            pass
+        finally:
+            self._links.discard(link)
+            with contextlib.suppress(Exception):
+                link.close()
+
+    def status(self) -> dict[str, Any]:
+        from kvrig.virtual.image_mounter import image_mounted, local_image_files
+
+        return {
+            "udid": self.identity.udid,
+            "product_type": self.identity.product_type,
+            "ios": self.identity.product_version,
+            "state": str(self.state.root),
+            "limit_bytes": self.identity.limit_bytes,
+            "plugged": self.plugged,
+            "faults": self.faults.to_json(),
+            "developer_mode": self.state.developer().developer_mode,
+            "image_mounted": image_mounted(self),
+            "ddi": {role: str(path) for role, path in local_image_files(self).items()},
+            "running": {str(pid): name for pid, name in self.apps.running().items()},
+        }

@@ -1,0 +1,339 @@
+"""The LLM app runtime: what the virtual iPhone runs for an app built with `kvrig build --virtual`.
+
+It does what the generated Swift app does (templates/swift/App/Sources/Engine.swift), with real MLX on the
+host: finds the bundle pushed into Documents, loads it with the host runtime (kvrig.runtime), builds the
+caches kvcache.json asks for, and runs the soak plan named by `--kvrig-soak-plan PATH`: feeds the plan's text
+up to each context target in prefill steps, decodes `decode_tokens` greedily, and writes a telemetry step.
+After every forward pass it reports its memory to the emulator over the channel of `kvrig.virtual.apprun`
+(which may kill it there: jetsam) and reacts to the pressure level in the reply as kvcache.json's policy says.
+Numbers are reported in the phone's format (see llm_memory); the start event lists which were converted.
+
+Run with `python -m kvrig.virtual.llmapp [--kvrig-soak-plan FILE] [--kvrig-bundle FOLDER]`; it re-executes
+itself once with OpenBLAS preloaded (before MLX is imported), as `kvrig run` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvrig.schemas.kvcache import KVCacheConfig
+from kvrig.schemas.soakplan import SOAKPLAN_LAUNCH_ARGUMENT, SoakPlan
+from kvrig.schemas.telemetry import (
+    TELEMETRY_FILE,
+    EndEvent,
+    EvictEvent,
+    MemoryPressureEvent,
+    StartEvent,
+    StepEvent,
+)
+from kvrig.virtual.testapp import Channel, Telemetry, load_plan, stay_until_killed
+
+MODULE = "kvrig.virtual.llmapp"
+BUNDLE_ARGUMENT = "--kvrig-bundle"
+CHECKPOINT_FILE = "checkpoint.json"
+ENV_REEXECED = "KVRIG_LLMAPP_OPENBLAS"  # our own guard: the emulator's environment may carry the CLI's
+
+
+class AppError(Exception):
+    """A failure the app reports in its end record (and the device log) instead of a traceback."""
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="llmapp")
+    p.add_argument(SOAKPLAN_LAUNCH_ARGUMENT, dest="soak_plan", default=None, help="soak plan inside Documents")
+    p.add_argument(BUNDLE_ARGUMENT, dest="bundle", default=None, help="bundle folder inside Documents")
+    p.add_argument("--exit-when-done", action="store_true", help="exit after the end record (default: stay)")
+    return p.parse_args(argv)
+
+
+def preload_openblas(argv: list[str]) -> None:
+    """Re-executes this module once with OpenBLAS preloaded; the pid stays the same (execve)."""
+    from kvrig.runtime.blas import ensure_openblas
+
+    ensure_openblas(argv, module=MODULE, guard=ENV_REEXECED)
+
+
+def find_bundle(documents: Path, name: str | None = None) -> Path:
+    """The bundle folder: the one named (inside Documents), else the single folder holding kvcache.json and
+    manifest.json."""
+    from kvrig.bundle import KVCACHE_NAME
+    from kvrig.schemas.bundle import MANIFEST_NAME
+
+    if name:
+        path = (documents / name).resolve()
+        if not path.is_relative_to(documents.resolve()):
+            raise AppError(f"bundle {name!r} is outside Documents")
+        if not (path / KVCACHE_NAME).is_file():
+            raise AppError(f"no bundle at Documents/{name} (no {KVCACHE_NAME}): push it with `kvrig deploy`")
+        return path
+    found = sorted(
+        d
+        for d in (documents.iterdir() if documents.is_dir() else [])
+        if d.is_dir() and (d / KVCACHE_NAME).is_file() and (d / MANIFEST_NAME).is_file()
+    )
+    if not found:
+        raise AppError(
+            f"no model bundle in Documents (a folder with {KVCACHE_NAME} and {MANIFEST_NAME}): "
+            "push one with `kvrig deploy`"
+        )
+    if len(found) > 1:
+        names = ", ".join(d.name for d in found)
+        raise AppError(f"several bundles in Documents ({names}): name one with {BUNDLE_ARGUMENT}")
+    return found[0]
+
+
+@dataclass
+class Timing:
+    tokens: int = 0
+    seconds: float = 0.0
+
+    @property
+    def rate(self) -> float | None:
+        return self.tokens / self.seconds if self.tokens and self.seconds > 0 else None
+
+
+class Stop(Exception):
+    """Raised between forward passes when the app must stop (critical pressure with stop_and_save)."""
+
+
+class Engine:
+    """The loaded bundle, its caches, and the loop that grows them while reporting to the emulator."""
+
+    def __init__(self, bundle: Path, kv: KVCacheConfig, channel: Channel, telemetry: Telemetry) -> None:
+        import mlx.core as mx
+        from mlx.utils import tree_flatten
+
+        from kvrig.runtime.caches import make_caches
+        from kvrig.runtime.host import load_bundle_model
+        from kvrig.virtual.llm_memory import PhoneAccount, stored_weight_bytes
+
+        self.kv, self.channel, self.telemetry = kv, channel, telemetry
+        mx.set_cache_limit(kv.buffer_cache_limit_bytes)
+        self.model, self.tokenizer, config = load_bundle_model(bundle)
+        self.model_type = str(config.get("model_type", ""))
+        self.caches = make_caches(self.model, kv, self.model_type)
+        params: list[tuple[str, Any]] = tree_flatten(self.model.parameters())  # type: ignore[assignment]
+        host_weights = sum(int(v.nbytes) for _, v in params if isinstance(v, mx.array))
+        self.account = PhoneAccount(host_weights, stored_weight_bytes(bundle), kv.dtype)
+        self.on_critical: str = "stop_and_save"
+        self.pressure = "normal"
+        self.stop_requested = False
+        self.last_verdict: dict[str, Any] = {}
+        self.eos = set(getattr(self.tokenizer, "eos_token_ids", None) or [])
+
+    @property
+    def context_tokens(self) -> int:
+        return max((int(getattr(c, "offset", 0)) for c in self.caches), default=0)
+
+    def measure(self, *, react: bool = True) -> dict[str, Any]:
+        """Reports memory to the emulator; returns its verdict (with our measurement) after reacting to a
+        change of pressure level. The emulator may kill us inside this call."""
+        measurement = self.account.measure(self.caches, self.context_tokens)
+        verdict = self.channel.measure(measurement)
+        if verdict is None:
+            raise SystemExit(0)  # the emulator went away
+        self.last_verdict = {**verdict, "measurement": measurement}
+        if react:
+            self.react(self.last_verdict)
+        return self.last_verdict
+
+    def react(self, verdict: dict[str, Any]) -> None:
+        if verdict["pressure"] != self.pressure:
+            self.pressure = verdict["pressure"]
+            self.on_pressure(self.pressure, int(verdict["footprint"]))
+
+    def on_pressure(self, level: Any, footprint: int) -> None:
+        import mlx.core as mx
+
+        from kvrig.virtual.llm_memory import evict_oldest, kv_bytes, respond
+
+        context = self.context_tokens
+        self.telemetry.write(MemoryPressureEvent, level=level, context_tokens=context, phys_footprint_bytes=footprint)
+        self.channel.send({"log": f"memory pressure {level} at {context} tokens"})
+        action, tokens = respond(level, context, self.kv, self.on_critical)  # type: ignore[arg-type]
+        if action == "stop":
+            self.stop_requested = True
+        elif action == "evict":
+            dropped, skipped = evict_oldest(self.caches, self.kv.keep_tokens, tokens)
+            if skipped:
+                self.channel.send({"log": f"{skipped} caches cannot evict (rings, recurrent or shared state)"})
+            if dropped:
+                mx.clear_cache()
+                self.telemetry.write(
+                    EvictEvent,
+                    tokens_evicted=dropped,
+                    context_tokens=self.context_tokens,
+                    kv_bytes=kv_bytes(self.caches, self.kv.dtype)[1],
+                )
+
+    def after_step(self) -> None:
+        """kvrig's memory hook in the generation loop: report the step (the kernel may kill us here), react."""
+        self.measure()
+        if self.stop_requested:
+            raise Stop
+
+    def feed(self, tokens: list[int], decode_tokens: int, prefill: Timing, decode: Timing) -> None:
+        """Feeds `tokens` in prefill steps, then decodes up to `decode_tokens` greedily (stopping at end of
+        sequence), in the runtime's generation loop (mlx-lm's generate_step) with the memory hook."""
+        from kvrig.runtime.generate import GenerationStats, generate_tokens
+
+        stats = GenerationStats()
+        for _ in generate_tokens(
+            self.model,
+            tokens,
+            self.caches,
+            self.kv,
+            max_tokens=decode_tokens,
+            stop_tokens=self.eos,
+            stats=stats,
+            model_type=self.model_type,
+            on_step=self.after_step,
+        ):
+            pass
+        prefill.tokens += stats.prompt_tokens
+        prefill.seconds += stats.prefill_seconds
+        # The first generated token comes out of the prefill; decode speed counts the steps after it.
+        decode.tokens += max(0, stats.generated_tokens - 1)
+        decode.seconds += stats.decode_seconds
+
+
+def _targets(plan: SoakPlan) -> list[int]:
+    s = plan.schedule
+    if s.start_tokens > s.max_tokens:
+        return [s.max_tokens]
+    return list(range(s.start_tokens, s.max_tokens + 1, s.step_tokens))
+
+
+def _stop_reason(plan: SoakPlan, decode_tps: float | None, footprint: int, elapsed: float) -> str | None:
+    stop = plan.stop
+    if stop.min_decode_tps is not None and decode_tps is not None and decode_tps < stop.min_decode_tps:
+        return f"decode {decode_tps:.2f} tok/s below {stop.min_decode_tps}"
+    if stop.max_footprint_bytes is not None and footprint > stop.max_footprint_bytes:
+        return f"footprint {footprint} above {stop.max_footprint_bytes} bytes"
+    if stop.max_seconds is not None and elapsed > stop.max_seconds:
+        return f"ran {int(elapsed)} s, limit {int(stop.max_seconds)} s"
+    return None
+
+
+def run_soak(engine: Engine, plan: SoakPlan) -> tuple[str, str | None]:
+    """Grows the context target by target; returns the end reason and message."""
+    from kvrig.virtual.llm_memory import phone_active_bytes
+
+    engine.on_critical = plan.on_critical
+    text = list(engine.tokenizer.encode(plan.text, add_special_tokens=False))
+    if not text:
+        return "error", "the soak text encodes to no tokens"
+    began = time.monotonic()
+    cursor = 0
+    try:
+        for target in _targets(plan):
+            prefill, decode = Timing(), Timing()
+            # At least one token: the loop starts from a prompt (decoding may have passed the target already).
+            needed = max(1, target - engine.context_tokens)
+            feed = [text[(cursor + i) % len(text)] for i in range(needed)]
+            cursor += needed
+            engine.feed(feed, plan.schedule.decode_tokens, prefill, decode)
+            verdict = engine.measure()
+            m = verdict["measurement"]
+            footprint = int(verdict["footprint"])
+            engine.telemetry.write(
+                StepEvent,
+                context_tokens=engine.context_tokens,
+                decode_tps=decode.rate,
+                prefill_tps=prefill.rate,
+                phys_footprint_bytes=footprint,
+                available_bytes=int(verdict["available"]),
+                mlx_active_bytes=phone_active_bytes(m),
+                mlx_cache_bytes=m["mlx_cache_bytes"],
+                kv_bytes=m["kv_bytes"],
+                thermal_state="nominal",
+                backend="mlx",
+            )
+            why = _stop_reason(plan, decode.rate, footprint, time.monotonic() - began)
+            if why is not None:
+                return "stop_condition", why
+            if engine.stop_requested:
+                raise Stop
+    except Stop:
+        return "memory_critical", f"critical memory pressure at {engine.context_tokens} tokens"
+    return "completed", None
+
+
+def _save_checkpoint(documents: Path, run_id: str, context: int, reason: str) -> None:
+    import json
+
+    data = {"run_id": run_id, "context_tokens": context, "reason": reason, "t": time.time()}
+    (documents / CHECKPOINT_FILE).write_text(json.dumps(data, indent=2) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    preload_openblas(argv)
+    args = parse_args(argv)
+    container = Path(os.environ.get("KVRIG_CONTAINER", "."))
+    documents = container / "Documents"
+    channel = Channel()
+    plan = load_plan(documents, args.soak_plan) if args.soak_plan else None
+    run_id = plan.run_id if plan else os.environ.get("KVRIG_RUN_ID") or f"chat-{uuid.uuid4().hex[:8]}"
+    telemetry = Telemetry(documents / (plan.telemetry_file if plan else TELEMETRY_FILE), run_id, channel)
+    reason, message = "error", None
+    engine: Engine | None = None
+    try:
+        from kvrig.schemas import load_model_file
+
+        if plan is not None and plan.backend == "coreml":
+            # `kvrig soak` refuses this before launch; a plan written by hand ends here, not on MLX instead.
+            raise AppError("the virtual iPhone runs MLX on Linux and has no Core ML: this soak needs a real iPhone")
+        bundle = find_bundle(documents, args.bundle)
+        kv = load_model_file(KVCacheConfig, bundle / "kvcache.json")
+        channel.send({"log": f"loading {bundle.name} (KV {kv.scheme})"})
+        engine = Engine(bundle, kv, channel, telemetry)
+        from kvrig.runtime.blas import openblas_loaded
+        from kvrig.virtual.llm_memory import CONVERTED_FIELDS
+
+        first = engine.measure(react=False)  # the loaded weights: jetsam can strike before any token
+        telemetry.write(
+            StartEvent,
+            model=bundle.name,
+            scheme=kv.scheme,
+            product_type=os.environ.get("KVRIG_PRODUCT_TYPE", "host"),
+            os_version=os.environ.get("KVRIG_OS_VERSION", "host"),
+            limit_bytes=int(first["footprint"]) + int(first["available"]),
+            converted=list(CONVERTED_FIELDS),
+        )
+        channel.send(
+            {
+                "log": f"ready: {engine.model_type}, KV {kv.scheme}, OpenBLAS {'on' if openblas_loaded() else 'off'}; "
+                f"host computes in float32, footprint counts {kv.dtype} for the same shapes"
+            }
+        )
+        engine.react(first)
+        if plan is None:
+            return stay_until_killed(args)
+        reason, message = run_soak(engine, plan)
+    except Stop:
+        reason, message = "memory_critical", "critical memory pressure while loading"
+    except AppError as exc:
+        message = str(exc)
+    except MemoryError as exc:  # what an allocator that refuses raises (bad_alloc through nanobind)
+        reason, message = "allocation_failed", f"{type(exc).__name__}: {exc}"
+    except Exception as exc:  # the end record names any other failure; the soak driver reads it
+        message = f"{type(exc).__name__}: {exc}"
+    context = engine.context_tokens if engine is not None else 0
+    if reason in ("memory_critical", "allocation_failed"):
+        _save_checkpoint(documents, run_id, context, reason)
+    if message:
+        channel.send({"log": f"soak {run_id}: {reason}: {message}"})
+    telemetry.write(EndEvent, reason=reason, context_tokens=context, message=message)
+    return stay_until_killed(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""RemoteServiceDiscovery: the service directory a phone serves inside its tunnel (iOS 17+).
+
+The host opens TCP to the RSD port and speaks HTTP/2 carrying RemoteXPC messages (pymobiledevice3's own
+`XpcWrapper` encoding, reused here). After the HTTP/2 preface and the RemoteXPC stream set-up the host sends a
+`Handshake`; the phone answers with its peer info: `Properties` (UDID, ProductType, OSVersion, ...) and
+`Services`, each with the TCP `Port` it listens on inside the tunnel. Those services are:
+
+- the remote lockdown services and the `*.shim.remote` shims of lockdown services: the host first sends an
+  `RSDCheckin` plist, the phone answers `RSDCheckin` then `StartService`, and the service's usual protocol
+  follows (no TLS: the tunnel is already encrypted);
+- the instruments hub `com.apple.instruments.dtservicehub`, which speaks DTX straight away, listed only while
+  the developer disk image is mounted and Developer Mode is on.
+"""
+
+from __future__ import annotations
+
+import functools
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from bytestruct import TruncatedDataError
+from hyperframe.frame import DataFrame, Frame, GoAwayFrame, PingFrame, SettingsFrame, WindowUpdateFrame
+from pymobiledevice3.remote.remotexpc import HTTP2_MAGIC
+from pymobiledevice3.remote.xpc_message import (
+    XpcMessageType,
+    XpcUInt64Type,
+    XpcWrapper,
+    create_xpc_wrapper,
+    decode_xpc_object,
+)
+
+from kvrig.virtual.wire import Link, ProtocolViolation
+
+if TYPE_CHECKING:
+    from kvrig.virtual.device import VirtualDevice
+
+FRAME_HEADER = 9
+MAX_FRAME = 1 << 20
+WINDOW = 16 * 1024 * 1024
+REMOTE_LOCKDOWN = ("com.apple.mobile.lockdown.remote.trusted", "com.apple.mobile.lockdown.remote.untrusted")
+INSTRUMENTS = "com.apple.instruments.dtservicehub"
+SHIM = ".shim.remote"
+FIRST_SERVICE_PORT = 50000
+
+Handler = Callable[[Link], Awaitable[None]]
+
+
+def tunnel_services(device: VirtualDevice) -> dict[str, Handler]:
+    """What this phone offers inside a tunnel now, by RSD name."""
+    from kvrig.virtual.device import SERVICES
+    from kvrig.virtual.dtx import serve_instruments
+    from kvrig.virtual.lockdownd import serve_lockdownd
+
+    services: dict[str, Handler] = {name: checked_in(serve_lockdownd) for name in REMOTE_LOCKDOWN}
+    for name, spec in SERVICES.items():
+        if spec.developer or spec.tunnel or device.ios_version < spec.min_ios:
+            continue
+        if name in device.faults.refuse_services:
+            continue
+        services[name + SHIM] = checked_in(spec.handler(), counts_afc=spec.counts_afc)
+    if device.developer_ready():
+        services[INSTRUMENTS] = serve_instruments
+    return services
+
+
+def service_port(name: str) -> int:
+    """A stable port per service name (a phone keeps them for the life of a tunnel)."""
+    return _all_ports()[name]
+
+
+def service_at(device: VirtualDevice, port: int) -> Handler | None:
+    for name, handler in tunnel_services(device).items():
+        if _all_ports().get(name) == port:
+            return handler
+    return None
+
+
+@functools.cache
+def _all_ports() -> dict[str, int]:
+    from kvrig.virtual.device import SERVICES
+
+    names = sorted({*REMOTE_LOCKDOWN, INSTRUMENTS, *(name + SHIM for name in SERVICES)})
+    return {name: FIRST_SERVICE_PORT + index for index, name in enumerate(names)}
+
+
+def checked_in(handler: Handler, *, counts_afc: bool = False) -> Handler:
+    async def serve(link: Link) -> None:
+        link.counts_afc = counts_afc
+        request = await link.recv_plist()
+        if request.get("Request") != "RSDCheckin":
+            raise ProtocolViolation(f"expected RSDCheckin, got {request.get('Request')!r}")
+        await link.send_plist({"Request": "RSDCheckin"})
+        await link.send_plist({"Request": "StartService"})
+        await handler(link)
+
+    return serve
+
+
+def peer_info(device: VirtualDevice) -> dict[str, Any]:
+    ident = device.identity
+    properties = {
+        "AppleInternal": False,
+        "BoardId": XpcUInt64Type(0xC),
+        "BuildVersion": ident.build_version,
+        "ChipID": XpcUInt64Type(ident.chip_id),
+        "DeviceClass": "iPhone",
+        "DeviceColor": "1",
+        "HardwareModel": ident.hardware_model,
+        "OSInstallEnvironment": False,
+        "OSVersion": ident.product_version,
+        "ProductName": "iPhone OS",
+        "ProductType": ident.product_type,
+        "SensitivePropertiesVisible": True,
+        "SerialNumber": ident.serial_number,
+        "UniqueChipID": XpcUInt64Type(ident.ecid),
+        "UniqueDeviceID": ident.udid,
+    }
+    services = {
+        name: {"Entitlement": "com.apple.mobile.lockdown.remote.trusted", "Port": str(service_port(name))}
+        for name in tunnel_services(device)
+    }
+    return {
+        "MessageType": "Handshake",
+        "MessagingProtocolVersion": XpcUInt64Type(7),
+        "Properties": properties,
+        "Services": services,
+        "UUID": uuid.uuid5(uuid.NAMESPACE_URL, ident.udid),
+    }
+
+
+async def _send_frame(link: Link, frame: Frame) -> None:
+    await link.send(frame.serialize())
+
+
+async def serve_rsd(link: Link) -> None:
+    preface = await link.recv_exactly(len(HTTP2_MAGIC))
+    if preface != HTTP2_MAGIC:
+        raise ProtocolViolation("not an HTTP/2 preface")
+    settings = {SettingsFrame.MAX_CONCURRENT_STREAMS: 100, SettingsFrame.INITIAL_WINDOW_SIZE: WINDOW}
+    await _send_frame(link, SettingsFrame(settings=settings))
+    await _send_frame(link, WindowUpdateFrame(stream_id=0, window_increment=WINDOW - 65535))
+    pending: dict[int, bytes] = {}
+    while True:
+        frame, size = Frame.parse_frame_header(memoryview(await link.recv_exactly(FRAME_HEADER)))
+        if size > MAX_FRAME:
+            raise ProtocolViolation(f"HTTP/2 frame of {size} bytes")
+        frame.parse_body(memoryview(await link.recv_exactly(size)))
+        if isinstance(frame, SettingsFrame) and "ACK" not in frame.flags:
+            await _send_frame(link, SettingsFrame(flags=["ACK"]))
+        elif isinstance(frame, PingFrame) and "ACK" not in frame.flags:
+            await _send_frame(link, PingFrame(flags=["ACK"], opaque_data=frame.opaque_data))
+        elif isinstance(frame, GoAwayFrame):
+            return
+        elif isinstance(frame, DataFrame) and frame.data:
+            data = pending.pop(frame.stream_id, b"") + frame.data
+            try:
+                wrapper = XpcWrapper.parse(data)
+            except TruncatedDataError:
+                pending[frame.stream_id] = data
+                continue
+            payload = wrapper.payload
+            if payload is None or payload.type != XpcMessageType.DICTIONARY or not payload.data:
+                continue
+            message = decode_xpc_object(payload)
+            if message.get("MessageType") == "Handshake":
+                reply = create_xpc_wrapper(peer_info(link.device), message_id=wrapper.message_id)
+                await _send_frame(link, DataFrame(stream_id=frame.stream_id, data=reply))

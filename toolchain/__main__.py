@@ -1,3 +1,0 @@
-from toolchain.cli import main
-
-main()
