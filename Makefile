@@ -29,13 +29,15 @@ test: $(STAMP)
 	$(BIN)/ruff check kvrig tests
 	$(BIN)/ruff format --check kvrig tests
 	$(BIN)/mypy
+	# The layers in pyproject.toml ([tool.importlinter]): imports run one way, no cycles, no MLX where none belongs.
+	$(BIN)/lint-imports
 	# The app's engine for this host against the pinned MLX Swift (debug; incremental in .build/swift-engine).
 	# Where MLX Swift cannot be resolved (no network, no KVRIG_SWIFT_DEPS, no mirror: docs/engine-linux.md) this
 	# records why and the engine tests skip with that reason; a build that resolved and failed stops here.
 	$(BIN)/kvrig engine --skip-unresolvable
-	# --durations: the slowest tests in every log, so where the time goes is never a guess; -rs: every skip with
-	# its reason in the summary.
-	$(BIN)/python -m pytest -q -rs -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30
+	# --durations: the slowest tests in every log, so where the time goes is never a guess (pyproject's -ra lists
+	# every skip with its reason).
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30
 
 demo: $(STAMP)
 	$(BIN)/kvrig demo -o build/demo
@@ -43,6 +45,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check kvrig tests
 	$(BIN)/ruff format --check kvrig tests
+	$(BIN)/lint-imports
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

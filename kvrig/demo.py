@@ -16,7 +16,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvrig.appgen.render import AppOptions, render_app
+from kvrig.appgen.virtual_ipa import APP_RUNTIMES, build_virtual_ipa
+from kvrig.bundle.options import PackageOptions
+from kvrig.device.deploy import deploy
+from kvrig.models import load_model_spec
+from kvrig.models.gguf import embedded_default_model
+from kvrig.packaging import package
+from kvrig.planner import PlanRequest, plan_memory
+from kvrig.planner.memory import DEFAULT_MARGIN
+from kvrig.profiles import AppMemoryLimit, SourcedInt, load_profile
+from kvrig.schemas.kvcache import PressurePolicy
 from kvrig.schemas.results import Prediction, SoakResult
+from kvrig.soaking.driver import SoakOptions, soak
+from kvrig.soaking.plan import make_plan
+from kvrig.virtual.host import EmulatorHost
+from kvrig.virtual.swiftapp import buffer_cache_held, resolve_runtime
 
 APP_NAME = "SmolLM2 Demo"
 APP_ID = "dev.kvrig.demo"
@@ -94,17 +109,6 @@ def _say(on_event: Event | None, text: str) -> None:
 
 
 def run_demo(options: DemoOptions, on_event: Event | None = None) -> DemoResult:
-    from kvrig.appgen.render import AppOptions, render_app
-    from kvrig.appgen.virtual_ipa import APP_RUNTIMES, build_virtual_ipa
-    from kvrig.bundle import PackageOptions, package
-    from kvrig.models import load_model_spec
-    from kvrig.models.gguf import embedded_default_model
-    from kvrig.plan import PlanRequest, plan_memory
-    from kvrig.plan.memory import DEFAULT_MARGIN
-    from kvrig.profiles import AppMemoryLimit, SourcedInt, load_profile
-    from kvrig.schemas.kvcache import PressurePolicy
-    from kvrig.virtual.swiftapp import buffer_cache_held, resolve_runtime
-
     out = options.out
     out.mkdir(parents=True, exist_ok=True)
     name = f"smollm2-{options.weights}-{options.kv}-p{options.prefill_step}"
@@ -198,11 +202,6 @@ def _soak_on_virtual_iphone(
     scheme: str,
     on_event: Event | None,
 ) -> SoakResult:
-    from kvrig.device.deploy import deploy
-    from kvrig.soak import SoakOptions, make_plan
-    from kvrig.soak.driver import soak
-    from kvrig.virtual.host import EmulatorHost
-
     # A unix socket path must stay short; the state folder lives in the output folder.
     address = f"/tmp/kvrig-demo-{os.getpid()}.sock"
     state = options.out / "virtual-iphone"

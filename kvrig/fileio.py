@@ -6,6 +6,7 @@ InputError subclass naming the file; writes go through a temporary file so a rea
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -57,3 +58,12 @@ def atomic_write(path: Path, data: str | bytes) -> None:
     else:
         tmp.write_text(data)
     os.replace(tmp, path)
+
+
+def sha256_file(path: Path) -> str:
+    """The file's sha256, read in 1 MiB pieces (bundles hold files of gigabytes)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -20,6 +20,16 @@ from typing import Any
 
 import pytest
 
+from kvrig.device.discovery import connect
+from kvrig.device.hosts import UsbmuxHost, list_devices_on, parse_hosts
+from kvrig.device.loop import run_async
+from kvrig.device.tunnel import TunnelMode
+from kvrig.lab.model import device_ref, new_run
+from kvrig.lab.schedule import Scheduler
+from kvrig.lab.targets import select_targets
+from kvrig.lab.worker import PhoneJob, prepare
+from kvrig.schemas.lab import load_lab
+
 
 @dataclass(frozen=True)
 class Phone:
@@ -73,7 +83,6 @@ def _lab(config: pytest.Config) -> Any:
         path = config.getoption("kvrig_lab")
         if path is None:
             raise pytest.UsageError("kvrig fixtures need --kvrig-lab LAB.yaml")
-        from kvrig.schemas.lab import load_lab
 
         cached = load_lab(path)
         config._kvrig_lab = cached  # type: ignore[attr-defined]
@@ -83,10 +92,6 @@ def _lab(config: pytest.Config) -> Any:
 def _phones(config: pytest.Config) -> list[Phone]:
     cached = getattr(config, "_kvrig_phones", None)
     if cached is None:
-        from kvrig.cli.bridge import run_async
-        from kvrig.device.hosts import list_devices_on, parse_hosts
-        from kvrig.lab.targets import select_targets
-
         hosts = parse_hosts(config.getoption("kvrig_usbmuxd"))
         address = {h.name: h.address for h in hosts}
         attached, _ = run_async(list_devices_on(hosts))
@@ -162,9 +167,6 @@ def _entry(lab: Any, case: tuple[str, str]) -> tuple[Any, Any]:
 @pytest.fixture()
 def kvrig_bundle(kvrig_lab: Any, kvrig_phone: Phone, kvrig_case: tuple[str, str]) -> Deployed:
     """The case's app installed and its bundle pushed on the phone (what `kvrig lab run` does first)."""
-    from kvrig.cli.bridge import run_async
-    from kvrig.device.discovery import connect
-    from kvrig.lab.worker import prepare
 
     entry, _ = _entry(kvrig_lab, kvrig_case)
 
@@ -187,12 +189,6 @@ def kvrig_soak(
 ) -> Any:
     """The case's soak on the phone (with the threshold search and the lab's gates evaluated): a
     kvrig.schemas.results.SoakResult."""
-    from kvrig.cli.bridge import run_async
-    from kvrig.device.hosts import UsbmuxHost
-    from kvrig.device.tunnel import TunnelMode
-    from kvrig.lab.model import device_ref, new_run
-    from kvrig.lab.schedule import Scheduler
-    from kvrig.lab.worker import PhoneJob
 
     phone = kvrig_bundle.phone
     entry, scheme = _entry(kvrig_lab, kvrig_case)

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from kvrig.bundle import PackageOptions, package
+from kvrig.bundle.options import PackageOptions
 from kvrig.models.gguf import embedded_default_model
 from kvrig.models.gguf_convert import convert_gguf
+from kvrig.packaging import package
 
 
 def _shared(factory: pytest.TempPathFactory, name: str, make: Callable[[Path], None]) -> Path:

@@ -19,19 +19,19 @@ from click.testing import CliRunner
 
 from kvrig.appgen.render import AppOptions, render_app
 from kvrig.appgen.virtual_ipa import build_virtual_ipa
-from kvrig.bundle import KVCACHE_NAME, PackageOptions
-from kvrig.calibrate import calibrate
+from kvrig.bundle.options import PackageOptions
+from kvrig.calibration import calibrate
 from kvrig.cli import cli, main
 from kvrig.device.deploy import deploy
 from kvrig.exceptions import CalibrationError
-from kvrig.plan import plan as make_memory_plan
+from kvrig.planner import plan as make_memory_plan
 from kvrig.profiles import AppMemoryLimit, SourcedInt, load_profile
+from kvrig.reports.telemetry import read_telemetry
 from kvrig.schemas import load_model_file
-from kvrig.schemas.kvcache import KVCacheConfig
+from kvrig.schemas.kvcache import KVCACHE_NAME, KVCacheConfig
 from kvrig.schemas.results import ResultsFile, SoakResult
-from kvrig.soak import SoakOptions, make_plan
-from kvrig.soak.driver import soak
-from kvrig.telemetry import read_telemetry
+from kvrig.soaking.driver import SoakOptions, soak
+from kvrig.soaking.plan import make_plan
 from kvrig.virtual.host import EmulatorHost
 from tests.bundle_fixtures import packaged
 

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvrig.exceptions import NotAJetsamReportError, ReportError
-from kvrig.jetsam import MAX_REPORT_BYTES, read_report, verdict
+from kvrig.reports.jetsam import MAX_REPORT_BYTES, read_report, verdict
 
 DATA = Path(__file__).parent / "data" / "jetsam"
 IOS11 = DATA / "JetsamEvent-ios11.4.1-iPhone10-1-excerpt.ips"

@@ -16,8 +16,9 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
-from kvrig import bundle as bundle_mod
-from kvrig.bundle import PackageOptions, PlanView, package, verify_bundle
+import kvrig.packaging as bundle_mod
+from kvrig.bundle.manifest import verify_bundle
+from kvrig.bundle.options import PackageOptions, PlanView
 from kvrig.exceptions import (
     BundleError,
     BundleExistsError,
@@ -27,6 +28,7 @@ from kvrig.exceptions import (
     VerifyError,
 )
 from kvrig.models.gguf import embedded_default_model
+from kvrig.packaging import package
 from kvrig.schemas import load_model_file
 from kvrig.schemas.bundle import Manifest
 from kvrig.schemas.kvcache import KVCacheConfig
@@ -323,15 +325,15 @@ def _llama(head_dim: int, model_type: str = "llama") -> dict[str, object]:
 def test_auto_rotation_applies_where_the_transform_does(
     head_dim: int, kv: str, rotation: str, expected: str, tmp_path: Path
 ) -> None:
-    from kvrig.plan.kv import parse_scheme
+    from kvrig.planner.kv import parse_scheme
 
     scheme = parse_scheme(kv)
     assert bundle_mod.resolve_rotation(rotation, _llama(head_dim), tmp_path / "config.json", scheme) == expected
 
 
 def test_auto_rotation_is_none_where_attention_cannot_read_the_cache(tmp_path: Path) -> None:
-    from kvrig.models.families import NO_QUANTIZED_ATTENTION
-    from kvrig.plan.kv import parse_scheme
+    from kvrig.kvcache.families import NO_QUANTIZED_ATTENTION
+    from kvrig.planner.kv import parse_scheme
 
     assert "gemma2" in NO_QUANTIZED_ATTENTION
     config = {**_llama(64, "gemma2"), "query_pre_attn_scalar": 64}

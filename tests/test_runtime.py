@@ -168,9 +168,9 @@ def test_tiny_qwen2_gguf_converts_and_runs(tmp_path: Path) -> None:
 def test_caches_follow_kvcache_json(q4_bundle: Path) -> None:
     from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-    from kvrig.runtime.caches import make_caches
+    from kvrig.kvcache.caches import make_caches
+    from kvrig.kvcache.kv_cache import SchemeKVCache
     from kvrig.runtime.generate import GenerationStats, generate_tokens, load_bundle
-    from kvrig.runtime.kv_cache import SchemeKVCache
 
     loaded = load_bundle(q4_bundle)
     kv = loaded.kvcache

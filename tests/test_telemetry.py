@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvrig.exceptions import ReportError
-from kvrig.jetsam import read_report
+from kvrig.reports.jetsam import read_report
+from kvrig.reports.telemetry import correlate, read_telemetry, summarize, summarize_run
 from kvrig.schemas.telemetry import EndEvent, MemoryPressureEvent, StartEvent, StepEvent
-from kvrig.telemetry import correlate, read_telemetry, summarize, summarize_run
 
 REPORT = Path(__file__).parent / "data" / "jetsam" / "JetsamEvent-ios11.4.1-iPhone10-1-excerpt.ips"
 T0 = datetime.strptime("2020-01-03 04:10:00.00 +0800", "%Y-%m-%d %H:%M:%S.%f %z").timestamp()

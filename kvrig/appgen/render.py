@@ -17,15 +17,15 @@ from typing import Any
 import jinja2
 from pydantic import TypeAdapter
 
-from kvrig import __version__
 from kvrig.appgen.escape import FILTERS
-from kvrig.appgen.infokeys import COREML_MODEL_KEY
 from kvrig.exceptions import AppGenError, InputError
 from kvrig.fileio import read_data
 from kvrig.schemas import json_schema, load_model_file
+from kvrig.schemas.keys import COREML_MODEL_KEY
 from kvrig.schemas.kvcache import KVCacheConfig
 from kvrig.schemas.soakplan import SOAKPLAN_FILE, GrowthSchedule, SoakPlan
 from kvrig.schemas.telemetry import TelemetryEvent
+from kvrig.version import __version__
 
 # Swift packages the App target links. The engine's sources are compiled against these versions on Linux
 # (kvrig/appgen/linux.py); mlx-swift 0.31.5+ needs a Swift 6.3 toolchain, so 0.31.4.

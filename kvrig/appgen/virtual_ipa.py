@@ -13,8 +13,8 @@ import zipfile
 from pathlib import Path
 
 from kvrig.appgen.build import read_project
-from kvrig.appgen.infokeys import VIRTUAL_RUNTIME_KEY
 from kvrig.exceptions import InputError
+from kvrig.schemas.keys import VIRTUAL_RUNTIME_KEY
 
 VIRTUAL_RUNTIME_LLM = "llm"
 VIRTUAL_RUNTIME_SWIFT = "swift"
@@ -30,8 +30,6 @@ def default_app_runtime() -> str:
 
     choice = os.environ.get(APP_RUNTIME_ENV, "python")
     if choice not in APP_RUNTIMES:
-        from kvrig.exceptions import InputError
-
         raise InputError(f"unknown app runtime {choice!r}", field=APP_RUNTIME_ENV, expected="swift or python")
     return choice
 

@@ -9,8 +9,8 @@ import sys
 
 import click
 
-from kvrig import __version__
 from kvrig.exceptions import KvrigError
+from kvrig.version import __version__
 
 # command name -> "module:attribute"; the module is imported only when the command runs.
 COMMANDS: dict[str, str] = {

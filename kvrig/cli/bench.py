@@ -37,7 +37,7 @@ def runtime(
 
     Plain mlx-lm runs the bundle as installed (float16, MLX's bundled BLAS); it is slow on a CPU, so keep the
     prompt short. Ratios are ours / plain; the reference row shows how much of the gap float32 alone closes."""
-    from kvrig.bundle import load_manifest
+    from kvrig.bundle.manifest import load_manifest
     from kvrig.runtime.bench import run_side
 
     load_manifest(bundle)

@@ -25,7 +25,7 @@ def calibrate(
 ) -> None:
     """Fit the app baseline per device profile from RESULTS.json files (kvrig soak, lab, demo): every
     telemetry footprint less the exact weights, KV and buffer cache. Use it with `kvrig plan --calibration`."""
-    from kvrig.calibrate import calibrate as fit
+    from kvrig.calibration import calibrate as fit
 
     calibration = fit(list(results), bundle=bundle, model=model, weights=weights)
     out.parent.mkdir(parents=True, exist_ok=True)

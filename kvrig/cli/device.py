@@ -1,6 +1,6 @@
 """`kvrig devices` and `kvrig deploy`: find phones (real or virtual) and put an app and a model bundle on one.
 
-The device layer is async; each command bridges it once (`kvrig.cli.bridge.run_async`).
+The device layer is async; each command bridges it once (`kvrig.device.loop.run_async`).
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import click
 
-from kvrig.cli.bridge import run_async
 from kvrig.cli.render import echo_json, human_bytes, json_option, usbmuxd_option
+from kvrig.device.loop import run_async
 
 
 def _udid_option(func):  # type: ignore[no-untyped-def]

@@ -54,7 +54,7 @@ def show_coreml_plan(
     model: Path | None, device: str, weights: str, group_size: int, contexts: list[int], as_json: bool
 ) -> None:
     """`kvrig plan --backend coreml` (the option lives in cli/plan.py; this renders it)."""
-    from kvrig.plan.coreml import plan_coreml_model
+    from kvrig.planner.coreml import plan_coreml_model
 
     p = plan_coreml_model(model, device, weights=weights, group_size=group_size, contexts=contexts)
     if as_json:

@@ -11,7 +11,7 @@ from kvrig.cli.render import echo_json, human_bytes, json_option, read_each
 from kvrig.exceptions import NotAJetsamReportError, ReportError
 
 if TYPE_CHECKING:
-    from kvrig.jetsam import JetsamProcess, JetsamReport, Verdict
+    from kvrig.reports.jetsam import JetsamProcess, JetsamReport, Verdict
 
 
 @click.command(
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 @json_option
 def jetsam(reports: tuple[Path, ...], process: str | None, as_json: bool) -> None:
     """Read JetsamEvent reports (.ips, .ips.synced): memory, largest process, killed processes and why."""
-    from kvrig.jetsam import read_report, verdict
+    from kvrig.reports.jetsam import read_report, verdict
 
     results: list[dict[str, Any]] = []
     errors: list[ReportError] = []

@@ -57,9 +57,9 @@ def run(
     lost, could not run); 18 the lab could not run at all (no device matched, no run could start);
     3 the lab file is wrong; 42 --shard, --devices or --usbmuxd is wrong. A phone whose preflight fails
     (Developer Mode off, no image, no tunnel) fails its runs with that cause."""
-    from kvrig.cli.bridge import run_async
     from kvrig.device.hosts import parse_hosts
-    from kvrig.lab import run_lab
+    from kvrig.device.loop import run_async
+    from kvrig.lab.schedule import run_lab
     from kvrig.lab.targets import Shard
     from kvrig.schemas.lab import load_lab
 
@@ -131,7 +131,7 @@ def _where(r) -> str:  # type: ignore[no-untyped-def]
 @click.option("--title", default="kvrig results", show_default=True)
 def report(results_file: Path, out_dir: Path, title: str) -> None:
     """Render report.html (and its PNGs) from a results.json again."""
-    from kvrig.report import write_report
+    from kvrig.lab.report import write_report
     from kvrig.schemas import load_model_file
     from kvrig.schemas.results import ResultsFile
 
@@ -144,7 +144,7 @@ def _render(results, *, title: str, out_dir: Path) -> None:  # type: ignore[no-u
     from rich.console import Console
     from rich.table import Table
 
-    from kvrig.gates import failures
+    from kvrig.lab.gates import failures
 
     table = Table(title=title)
     for col in ("host", "device", "entry", "scheme", "outcome", "max ctx", "safe ctx", "predicted", "result"):

@@ -84,8 +84,8 @@ def package(
     from kvrig.runtime.blas import ensure_openblas
 
     ensure_openblas()
-    from kvrig.bundle import PackageOptions
-    from kvrig.bundle import package as package_bundle
+    from kvrig.bundle.options import PackageOptions
+    from kvrig.packaging import package as package_bundle
 
     options = PackageOptions(
         weights=weights,

@@ -96,11 +96,11 @@ def plan(
     limit and the max context each scheme holds, with a recommendation.
 
     MODEL is a model directory, a config.json or a GGUF file; omitted, the embedded SmolLM2-135M."""
-    from kvrig.plan import PlanRequest
-    from kvrig.plan import plan as make_plan
-    from kvrig.plan.kv import ALL_NAMED_SCHEMES
-    from kvrig.plan.memory import DEFAULT_CONTEXTS
-    from kvrig.plan.weights import DEFAULT_RECIPES
+    from kvrig.planner import PlanRequest
+    from kvrig.planner import plan as make_plan
+    from kvrig.planner.kv import ALL_NAMED_SCHEMES
+    from kvrig.planner.memory import DEFAULT_CONTEXTS
+    from kvrig.planner.weights import DEFAULT_RECIPES
 
     if backend == "coreml":
         from kvrig.cli.export import show_coreml_plan
@@ -133,7 +133,7 @@ def plan(
         backend=mlx_backend,  # type: ignore[arg-type]
     )
     if calibration is not None:
-        from kvrig.calibrate import calibrated_baseline
+        from kvrig.calibration import calibrated_baseline
         from kvrig.profiles import load_profile
 
         entry = calibrated_baseline(calibration, load_profile(device).name)
@@ -233,7 +233,7 @@ def plan_bench(model: Path | None, device: str, no_real: bool, as_json: bool) ->
 
     if not no_real:
         ensure_openblas()  # the measured prefill runs float matmuls on the CPU
-    from kvrig.plan.bench import benchmark_plan
+    from kvrig.planner.bench import benchmark_plan
 
     b = benchmark_plan(model, device, real=not no_real)
     if as_json:

@@ -21,7 +21,7 @@ def run(bundle: Path, prompt: str, max_tokens: int, temperature: float, raw: boo
     from kvrig.runtime.blas import ensure_openblas, openblas_loaded
 
     ensure_openblas()
-    from kvrig.bundle import load_manifest
+    from kvrig.bundle.manifest import load_manifest
     from kvrig.runtime.generate import load_bundle, run_bundle
 
     load_manifest(bundle)  # a clear error for a folder that is not a bundle

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import click
 
-from kvrig.cli.bridge import run_async
 from kvrig.cli.device import parse_tunnel, tunnel_option
 from kvrig.cli.options import backend_option, seconds_option, tokens_option
 from kvrig.cli.render import echo_json, human_bytes, json_option
+from kvrig.device.loop import run_async
 
 
 @click.command(
@@ -82,8 +82,9 @@ def soak(
     from kvrig.schemas import load_model_file
     from kvrig.schemas.results import BAD_OUTCOMES
     from kvrig.schemas.soakplan import SoakPlan
-    from kvrig.soak import SoakOptions, make_plan
-    from kvrig.soak import soak as run
+    from kvrig.soaking.driver import SoakOptions
+    from kvrig.soaking.driver import soak as run
+    from kvrig.soaking.plan import make_plan
 
     if plan_file is not None:
         plan = load_model_file(SoakPlan, plan_file)

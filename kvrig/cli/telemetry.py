@@ -12,7 +12,7 @@ from kvrig.cli.render import echo_json, human_bytes, json_option, read_each
 from kvrig.exceptions import ReportError
 
 if TYPE_CHECKING:
-    from kvrig.telemetry import Correlation, RunSummary, TelemetryLog
+    from kvrig.reports.telemetry import Correlation, RunSummary, TelemetryLog
 
 
 @click.command(
@@ -25,8 +25,8 @@ if TYPE_CHECKING:
 @json_option
 def telemetry(files: tuple[Path, ...], report_path: Path | None, process: str | None, as_json: bool) -> None:
     """Summarise telemetry runs: max context, tok/s at context points, footprint curve, jetsam correlation."""
-    from kvrig.jetsam import read_report
-    from kvrig.telemetry import correlate, read_telemetry, summarize_run
+    from kvrig.reports.jetsam import read_report
+    from kvrig.reports.telemetry import correlate, read_telemetry, summarize_run
 
     if report_path is not None and not process:
         raise click.UsageError("--report needs --process NAME (the app's name in the jetsam report)")

@@ -14,7 +14,7 @@ from kvrig.cli.render import echo_json, json_option
 @json_option
 def verify(bundle: Path, as_json: bool) -> None:
     """Check that every file of BUNDLE is present with the size and sha256 its manifest lists."""
-    from kvrig.bundle import check_bundle
+    from kvrig.bundle.manifest import check_bundle
     from kvrig.exceptions import VerifyError
 
     result = check_bundle(bundle)

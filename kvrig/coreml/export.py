@@ -1,5 +1,5 @@
 """`kvrig export coreml`: write a bundle as a stateful Core ML program (.mlpackage), then read it back and hold
-it to the plan (kvrig/plan/coreml.py)."""
+it to the plan (kvrig/planner/coreml.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import Field
 
 from kvrig.exceptions import BundleError, CoreMLExportError, CoreMLToolsMissingError, CoreMLUnsupportedError
-from kvrig.plan.coreml import CoreMLPlan, coreml_arch, plan_coreml
+from kvrig.planner.coreml import CoreMLPlan, coreml_arch, plan_coreml
 from kvrig.schemas import StrictModel
 
 from .inspect import PackageInfo, inspect_package
@@ -131,7 +131,7 @@ def export_coreml(
     )
     model.short_description = f"kvrig export of {bundle.name}: stateful KV cache, context {context}"
     model.user_defined_metadata["kvrig.context"] = str(context)
-    model.user_defined_metadata["kvrig.bundle"] = bundle.name
+    model.user_defined_metadata["kvrig.packaging"] = bundle.name
 
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent)) / output.name

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from kvrig.coreml.weights import BundleWeights, Quantized
-from kvrig.plan.coreml import CoreMLArch
+from kvrig.planner.coreml import CoreMLArch
 
 INPUT_IDS, POSITION, LOGITS = "input_ids", "position", "logits"
 

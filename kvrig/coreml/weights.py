@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from kvrig.exceptions import BundleError, CoreMLUnsupportedError
-from kvrig.plan.coreml import check_bits
+from kvrig.planner.coreml import check_bits
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ from typing import Any
 
 from pymobiledevice3.services.installation_proxy import InstallationProxyService
 
-from kvrig.appgen.infokeys import COREML_MODEL_KEY, VIRTUAL_RUNTIME_KEY
 from kvrig.device.discovery import Device
 from kvrig.exceptions import AppError, InputError
+from kvrig.schemas.keys import COREML_MODEL_KEY, VIRTUAL_RUNTIME_KEY
 
 
 @dataclass(frozen=True)

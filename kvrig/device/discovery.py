@@ -9,22 +9,17 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pymobiledevice3 import usbmux
 from pymobiledevice3.lockdown import LockdownClient, create_using_usbmux
 from pymobiledevice3.lockdown_service_provider import LockdownServiceProvider
 
 from kvrig.device.errors import device_errors, translate
+from kvrig.device.tunnel import Tunnel
 from kvrig.exceptions import DeviceError, DeviceNotFoundError
-
-if TYPE_CHECKING:
-    from kvrig.device.preflight import Preflight
-    from kvrig.device.tunnel import Tunnel
-
-
-# A lockdown value only kvrig's virtual iPhone sends; real phones never have it.
-VIRTUAL_KEY = "KvrigVirtualDevice"
+from kvrig.profiles import find_profile_by_product_type
+from kvrig.schemas.keys import VIRTUAL_KEY
 
 
 @dataclass(frozen=True)
@@ -56,8 +51,6 @@ def profile_for(product_type: str | None) -> str | None:
     """Our device profile's name for a ProductType; None when we have no profile for it."""
     if not product_type:
         return None
-    from kvrig.profiles import find_profile_by_product_type
-
     profile = find_profile_by_product_type(product_type)
     return profile.name if profile is not None else None
 
@@ -135,7 +128,6 @@ class Device:
         self.lockdown = lockdown
         self.usbmux_address = usbmux_address
         self.tunnel = tunnel
-        self.preflight: Preflight | None = None  # set by session.open_session
 
     @property
     def udid(self) -> str:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvrig.device.discovery import DeviceInfo, list_devices
+from kvrig.device.preflight import check_all
 from kvrig.exceptions import DeviceError, LabShardError
 
 if TYPE_CHECKING:
@@ -77,7 +78,6 @@ async def preflight_on(
 ) -> tuple[list[Preflight], dict[str, str]]:
     """`kvrig devices`: every phone on every host with its preflight (Developer Mode, image, tunnel), tagged
     with its host, and the hosts that could not be asked. A phone seen on two hosts is kept on the first."""
-    from kvrig.device.preflight import check_all
 
     found: list[Preflight] = []
     unreachable: dict[str, str] = {}

@@ -13,7 +13,7 @@ from typing import Any
 from pymobiledevice3 import exceptions as pmd3
 from pymobiledevice3.services.mobile_image_mounter import MobileImageMounterService, image_type_for_device
 
-from kvrig.device.discovery import Device, DeviceInfo
+from kvrig.device.discovery import Device, DeviceInfo, connect, list_devices
 from kvrig.device.errors import DEVELOPER_MODE_HINT, problem_json
 from kvrig.device.tunnel import TunnelMode, TunnelPlan, plan_tunnel
 from kvrig.exceptions import DeveloperModeOffError, DeviceError, ImageNotMountedError, NoTunnelError
@@ -96,7 +96,6 @@ async def check(device: Device, tunnel: TunnelMode | str | None = None) -> Prefl
 
 async def check_all(tunnel: TunnelMode | str | None = None, *, usbmux_address: str | None = None) -> list[Preflight]:
     """`kvrig devices`: every attached phone with its preflight (a phone lockdownd refused keeps that reason)."""
-    from kvrig.device.discovery import connect, list_devices
 
     reports: list[Preflight] = []
     for info in await list_devices(usbmux_address=usbmux_address):

@@ -19,6 +19,7 @@ from pymobiledevice3.dtx.exceptions import DTXNsError
 from pymobiledevice3.services.dvt.instruments.dvt_provider import DvtProvider
 from pymobiledevice3.services.dvt.instruments.process_control import ProcessControl
 
+from kvrig.device.apps import list_apps
 from kvrig.device.discovery import Device
 from kvrig.device.errors import TUNNEL_HINT
 from kvrig.exceptions import AppError, ImageNotMountedError, LaunchError, ServiceRefusedError
@@ -111,7 +112,6 @@ class Processes:
 
     async def _require_installed(self, bundle_id: str, refused: DTXNsError) -> None:
         """A refusal for an app that is not installed is final, not transient."""
-        from kvrig.device.apps import list_apps
 
         if all(app.bundle_id != bundle_id for app in await list_apps(self.device)):
             raise AppError(f"launching {bundle_id}: it is not installed on {self.device.udid} ({_ns_text(refused)})")

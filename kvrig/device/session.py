@@ -3,7 +3,7 @@
 The device-level API a soak or a lab worker calls:
 
     async with open_session(udid, tunnel="auto") as device:
-        ...  # device.developer is the RSD (iOS 17+) or lockdown; device.preflight says what was checked
+        ...  # device.developer is the RSD (iOS 17+) or lockdown; device.tunnel.plan says which tunnel and why
 
 The userspace tunnel is one per process, so a lab with several iOS 17+ phones opens one session per worker
 process (one phone each).
@@ -33,7 +33,6 @@ async def open_session(
     device = await connect(udid, usbmux_address=usbmux_address)
     async with device:
         report = await preflight.check(device, tunnel)
-        device.preflight = report
         if check:
             report.raise_first()
         assert report.tunnel is not None

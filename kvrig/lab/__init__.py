@@ -9,8 +9,3 @@ main run and the threshold search after a jetsam, `save` writes results.json and
 Layout: OUT/results.json, OUT/junit.xml, OUT/report.html, OUT/report/*.png,
 OUT/runs/<udid>/<entry>/<scheme>/{main,confirm-N}/ (each a soak output folder).
 """
-
-from kvrig.lab.model import JUNIT_FILE, RUNS_DIR, LabResults, LabRun
-from kvrig.lab.schedule import run_lab
-
-__all__ = ["JUNIT_FILE", "RUNS_DIR", "LabResults", "LabRun", "run_lab"]

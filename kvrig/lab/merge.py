@@ -13,13 +13,14 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import kvrig
 from kvrig.exceptions import LabShardError
 from kvrig.lab.model import RUNS_DIR, fails
+from kvrig.lab.report import write_report
 from kvrig.lab.save import save_results
 from kvrig.schemas import load_model_file
 from kvrig.schemas.lab import Gates, LabRecord, slug
 from kvrig.schemas.results import RESULTS_FILE, Confirmation, ResultsFile, SoakFiles, SoakResult
+from kvrig.version import __version__
 
 SHARDS_DIR = "shards"
 
@@ -97,7 +98,7 @@ def merge_folders(folders: list[Path], out: Path) -> Merged:
     """Merges the folders into `out` (results.json, junit.xml, report.html, shards/); returns what was merged
     and what was found wrong."""
     loaded = [(folder, _load(folder)) for folder in folders]
-    merged = Merged(ResultsFile(tool_version=kvrig.__version__, runs=[]))
+    merged = Merged(ResultsFile(tool_version=__version__, runs=[]))
     out.mkdir(parents=True, exist_ok=True)
 
     records = [(folder, r.lab) for folder, r in loaded if r.lab is not None]
@@ -139,7 +140,6 @@ def merge_folders(folders: list[Path], out: Path) -> Merged:
     name = next(iter(sorted(names)), "lab")
     merged.results.lab = LabRecord(name=name, hosts=hosts, gates=gates, notes=notes)
     save_results(merged.results, out)  # evaluates the gates again on the merged runs
-    from kvrig.report import write_report
 
     write_report(merged.results, out, title=f"kvrig lab: {name} (merged)")
     return merged

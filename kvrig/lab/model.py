@@ -6,11 +6,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import kvrig
-from kvrig import gates as gate_checks
 from kvrig.device.discovery import DeviceInfo
+from kvrig.lab import gates as gate_checks
 from kvrig.schemas.lab import Lab, LabRecord, MatrixEntry, SchemeSpec, slug
 from kvrig.schemas.results import DeviceRef, Prediction, ResultsFile, SoakResult
+from kvrig.version import __version__
 
 JUNIT_FILE = "junit.xml"
 RUNS_DIR = "runs"
@@ -77,7 +77,7 @@ class LabResults:
 
     @property
     def results(self) -> ResultsFile:
-        return ResultsFile(tool_version=kvrig.__version__, runs=[r.result for r in self.runs], lab=self.record)
+        return ResultsFile(tool_version=__version__, runs=[r.result for r in self.runs], lab=self.record)
 
     @property
     def failed(self) -> list[LabRun]:

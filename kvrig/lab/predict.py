@@ -6,12 +6,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvrig.exceptions import SchemaError
+from kvrig.exceptions import QuantizationError, SchemaError
+from kvrig.models import load_model_spec
+from kvrig.planner import PlanRequest, plan_memory
+from kvrig.planner.kv import parse_scheme
+from kvrig.profiles import AppMemoryLimit, SourcedInt, load_profile
 from kvrig.schemas.lab import LabDevice, MatrixEntry, SchemeSpec
 from kvrig.schemas.results import Prediction
 
 if TYPE_CHECKING:
-    from kvrig.plan.transient import Backend
+    from kvrig.planner.transient import Backend
 
 
 class Predictor:
@@ -28,8 +32,6 @@ class Predictor:
         source = entry.model_source
         if source is None or profile is None or self.unavailable:
             return None
-        from kvrig.exceptions import QuantizationError
-        from kvrig.plan.kv import parse_scheme
 
         try:
             planner_scheme = parse_scheme(scheme.plan_scheme or scheme.name).name
@@ -55,10 +57,6 @@ class Predictor:
         self, source: Path, profile_ref: str, device: LabDevice, entry: MatrixEntry, scheme: str, backend: Backend
     ) -> Prediction | None:
         try:
-            from kvrig.models import load_model_spec
-            from kvrig.plan import PlanRequest, plan_memory
-            from kvrig.profiles import AppMemoryLimit, SourcedInt, load_profile
-
             profile = load_profile(profile_ref)
             # A phone whose limit or baseline the lab knows better than the profile (a virtual iPhone).
             if device.limit_bytes is not None:

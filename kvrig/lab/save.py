@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvrig import gates as gate_checks
 from kvrig.exceptions import KvrigError
 from kvrig.fileio import atomic_write
+from kvrig.lab import gates as gate_checks
+from kvrig.lab.junit import write_junit
 from kvrig.lab.model import JUNIT_FILE
 from kvrig.schemas import load_model_file
 from kvrig.schemas.results import RESULTS_FILE, ResultsFile, SoakFiles, SoakResult
@@ -27,8 +28,6 @@ def evaluate_gates(results: ResultsFile) -> None:
 
 
 def save_results(results: ResultsFile, out: Path) -> None:
-    from kvrig.junit import write_junit
-
     evaluate_gates(results)
     data = results.model_dump(mode="json", by_alias=True, exclude_none=False)
     atomic_write(out / RESULTS_FILE, json.dumps(data, indent=2) + "\n")

@@ -13,6 +13,7 @@ from kvrig.device.hosts import UsbmuxHost, list_devices_on, local_host
 from kvrig.exceptions import LabError
 from kvrig.lab.model import Event, LabResults, LabRun, device_ref, new_run
 from kvrig.lab.predict import Predictor
+from kvrig.lab.report import write_report
 from kvrig.lab.save import save_results
 from kvrig.lab.targets import Shard, Target, select_targets
 from kvrig.lab.worker import PhoneJob, worker_main
@@ -159,7 +160,6 @@ async def run_lab(
     scheduler = Scheduler(lab, out, on_event, hosts or [local_host()], tunnel)
     scheduler.results.shard = str(shard) if shard else None
     results = await scheduler.run(shard, devices)
-    from kvrig.report import write_report
 
     title = f"kvrig lab: {lab.name}" + (f" (shard {shard})" if shard else "")
     write_report(results.results, out, title=title)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from kvrig.device.discovery import DeviceInfo
 from kvrig.exceptions import LabShardError
+from kvrig.profiles import load_profile
 from kvrig.schemas.lab import ANY_DEVICE, Lab, LabDevice
 
 
@@ -62,8 +63,6 @@ class Target:
 
 
 def _profile_name(ref: str) -> str:
-    from kvrig.profiles import load_profile
-
     return load_profile(ref).name
 
 

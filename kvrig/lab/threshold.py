@@ -14,7 +14,8 @@ from kvrig.lab.model import Event, LabRun
 from kvrig.lab.save import read_partial, relocate
 from kvrig.schemas.lab import Lab
 from kvrig.schemas.results import Confirmation, SoakResult
-from kvrig.soak import SoakOptions, make_plan, run_soak
+from kvrig.soaking.driver import SoakOptions, run_soak
+from kvrig.soaking.plan import make_plan
 
 
 @dataclass

@@ -17,12 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvrig.cli.bridge import run_async
+from kvrig.device import apps, files
+from kvrig.device.loop import run_async
+from kvrig.device.session import open_session
 from kvrig.exceptions import DeviceLostError, DeviceNotFoundError, KvrigError
 from kvrig.lab.model import LabRun
 from kvrig.lab.threshold import Bench, measure
 from kvrig.schemas.lab import Lab, MatrixEntry
 from kvrig.schemas.results import SoakResult
+from kvrig.soaking.driver import tunnel_ref
 
 # (kind, udid, payload): ("event", udid, line), ("run", udid, (index, result JSON)), ("done", udid, None),
 # ("crashed", udid, traceback text)
@@ -48,8 +51,6 @@ async def drive_phone(job: PhoneJob, emit: Emit) -> None:
 
     The phone is opened as a soak opens it (`open_session`): preflight first, whose blocking cause fails every
     run, then the tunnel (iOS 17+), held for all of them and recorded in each run's result."""
-    from kvrig.device.session import open_session
-    from kvrig.soak.driver import tunnel_ref
 
     tag = job.udid[:8]
 
@@ -102,7 +103,6 @@ async def drive_phone(job: PhoneJob, emit: Emit) -> None:
 
 async def prepare(device: Any, entry: MatrixEntry) -> None:
     """Installs the entry's app and pushes its bundle (once per device)."""
-    from kvrig.device import apps, files
 
     if entry.ipa is not None:
         await apps.install(device, entry.ipa)

@@ -8,7 +8,11 @@ from typing import Any
 
 from kvrig.exceptions import ModelConfigError
 from kvrig.fileio import read_data
-from kvrig.models.spec import DTYPE_BYTES, LayerSpec, ModelSpec
+from kvrig.models.gguf import read_gguf_config
+from kvrig.models.layers import DTYPE_BYTES, LayerSpec
+from kvrig.models.lazy import mlx_classes, safetensors_tensors
+from kvrig.models.probe import layer_specs, quantized_step_runs
+from kvrig.models.spec import ModelSpec
 
 __all__ = [
     "LayerSpec",
@@ -46,8 +50,6 @@ def read_config(ref: str | Path) -> tuple[dict[str, Any], Path]:
     if not path.exists():
         raise ModelConfigError("no such file or directory", file=path)
     if path.suffix.lower() == ".gguf":
-        from kvrig.models.gguf import read_gguf_config
-
         return read_gguf_config(path), path
     return read_data(path, error=ModelConfigError, mapping="a Hugging Face config.json"), path
 
@@ -64,8 +66,6 @@ def spec_from_config(
 ) -> ModelSpec:
     """The ModelSpec of the mlx-lm model for `config`: its layers and caches learned from one lazy step of the
     model itself (plan/caches.py). `tensors` (a checkpoint's names and shapes) decide tied embeddings."""
-    from kvrig.models.lazy import mlx_classes
-    from kvrig.plan.caches import layer_specs
 
     source = str(source)
     if not isinstance(config.get("model_type"), str):
@@ -85,7 +85,6 @@ def spec_from_config(
         vocab_size=_int_field(text, config, "vocab_size"),
         tensors=tensors,
     )
-    from kvrig.plan.caches import quantized_step_runs
 
     model = spec.probe().model
     text_model = getattr(model, "language_model", model)  # multimodal wrappers: the language model's module
@@ -107,7 +106,5 @@ def load_model_spec(ref: str | Path | None = None) -> ModelSpec:
     folder = path.parent if path.name == "config.json" else None
     tensors = None
     if folder is not None and any(folder.glob("*.safetensors")):
-        from kvrig.models.lazy import safetensors_tensors
-
         tensors = safetensors_tensors(folder)
     return spec_from_config(config, path, tensors)

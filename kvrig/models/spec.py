@@ -3,36 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-LayerKind = Literal["full", "sliding", "shared", "linear", "latent"]
-
-# The phone's element sizes (kvrig keeps activations and caches in these dtypes).
-DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
-@dataclass(frozen=True)
-class LayerSpec:
-    """One decoder layer's cache (one entry of the model's make_prompt_cache).
-
-    full: a growing KV cache; sliding: a rotating cache of `window` tokens; linear: recurrent state (or a
-    CacheList mixing kinds) of constant size; shared: reads `source_layer`'s cache and holds none. Heads and
-    head dims are those the model's own step handed the cache.
-    """
-
-    index: int
-    kind: LayerKind
-    kv_heads: int = 0
-    k_head_dim: int = 0
-    v_head_dim: int = 0
-    window: int | None = None
-    source_layer: int | None = None
-    quantizable: bool = True
-    """a plain KVCache of its own (kvrig swaps those for quantized caches; not caches nested in a CacheList)."""
-
-    @property
-    def grows(self) -> bool:
-        return self.kind in ("full", "latent")
+from kvrig.kvcache.families import NO_QUANTIZED_ATTENTION
+from kvrig.models.layers import LayerKind, LayerSpec
+from kvrig.models.lazy import build_lazy_model, cast_model, copy_modules, count_parameters
+from kvrig.models.probe import CacheProbe
 
 
 @dataclass
@@ -55,8 +31,6 @@ class ModelSpec:
     _probes: dict[str, Any] = field(default_factory=dict, repr=False)
     _weights: dict[str, Any] = field(default_factory=dict, repr=False)
     _parameters: int | None = field(default=None, repr=False)
-    _kv_memo: dict[Any, Any] = field(default_factory=dict, repr=False)
-    """answers plan/kv.py remembers per scheme (its cache factory, per-layer row bytes)"""
 
     @property
     def num_layers(self) -> int:
@@ -64,14 +38,12 @@ class ModelSpec:
 
     def lazy_model(self, dtype: str | None = None) -> Any:
         """A fresh lazily built mlx-lm model (cast like mlx-lm's convert when `dtype` is given)."""
-        from kvrig.models.lazy import build_lazy_model, cast_model
 
         model = build_lazy_model(self.config, self.tensors, self.source)
         return cast_model(model, dtype) if dtype else model
 
     def weights_model(self, dtype: str) -> Any:
         """A copy of the lazily built model cast to `dtype`, to quantize in place (built and cast once)."""
-        from kvrig.models.lazy import copy_modules
 
         if dtype not in self._weights:
             self._weights[dtype] = self.lazy_model(dtype)
@@ -80,8 +52,6 @@ class ModelSpec:
     def probe(self, dtype: str = "float16") -> Any:
         """The model's own caches learned from one lazy step in `dtype` (see plan/caches.py)."""
         if dtype not in self._probes:
-            from kvrig.plan.caches import CacheProbe
-
             self._probes[dtype] = CacheProbe(self.lazy_model(dtype), dtype)
         return self._probes[dtype]
 
@@ -89,13 +59,11 @@ class ModelSpec:
     def quantized_attention(self) -> bool:
         """Whether kvrig's runtime hands this model mlx-lm's QuantizedKVCache (else its dequantize-on-read
         cache): the runtime's own rule, so plan and runtime agree."""
-        from kvrig.models.families import NO_QUANTIZED_ATTENTION
 
         return self.model_type not in NO_QUANTIZED_ATTENTION
 
     def parameter_count(self) -> int:
         """Parameters of the mlx-lm model for this config (built lazily; imports MLX)."""
-        from kvrig.models.lazy import count_parameters
 
         if self._parameters is None:
             self._parameters = count_parameters(self.config, self.lazy_model())

@@ -9,14 +9,27 @@ from __future__ import annotations
 
 import contextlib
 import json
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvrig.quality.schemes import KVVariant, make_variant_caches, parse_kv_variant, predicted_bytes
+from kvrig.bundle.manifest import load_manifest
+from kvrig.bundle.options import package_default_kv
+from kvrig.models import load_model_spec
+from kvrig.models.gguf import embedded_default_model
+from kvrig.models.source import source_dir
+from kvrig.planner.kv import context_schedule
+from kvrig.quality.kv_sensitivity import resolve_variant, sensitivity_tokens
+from kvrig.quality.perplexity import perplexity
+from kvrig.quality.schemes import KVVariant, kv_config, make_variant_caches, parse_kv_variant, predicted_bytes
+from kvrig.quantize.base import load_source_model
+from kvrig.quantize.recipes import apply_recipe, calibration_tokens, parse_quality_recipe
+from kvrig.runtime.generate import encode_prompt, generate_tokens
+from kvrig.runtime.host import load_bundle_model, prepare_for_host
+from kvrig.schemas.bundle import MANIFEST_NAME
+from kvrig.texts import CALIBRATION_FILES, EVAL_FILES, LICENSES, read_texts, tokens_of
 
 # awq-q4 is left out: mlx-lm's AWQ takes ~80 s per layer here (ask for it with --recipes).
 DEFAULT_RECIPES = ("q4", "q4g32", "q8", "mixed_4_6", "gptq-q4", "dq-4.6", "imx-4.6", "gpx-q4", "gpx-4.6")
@@ -96,34 +109,21 @@ class QualityReport:
 
 
 @contextlib.contextmanager
-def source_dir(model: str | Path | None) -> Iterator[tuple[Path, str, Path | None]]:
+def bench_source(model: str | Path | None) -> Iterator[tuple[Path, str, Path | None]]:
     """(HF-layout source directory, a name, the bundle or None) for a model path, a GGUF, a bundle (its
     manifest names the source) or None (the embedded SmolLM2)."""
-    from kvrig.models.gguf import embedded_default_model
-    from kvrig.models.gguf_convert import convert_gguf
-
     bundle = None
     path = Path(model) if model is not None else embedded_default_model()
-    if path.is_dir() and (path / "manifest.json").is_file():
-        from kvrig.bundle import load_manifest
-
+    if path.is_dir() and (path / MANIFEST_NAME).is_file():
         bundle = path
         path = Path(load_manifest(path).source.path)
-    if path.is_dir():
-        yield path, path.name, bundle
-        return
-    with tempfile.TemporaryDirectory(prefix="kvrig-quality-") as tmp:
-        convert_gguf(path, Path(tmp) / "src")
-        yield Path(tmp) / "src", path.name, bundle
+    with source_dir(path) as (src, _):
+        yield src, path.name, bundle
 
 
 def load_weights(src: Path, recipe: str, calibration: Any) -> tuple[Any, float | None]:
     """Source weights quantized by `recipe` ("source": unquantized), prepared for the host."""
     from mlx_lm.utils import compute_bits_per_weight
-
-    from kvrig.quality.recipes import apply_recipe, parse_quality_recipe
-    from kvrig.quantize import load_source_model
-    from kvrig.runtime.host import prepare_for_host
 
     model, config = load_source_model(src)
     bpw = None
@@ -204,8 +204,6 @@ def greedy_answer(model: Any, tokenizer: Any, prompt: str, spec: Any, kv: str = 
     the prompt but its last token prefilled, then one token at a time) with caches of the KV variant `kv`.
     A direct forward pass of the whole prompt reads the cache differently and, on a model this small, can
     flip an answer the real path gets right."""
-    from kvrig.quality.schemes import kv_config
-    from kvrig.runtime.generate import encode_prompt, generate_tokens
 
     variant = parse_kv_variant(kv)
     ids = encode_prompt(tokenizer, prompt, chat=True)
@@ -243,15 +241,10 @@ def run_quality_bench(
 ) -> QualityReport:
     from mlx_lm.utils import load_tokenizer
 
-    from kvrig.models import load_model_spec
-    from kvrig.quality.perplexity import perplexity
-    from kvrig.quality.recipes import calibration_tokens
-    from kvrig.quality.texts import EVAL_FILES, read_texts, tokens_of
-
     variants = [parse_kv_variant(v) for v in kv_variants]
     if variants and all(v.scheme.quantized for v in variants):
         variants.insert(0, parse_kv_variant("fp16"))
-    with source_dir(model) as (src, name, bundle):
+    with bench_source(model) as (src, name, bundle):
         tokenizer = load_tokenizer(src)
         spec = load_model_spec(src / "config.json")
         text, used = read_texts(EVAL_FILES)
@@ -259,7 +252,6 @@ def run_quality_bench(
         ids = tokens_of(tokenizer, text, n, what="the evaluation text", source=", ".join(used))
         needs_calibration = any(not r.startswith(("q", "mixed", "fp")) for r in recipes)
         calibration = calibration_tokens(tokenizer) if needs_calibration else None
-        from kvrig.quality.texts import CALIBRATION_FILES, LICENSES
 
         report = QualityReport(
             name, used, [str(LICENSES / f) for f in CALIBRATION_FILES] if needs_calibration else [], {}, [], []
@@ -275,8 +267,6 @@ def run_quality_bench(
         rows_w = []
         weight_models: list[tuple[str, Any]] = []
         if bundle is not None:
-            from kvrig.runtime.host import load_bundle_model
-
             weight_models.append((f"bundle:{bundle.name}", None))
         weight_models += [(r, None) for r in recipes]
         for recipe, _ in weight_models:
@@ -304,8 +294,6 @@ def run_quality_bench(
             progress(f"kv {variant.name}")
             t0 = time.perf_counter()
             if variant.promote_keys is not None:
-                from kvrig.quality.kv_sensitivity import resolve_variant
-
                 variant = resolve_variant(source, spec, variant, sensitivity_tokens(tokenizer))
                 progress(f"  layers chosen: {variant.scheme.name}")
             caches = make_variant_caches(source, spec, variant)
@@ -316,7 +304,6 @@ def run_quality_bench(
                 base_kv = res.ppl
                 report.source_ppl[f"{kv_tokens}"] = res.ppl
             tps, measured, predicted = decode_speed(source, spec, variant, contexts, steps=decode_steps)
-            from kvrig.plan.kv import context_schedule
 
             phone = {c: predicted_bytes(spec, variant, context_schedule(c, 256), "float16") for c in contexts}
             row = Row(
@@ -351,25 +338,6 @@ def run_quality_bench(
             ]
         report.goals = goals(report)
     return report
-
-
-def package_default_kv(src: Path) -> str:
-    """The KV variant `kvrig package` writes by default for the model in `src`, in the bench's syntax."""
-    from kvrig.bundle import PackageOptions, resolve_rotation
-    from kvrig.plan.kv import parse_scheme
-
-    options = PackageOptions()
-    scheme = parse_scheme(options.kv, group_size=options.kv_group_size)
-    file = src / "config.json"
-    rotation = resolve_rotation(options.rotation, json.loads(file.read_text()), file, scheme)
-    return options.kv + {"none": "", "hadamard": "+rot", "hadamard_keys": "+rotk"}[rotation]
-
-
-def sensitivity_tokens(tokenizer: Any, length: int = 256) -> list[int]:
-    """The calibration text's first tokens: where `+kN@topM` variants measure which layers' keys suffer most."""
-    from kvrig.quality.recipes import calibration_tokens
-
-    return [int(t) for t in calibration_tokens(tokenizer, samples=1, length=length).reshape(-1).tolist()]
 
 
 def factual_check(

@@ -8,8 +8,13 @@ import time
 from pathlib import Path
 
 from kvrig.exceptions import QualityGateError
+from kvrig.kvcache.caches import make_caches
+from kvrig.quality.perplexity import perplexity
+from kvrig.quantize.base import load_source_model
+from kvrig.runtime.host import load_bundle_model, prepare_for_host
 from kvrig.schemas.bundle import QualityCheck
 from kvrig.schemas.kvcache import KVCacheConfig
+from kvrig.texts import GATE_TEXT
 
 DEFAULT_MAX_INCREASE_PCT = 10.0
 """Refuse bundles whose perplexity is more than this much above the source's (q4 g64 SmolLM2 is ~+19 %)."""
@@ -23,12 +28,6 @@ def measure_quality(
     of the source in `source_dir` on the built-in text."""
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load_tokenizer
-
-    from kvrig.quality.perplexity import perplexity
-    from kvrig.quality.texts import GATE_TEXT
-    from kvrig.quantize import load_source_model
-    from kvrig.runtime.caches import make_caches
-    from kvrig.runtime.host import load_bundle_model, prepare_for_host
 
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(source_dir)

@@ -7,9 +7,15 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from kvrig.kvcache.caches import check_scheme, scheme_extras
+from kvrig.kvcache.kv_cache import SchemeKVCache, install_attention
+from kvrig.models import load_model_spec
 from kvrig.models.spec import ModelSpec
-from kvrig.plan.kv import with_layer_key_bits
-from kvrig.quality.schemes import KVVariant, kv_config
+from kvrig.planner.kv import with_layer_key_bits
+from kvrig.quality.schemes import KVVariant, kv_config, parse_kv_variant
+from kvrig.quantize.base import load_source_model
+from kvrig.quantize.recipes import calibration_tokens
+from kvrig.runtime.host import prepare_for_host
 
 
 def key_sensitivity(model: Any, spec: ModelSpec, variant: KVVariant, tokens: list[int]) -> list[tuple[int, float]]:
@@ -18,9 +24,6 @@ def key_sensitivity(model: Any, spec: ModelSpec, variant: KVVariant, tokens: lis
     quantized matmul is a slow loop), every other layer the model's own unquantized cache."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
-
-    from kvrig.runtime.caches import check_scheme, scheme_extras
-    from kvrig.runtime.kv_cache import SchemeKVCache, install_attention
 
     ids = mx.array(tokens)[None]
 
@@ -63,15 +66,14 @@ def resolve_for_source(src_dir: Any, text: str, group_size: int) -> KVVariant:
     calibration text): what `kvrig package` writes to kvcache.json."""
     from mlx_lm.utils import load_tokenizer
 
-    from kvrig.models import load_model_spec
-    from kvrig.quality.bench import sensitivity_tokens
-    from kvrig.quality.schemes import parse_kv_variant
-    from kvrig.quantize import load_source_model
-    from kvrig.runtime.host import prepare_for_host
-
     variant = parse_kv_variant(text, group_size=group_size)
     if variant.promote_keys is None:
         return variant
     model = prepare_for_host(load_source_model(src_dir)[0])
     tokens = sensitivity_tokens(load_tokenizer(src_dir))
     return resolve_variant(model, load_model_spec(src_dir / "config.json"), variant, tokens)
+
+
+def sensitivity_tokens(tokenizer: Any, length: int = 256) -> list[int]:
+    """The calibration text's first tokens: where `+kN@topM` variants measure which layers' keys suffer most."""
+    return [int(t) for t in calibration_tokens(tokenizer, samples=1, length=length).reshape(-1).tolist()]

@@ -9,8 +9,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvrig.exceptions import KVSchemeError
-from kvrig.models.spec import DTYPE_BYTES, ModelSpec
-from kvrig.plan.kv import KVScheme, parse_scheme
+from kvrig.kvcache.caches import make_caches
+from kvrig.models.layers import DTYPE_BYTES
+from kvrig.models.spec import ModelSpec
+from kvrig.planner.kv import KVScheme, kv_bytes, parse_scheme
 from kvrig.schemas.kvcache import KVCacheConfig, LayerCache, host_kvcache
 
 _EXTRA = re.compile(r"^(rot|rotk|s(\d+)|w(\d+))$")
@@ -97,8 +99,6 @@ def kv_config(spec: ModelSpec, variant: KVVariant, *, max_context: int = 4096) -
 def make_variant_caches(model: Any, spec: ModelSpec, variant: KVVariant) -> list[Any]:
     from mlx_lm.models.cache import make_prompt_cache
 
-    from kvrig.runtime.caches import make_caches
-
     if variant.promote_keys is not None:
         raise KVSchemeError(f"KV variant '{variant.name}': resolve its +k{variant.promote_keys[0]}@top layers first")
     if not variant.scheme.quantized:
@@ -123,8 +123,6 @@ def extra_bytes(spec: ModelSpec, variant: KVVariant, dtype: str) -> int:
 def predicted_bytes(spec: ModelSpec, variant: KVVariant, schedule: list[int], dtype: str) -> int:
     """The planner's allocation for the schedule (at `dtype`) plus the variant's fixed float copies."""
     from dataclasses import replace
-
-    from kvrig.plan.kv import kv_bytes
 
     scheme = replace(variant.scheme, dtype=dtype)
     return kv_bytes(spec, scheme, schedule) + (extra_bytes(spec, variant, dtype) if schedule else 0)

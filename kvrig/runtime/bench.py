@@ -11,6 +11,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kvrig.exceptions import KvrigError
+from kvrig.kvcache.caches import make_caches
+from kvrig.runtime.blas import openblas_loaded, preload_env
+from kvrig.runtime.generate import GenerationStats, generate_tokens, load_bundle
 
 TEXT = (
     "The history of the printing press begins in the fifteenth century, when movable type made books cheaper "
@@ -42,10 +45,6 @@ def prompt_ids(tokenizer: object, n: int) -> list[int]:
 def measure_ours(bundle: Path, n_prompt: int, n_decode: int) -> SideResult:
     import mlx.core as mx
 
-    from kvrig.runtime.blas import openblas_loaded
-    from kvrig.runtime.caches import make_caches
-    from kvrig.runtime.generate import GenerationStats, generate_tokens, load_bundle
-
     loaded = load_bundle(bundle)
     ids = prompt_ids(loaded.tokenizer, n_prompt)
     mx.set_cache_limit(loaded.kvcache.buffer_cache_limit_bytes)
@@ -73,8 +72,6 @@ def measure_plain(bundle: Path, n_prompt: int, n_decode: int, *, float32: bool =
     """Plain mlx-lm as a user runs it; `float32` casts the model first (a reference row, not the baseline)."""
     import mlx.core as mx
     from mlx_lm import load, stream_generate
-
-    from kvrig.runtime.blas import openblas_loaded
 
     model, tokenizer = load(str(bundle))[:2]
     if float32:
@@ -104,7 +101,6 @@ def measure_plain(bundle: Path, n_prompt: int, n_decode: int, *, float32: bool =
 
 def run_side(side: str, bundle: Path, n_prompt: int, n_decode: int, *, timeout: float) -> SideResult:
     """One side in a fresh process: ours with OpenBLAS preloaded, plain mlx-lm as installed."""
-    from kvrig.runtime.blas import preload_env
 
     env = preload_env(enable=side in ("ours", "plain-f32"))
     cmd = [sys.executable, "-m", "kvrig.runtime.bench", side, str(bundle), str(n_prompt), str(n_decode)]

@@ -8,7 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvrig.schemas.kvcache import KVCacheConfig
+from kvrig.kvcache.caches import make_caches, maybe_quantize
+from kvrig.runtime.host import load_bundle_model
+from kvrig.schemas import load_model_file
+from kvrig.schemas.kvcache import KVCACHE_NAME, KVCacheConfig
 
 
 @dataclass
@@ -57,8 +60,6 @@ def generate_tokens(
     import mlx.core as mx
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
-
-    from kvrig.runtime.caches import maybe_quantize
 
     if not prompt:
         raise ValueError("empty prompt")
@@ -117,10 +118,6 @@ class LoadedBundle:
 
 
 def load_bundle(path: str | Path) -> LoadedBundle:
-    from kvrig.bundle import KVCACHE_NAME
-    from kvrig.runtime.host import load_bundle_model
-    from kvrig.schemas import load_model_file
-
     path = Path(path)
     kv = load_model_file(KVCacheConfig, path / KVCACHE_NAME)
     model, tokenizer, config = load_bundle_model(path)
@@ -145,8 +142,6 @@ def run_bundle(
 ) -> GenerationStats:
     """Generates from `prompt` with the bundle's KV configuration, streaming decoded text to `on_text`."""
     import mlx.core as mx
-
-    from kvrig.runtime.caches import make_caches
 
     kv = bundle.kvcache
     mx.set_cache_limit(kv.buffer_cache_limit_bytes)

@@ -8,6 +8,7 @@ from pydantic import Field, model_validator
 
 from kvrig.schemas import StrictModel
 
+KVCACHE_NAME: Final = "kvcache.json"
 KVCACHE_SCHEMA_VERSION: Final = 2
 """2: rotation gains `hadamard_keys` (and `hadamard` now rotates keys and values); `sink_tokens` and
 `recent_tokens` keep the first and the latest tokens in the activation dtype."""

@@ -32,7 +32,8 @@ from pymobiledevice3.services.afc import (
     AfcOpcode,
 )
 
-from kvrig.virtual.wire import Link, ProtocolViolation
+from kvrig.virtual.phone import Link
+from kvrig.virtual.wire import ProtocolViolation
 
 # The header, opcodes, status codes and request records are pymobiledevice3's (the client these serve), so an
 # upstream change to the wire format shows on both sides. libimobiledevice's `afc_remove_path_and_contents`

@@ -9,7 +9,7 @@ the developer disk image is no longer mounted), 2 confirms the prompt after the 
 
 from __future__ import annotations
 
-from kvrig.virtual.wire import Link
+from kvrig.virtual.phone import Link
 
 REVEAL, ENABLE, ACCEPT = 0, 1, 2
 

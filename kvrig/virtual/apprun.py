@@ -37,15 +37,14 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-import kvrig
 from kvrig.virtual import swiftapp
-from kvrig.virtual.footprint import FootprintAccount, Measurement, pressure_level
+from kvrig.virtual.faults import FaultPlan
+from kvrig.virtual.footprint import FootprintAccount, Measurement, cpu_seconds, pressure_level
 from kvrig.virtual.jetsam_report import JetsamVictim, build_crash_report, build_report, write_report
-
-if TYPE_CHECKING:
-    from kvrig.virtual.device import VirtualDevice
+from kvrig.virtual.logbus import SyslogBus
+from kvrig.virtual.state import DeviceState, Identity
 
 APP_RUNTIME = "kvrig.virtual.testapp"
 # Host runtimes an installed app may ask for with Info.plist `KvrigVirtualRuntime` (see appgen.virtual_ipa).
@@ -71,8 +70,20 @@ class AppProcess:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
 
+class AppHost(Protocol):
+    """What the app runner needs of its phone (the phone reads its faults at each use: tests swap them)."""
+
+    state: DeviceState
+    identity: Identity
+    syslog: SyslogBus
+    baseline_bytes: int
+
+    @property
+    def faults(self) -> FaultPlan: ...
+
+
 class AppRunner:
-    def __init__(self, device: VirtualDevice, *, python: str | None = None) -> None:
+    def __init__(self, device: AppHost, *, python: str | None = None) -> None:
         self.device = device
         self.python = python or sys.executable
         self.processes: dict[int, AppProcess] = {}
@@ -108,7 +119,7 @@ class AppRunner:
             await self.kill_bundle(bundle_id)
         container = state.container(bundle_id)
         bundle = state.app_bundle(bundle_id)
-        source_root = str(Path(kvrig.__file__).resolve().parents[1])
+        source_root = str(Path(__file__).resolve().parents[2])  # the folder holding the kvrig package
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [source_root, env.get("PYTHONPATH")]))
         env.update({str(k): str(v) for k, v in (environment or {}).items()})
@@ -220,7 +231,7 @@ class AppRunner:
             uuid=str(uuid.uuid5(uuid.NAMESPACE_URL, process.bundle_id)).upper(),
             coalition=process.pid,
             age_s=time.time() - process.started,
-            cpu_time_s=_cpu_seconds(process.pid),
+            cpu_time_s=cpu_seconds(process.pid),
         )
         text = build_report(phone=self.device.identity, victim=victim)
         path = write_report(self.device.state.crash, text)
@@ -299,12 +310,3 @@ class AppRunner:
                 await asyncio.wait_for(process.proc.wait(), 10)
             for task in process.tasks:
                 task.cancel()
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User+system CPU time of a live process (Linux /proc); 0 where that is not available."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0

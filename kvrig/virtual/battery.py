@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from kvrig.virtual.apprun import _cpu_seconds
-
-if TYPE_CHECKING:
-    from kvrig.virtual.device import VirtualDevice
+from kvrig.virtual.footprint import cpu_seconds
 
 AMBIENT_C = 24.0
 IDLE_RISE_C = 4.0  # a plugged-in idle phone sits a few degrees above the room
@@ -37,14 +35,15 @@ class Battery:
     _cpu: dict[int, float] = field(default_factory=dict)
     load: float = 0.0
 
-    def sample(self, device: VirtualDevice) -> None:
-        """Advances the model to now with the CPU time the device's apps used since the last sample."""
+    def sample(self, pids: Iterable[int]) -> None:
+        """Advances the model to now with the CPU time the processes `pids` (the phone's apps) used since the
+        last sample."""
         now = time.monotonic()
         dt = now - self.updated
         busy = 0.0
         seen: dict[int, float] = {}
-        for pid in device.apps.processes:
-            used = _cpu_seconds(pid)
+        for pid in pids:
+            used = cpu_seconds(pid)
             seen[pid] = used
             busy += max(0.0, used - self._cpu.get(pid, 0.0))  # a new process: all its CPU time is new
         self._cpu = seen

@@ -3,7 +3,6 @@ or detached), add a device to a running one, ask its status, stop a device or th
 
 from __future__ import annotations
 
-import asyncio
 import os
 import plistlib
 import socket
@@ -115,7 +114,7 @@ def start(
     if detach:
         state.mkdir(parents=True, exist_ok=True)
         log = open(state / "emulator.log", "ab")  # noqa: SIM115 - handed to the child process
-        command = [sys.executable, "-m", "kvrig.virtual.control", address, plistlib.dumps(options).hex()]
+        command = [sys.executable, "-m", "kvrig.virtual.host", address, plistlib.dumps(options).hex()]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(
             filter(None, [str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH")])
@@ -129,15 +128,11 @@ def start(
         raise VirtualPhoneError(
             f"the virtual iPhone did not start within {START_TIMEOUT_S:.0f}s; see {state}/emulator.log"
         )
-    _serve_foreground(address, options, on_ready)
+    # The emulator (pymobiledevice3 and every service) loads only in the process that serves it.
+    from kvrig.virtual.host import serve_foreground
+
+    serve_foreground(address, options, on_ready)
     return {}
-
-
-def _serve_foreground(address: str, options: dict[str, Any], on_ready: Any = None) -> None:
-    from kvrig.virtual.host import device_from_options, serve
-
-    device = device_from_options(options)
-    asyncio.run(serve(address, [device], ready=on_ready, tcp=options.get("Tcp")))
 
 
 def _device_status(address: str, udid: str) -> dict[str, Any]:
@@ -172,8 +167,3 @@ def status_devices_safe(address: str) -> list[dict[str, Any]]:
 
 def set_faults(address: str, udid: str, faults: FaultPlan) -> None:
     send_control(address, {"MessageType": "KvrigSetFaults", "UDID": udid, "Faults": faults.to_json()})
-
-
-if __name__ == "__main__":
-    # The detached server: `python -m kvrig.virtual.control ADDRESS HEX-PLIST-OPTIONS`.
-    _serve_foreground(sys.argv[1], plistlib.loads(bytes.fromhex(sys.argv[2])))

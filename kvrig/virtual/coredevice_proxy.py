@@ -16,17 +16,14 @@ import hashlib
 import ipaddress
 import json
 import struct
-from typing import TYPE_CHECKING
 
 from pymobiledevice3.remote.remote_service_discovery import RSD_PORT
 from pymobiledevice3.remote.tunnel_service import CDTUNNEL_MAGIC, CDTunnelPacket
 
+from kvrig.virtual.phone import Link, Phone
 from kvrig.virtual.rsd import serve_rsd, service_at
 from kvrig.virtual.tunnel_tcp import Accept, TcpEndpoint
-from kvrig.virtual.wire import Link, ProtocolViolation
-
-if TYPE_CHECKING:
-    from kvrig.virtual.device import VirtualDevice
+from kvrig.virtual.wire import ProtocolViolation
 
 MAX_MTU = 16000
 MIN_MTU = 1280
@@ -34,7 +31,7 @@ IPV6_HEADER = 40
 NETMASK = "ffff:ffff:ffff:ffff::"
 
 
-def tunnel_addresses(device: VirtualDevice) -> tuple[str, str]:
+def tunnel_addresses(device: Phone) -> tuple[str, str]:
     """(phone, host) addresses in a unique-local /64 derived from the phone's ECID."""
     prefix = hashlib.sha256(device.identity.ecid.to_bytes(8, "little")).digest()[:7]
     network = int.from_bytes(b"\xfd" + prefix, "big") << 64

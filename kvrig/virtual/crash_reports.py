@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 
 from kvrig.virtual.afc import AfcRoot, serve_afc
-from kvrig.virtual.wire import Link
+from kvrig.virtual.phone import Link
 
 
 async def serve_copy_mobile(link: Link) -> None:

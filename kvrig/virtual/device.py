@@ -9,69 +9,41 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import itertools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from pymobiledevice3.lockdown import SERVICE_PORT as LOCKDOWN_PORT
 
+from kvrig.exceptions import InputError
+from kvrig.profiles import load_profile
+from kvrig.virtual.apprun import AppRunner
 from kvrig.virtual.battery import Battery
 from kvrig.virtual.faults import FaultPlan
+from kvrig.virtual.image_mounter import boot_state, image_mounted, image_type_for, local_image_files
 from kvrig.virtual.lockdownd import serve_lockdownd
+from kvrig.virtual.logbus import SyslogBus
 from kvrig.virtual.pairing import Pairing
+from kvrig.virtual.phone import Handler, Link
+from kvrig.virtual.services import SERVICES
 from kvrig.virtual.state import IOS_BUILDS, DeviceState
-from kvrig.virtual.syslog import SyslogBus
-from kvrig.virtual.wire import Link, ProtocolViolation, Unplugged
-
-if TYPE_CHECKING:
-    from kvrig.virtual.apprun import AppRunner
-    from kvrig.virtual.usbmuxd import UsbmuxServer
+from kvrig.virtual.wire import ProtocolViolation, Unplugged
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[Link], Awaitable[None]]
 SUPPORTED_IOS = tuple(IOS_BUILDS)
 REBOOT_DOWN_S = 1.0  # how long a restarting phone stays off usbmuxd
 
 
-@dataclass(frozen=True)
-class ServiceSpec:
-    target: str  # "module:function" in kvrig.virtual, imported on first use
-    ssl: bool = False
-    developer: bool = False  # needs the image mounted (and Developer Mode); refused without a tunnel on iOS 17+
-    counts_afc: bool = False
-    min_ios: tuple[int, int] = (0, 0)  # the first iOS release that serves it
-    tunnel: bool = False  # opens a tunnel; never offered inside one
+class Hub(Protocol):
+    """The usbmuxd server a device is attached to (usbmuxd.py), as the device sees it."""
 
-    def handler(self) -> Handler:
-        module, func = self.target.split(":")
-        return getattr(importlib.import_module(f"kvrig.virtual.{module}"), func)
+    def notify_attached(self, device: VirtualDevice) -> None: ...
 
-
-SERVICES: dict[str, ServiceSpec] = {
-    "com.apple.afc": ServiceSpec("afc:serve_media", counts_afc=True),
-    "com.apple.mobile.house_arrest": ServiceSpec("house_arrest:serve_house_arrest", counts_afc=True),
-    "com.apple.mobile.installation_proxy": ServiceSpec("installation_proxy:serve_installation_proxy"),
-    "com.apple.crashreportcopymobile": ServiceSpec("crash_reports:serve_copy_mobile", counts_afc=True),
-    "com.apple.crashreportmover": ServiceSpec("crash_reports:serve_mover"),
-    "com.apple.syslog_relay": ServiceSpec("syslog:serve_syslog_relay"),
-    "com.apple.os_trace_relay": ServiceSpec("syslog:serve_os_trace_relay"),
-    "com.apple.instruments.remoteserver.DVTSecureSocketProxy": ServiceSpec(
-        "dtx:serve_instruments", ssl=True, developer=True
-    ),
-    "com.apple.mobile.mobile_image_mounter": ServiceSpec("image_mounter:serve_image_mounter"),
-    "com.apple.amfi.lockdown": ServiceSpec("amfi:serve_amfi", min_ios=(16, 0)),
-    "com.apple.mobile.heartbeat": ServiceSpec("heartbeat:serve_heartbeat", ssl=True),
-    "com.apple.mobile.diagnostics_relay": ServiceSpec("diagnostics_relay:serve_diagnostics_relay"),
-    "com.apple.iosdiagnostics.relay": ServiceSpec("diagnostics_relay:serve_diagnostics_relay"),
-    "com.apple.internal.devicecompute.CoreDeviceProxy": ServiceSpec(
-        "coredevice_proxy:serve_coredevice_proxy", ssl=True, min_ios=(17, 4), tunnel=True
-    ),
-}
+    def notify_detached(self, device_id: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -85,7 +57,6 @@ class DeviceProfile:
 
 def _profile_for(ref: str) -> DeviceProfile:
     """The device profile for a ProductType (or profile name): marketing name, default limit, page size."""
-    from kvrig.profiles import load_profile
 
     profile = load_profile(ref)
     product_type = ref if ref in profile.product_types else profile.product_types[0]
@@ -107,8 +78,6 @@ class VirtualDevice:
         python: str | None = None,
     ) -> None:
         if ios not in SUPPORTED_IOS:
-            from kvrig.exceptions import InputError
-
             raise InputError(f"unsupported iOS version '{ios}'", field="ios", expected=" or ".join(SUPPORTED_IOS))
         spec = _profile_for(profile)
         self.state, self.identity = DeviceState.open(
@@ -122,13 +91,13 @@ class VirtualDevice:
         # The app's footprint before weights and KV: the profile's baseline (the planner uses the same one).
         self.baseline_bytes = baseline_bytes if baseline_bytes is not None else spec.baseline_bytes
         self.pairing = Pairing.load_or_create(self.state.pairing_dir, self.identity.wifi_mac)
-        self.syslog = SyslogBus(self)
+        self.syslog = SyslogBus()
+        self.services = SERVICES
         self.battery = Battery()
         self.plugged = True
         self._background: set[asyncio.Task[None]] = set()
         developer = self.state.developer()
         fresh = not (self.state.root / "developer.json").exists()
-        from kvrig.virtual.image_mounter import boot_state
 
         boot_state(self, developer, fresh=fresh)
         self.state.save_developer(developer)
@@ -136,11 +105,10 @@ class VirtualDevice:
         self.afc_bytes = 0
         self.tunnel_bytes = 0
         self.device_id = 0
-        self.server: UsbmuxServer | None = None
+        self.server: Hub | None = None
         self._ports = itertools.count(49152)
         self._pending: dict[int, Handler] = {}
         self._links: set[Link] = set()
-        from kvrig.virtual.apprun import AppRunner
 
         self.apps: AppRunner = AppRunner(self, python=python)
 
@@ -174,7 +142,6 @@ class VirtualDevice:
     def developer_ready(self) -> bool:
         developer = self.state.developer()
         mode_ok = developer.developer_mode or self.ios_major < 16
-        from kvrig.virtual.image_mounter import image_type_for
 
         return mode_ok and image_type_for(self) in developer.mounted
 
@@ -202,7 +169,7 @@ class VirtualDevice:
 
     # --- lifecycle -------------------------------------------------------------------------------------
 
-    def attach(self, server: UsbmuxServer, device_id: int) -> None:
+    def attach(self, server: Hub, device_id: int) -> None:
         self.server, self.device_id = server, device_id
 
     async def start(self) -> None:
@@ -225,7 +192,7 @@ class VirtualDevice:
         if not self.plugged:
             return
         self.plugged = False
-        self.battery.sample(self)
+        self.battery.sample(self.apps.processes)
         self.battery.external_connected = False
         self._drop_links()
         if self.server is not None:
@@ -235,7 +202,7 @@ class VirtualDevice:
         if self.plugged:
             return
         self.plugged = True
-        self.battery.sample(self)
+        self.battery.sample(self.apps.processes)
         self.battery.external_connected = True
         self.afc_bytes = 0
         self.faults.unplug_after_afc_bytes = None
@@ -258,7 +225,7 @@ class VirtualDevice:
             # iOS 17+ serves developer services only over a RemoteXPC tunnel, never through lockdownd; before
             # that they exist only while the developer disk image is mounted (and, on 16, Developer Mode on).
             return "InvalidService"
-        handler = spec.handler()
+        handler = spec.handler
         port = next(self._ports)
 
         async def run(link: Link) -> None:
@@ -285,8 +252,6 @@ class VirtualDevice:
                 link.close()
 
     def status(self) -> dict[str, Any]:
-        from kvrig.virtual.image_mounter import image_mounted, local_image_files
-
         return {
             "udid": self.identity.udid,
             "product_type": self.identity.product_type,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvrig.virtual.wire import Link
+from kvrig.virtual.phone import Link
 
 BATTERY_CLASSES = {"AppleSmartBattery", "IOPMPowerSource"}
 
@@ -36,7 +36,7 @@ async def serve_diagnostics_relay(link: Link) -> None:
     while True:
         request = await link.recv_plist()
         kind = request.get("Request")
-        device.battery.sample(device)
+        device.battery.sample(device.apps.processes)
         entry = device.battery.ioregistry()
         reply: dict[str, Any] = {"Status": "Success"}
         if kind == "IORegistry":

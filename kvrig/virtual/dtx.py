@@ -36,7 +36,8 @@ from pymobiledevice3.services.dvt.instruments.device_info import DeviceInfoServi
 from pymobiledevice3.services.dvt.instruments.process_control import ProcessControlService
 
 from kvrig.virtual.apprun import AppLaunchError
-from kvrig.virtual.wire import Link, ProtocolViolation
+from kvrig.virtual.phone import Link
+from kvrig.virtual.wire import ProtocolViolation
 
 log = logging.getLogger(__name__)
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvrig.exceptions import VirtualFaultError
+
 
 @dataclass
 class FaultPlan:
@@ -33,7 +35,6 @@ class FaultPlan:
 
     def check(self, ios: str) -> None:
         """Refuses faults a phone of this iOS version cannot have."""
-        from kvrig.exceptions import VirtualFaultError
 
         version = tuple(int(part) for part in ios.split(".")[:2])
         if (self.tunnel_drop_after_bytes is not None or self.handshake_timeout) and version < (17, 4):

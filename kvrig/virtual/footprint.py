@@ -23,7 +23,9 @@ completed).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 # Assumed footprint of the app with no model loaded (runtime, Metal, SwiftUI). Not measured here: an
@@ -122,3 +124,12 @@ class FootprintAccount:
     @property
     def lifetime_max_pages(self) -> int:
         return pages(self.lifetime_max_bytes, self.page_size)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User+system CPU time of a live process (Linux /proc); 0 where that is not available."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0

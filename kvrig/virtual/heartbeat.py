@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from kvrig.virtual.wire import Link, ProtocolViolation
+from kvrig.virtual.phone import Link
+from kvrig.virtual.wire import ProtocolViolation
 
 INTERVAL_S = 1.0
 

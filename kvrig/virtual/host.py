@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
+import plistlib
+import sys
 import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -153,3 +155,14 @@ class EmulatorHost:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def serve_foreground(address: str, options: dict[str, Any], on_ready: Any = None) -> None:
+    """Serves one virtual iPhone made from `options` (control.device_options) until it is stopped."""
+    device = device_from_options(options)
+    asyncio.run(serve(address, [device], ready=on_ready, tcp=options.get("Tcp")))
+
+
+if __name__ == "__main__":
+    # The detached server control.start launches: `python -m kvrig.virtual.host ADDRESS HEX-PLIST-OPTIONS`.
+    serve_foreground(sys.argv[1], plistlib.loads(bytes.fromhex(sys.argv[2])))

@@ -7,7 +7,7 @@ The first message is a plist command: VendContainer (the whole container) or Ven
 from __future__ import annotations
 
 from kvrig.virtual.afc import AfcRoot, serve_afc
-from kvrig.virtual.wire import Link
+from kvrig.virtual.phone import Link
 
 
 async def serve_house_arrest(link: Link) -> None:

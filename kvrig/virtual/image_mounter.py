@@ -19,13 +19,11 @@ import hashlib
 import plistlib
 import secrets
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from kvrig.virtual.wire import Link, ProtocolViolation
-
-if TYPE_CHECKING:
-    from kvrig.virtual.device import VirtualDevice
-    from kvrig.virtual.state import DeveloperState
+from kvrig.virtual.phone import Link, Phone
+from kvrig.virtual.state import DeveloperState
+from kvrig.virtual.wire import ProtocolViolation
 
 MOUNT_PATHS = {"Developer": "/Developer", "Personalized": "/System/Developer"}
 MAX_IMAGE_BYTES = 64 * 1024 * 1024
@@ -33,7 +31,7 @@ MAX_IMAGE_BYTES = 64 * 1024 * 1024
 _IMAGE_BYTES = b"kvrig virtual developer disk image\n" * 2048
 
 
-def image_type_for(device: VirtualDevice) -> str:
+def image_type_for(device: Phone) -> str:
     return "Personalized" if device.ios_major >= 17 else "Developer"
 
 
@@ -42,13 +40,13 @@ def developer_signature(image: bytes) -> bytes:
     return hashlib.sha512(b"signature-1" + image).digest() + hashlib.sha512(b"signature-2" + image).digest()
 
 
-def personalization_manifest(device: VirtualDevice, image_digest: bytes) -> bytes:
+def personalization_manifest(device: Phone, image_digest: bytes) -> bytes:
     """An IM4M-shaped ticket bound to this phone's ECID and the image digest."""
     ecid = device.identity.ecid.to_bytes(8, "little")
     return b"IM4M" + hashlib.sha384(b"ticket" + ecid + image_digest).digest()
 
 
-def local_image_files(device: VirtualDevice) -> dict[str, Path]:
+def local_image_files(device: Phone) -> dict[str, Path]:
     """Writes (once) the image files a host mounts this phone with; returns them by role."""
     folder = device.state.ddi_dir
     folder.mkdir(parents=True, exist_ok=True)
@@ -76,7 +74,7 @@ def local_image_files(device: VirtualDevice) -> dict[str, Path]:
     return files
 
 
-def boot_state(device: VirtualDevice, developer: DeveloperState, *, fresh: bool) -> None:
+def boot_state(device: Phone, developer: DeveloperState, *, fresh: bool) -> None:
     """A fresh phone has its manifest stored and (as a phone prepared before) its image mounted."""
     image = local_image_files(device)["image"].read_bytes()
     kind = image_type_for(device)
@@ -92,7 +90,7 @@ def boot_state(device: VirtualDevice, developer: DeveloperState, *, fresh: bool)
         developer.mounted = {kind: signature.hex()}
 
 
-def image_mounted(device: VirtualDevice) -> bool:
+def image_mounted(device: Phone) -> bool:
     return image_type_for(device) in device.state.developer().mounted
 
 

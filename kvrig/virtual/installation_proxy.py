@@ -13,7 +13,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from kvrig.virtual.afc import AfcFailure, AfcRoot
-from kvrig.virtual.wire import Link
+from kvrig.virtual.phone import Link
 
 INSTALL_STAGES = (
     ("TakingInstallLock", 5),

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from kvrig.kvcache.kv_cache import DequantizingKVCache, SchemeKVCache
 from kvrig.schemas.kvcache import KVCacheConfig
 
 HOST_ACTIVATION_BYTES = 4  # kvrig.runtime.host computes in float32
@@ -129,8 +130,6 @@ def evictable(cache: Any) -> bool:
     """Growing full-attention caches: mlx-lm's KVCache and QuantizedKVCache, and kvrig's dequantizing cache.
     Rotating rings are bounded already; recurrent and shared state has no tokens to drop."""
     from mlx_lm.models.cache import KVCache, QuantizedKVCache
-
-    from kvrig.runtime.kv_cache import DequantizingKVCache, SchemeKVCache
 
     if type(cache) is SchemeKVCache:
         # Its recent-window ring is indexed by position: dropping tokens from the front would misplace it.

@@ -23,7 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvrig.schemas.kvcache import KVCacheConfig
+from kvrig.kvcache.caches import make_caches
+from kvrig.runtime.blas import ensure_openblas, openblas_loaded
+from kvrig.runtime.generate import GenerationStats, generate_tokens
+from kvrig.runtime.host import load_bundle_model
+from kvrig.schemas import load_model_file
+from kvrig.schemas.bundle import MANIFEST_NAME
+from kvrig.schemas.kvcache import KVCACHE_NAME, KVCacheConfig
 from kvrig.schemas.soakplan import SOAKPLAN_LAUNCH_ARGUMENT, SoakPlan
 from kvrig.schemas.telemetry import (
     TELEMETRY_FILE,
@@ -32,6 +38,15 @@ from kvrig.schemas.telemetry import (
     MemoryPressureEvent,
     StartEvent,
     StepEvent,
+)
+from kvrig.virtual.llm_memory import (
+    CONVERTED_FIELDS,
+    PhoneAccount,
+    evict_oldest,
+    kv_bytes,
+    phone_active_bytes,
+    respond,
+    stored_weight_bytes,
 )
 from kvrig.virtual.testapp import Channel, Telemetry, load_plan, stay_until_killed
 
@@ -55,7 +70,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def preload_openblas(argv: list[str]) -> None:
     """Re-executes this module once with OpenBLAS preloaded; the pid stays the same (execve)."""
-    from kvrig.runtime.blas import ensure_openblas
 
     ensure_openblas(argv, module=MODULE, guard=ENV_REEXECED)
 
@@ -63,8 +77,6 @@ def preload_openblas(argv: list[str]) -> None:
 def find_bundle(documents: Path, name: str | None = None) -> Path:
     """The bundle folder: the one named (inside Documents), else the single folder holding kvcache.json and
     manifest.json."""
-    from kvrig.bundle import KVCACHE_NAME
-    from kvrig.schemas.bundle import MANIFEST_NAME
 
     if name:
         path = (documents / name).resolve()
@@ -110,10 +122,6 @@ class Engine:
         import mlx.core as mx
         from mlx.utils import tree_flatten
 
-        from kvrig.runtime.caches import make_caches
-        from kvrig.runtime.host import load_bundle_model
-        from kvrig.virtual.llm_memory import PhoneAccount, stored_weight_bytes
-
         self.kv, self.channel, self.telemetry = kv, channel, telemetry
         mx.set_cache_limit(kv.buffer_cache_limit_bytes)
         self.model, self.tokenizer, config = load_bundle_model(bundle)
@@ -152,8 +160,6 @@ class Engine:
     def on_pressure(self, level: Any, footprint: int) -> None:
         import mlx.core as mx
 
-        from kvrig.virtual.llm_memory import evict_oldest, kv_bytes, respond
-
         context = self.context_tokens
         self.telemetry.write(MemoryPressureEvent, level=level, context_tokens=context, phys_footprint_bytes=footprint)
         self.channel.send({"log": f"memory pressure {level} at {context} tokens"})
@@ -182,7 +188,6 @@ class Engine:
     def feed(self, tokens: list[int], decode_tokens: int, prefill: Timing, decode: Timing) -> None:
         """Feeds `tokens` in prefill steps, then decodes up to `decode_tokens` greedily (stopping at end of
         sequence), in the runtime's generation loop (mlx-lm's generate_step) with the memory hook."""
-        from kvrig.runtime.generate import GenerationStats, generate_tokens
 
         stats = GenerationStats()
         for _ in generate_tokens(
@@ -224,7 +229,6 @@ def _stop_reason(plan: SoakPlan, decode_tps: float | None, footprint: int, elaps
 
 def run_soak(engine: Engine, plan: SoakPlan) -> tuple[str, str | None]:
     """Grows the context target by target; returns the end reason and message."""
-    from kvrig.virtual.llm_memory import phone_active_bytes
 
     engine.on_critical = plan.on_critical
     text = list(engine.tokenizer.encode(plan.text, add_special_tokens=False))
@@ -286,8 +290,6 @@ def main(argv: list[str] | None = None) -> int:
     reason, message = "error", None
     engine: Engine | None = None
     try:
-        from kvrig.schemas import load_model_file
-
         if plan is not None and plan.backend == "coreml":
             # `kvrig soak` refuses this before launch; a plan written by hand ends here, not on MLX instead.
             raise AppError("the virtual iPhone runs MLX on Linux and has no Core ML: this soak needs a real iPhone")
@@ -295,8 +297,6 @@ def main(argv: list[str] | None = None) -> int:
         kv = load_model_file(KVCacheConfig, bundle / "kvcache.json")
         channel.send({"log": f"loading {bundle.name} (KV {kv.scheme})"})
         engine = Engine(bundle, kv, channel, telemetry)
-        from kvrig.runtime.blas import openblas_loaded
-        from kvrig.virtual.llm_memory import CONVERTED_FIELDS
 
         first = engine.measure(react=False)  # the loaded weights: jetsam can strike before any token
         telemetry.write(

@@ -11,18 +11,15 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from kvrig.device.discovery import VIRTUAL_KEY
-from kvrig.virtual.wire import Link
-
-if TYPE_CHECKING:
-    from kvrig.virtual.device import VirtualDevice
+from kvrig.schemas.keys import VIRTUAL_KEY
+from kvrig.virtual.phone import Link, Phone
 
 LOCKDOWN_TYPE = "com.apple.mobile.lockdown"
 
 
-def device_values(device: VirtualDevice) -> dict[str, Any]:
+def device_values(device: Phone) -> dict[str, Any]:
     """The root domain of GetValue, as a paired host sees it."""
     ident = device.identity
     return {
@@ -59,11 +56,11 @@ def device_values(device: VirtualDevice) -> dict[str, Any]:
     }
 
 
-def domain_values(device: VirtualDevice, domain: str) -> dict[str, Any] | None:
+def domain_values(device: Phone, domain: str) -> dict[str, Any] | None:
     if domain == "com.apple.disk_usage":
         return {"TotalDiskCapacity": 128_000_000_000, "AmountDataAvailable": 64_000_000_000}
     if domain == "com.apple.mobile.battery":
-        device.battery.sample(device)
+        device.battery.sample(device.apps.processes)
         return {
             "BatteryCurrentCapacity": int(device.battery.level),
             "BatteryIsCharging": device.battery.charging,

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import functools
 import uuid
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from bytestruct import TruncatedDataError
 from hyperframe.frame import DataFrame, Frame, GoAwayFrame, PingFrame, SettingsFrame, WindowUpdateFrame
@@ -30,10 +29,10 @@ from pymobiledevice3.remote.xpc_message import (
     decode_xpc_object,
 )
 
-from kvrig.virtual.wire import Link, ProtocolViolation
-
-if TYPE_CHECKING:
-    from kvrig.virtual.device import VirtualDevice
+from kvrig.virtual.dtx import serve_instruments
+from kvrig.virtual.lockdownd import serve_lockdownd
+from kvrig.virtual.phone import Handler, Link, Phone
+from kvrig.virtual.wire import ProtocolViolation
 
 FRAME_HEADER = 9
 MAX_FRAME = 1 << 20
@@ -43,44 +42,38 @@ INSTRUMENTS = "com.apple.instruments.dtservicehub"
 SHIM = ".shim.remote"
 FIRST_SERVICE_PORT = 50000
 
-Handler = Callable[[Link], Awaitable[None]]
 
-
-def tunnel_services(device: VirtualDevice) -> dict[str, Handler]:
+def tunnel_services(device: Phone) -> dict[str, Handler]:
     """What this phone offers inside a tunnel now, by RSD name."""
-    from kvrig.virtual.device import SERVICES
-    from kvrig.virtual.dtx import serve_instruments
-    from kvrig.virtual.lockdownd import serve_lockdownd
 
     services: dict[str, Handler] = {name: checked_in(serve_lockdownd) for name in REMOTE_LOCKDOWN}
-    for name, spec in SERVICES.items():
+    for name, spec in device.services.items():
         if spec.developer or spec.tunnel or device.ios_version < spec.min_ios:
             continue
         if name in device.faults.refuse_services:
             continue
-        services[name + SHIM] = checked_in(spec.handler(), counts_afc=spec.counts_afc)
+        services[name + SHIM] = checked_in(spec.handler, counts_afc=spec.counts_afc)
     if device.developer_ready():
         services[INSTRUMENTS] = serve_instruments
     return services
 
 
-def service_port(name: str) -> int:
+def service_port(device: Phone, name: str) -> int:
     """A stable port per service name (a phone keeps them for the life of a tunnel)."""
-    return _all_ports()[name]
+    return _all_ports(frozenset(device.services))[name]
 
 
-def service_at(device: VirtualDevice, port: int) -> Handler | None:
+def service_at(device: Phone, port: int) -> Handler | None:
+    ports = _all_ports(frozenset(device.services))
     for name, handler in tunnel_services(device).items():
-        if _all_ports().get(name) == port:
+        if ports.get(name) == port:
             return handler
     return None
 
 
 @functools.cache
-def _all_ports() -> dict[str, int]:
-    from kvrig.virtual.device import SERVICES
-
-    names = sorted({*REMOTE_LOCKDOWN, INSTRUMENTS, *(name + SHIM for name in SERVICES)})
+def _all_ports(lockdown_services: frozenset[str]) -> dict[str, int]:
+    names = sorted({*REMOTE_LOCKDOWN, INSTRUMENTS, *(name + SHIM for name in lockdown_services)})
     return {name: FIRST_SERVICE_PORT + index for index, name in enumerate(names)}
 
 
@@ -97,7 +90,7 @@ def checked_in(handler: Handler, *, counts_afc: bool = False) -> Handler:
     return serve
 
 
-def peer_info(device: VirtualDevice) -> dict[str, Any]:
+def peer_info(device: Phone) -> dict[str, Any]:
     ident = device.identity
     properties = {
         "AppleInternal": False,
@@ -117,7 +110,7 @@ def peer_info(device: VirtualDevice) -> dict[str, Any]:
         "UniqueDeviceID": ident.udid,
     }
     services = {
-        name: {"Entitlement": "com.apple.mobile.lockdown.remote.trusted", "Port": str(service_port(name))}
+        name: {"Entitlement": "com.apple.mobile.lockdown.remote.trusted", "Port": str(service_port(device, name))}
         for name in tunnel_services(device)
     }
     return {

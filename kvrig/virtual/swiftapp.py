@@ -14,6 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvrig.appgen.linux import build_engine, built_engine
+from kvrig.exceptions import EngineRunError, SwiftBuildError, SwiftDepsNotFoundError
+
 RUNTIME = "swift"
 """Info.plist `KvrigVirtualRuntime` value of apps the virtual iPhone runs with the Swift engine."""
 CHOICES = ("auto", "swift", "python")
@@ -24,8 +27,6 @@ class SwiftEngineMissingError(Exception):
 
 
 def engine_binary() -> Path | None:
-    from kvrig.appgen.linux import built_engine
-
     return built_engine()
 
 
@@ -51,8 +52,6 @@ class RuntimeChoice:
 def resolve_runtime(choice: str, on_event: Callable[[str], None] | None = None) -> RuntimeChoice:
     """`swift`: build the engine (incremental; errors propagate: exit 30/31); `python`: the Python runtime;
     `auto`: the Swift engine when it builds here, else the Python runtime with the reason."""
-    from kvrig.appgen.linux import build_engine
-    from kvrig.exceptions import SwiftBuildError, SwiftDepsNotFoundError
 
     if choice == "python":
         return RuntimeChoice("python", "kvrig's Python LLM runtime (asked for with --app-runtime python)")
@@ -87,8 +86,6 @@ def buffer_cache_held(runtime: str, limit: int) -> int:
     if runtime == RUNTIME:
         import json
         import subprocess
-
-        from kvrig.exceptions import EngineRunError
 
         proc = subprocess.run(
             [*command([])[:1], "--probe-buffer-cache", str(limit)],

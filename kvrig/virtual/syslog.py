@@ -4,74 +4,18 @@ services that stream it: `com.apple.syslog_relay` (text lines ending in "\\n\\0"
 
 from __future__ import annotations
 
-import asyncio
-import collections
 import struct
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from pymobiledevice3.services.os_trace import SyslogLogLevel
 
 from kvrig.compat.os_trace import SyslogRecordHeader
-from kvrig.virtual.wire import Link, encode_plist
+from kvrig.virtual.logbus import SYSTEM_PIDS, LogLine
+from kvrig.virtual.phone import Link
+from kvrig.virtual.wire import encode_plist
 
-if TYPE_CHECKING:
-    from kvrig.virtual.device import VirtualDevice
-
-HISTORY = 256
 LEVELS = {level.name.lower(): level for level in SyslogLogLevel}
-SYSTEM_PIDS = {"kernel": 0, "launchd": 1, "SpringBoard": 34, "lockdownd": 61, "osanalyticshelper": 210}
-
-
-@dataclass
-class LogLine:
-    process: str
-    pid: int
-    message: str
-    level: str = "notice"
-    subsystem: str = ""
-    category: str = ""
-    t: float = field(default_factory=time.time)
-
-
-class SyslogBus:
-    def __init__(self, device: VirtualDevice) -> None:
-        self.device = device
-        self.history: collections.deque[LogLine] = collections.deque(maxlen=HISTORY)
-        self._subscribers: set[asyncio.Queue[LogLine]] = set()
-
-    def emit(
-        self,
-        process: str,
-        message: str,
-        *,
-        pid: int | None = None,
-        level: str = "notice",
-        subsystem: str = "",
-    ) -> None:
-        line = LogLine(process, SYSTEM_PIDS.get(process, 0) if pid is None else pid, message, level, subsystem)
-        self.history.append(line)
-        for queue in self._subscribers:
-            queue.put_nowait(line)
-
-    def subscribe(self) -> asyncio.Queue[LogLine]:
-        queue: asyncio.Queue[LogLine] = asyncio.Queue()
-        self._subscribers.add(queue)
-        return queue
-
-    def unsubscribe(self, queue: asyncio.Queue[LogLine]) -> None:
-        self._subscribers.discard(queue)
-
-    async def follow(self, queue: asyncio.Queue[LogLine], heartbeat_s: float = 1.0) -> LogLine:
-        """Next line; a phone is never silent for long, so SpringBoard reports its idle state meanwhile."""
-        try:
-            return await asyncio.wait_for(queue.get(), heartbeat_s)
-        except TimeoutError:
-            line = LogLine("SpringBoard", SYSTEM_PIDS["SpringBoard"], "idle timer tick", "info")
-            self.history.append(line)
-            return line
 
 
 def format_text(line: LogLine, device_name: str) -> bytes:

@@ -18,7 +18,7 @@ import socket
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from bytestruct import U32_LE
 from pymobiledevice3.usbmux import (
@@ -30,8 +30,8 @@ from pymobiledevice3.usbmux import (
     build_usbmuxd_request,
 )
 
-if TYPE_CHECKING:
-    from kvrig.virtual.device import VirtualDevice
+from kvrig.exceptions import VirtualPhoneError
+from kvrig.virtual.device import VirtualDevice
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +80,6 @@ class UsbmuxServer:
             path = Path(self.address)
             if path.exists():
                 if _socket_alive(path):
-                    from kvrig.exceptions import VirtualPhoneError
-
                     raise VirtualPhoneError(f"{path}: another usbmuxd server is already listening there")
                 path.unlink()
             self._server = await asyncio.start_unix_server(self._on_client, str(path))

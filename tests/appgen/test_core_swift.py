@@ -90,7 +90,7 @@ def test_python_reads_core_telemetry(swift_run: dict[str, Path]) -> None:
     assert {e.reason for e in events if e.event == "end"} == {
         "completed", "stop_condition", "memory_critical", "allocation_failed", "error"
     }  # fmt: skip
-    from kvrig.telemetry import read_telemetry
+    from kvrig.reports.telemetry import read_telemetry
 
     # kvrig's telemetry reader reads the same file, a torn last line (killed mid-write) included.
     torn = path.with_name("torn.jsonl")

@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvrig.runtime.kv_cache import SchemeKVCache
+from kvrig.kvcache.kv_cache import SchemeKVCache
 from tests.appgen.conftest import REFERENCE_KVCACHE
 from tests.appgen.swift_engine import engine_binary  # noqa: F401
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from kvrig.bundle import PackageOptions
+from kvrig.bundle.options import PackageOptions
 from kvrig.schemas.kvcache import KVCacheConfig
 from tests.appgen.swift_engine import engine_binary, read_events, run_engine  # noqa: F401
 from tests.bundle_fixtures import packaged
@@ -41,7 +41,7 @@ def _python_runtime(bundle: Path, kv: KVCacheConfig) -> tuple[list[int], list[An
     from mlx_lm import load
     from mlx_lm.utils import dequantize_model
 
-    from kvrig.runtime.caches import make_caches
+    from kvrig.kvcache.caches import make_caches
     from kvrig.runtime.generate import encode_prompt, generate_tokens
 
     model, tokenizer = load(str(bundle))[:2]

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from kvrig.bundle import PackageOptions
+from kvrig.bundle.options import PackageOptions
 from kvrig.schemas.kvcache import KVCacheConfig
 from kvrig.schemas.soakplan import GrowthSchedule, SoakPlan
 from tests.appgen.swift_engine import engine_binary, read_events, run_engine  # noqa: F401
@@ -54,7 +54,7 @@ def _expected_from_mlx(bundle: Path, updates: list[int]) -> int:
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
-    from kvrig.runtime.caches import maybe_quantize, quantized_cache
+    from kvrig.kvcache.caches import maybe_quantize, quantized_cache
     from kvrig.virtual.llm_memory import kv_bytes
 
     kv = KVCacheConfig.model_validate_json((bundle / "kvcache.json").read_text())
@@ -78,8 +78,8 @@ def _expected_from_mlx(bundle: Path, updates: list[int]) -> int:
 
 def _expected_from_planner(bundle: Path, scheme: str, updates: list[int]) -> int:
     from kvrig.models import load_model_spec
-    from kvrig.plan import kv_bytes
-    from kvrig.plan.kv import parse_scheme
+    from kvrig.planner import kv_bytes
+    from kvrig.planner.kv import parse_scheme
 
     return kv_bytes(load_model_spec(bundle), parse_scheme(scheme), updates)
 

@@ -4,7 +4,7 @@ until the virtual kernel kills it.
 
 Default: `test_swift_engine_soaks_into_jetsam` (about 60 s here with the debug engine, plus packaging the bundle
 the Python soak tests share): small unaligned steps into a limit sized by the planner, kv_bytes against
-`kvrig.plan.kv_bytes` at every step. The longer matrix (four schemes, aligned and unaligned steps, chat
+`kvrig.planner.kv_bytes` at every step. The longer matrix (four schemes, aligned and unaligned steps, chat
 turns, greedy tokens) is test_engine_linux.py, marked slow.
 Expected numbers come from elsewhere: the planner's KV bytes for the same updates, the limit the virtual
 iPhone was given, and its JetsamEvent report."""
@@ -19,14 +19,15 @@ import pytest
 
 from kvrig.appgen.render import AppOptions, render_app
 from kvrig.appgen.virtual_ipa import build_virtual_ipa
-from kvrig.bundle import DEFAULT_BUFFER_CACHE_LIMIT as CACHE_CAP  # the bundle's buffer_cache_limit_bytes
-from kvrig.bundle import PackageOptions
+from kvrig.bundle.options import DEFAULT_BUFFER_CACHE_LIMIT as CACHE_CAP  # the bundle's buffer_cache_limit_bytes
+from kvrig.bundle.options import PackageOptions
 from kvrig.device.deploy import deploy
 from kvrig.models import load_model_spec
-from kvrig.plan import PlanRequest, kv_bytes, plan_memory
-from kvrig.plan.kv import parse_scheme
+from kvrig.planner import PlanRequest, kv_bytes, plan_memory
+from kvrig.planner.kv import parse_scheme
 from kvrig.profiles import load_profile
-from kvrig.soak import SoakOptions, make_plan, run_soak
+from kvrig.soaking.driver import SoakOptions, run_soak
+from kvrig.soaking.plan import make_plan
 from kvrig.virtual.device import VirtualDevice
 from kvrig.virtual.swiftapp import buffer_cache_held
 from tests.appgen.swift_engine import engine_binary, read_events  # noqa: F401

@@ -15,8 +15,9 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from kvrig.bundle import PackageOptions, package
+from kvrig.bundle.options import PackageOptions
 from kvrig.coreml.export import ExportResult, export_coreml
+from kvrig.packaging import package
 from tests.bundle_fixtures import Q4_K8V8, packaged
 
 logging.getLogger("coremltools").setLevel(logging.ERROR)

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvrig.appgen.infokeys import COREML_MODEL_KEY
 from kvrig.appgen.render import AppOptions, render_app
 from kvrig.coreml.export import ExportResult
 from kvrig.exceptions import InputError
+from kvrig.schemas.keys import COREML_MODEL_KEY
 
 ENGINE = Path("App/CoreML/CoreMLEngine.swift")
 RUNNER = Path("App/CoreML/CoreMLRunner.swift")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvrig.coreml.export import ExportResult
-from kvrig.plan.coreml import plan_coreml, plan_coreml_model
+from kvrig.planner.coreml import plan_coreml, plan_coreml_model
 from tests.coreml.conftest import SMOL_CONTEXT, TINY, load_program
 
 WEIGHT_BIN = Path("Data/com.apple.CoreML/weights/weight.bin")

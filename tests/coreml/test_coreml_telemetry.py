@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
+from kvrig.reports.telemetry import read_telemetry
 from kvrig.schemas.telemetry import TELEMETRY_SCHEMA_VERSION, StartEvent, TelemetryEvent
-from kvrig.telemetry import read_telemetry
 
 ADAPTER: TypeAdapter = TypeAdapter(TelemetryEvent)
 START = {"event": "start", "run_id": "r", "seq": 0, "t": 1.0, "model": "m", "scheme": "fp16",

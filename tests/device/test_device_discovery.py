@@ -90,7 +90,7 @@ def test_cli_devices_without_usbmuxd_exits_11(tmp_path: Path) -> None:
 def test_device_layer_and_soak_import_neither_the_emulator_nor_mlx() -> None:
     code = (
         "import sys, kvrig.device.apps, kvrig.device.crash, kvrig.device.deploy, "
-        "kvrig.device.files, kvrig.device.processes, kvrig.device.syslog, kvrig.soak, "
+        "kvrig.device.files, kvrig.device.processes, kvrig.device.syslog, kvrig.soaking, "
         "kvrig.cli.device, kvrig.cli.soak\n"
         "print(sorted(m for m in sys.modules if m.startswith(('kvrig.virtual', 'mlx'))))"
     )

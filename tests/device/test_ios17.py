@@ -20,9 +20,9 @@ import pytest
 
 from kvrig.device import apps, ostrace
 from kvrig.device.discovery import connect
-from kvrig.device.preflight import Preflight
 from kvrig.device.processes import Processes
 from kvrig.device.session import open_session
+from kvrig.device.tunnel import TunnelPlan
 from kvrig.exceptions import (
     DeveloperModeOffError,
     ImageNotMountedError,
@@ -32,7 +32,8 @@ from kvrig.exceptions import (
 )
 from kvrig.schemas import load_model_file
 from kvrig.schemas.results import ResultsFile
-from kvrig.soak import SoakOptions, make_plan, soak
+from kvrig.soaking.driver import SoakOptions, soak
+from kvrig.soaking.plan import make_plan
 from kvrig.virtual.faults import FaultPlan
 from kvrig.virtual.host import EmulatorHost
 from tests.device.conftest import run
@@ -108,13 +109,14 @@ def udid(phone: Any) -> str:
     return str(phone.identity.udid)
 
 
-def session(phone: Any, **options: Any) -> Preflight:
-    """Opens a session (preflight, tunnel) to the phone and closes it; its preflight, or the typed refusal."""
+def session(phone: Any, **options: Any) -> TunnelPlan:
+    """Opens a session (preflight, tunnel) to the phone and closes it; the tunnel it chose, or the preflight's
+    typed refusal."""
 
-    async def job() -> Preflight:
+    async def job() -> TunnelPlan:
         async with open_session(udid(phone), **options) as device:
-            assert device.preflight is not None
-            return device.preflight
+            assert device.tunnel is not None
+            return device.tunnel.plan
 
     return run(job())
 
@@ -207,7 +209,7 @@ def test_developer_mode_off_stops_soak_and_prepare_enables_it_only_when_asked(cl
     assert enabled.returncode == 0, enabled.stderr
     steps = {s["name"]: s["status"] for s in json.loads(enabled.stdout)["steps"]}
     assert steps == {"developer mode": "done", "developer disk image": "done", "tunnel": "done"}
-    assert session(phone).ready
+    assert session(phone).kind == "userspace"  # ready: no refusal, and the tunnel iOS 18 takes
 
 
 def test_image_missing_stops_soak_and_prepare_mounts_from_local_files(clean: Phones, tmp_path: Path) -> None:
@@ -367,4 +369,4 @@ def test_one_userspace_tunnel_per_process(clean: Phones) -> None:
     assert refused is not None and refused.exit_code == 25
     assert udid(clean.ios18) in str(refused) and "own process" in str(refused)
     assert pid == 0  # the first phone's tunnel still answers
-    assert session(clean.ios26).tunnel is not None  # once the first is closed, the second phone gets its tunnel
+    assert session(clean.ios26).kind is not None  # once the first is closed, the second phone gets its tunnel

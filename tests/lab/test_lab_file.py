@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvrig.exceptions import SchemaError
-from kvrig.gates import decode_tps_at, evaluate, failures, prediction_error
+from kvrig.lab.gates import decode_tps_at, evaluate, failures, prediction_error
 from kvrig.schemas.lab import Gates, load_lab, slug
 from kvrig.schemas.results import Confirmation, DeviceRef, Prediction, SoakResult, TpsPoint
 
@@ -123,7 +123,7 @@ def test_failures_cover_outcomes_confirmations_and_gates() -> None:
 
 def test_lab_modules_do_not_import_mlx_or_matplotlib() -> None:
     code = (
-        "import sys, kvrig.lab, kvrig.report, kvrig.junit, kvrig.cli.lab\n"
+        "import sys, kvrig.lab, kvrig.lab.report, kvrig.lab.junit, kvrig.cli.lab\n"
         "from kvrig.cli import main\n"
         "try:\n    main(['lab', 'run', '--help'])\nexcept SystemExit:\n    pass\n"
         "heavy = {'mlx', 'mlx_lm', 'matplotlib'}\n"

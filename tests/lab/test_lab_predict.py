@@ -7,7 +7,7 @@ from pathlib import Path
 
 from kvrig.lab.predict import Predictor
 from kvrig.models import load_model_spec
-from kvrig.plan import PlanRequest, plan_memory
+from kvrig.planner import PlanRequest, plan_memory
 from kvrig.profiles import AppMemoryLimit, SourcedInt, load_profile
 from kvrig.schemas.lab import LabDevice, MatrixEntry, PlanOptions
 

@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 import yaml
 
-from kvrig.cli.bridge import run_async
 from kvrig.device.discovery import list_devices
-from kvrig.lab import LabResults, run_lab
-from kvrig.lab.model import RUNS_DIR
+from kvrig.device.loop import run_async
+from kvrig.lab.model import RUNS_DIR, LabResults
+from kvrig.lab.schedule import run_lab
 from kvrig.schemas import load_model_file
 from kvrig.schemas.lab import load_lab, slug
 from kvrig.schemas.results import ResultsFile, SoakResult

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from kvrig.cli.bridge import run_async
-from kvrig.lab import run_lab
+from kvrig.device.loop import run_async
+from kvrig.lab.schedule import run_lab
 from kvrig.schemas import load_model_file
 from kvrig.schemas.lab import load_lab
 from kvrig.schemas.results import ResultsFile

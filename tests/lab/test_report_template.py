@@ -5,7 +5,7 @@ from __future__ import annotations
 import html.parser
 from pathlib import Path
 
-from kvrig.report import write_report
+from kvrig.lab.report import write_report
 from kvrig.schemas.lab import LabRecord
 from kvrig.schemas.results import DeviceRef, ResultsFile, SoakResult
 

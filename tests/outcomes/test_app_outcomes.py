@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvrig.gates import evaluate, failures
+from kvrig.lab.gates import evaluate, failures
 from kvrig.schemas.lab import Gates
 from kvrig.schemas.results import DeviceRef, SoakResult
 from kvrig.schemas.telemetry import EndEvent
-from kvrig.soak.analyse import classify
+from kvrig.soaking.analyse import classify
 
 END_REASONS = EndEvent.model_fields["reason"].annotation.__args__  # type: ignore[union-attr]
 

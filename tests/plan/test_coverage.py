@@ -20,7 +20,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from kvrig.exceptions import UnsupportedArchitectureError
 from kvrig.models import spec_from_config
 from kvrig.models.lazy import METAL_ONLY, REFUSED, build_lazy_model, refused_here
-from kvrig.plan.kv import kv_bytes, parse_scheme
+from kvrig.planner.kv import kv_bytes, parse_scheme
 
 # A prompt, a decode step, a chunk that crosses the first 256-token step, another decode step.
 SCHEDULE = (3, 1, 254, 1)

@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from kvrig.models import load_model_spec
-from kvrig.plan import PlanRequest, plan_memory
-from kvrig.plan.kv import context_schedule, kv_bytes, parse_scheme
+from kvrig.planner import PlanRequest, plan_memory
+from kvrig.planner.kv import context_schedule, kv_bytes, parse_scheme
 from kvrig.profiles import load_profile
 
 FIELD = Path(__file__).parents[1] / "data" / "field"

@@ -15,9 +15,9 @@ from tiny_configs import TINY_CONFIGS
 
 from kvrig.compat.mlx_lm_classes import model_classes
 from kvrig.exceptions import QuantizationError
+from kvrig.kvcache.caches import make_kv_caches
 from kvrig.models import spec_from_config
-from kvrig.plan.kv import bytes_per_token, check_dims, kv_bytes, parse_scheme
-from kvrig.runtime.caches import make_kv_caches
+from kvrig.planner.kv import bytes_per_token, check_dims, kv_bytes, parse_scheme
 
 # The phone keeps activations (and so caches) in fp16; a few families run that way here. The rest run in
 # fp32 because MLX's CPU matmul is far faster there (and its GatherMM for MoE experts is fp32-only); the

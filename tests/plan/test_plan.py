@@ -13,12 +13,12 @@ from tiny_configs import TINY_CONFIGS
 
 from kvrig.compat.mlx_lm_classes import model_classes
 from kvrig.exceptions import ModelConfigError, PlanInputError, QuantizationError, UnsupportedArchitectureError
+from kvrig.kvcache.caches import make_kv_caches
 from kvrig.models import load_model_spec, spec_from_config
-from kvrig.plan import plan
-from kvrig.plan.kv import context_schedule, kv_bytes, parse_scheme
-from kvrig.plan.memory import _peak_bytes, recommend
+from kvrig.planner import plan
+from kvrig.planner.kv import context_schedule, kv_bytes, parse_scheme
+from kvrig.planner.memory import _peak_bytes, recommend
 from kvrig.profiles import load_profile
-from kvrig.runtime.caches import make_kv_caches
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +131,7 @@ def test_recommendation_rules() -> None:
 def test_head_dim_not_divisible_by_group_is_refused() -> None:
     config = {**TINY_CONFIGS["llama"], "head_dim": 96}
     spec = spec_from_config(config)
-    from kvrig.plan.kv import check_dims
+    from kvrig.planner.kv import check_dims
 
     with pytest.raises(QuantizationError, match=r"head dim 96 is not divisible by KV group size 64.*group size 32"):
         check_dims(spec, parse_scheme("k8v4"))
@@ -194,7 +194,7 @@ def test_cli_unknown_gguf_architecture(tmp_path: Path) -> None:
 
 
 def test_prefill_scores_counted_only_without_fused_attention() -> None:
-    from kvrig.plan.runtime import prefill_activation_bytes
+    from kvrig.planner.runtime import prefill_activation_bytes
 
     fused = spec_from_config(TINY_CONFIGS["llama"])  # head dim 64: MLX's fused kernel
     plain = spec_from_config({**TINY_CONFIGS["llama"], "head_dim": 96})

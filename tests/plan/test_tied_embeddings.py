@@ -13,7 +13,7 @@ from mlx_lm.utils import load_model
 from tiny_configs import TINY_CONFIGS
 
 from kvrig.models import load_model_spec, spec_from_config
-from kvrig.plan.weights import account_weights, parse_recipe
+from kvrig.planner.weights import account_weights, parse_recipe
 
 CONFIGS = Path(__file__).parent / "configs"
 

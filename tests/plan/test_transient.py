@@ -19,11 +19,11 @@ from tiny_configs import TINY_CONFIGS
 from kvrig.compat.mlx_lm_classes import model_classes
 from kvrig.exceptions import PlanInputError
 from kvrig.models import load_model_spec, spec_from_config
-from kvrig.plan import PlanRequest, plan, plan_memory
-from kvrig.plan.kv import kv_bytes, parse_scheme
-from kvrig.plan.memory import _peak_bytes
-from kvrig.plan.runtime import prefill_scores_bytes
-from kvrig.plan.transient import materializes_scores
+from kvrig.planner import PlanRequest, plan, plan_memory
+from kvrig.planner.kv import kv_bytes, parse_scheme
+from kvrig.planner.memory import _peak_bytes
+from kvrig.planner.runtime import prefill_scores_bytes
+from kvrig.planner.transient import materializes_scores
 from kvrig.profiles import AppMemoryLimit, SourcedInt, load_profile
 
 # 8 heads of dim 64 (a dim Metal's fused kernel takes) over 2 KV heads: the scores dominate the chunk's memory.

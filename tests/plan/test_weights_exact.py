@@ -14,7 +14,7 @@ from tiny_configs import TINY_CONFIGS
 from kvrig.compat.mlx_lm_classes import model_classes
 from kvrig.exceptions import QuantizationError
 from kvrig.models import spec_from_config
-from kvrig.plan.weights import account_weights, parse_recipe
+from kvrig.planner.weights import account_weights, parse_recipe
 
 RECIPES = ["q4", "q8", "mixed_3_6", "fp16"]
 

@@ -12,10 +12,10 @@ import pytest
 from mlx.utils import tree_flatten
 
 from kvrig.models import spec_from_config
-from kvrig.plan.weights import account_weights, parse_recipe
-from kvrig.quality.feedback import fit_feedback, input_hessians
-from kvrig.quality.recipes import apply_recipe, parse_quality_recipe
-from kvrig.quality.weighted import fit_affine
+from kvrig.planner.weights import account_weights, parse_recipe
+from kvrig.quantize.gpx import fit_feedback, input_hessians
+from kvrig.quantize.imx import fit_affine
+from kvrig.quantize.recipes import apply_recipe, parse_quality_recipe
 from tests.quality.test_recipes_weighted import CONFIG, tiny
 
 

@@ -10,10 +10,10 @@ import pytest
 from mlx_lm.models import llama
 
 from kvrig.exceptions import KVSchemeError, QuantizationError
+from kvrig.kvcache.caches import make_caches
+from kvrig.kvcache.kv_cache import DEQUANTIZED_ROWS, SchemeKVCache, rotate
 from kvrig.models import spec_from_config
 from kvrig.quality.schemes import kv_config, make_variant_caches, parse_kv_variant, predicted_bytes
-from kvrig.runtime.caches import make_caches
-from kvrig.runtime.kv_cache import DEQUANTIZED_ROWS, SchemeKVCache, rotate
 
 CONFIG = {
     "model_type": "llama",
@@ -203,7 +203,7 @@ def test_unsupported_schemes_are_clear_errors() -> None:
         parse_kv_variant("fp16+k8@1")
 
     # head dim 96: the 64 group does not divide it (the planner's check names the layer and a fix) ...
-    from kvrig.plan.kv import check_dims
+    from kvrig.planner.kv import check_dims
 
     model, spec = tiny(head_dim=96)
     with pytest.raises(QuantizationError, match="layer 0: key head dim 96 is not divisible by KV group size 64"):

@@ -26,7 +26,7 @@ def report(tmp_path: Path, kv: dict[str, float]) -> Path:
 
 
 def test_recommendation_skips_schemes_measured_over_the_limit(tmp_path: Path) -> None:
-    from kvrig.plan import plan
+    from kvrig.planner import plan
 
     p = plan(None, "iPhone16,1", schemes=("fp16", "k8v8", "k8v4", "k4v4"), weights="q4")
     # only k8v8 is within 2 % here, so whatever the planner picked by bytes, k8v8 is recommended

@@ -12,13 +12,14 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from kvrig.bundle import PackageOptions, package
+from kvrig.bundle.options import PackageOptions
 from kvrig.exceptions import QualityGateError
+from kvrig.kvcache.kv_cache import SchemeKVCache
 from kvrig.models import load_model_spec
+from kvrig.packaging import package
 from kvrig.quality.schemes import make_variant_caches, parse_kv_variant
-from kvrig.quantize import load_source_model
+from kvrig.quantize.base import load_source_model
 from kvrig.runtime.host import prepare_for_host
-from kvrig.runtime.kv_cache import SchemeKVCache
 from tests.bundle_fixtures import converted_source
 
 PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"

@@ -19,9 +19,9 @@ from mlx_lm.utils import compute_bits_per_weight, quantize_model
 
 from kvrig.exceptions import QuantizationError
 from kvrig.models import spec_from_config
-from kvrig.plan.weights import account_weights, parse_recipe
-from kvrig.quality.recipes import apply_recipe, parse_quality_recipe
-from kvrig.quality.weighted import activation_importance, fit_affine, mlp_g32_layout, pack
+from kvrig.planner.weights import account_weights, parse_recipe
+from kvrig.quantize.imx import activation_importance, fit_affine, mlp_g32_layout, pack
+from kvrig.quantize.recipes import apply_recipe, parse_quality_recipe
 
 CONFIG: dict[str, Any] = {
     "model_type": "llama",

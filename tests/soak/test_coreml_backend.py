@@ -14,14 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from kvrig.appgen.infokeys import COREML_MODEL_KEY, VIRTUAL_RUNTIME_KEY
 from kvrig.device import apps
 from kvrig.exceptions import CoreMLBackendError, CoreMLVirtualPhoneError
 from kvrig.schemas import load_model_file
+from kvrig.schemas.keys import COREML_MODEL_KEY, VIRTUAL_RUNTIME_KEY
 from kvrig.schemas.lab import MatrixEntry
 from kvrig.schemas.results import ResultsFile
 from kvrig.schemas.soakplan import SoakPlan
-from kvrig.soak import SoakOptions, make_plan, run_soak
+from kvrig.soaking.driver import SoakOptions, run_soak
+from kvrig.soaking.plan import make_plan
 from tests.soak.conftest import BUNDLE_ID, Emulator, installed, on_device, run
 
 __all__ = ["installed"]

@@ -1,7 +1,7 @@
 """The real thing on the virtual iPhone: SmolLM2 packaged (q4, k8v4), its app rendered and built with
 `kvrig build --virtual`, deployed with the bundle, and soaked by the LLM app runtime with real MLX.
 
-Expected numbers come from elsewhere: the planner's KV bytes (kvrig.plan, its own replay of MLX's cache
+Expected numbers come from elsewhere: the planner's KV bytes (kvrig.planner, its own replay of MLX's cache
 growth) against the app's real cache buffers, and the JetsamEvent report's raw JSON against the limit the
 virtual iPhone was given."""
 
@@ -20,13 +20,14 @@ from pydantic import TypeAdapter
 
 from kvrig.appgen.render import AppOptions, render_app
 from kvrig.appgen.virtual_ipa import build_virtual_ipa
-from kvrig.bundle import PackageOptions
+from kvrig.bundle.options import PackageOptions
 from kvrig.device.deploy import deploy
 from kvrig.exceptions import SoakFailedError
-from kvrig.gates import failures
-from kvrig.plan import plan as make_memory_plan
+from kvrig.lab.gates import failures
+from kvrig.planner import plan as make_memory_plan
 from kvrig.schemas.telemetry import TelemetryEvent
-from kvrig.soak import SoakOptions, make_plan, run_soak
+from kvrig.soaking.driver import SoakOptions, run_soak
+from kvrig.soaking.plan import make_plan
 from kvrig.virtual.device import VirtualDevice
 from kvrig.virtual.host import EmulatorHost
 from tests.bundle_fixtures import packaged

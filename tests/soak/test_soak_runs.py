@@ -18,7 +18,8 @@ from kvrig.device.processes import pid_for
 from kvrig.exceptions import AppError
 from kvrig.schemas import load_model_file
 from kvrig.schemas.results import ResultsFile
-from kvrig.soak import SoakOptions, make_plan, run_soak
+from kvrig.soaking.driver import SoakOptions, run_soak
+from kvrig.soaking.plan import make_plan
 from kvrig.virtual.faults import FaultPlan
 from tests.raw_telemetry import raw_steps
 from tests.soak.conftest import BUNDLE_ID, Emulator, installed, on_device, run

@@ -12,7 +12,7 @@ import pytest
 from pymobiledevice3.lockdown import create_using_usbmux
 from pymobiledevice3.services.diagnostics import DiagnosticsService
 
-from kvrig.virtual.apprun import _cpu_seconds
+from kvrig.virtual.footprint import cpu_seconds
 from tests.virtual.conftest import BUNDLE_ID, Emulator, install
 
 
@@ -65,9 +65,9 @@ def test_temperature_rises_under_load_and_not_at_idle(emulator: Emulator, ipa: P
     pid = emulator.host.run(emulator.device.apps.launch(BUNDLE_ID, arguments=busy))
     try:
         deadline = time.monotonic() + 120
-        while _cpu_seconds(pid) < 4 and time.monotonic() < deadline:
+        while cpu_seconds(pid) < 4 and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert _cpu_seconds(pid) >= 4, "the app never got 4 s of CPU"
+        assert cpu_seconds(pid) >= 4, "the app never got 4 s of CPU"
         loaded = asyncio.run(_battery(emulator.udid))[0]
     finally:
         emulator.host.run(emulator.device.apps.kill_bundle(BUNDLE_ID))

@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from kvrig.runtime.kv_cache import DequantizingKVCache
+from kvrig.kvcache.kv_cache import DequantizingKVCache
 from kvrig.schemas.kvcache import KVCacheConfig, LayerCache, PressurePolicy, host_kvcache
 from kvrig.virtual.llm_memory import evict_front, kv_bytes, respond, stored_weight_bytes
 from kvrig.virtual.llmapp import AppError, find_bundle

@@ -7,7 +7,7 @@ import MLXLMCommon
 /// and quantized attention take one width for both), dequantized when attention reads them. The dequantized
 /// copy of one layer is transient: the planner counts it. nil bits keep that side in the activation dtype.
 ///
-/// kvcache.json's extras (``KVExtras``) mean what they mean on the host (kvrig/runtime/kv_cache.py):
+/// kvcache.json's extras (``KVExtras``) mean what they mean on the host (kvrig/kvcache/kv_cache.py):
 /// - rotation: H·k (and H·v) are quantized; attention gets H·dequant(H·k), i.e. (H·q)·dequant(H·k) as the
 ///   host computes it (H is the orthonormal Walsh-Hadamard matrix, symmetric and its own inverse for the
 ///   power-of-two head dims kvrig packages), and likewise H·(p·dequant(H·v)) for the output;

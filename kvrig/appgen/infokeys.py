@@ -1,9 +1,0 @@
-"""Info.plist keys kvrig writes into the generated app and reads back from an installed one (installation_proxy
-lists them), so the device side can tell what an app carries without importing the renderer."""
-
-from __future__ import annotations
-
-VIRTUAL_RUNTIME_KEY = "KvrigVirtualRuntime"
-"""The host runtime a virtual-iPhone app runs (appgen.virtual_ipa writes it; a phone's app has none)."""
-COREML_MODEL_KEY = "KvrigCoreMLModel"
-"""The Core ML resource an app rendered with `kvrig app --coreml` ships (checked by `kvrig soak --backend`)."""

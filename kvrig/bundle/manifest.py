@@ -1,0 +1,80 @@
+"""manifest.json: every file of a bundle with its size and sha256, and `check_bundle` / `verify_bundle`, which
+hold a bundle to it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvrig.exceptions import BundleError, SchemaError, VerifyError
+from kvrig.fileio import sha256_file
+from kvrig.schemas import load_model_file
+from kvrig.schemas.bundle import MANIFEST_NAME, Manifest, ManifestFile
+
+
+def hash_files(root: Path) -> Iterator[ManifestFile]:
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = path.relative_to(root).as_posix()
+        if rel != MANIFEST_NAME:
+            yield ManifestFile(path=rel, size=path.stat().st_size, sha256=sha256_file(path))
+
+
+@dataclass
+class FileProblem:
+    path: str
+    problem: str  # missing, size, sha256, unexpected
+
+
+@dataclass
+class VerifyResult:
+    bundle: Path
+    manifest: Manifest
+    checked: int
+    problems: list[FileProblem]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def load_manifest(bundle: Path) -> Manifest:
+    if not bundle.is_dir():
+        raise BundleError(f"{bundle}: not a bundle folder")
+    return load_model_file(Manifest, bundle / MANIFEST_NAME, error=SchemaError)
+
+
+def check_bundle(bundle: str | Path, *, progress: Callable[[str], None] | None = None) -> VerifyResult:
+    """Every file against the manifest: present, same size, same sha256; files the manifest does not list."""
+    bundle = Path(bundle)
+    manifest = load_manifest(bundle)
+    problems: list[FileProblem] = []
+    listed = set()
+    for entry in manifest.files:
+        listed.add(entry.path)
+        path = bundle / entry.path
+        if progress:
+            progress(entry.path)
+        if ".." in Path(entry.path).parts or Path(entry.path).is_absolute():
+            problems.append(FileProblem(entry.path, "path escapes the bundle"))
+        elif not path.is_file():
+            problems.append(FileProblem(entry.path, "missing"))
+        elif (size := path.stat().st_size) != entry.size:
+            how = "truncated" if size < entry.size else "grown"
+            problems.append(FileProblem(entry.path, f"size {size} bytes, manifest says {entry.size} ({how})"))
+        elif sha256_file(path) != entry.sha256:
+            problems.append(FileProblem(entry.path, "sha256 differs from the manifest (edited?)"))
+    for path in sorted(p for p in bundle.rglob("*") if p.is_file()):
+        rel = path.relative_to(bundle).as_posix()
+        if rel != MANIFEST_NAME and rel not in listed:
+            problems.append(FileProblem(rel, "not listed in the manifest"))
+    return VerifyResult(bundle, manifest, len(manifest.files), problems)
+
+
+def verify_bundle(bundle: str | Path) -> VerifyResult:
+    """Like check_bundle, but raises VerifyError naming every file at fault."""
+    result = check_bundle(bundle)
+    if not result.ok:
+        detail = "; ".join(f"{p.path}: {p.problem}" for p in result.problems)
+        raise VerifyError(f"{result.bundle}: {len(result.problems)} file(s) do not match the manifest: {detail}")
+    return result

@@ -1,0 +1,228 @@
+"""Fit the planner's estimated terms to measured soaks.
+
+For every telemetry point of a soak (context, phys_footprint), the planner gives the exact weight bytes and
+the exact KV allocated at that context; what is left, less the MLX buffer cache at that point (measured in
+the app's telemetry; the bundle's cap when the telemetry is not at hand), is the app's baseline. The median
+over all points of a device profile is its calibrated baseline; `kvrig plan --calibration` uses it in place
+of the profile's estimate.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvrig.exceptions import CalibrationError, ReportError
+from kvrig.models import load_model_spec
+from kvrig.planner import PlanRequest, plan_memory
+from kvrig.profiles import load_profile
+from kvrig.reports.telemetry import read_telemetry
+from kvrig.schemas import load_model_file
+from kvrig.schemas.bundle import Manifest
+from kvrig.schemas.calibration import Calibration, CalibrationPoint, ProfileCalibration
+from kvrig.schemas.kvcache import KVCacheConfig
+from kvrig.schemas.results import ResultsFile, SoakResult
+from kvrig.version import __version__
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """What the planner needs to count a run's weights and KV."""
+
+    path: Path
+    weights: str = "q4"
+    group_size: int = 64
+    kv_group_size: int = 64
+    dtype: str = "float16"
+    prefill_step: int = 512
+    buffer_cache_bytes: int = 20 * 1024 * 1024
+
+
+def bundle_ref(bundle: Path) -> ModelRef:
+    """Recipe from manifest.json, dtype, prefill step and buffer cache from kvcache.json."""
+
+    manifest = load_model_file(Manifest, bundle / "manifest.json")
+    kv = load_model_file(KVCacheConfig, bundle / "kvcache.json")
+    return ModelRef(
+        path=bundle,
+        weights=manifest.recipe.weights,
+        group_size=manifest.recipe.group_size,
+        kv_group_size=manifest.recipe.kv_group_size,
+        dtype=kv.dtype,
+        prefill_step=kv.prefill_step_size,
+        buffer_cache_bytes=kv.buffer_cache_limit_bytes,
+    )
+
+
+def find_bundle(name: str, results_path: Path, run_field: str) -> Path:
+    """A results file names its bundle by folder name; look beside it the way soak, lab and demo lay out."""
+    given = Path(name)
+    here = results_path.resolve().parent
+    candidates = [given] if given.is_absolute() else []
+    for folder in (here, here.parent, here.parent.parent):
+        candidates += [folder / name, folder / "bundles" / name]
+    for candidate in candidates:
+        if (candidate / "manifest.json").is_file():
+            return candidate
+    raise CalibrationError(
+        f"bundle '{name}' not found beside the results (looked in {', '.join(str(c) for c in candidates[:4])}, ...)",
+        file=results_path,
+        field=run_field,
+        expected="a bundle folder with manifest.json; pass --bundle PATH",
+    )
+
+
+def _profile_for(run: SoakResult, results_path: Path, index: int):  # type: ignore[no-untyped-def]
+
+    ref = run.device.profile or run.device.product_type
+    if ref is None:
+        raise CalibrationError(
+            "the run names no device profile or ProductType",
+            file=results_path,
+            field=f"runs[{index}].device.profile",
+            expected="a profile name or ProductType",
+        )
+    return load_profile(ref)
+
+
+def points_for_run(
+    run: SoakResult,
+    index: int,
+    results_path: Path,
+    ref: ModelRef,
+    profile,  # type: ignore[no-untyped-def]
+) -> list[CalibrationPoint]:
+    measured = [p for p in run.tps_curve if p.phys_footprint_bytes is not None and p.context_tokens > 0]
+    if not measured:
+        return []
+    contexts = sorted({p.context_tokens for p in measured})
+    plan = plan_memory(
+        load_model_spec(ref.path),
+        profile,
+        PlanRequest(
+            schemes=(run.scheme,),
+            weights=ref.weights,
+            recipes=(ref.weights,),
+            group_size=ref.group_size,
+            kv_group_size=ref.kv_group_size,
+            dtype=ref.dtype,
+            contexts=tuple(contexts),
+            prefill_step=ref.prefill_step,
+            buffer_cache_bytes=ref.buffer_cache_bytes,
+        ),
+    )
+    caches = measured_buffer_caches(run, results_path)
+    points = []
+    for p in measured:
+        footprint = p.phys_footprint_bytes
+        assert footprint is not None
+        kv = plan.kv_bytes[run.scheme][str(p.context_tokens)]
+        overhead = footprint - plan.weights_bytes - kv
+        cache = caches.get(p.t, ref.buffer_cache_bytes) if p.t is not None else ref.buffer_cache_bytes
+        points.append(
+            CalibrationPoint(
+                source=str(results_path),
+                run_id=run.run_id,
+                scheme=run.scheme,
+                context_tokens=p.context_tokens,
+                footprint_bytes=footprint,
+                weights_bytes=plan.weights_bytes,
+                kv_bytes=kv,
+                buffer_cache_bytes=cache,
+                overhead_bytes=overhead,
+                baseline_bytes=overhead - cache,
+            )
+        )
+    return points
+
+
+def measured_buffer_caches(run: SoakResult, results_path: Path) -> dict[float, int]:
+    """MLX's buffer cache at each telemetry step (by the step's time), from the run's telemetry file beside
+    the results; empty when there is none. The cache is often far below its cap between steps, so counting
+    the cap would put the difference into the baseline."""
+
+    if run.files.telemetry is None:
+        return {}
+    path = results_path.parent / run.files.telemetry
+    if not path.is_file():
+        return {}
+    try:
+        log = read_telemetry(path)
+    except ReportError:
+        return {}
+    steps = [step for r in log.runs if r.run_id == run.run_id for step in r.steps]
+    return {step.t: step.mlx_cache_bytes for step in steps if step.mlx_cache_bytes is not None}
+
+
+def calibrate(
+    results: list[Path], *, bundle: Path | None = None, model: Path | None = None, weights: str = "q4"
+) -> Calibration:
+    """Fit a baseline per device profile from the telemetry points of every run in `results`.
+
+    `bundle` overrides the bundle each run names; `model` (a model directory, config.json or GGUF, with the
+    `weights` recipe) is for runs that ran without a bundle kvrig wrote."""
+    if not results:
+        raise CalibrationError("no results files given", field="RESULTS", expected="one or more results.json")
+    by_profile: dict[str, list[CalibrationPoint]] = {}
+    profile_baseline: dict[str, int] = {}
+    for path in results:
+        data = load_model_file(ResultsFile, path)
+        found = 0
+        for i, run in enumerate(data.runs):
+            if not any(p.phys_footprint_bytes is not None for p in run.tps_curve):
+                continue
+            if bundle is not None:
+                ref = bundle_ref(bundle)
+            elif run.bundle is not None:
+                ref = bundle_ref(find_bundle(run.bundle, path, f"runs[{i}].bundle"))
+            elif model is not None:
+                ref = ModelRef(path=model, weights=weights)
+            else:
+                raise CalibrationError(
+                    "the run names no bundle", file=path, field=f"runs[{i}].bundle", expected="--bundle or --model"
+                )
+            profile = _profile_for(run, path, i)
+            points = points_for_run(run, i, path, ref, profile)
+            found += len(points)
+            by_profile.setdefault(profile.name, []).extend(points)
+            profile_baseline[profile.name] = profile.baseline
+        if not found:
+            raise CalibrationError(
+                "no run has telemetry footprints to calibrate from",
+                file=path,
+                field="runs[*].tps_curve[*].phys_footprint_bytes",
+                expected="a soak whose app wrote step records with phys_footprint_bytes",
+            )
+    profiles = {}
+    for name, points in by_profile.items():
+        baselines = [p.baseline_bytes for p in points]
+        profiles[name] = ProfileCalibration(
+            baseline_bytes=int(statistics.median(baselines)),
+            points=len(points),
+            spread_bytes=max(baselines) - min(baselines),
+            min_baseline_bytes=min(baselines),
+            max_baseline_bytes=max(baselines),
+            profile_baseline_bytes=profile_baseline[name],
+            sources=sorted({p.source for p in points}),
+            measurements=points,
+        )
+    return Calibration(tool_version=__version__, profiles=profiles)
+
+
+def load_calibration(path: Path) -> Calibration:
+    return load_model_file(Calibration, path)
+
+
+def calibrated_baseline(path: Path, profile_name: str) -> ProfileCalibration:
+    """The calibrated terms for one device profile, or a clear error naming the file and the profile."""
+    calibration = load_calibration(path)
+    entry = calibration.profiles.get(profile_name)
+    if entry is None:
+        raise CalibrationError(
+            f"no calibration for device profile '{profile_name}'",
+            file=path,
+            field=f"profiles.{profile_name}",
+            expected=f"one of: {', '.join(sorted(calibration.profiles)) or 'none (empty file)'}",
+        )
+    return entry

@@ -1,0 +1,206 @@
+"""The HTML report of a results file: a summary table and, per run, footprint vs context, decode tok/s vs
+context and, where the soak read the battery, its temperature beside tok/s over time (PNG, matplotlib), with
+the limit from the jetsam report and the planner's prediction as lines. The page is the jinja2 template
+templates/report/report.html.j2 (autoescaped); this module plots and formats.
+
+Everything it shows comes from results.json, so `kvrig lab report` can render it again anywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from kvrig.exceptions import ReportError
+from kvrig.lab.gates import failures, prediction_error
+from kvrig.schemas.lab import slug
+from kvrig.schemas.results import ResultsFile, SoakResult
+
+REPORT_FILE = "report.html"
+IMAGES_DIR = "report"
+MIB = 1024 * 1024
+
+TEMPLATE = "report.html.j2"
+
+
+def _mib(n: int | None) -> str:
+    return f"{n / MIB:.1f} MiB" if n is not None else ""
+
+
+def run_name(r: SoakResult) -> str:
+    host = f" @ {r.device.host}" if r.device.host else ""
+    return f"{r.device.udid[:12]}{host} {r.entry or r.app_id} [{r.scheme}]"
+
+
+@contextlib.contextmanager
+def _figure(path: Path, title: str) -> Iterator[Any]:
+    """One report plot: an Agg figure of the report's size; titled, gridded and saved to `path` once drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=90)
+    try:
+        yield ax
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(path)
+    finally:
+        plt.close(fig)
+
+
+def _plot_footprint(r: SoakResult, path: Path) -> bool:
+    points = [(p.context_tokens, p.phys_footprint_bytes) for p in r.tps_curve if p.phys_footprint_bytes is not None]
+    if not points:
+        return False
+    with _figure(path, f"footprint: {run_name(r)}") as ax:
+        ax.plot([c for c, _ in points], [b / MIB for _, b in points], "o-", label="phys_footprint (app telemetry)")
+        if r.limit_bytes is not None:
+            ax.axhline(r.limit_bytes / MIB, color="tab:red", label="limit (jetsam report)")
+        elif r.app_limit_bytes is not None:
+            ax.axhline(r.app_limit_bytes / MIB, color="tab:red", linestyle="--", label="limit (app)")
+        if r.footprint_at_kill_bytes is not None and points:
+            # Killed while growing to the next step: plotted one step past the last context that survived.
+            contexts = [c for c, _ in points]
+            kill_at = contexts[-1] + (contexts[-1] - contexts[-2] if len(contexts) > 1 else 0)
+            ax.plot(
+                [kill_at], [r.footprint_at_kill_bytes / MIB], "x", color="tab:red", ms=10, label="footprint at kill"
+            )
+        p = r.predicted
+        if p is not None and p.limit_bytes is not None:
+            ax.axhline(p.limit_bytes / MIB, color="tab:purple", linestyle=":", label="predicted limit (plan)")
+        if p is not None and p.max_context:
+            ax.axvline(
+                p.max_context, color="tab:purple", linestyle="-.", label=f"predicted max context {p.max_context}"
+            )
+        if r.max_safe_context:
+            tag = "confirmed" if r.max_safe_context_confirmed else "measured"
+            ax.axvline(r.max_safe_context, color="tab:green", linestyle="--", label=f"max safe context ({tag})")
+        ax.set_xlabel("context tokens")
+        ax.set_ylabel("MiB")
+        ax.legend(fontsize=7, loc="lower right")
+    return True
+
+
+def _plot_tps(r: SoakResult, path: Path) -> bool:
+    points = [(p.context_tokens, p.decode_tps) for p in r.tps_curve if p.decode_tps is not None]
+    if not points:
+        return False
+    with _figure(path, f"decode: {run_name(r)}") as ax:
+        ax.plot([c for c, _ in points], [t for _, t in points], "o-", label="decode tok/s")
+        gates = [c for c in r.gates if c.gate.startswith("min_decode_tps_at[")]
+        for i, check in enumerate(gates):
+            context = int(check.gate[len("min_decode_tps_at[") : -1])
+            ax.plot([context], [check.threshold], "v", color="tab:red", ms=9, label="gate minimum" if i == 0 else None)
+        ax.set_xlabel("context tokens")
+        ax.set_ylabel("tokens / s")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7)
+    return True
+
+
+def _plot_thermal(r: SoakResult, path: Path) -> bool:
+    """Decode tok/s and the battery's temperature over the run's time (one epoch axis: telemetry `t` and the
+    diagnostics relay's samples), so a speed that falls as the phone heats up is not read as a context cost."""
+    temps = [(b.t, b.temperature_c) for b in r.battery if b.temperature_c is not None]
+    if not temps:
+        return False
+    t0 = min(t for t, _ in temps)
+    tps = [(p.t, p.decode_tps) for p in r.tps_curve if p.t is not None and p.decode_tps is not None]
+    if tps:
+        t0 = min(t0, min(t for t, _ in tps))
+    with _figure(path, f"heat: {run_name(r)}") as ax:
+        ax.plot([t - t0 for t, _ in temps], [c for _, c in temps], "-", color="tab:orange", label="battery °C")
+        ax.set_xlabel("seconds since the run started")
+        ax.set_ylabel("battery temperature (°C)")
+        if tps:
+            ax2 = ax.twinx()
+            ax2.plot([t - t0 for t, _ in tps], [v for _, v in tps], "o-", color="tab:blue", label="decode tok/s")
+            ax2.set_ylabel("tokens / s")
+            ax2.set_ylim(bottom=0)
+            ax2.legend(fontsize=7, loc="lower right")
+        ax.legend(fontsize=7, loc="upper left")
+    return True
+
+
+def _template_dir() -> Path:
+    here = Path(__file__).resolve().parents[1]  # the kvrig package
+    for candidate in (here / "_data" / "templates" / "report", here.parent / "templates" / "report"):
+        if (candidate / TEMPLATE).is_file():
+            return candidate
+    raise ReportError(f"the report template {TEMPLATE} is not installed", file=here)
+
+
+def _run_view(r: SoakResult, figures: list[dict[str, str]]) -> dict[str, object]:
+    """What the template shows of one run, formatted; the template only lays it out."""
+    found = failures(r)
+    error = prediction_error(r)
+    safe = "" if r.max_safe_context is None else f"{r.max_safe_context}{' ✓' if r.max_safe_context_confirmed else ''}"
+    return {
+        "name": run_name(r),
+        "failed": bool(found) or r.outcome is None,
+        "host": r.device.host or "",
+        "device": r.device.udid[:12],
+        "profile": r.device.profile or r.device.product_type or "",
+        "entry": r.entry or r.app_id,
+        "scheme": r.scheme,
+        "outcome": r.outcome or f"error: {r.error}",
+        "outcome_raw": str(r.outcome),
+        "detail": r.outcome_detail or r.error or "not run",
+        "max_context": "" if r.max_context_reached is None else r.max_context_reached,
+        "safe": safe,
+        "footprint_at_kill": _mib(r.footprint_at_kill_bytes),
+        "limit": _mib(r.limit_bytes),
+        "predicted": r.predicted.max_context if r.predicted and r.predicted.max_context is not None else "",
+        "predicted_error": f"{error:+.1%}" if error is not None else "",
+        "failures": "; ".join(m for _, m in found),
+        "gates": r.gates,
+        "confirmations": r.confirmations,
+        "figures": figures,
+    }
+
+
+def write_report(results: ResultsFile, out_dir: str | Path, *, title: str = "kvrig results") -> Path:
+    """Writes report.html (from templates/report/report.html.j2) and its PNGs (in report/) into out_dir;
+    returns the HTML path."""
+    import jinja2
+
+    out = Path(out_dir)
+    images = out / IMAGES_DIR
+    try:
+        images.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ReportError(f"cannot create the report folder: {exc}", file=images) from None
+    views = []
+    used: set[str] = set()
+    for r in results.runs:
+        base = slug(f"{r.device.host or ''}-{r.device.udid[:12]}-{r.entry or r.app_id}-{r.scheme}".lstrip("-"))
+        while base in used:
+            base += "-x"
+        used.add(base)
+        figures = []
+        for kind, plot in (("footprint", _plot_footprint), ("tps", _plot_tps), ("thermal", _plot_thermal)):
+            name = f"{base}-{kind}.png"
+            if plot(r, images / name):
+                figures.append({"src": f"{IMAGES_DIR}/{name}", "kind": kind})
+        views.append(_run_view(r, figures))
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(_template_dir()),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+    )
+    html = env.get_template(TEMPLATE).render(
+        title=title,
+        tool_version=results.tool_version,
+        hosts=results.lab.hosts if results.lab else [],
+        notes=results.lab.notes if results.lab else [],
+        runs=views,
+    )
+    path = out / REPORT_FILE
+    path.write_text(html)
+    return path

@@ -1,0 +1,605 @@
+"""The memory plan: what fits on a device, scheme by scheme, and which scheme to use."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Final, Literal
+
+from pydantic import ConfigDict, Field
+
+from kvrig.exceptions import PlanInputError
+from kvrig.models.spec import ModelSpec
+from kvrig.planner.kv import (
+    ALL_NAMED_SCHEMES,
+    MLX_STEP,
+    KVScheme,
+    bytes_per_token,
+    check_dims,
+    context_schedule,
+    dequantized_read_bytes,
+    kv_bytes,
+    kv_bytes_detail,
+    parse_scheme,
+    row_bytes,
+)
+from kvrig.planner.runtime import (
+    DEFAULT_BUFFER_CACHE_BYTES,
+    DEFAULT_PREFILL_STEP,
+    kv_read_bytes,
+    prefill_activation_bytes,
+    prefill_scores_bytes,
+)
+from kvrig.planner.transient import BACKENDS, DEFAULT_BACKEND, Backend
+from kvrig.planner.weights import DEFAULT_RECIPES, WeightsAccount, account_weights, parse_recipe
+from kvrig.profiles import DeviceProfile
+from kvrig.schemas import StrictModel
+
+PLAN_SCHEMA_VERSION: Final = 1
+DEFAULT_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)
+DEFAULT_MARGIN = 0.10
+SMALL_MODEL_PARAMS = 4_000_000_000  # below this, 4-bit keys hurt quality badly
+# Quality order, best first. K4V8 is never preferred: keys are the sensitive half, so K8V4 beats it at equal size.
+QUALITY_ORDER = ("fp16", "bf16", "k8v8", "k8v4", "k4v4")
+
+
+class ModelSummary(StrictModel):
+    source: str
+    model_type: str
+    layers: int
+    parameters: int
+    layer_kinds: dict[str, int]
+    max_position_embeddings: int | None
+    quantized_attention: bool
+
+
+class DeviceSummary(StrictModel):
+    name: str
+    marketing_name: str
+    product_types: list[str]
+    limit_default_bytes: int
+    limit_entitled_bytes: int | None
+    memory_bandwidth_bytes_per_s: float
+    page_size_bytes: int
+    baseline_bytes: int
+
+
+class RuntimeTerms(StrictModel):
+    buffer_cache_bytes: int = Field(description="MLX buffer-cache cap (Memory.cacheLimit)")
+    baseline_bytes: int = Field(description="app + Metal/runtime baseline: the device profile's estimate or calibrated")
+    baseline_calibrated_from: str | None = Field(
+        default=None, description="calibration file the baseline comes from (None: the profile's estimate)"
+    )
+    prefill_step: int
+    backend: Backend = Field(
+        default=DEFAULT_BACKEND,
+        description="where MLX runs the app: metal (the phone, fused attention) or cpu (host, virtual iPhone)",
+    )
+    prefill_activation_bytes: dict[str, int] = Field(
+        description="live prefill activations at each listed context over unquantized caches (per scheme: "
+        "budget_at_max_context); attention scores as MLX holds them on the backend, the rest an upper bound"
+    )
+
+
+class SchemeBudget(StrictModel):
+    """Where the bytes go at a scheme's max context."""
+
+    context: int
+    weights_bytes: int
+    kv_bytes: int
+    kv_growth_copy_bytes: int
+    kv_dequantized_read_bytes: int
+    prefill_activation_bytes: int
+    buffer_cache_bytes: int
+    baseline_bytes: int
+    total_bytes: int
+
+
+class GpuLimitsSummary(StrictModel):
+    recommended_working_set_bytes: int | None = Field(
+        default=None, description="Metal's recommendedMaxWorkingSetSize (the profile's; None: unknown)"
+    )
+    max_buffer_bytes: int | None = Field(default=None, description="Metal's maxBufferLength (None: unknown)")
+
+
+class GpuCheck(StrictModel):
+    """Metal's limits at a scheme's max context (jetsam's)."""
+
+    context: int
+    resident_bytes: int = Field(description="MLX's Metal buffers: weights, KV, growth copy, transients, cache")
+    largest_buffer_bytes: int
+    largest_buffer: Literal["kv_layer", "prefill_scores", "weights_array"]
+    within_working_set: bool | None = Field(description="None: the device's working set is unknown")
+    within_max_buffer: bool | None = Field(description="None: the device's largest buffer is unknown")
+
+
+class Recommendation(StrictModel):
+    scheme: str
+    max_context: int
+    reasons: list[str]
+
+
+class MemoryPlan(StrictModel):
+    schema_version: Literal[1] = Field(default=PLAN_SCHEMA_VERSION, alias="schema")
+    model: ModelSummary
+    device: DeviceSummary
+    weights_recipe: str
+    group_size: int
+    kv_group_size: int
+    dtype: str
+    limit_kind: Literal["entitled", "default"]
+    limit_bytes: int
+    margin: float
+    budget_bytes: int = Field(description="limit × (1 − margin): what the plan fills")
+    weights_bytes: int = Field(description="bytes of the weights under `weights_recipe`")
+    weights_by_recipe: dict[str, int]
+    active_weights_bytes: int = Field(description="weight bytes read per generated token (MoE: routed share)")
+    runtime: RuntimeTerms
+    kv_bytes_per_token: dict[str, int] = Field(description="steady state, per additional token, no step rounding")
+    kv_constant_bytes: dict[str, int] = Field(description="sliding rings and linear-attention state at full size")
+    kv_bytes: dict[str, dict[str, int]] = Field(description="allocated bytes (256-token steps) at listed contexts")
+    max_context: dict[str, int] = Field(description="under limit_bytes with the margin")
+    max_context_default_limit: dict[str, int] = Field(description="the same without the entitlement")
+    limited_by: dict[str, Literal["memory", "model", "weights"]]
+    budget_at_max_context: dict[str, SchemeBudget]
+    decode_tps_ceiling: dict[str, dict[str, float]] = Field(
+        description="ceiling, not a prediction: memory bandwidth / bytes read per token (weights + KV at context)"
+    )
+    recommendation: Recommendation
+    notes: list[str]
+    gpu_limits: GpuLimitsSummary = Field(default_factory=GpuLimitsSummary)
+    gpu_check: dict[str, GpuCheck] = Field(default_factory=dict, description="Metal's limits at max_context")
+    max_context_all_limits: dict[str, int] = Field(
+        default_factory=dict, description="max context under jetsam and Metal's working set and largest buffer"
+    )
+    binding_limit: dict[str, Literal["jetsam", "metal_working_set", "metal_max_buffer", "model", "weights"]] = Field(
+        default_factory=dict, description="which limit sets max_context_all_limits"
+    )
+
+
+def _limits(profile: DeviceProfile, limit: str) -> tuple[Literal["entitled", "default"], int]:
+    if limit == "entitled" and profile.limit_entitled is not None:
+        return "entitled", profile.limit_entitled
+    return "default", profile.limit_default
+
+
+def _peak_bytes(
+    spec: ModelSpec,
+    scheme: KVScheme,
+    context: int,
+    fixed: int,
+    prefill_step: int,
+    dtype: str,
+    backend: Backend = DEFAULT_BACKEND,
+) -> SchemeBudget:
+    schedule = context_schedule(context, prefill_step)
+    kv = kv_bytes_detail(spec, scheme, schedule)
+    copy = kv.largest_cache if any(layer.grows for layer in spec.layers) else 0
+    deq = dequantized_read_bytes(spec, scheme, context)
+    act = prefill_activation_bytes(spec, prefill_step, context, dtype, scheme=scheme, backend=backend)
+    return SchemeBudget(
+        context=context,
+        weights_bytes=0,
+        kv_bytes=kv.peak,
+        kv_growth_copy_bytes=copy,
+        kv_dequantized_read_bytes=deq,
+        prefill_activation_bytes=act,
+        buffer_cache_bytes=0,
+        baseline_bytes=0,
+        total_bytes=fixed + kv.peak + copy + deq + act,
+    )
+
+
+def largest_fitting(fits: Callable[[int], bool], estimate: int, cap: int) -> int:
+    """Largest context in [1, cap] with fits(context), 0 if none; `fits` is monotone (bytes grow with the
+    context). Starts at the closed-form estimate, walks whole 256-token steps to bracket the answer, then
+    bisects inside one step: a handful of exact evaluations instead of a search over the whole range."""
+    c = max(1, min(cap, estimate))
+    if fits(c):
+        good, bad = c, cap + 1
+        step = MLX_STEP
+        while good < cap:
+            nxt = min(cap, good + step)
+            if not fits(nxt):
+                bad = nxt
+                break
+            good, step = nxt, step * 2
+        else:
+            return cap
+    else:
+        good, bad = 0, c
+        step = MLX_STEP
+        while bad > 1:
+            nxt = max(1, bad - step)
+            if fits(nxt):
+                good = nxt
+                break
+            bad, step = nxt, step * 2
+        else:
+            return 0
+    while good + 1 < bad:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if fits(mid) else (good, mid)
+    return good
+
+
+def max_context_for(
+    spec: ModelSpec,
+    scheme: KVScheme,
+    budget: int,
+    fixed: int,
+    prefill_step: int,
+    dtype: str,
+    cap: int,
+    backend: Backend = DEFAULT_BACKEND,
+) -> tuple[int, Literal["memory", "model", "weights"]]:
+    """Largest context whose peak fits the budget: the closed-form solve, then MLX's exact bytes around it.
+
+    Closed form: every term is affine in the context (caches in whole 256-token steps), so solve
+    fixed + constant + per_token × C ≤ budget; the exact check settles the last step."""
+    per_token = bytes_per_token(spec, scheme)
+    copy_row = max((row_bytes(spec, scheme, layer) for layer in spec.layers if layer.grows), default=0)
+    deq_row = dequantized_read_bytes(spec, scheme, 1)
+    ref = max(prefill_step, MLX_STEP) * 4
+    act_ref, act_next = (
+        prefill_activation_bytes(spec, prefill_step, c, dtype, scheme=scheme, backend=backend)
+        for c in (ref, ref + MLX_STEP)
+    )
+    act_row = (act_next - act_ref) / MLX_STEP
+    constant = kv_bytes(spec, scheme, context_schedule(ref, prefill_step)) - per_token * ref
+    slope = per_token + copy_row + deq_row + act_row
+    room = budget - fixed - constant - (act_ref - act_row * ref)
+    estimate = cap if slope <= 0 else max(1, min(cap, int(room // slope) // MLX_STEP * MLX_STEP))
+
+    def fits(c: int) -> bool:
+        return _peak_bytes(spec, scheme, c, fixed, prefill_step, dtype, backend).total_bytes <= budget
+
+    best = largest_fitting(fits, estimate, cap)
+    if best == 0:
+        return 0, "weights"
+    return best, "model" if best == cap else "memory"
+
+
+def _largest_buffer(
+    spec: ModelSpec,
+    scheme: KVScheme,
+    context: int,
+    prefill_step: int,
+    dtype: str,
+    weights_array: int,
+    backend: Backend = DEFAULT_BACKEND,
+) -> tuple[int, Literal["kv_layer", "prefill_scores", "weights_array"]]:
+    kv = kv_bytes_detail(spec, scheme, context_schedule(context, prefill_step)).largest_array
+    scores = prefill_scores_bytes(spec, prefill_step, context, dtype, scheme=scheme, backend=backend)
+    options: list[tuple[int, Literal["kv_layer", "prefill_scores", "weights_array"]]] = [
+        (weights_array, "weights_array"),
+        (kv, "kv_layer"),
+        (scores, "prefill_scores"),
+    ]
+    return max(options, key=lambda o: o[0])
+
+
+def max_context_for_buffer(
+    spec: ModelSpec,
+    scheme: KVScheme,
+    max_buffer: int,
+    prefill_step: int,
+    dtype: str,
+    weights_array: int,
+    cap: int,
+    backend: Backend = DEFAULT_BACKEND,
+) -> int:
+    """Largest context whose largest single array fits Metal's largest buffer (it grows with the context)."""
+
+    def fits(c: int) -> bool:
+        return _largest_buffer(spec, scheme, c, prefill_step, dtype, weights_array, backend)[0] <= max_buffer
+
+    per_token = max(1, _largest_buffer(spec, scheme, MLX_STEP, prefill_step, dtype, 0, backend)[0] // MLX_STEP)
+    return largest_fitting(fits, max_buffer // per_token, cap)
+
+
+def recommend(
+    schemes: dict[str, KVScheme],
+    max_context: dict[str, int],
+    limited_by: dict[str, str],
+    parameters: int,
+    target_context: int | None,
+    spec: ModelSpec,
+) -> Recommendation:
+    small = parameters < SMALL_MODEL_PARAMS
+    candidates = [name for name in QUALITY_ORDER if name in schemes and max_context.get(name, 0) > 0]
+    reasons: list[str] = []
+    if small:
+        reasons.append(
+            f"{parameters / 1e9:.2f}B parameters is under 4B: 4-bit keys degrade small models badly, so k4v4 is "
+            "only considered last (Hadamard-rotating keys recovers much of the loss)."
+        )
+    reasons.append("k4v8 is never preferred: keys are more sensitive than values, so k8v4 is better at the same size.")
+    if not candidates:
+        return Recommendation(
+            scheme="none",
+            max_context=0,
+            reasons=[*reasons, "No scheme fits: the weights and baseline alone exceed the budget."],
+        )
+    if small and len(candidates) > 1 and "k4v4" in candidates:
+        candidates = [c for c in candidates if c != "k4v4"] + ["k4v4"]
+    if target_context is not None:
+        for name in candidates:
+            if max_context[name] >= target_context:
+                chosen = name
+                reasons.append(
+                    f"{name} is the highest-quality scheme that holds the target {target_context} tokens "
+                    f"(max {max_context[name]})."
+                )
+                break
+        else:
+            chosen = max(candidates, key=lambda n: max_context[n])
+            reasons.append(
+                f"No scheme reaches {target_context} tokens; {chosen} holds the most ({max_context[chosen]})."
+            )
+    else:
+        full = [n for n in candidates if limited_by.get(n) == "model"]
+        if full:
+            chosen = full[0]
+            reasons.append(
+                f"{chosen} is the highest-quality scheme that holds the model's whole trained context "
+                f"({max_context[chosen]} tokens) within the budget."
+            )
+        else:
+            pool = [c for c in candidates if not (small and c == "k4v4")] or candidates
+            chosen = max(pool, key=lambda n: (max_context[n], -QUALITY_ORDER.index(n)))
+            reasons.append(
+                f"Memory bounds every scheme; {chosen} gives the longest context ({max_context[chosen]} tokens) "
+                "among schemes that keep quality."
+            )
+    scheme = schemes[chosen]
+    if scheme.quantized and any(layer.kind == "sliding" for layer in spec.layers):
+        reasons.append("Sliding-window layers stay unquantized (mlx-lm cannot quantize a rotating cache).")
+    if scheme.dequantizes_on_read(spec):
+        reasons.append(
+            "This scheme needs kvrig's dequantize-on-read cache (mixed K/V bits or attention that cannot read "
+            "quantized KV); its transient dequantized layer is counted."
+        )
+    return Recommendation(scheme=chosen, max_context=max_context[chosen], reasons=reasons)
+
+
+class PlanRequest(StrictModel):
+    """What to plan, typed: the CLI, demo, lab, calibration and packaging each build one. Every field defaults
+    to the planner's default; `baseline_bytes` overrides the profile's estimated baseline (a calibration,
+    `baseline_source` names it)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    schemes: tuple[str, ...] = ALL_NAMED_SCHEMES
+    weights: str = "q4"
+    recipes: tuple[str, ...] = DEFAULT_RECIPES
+    group_size: int = 64
+    kv_group_size: int | None = None
+    dtype: str = "float16"
+    contexts: tuple[int, ...] = DEFAULT_CONTEXTS
+    prefill_step: int = DEFAULT_PREFILL_STEP
+    buffer_cache_bytes: int = DEFAULT_BUFFER_CACHE_BYTES
+    margin: float = DEFAULT_MARGIN
+    limit: Literal["entitled", "default"] = "entitled"
+    target_context: int | None = None
+    max_context_cap: int | None = None
+    baseline_bytes: int | None = None
+    baseline_source: str | None = None
+    backend: Backend = DEFAULT_BACKEND
+
+
+def plan_memory(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest | None = None) -> MemoryPlan:
+    """The memory plan of `spec` on `profile` for `request` (None: the planner's defaults). `backend` is where
+    MLX runs the app: `metal` (the phone) or `cpu` (the host runtime, the virtual iPhone); they differ in the
+    prefill transient (plan/transient.py)."""
+    request = request or PlanRequest()
+    _check_request(request)
+    kv_group = request.kv_group_size or request.group_size
+    parsed = {s.name: s for s in (parse_scheme(n, group_size=kv_group, dtype=request.dtype) for n in request.schemes)}
+    for scheme in parsed.values():
+        check_dims(spec, scheme)
+    accounts = {
+        name: account_weights(spec, parse_recipe(name, request.group_size), request.dtype)
+        for name in dict.fromkeys([request.weights, *request.recipes])
+    }
+    chosen = accounts[request.weights]
+    trained = spec.config.get("text_config", spec.config).get("max_position_embeddings")
+    cap = request.max_context_cap or (int(trained) if trained else 1 << 20)
+    limit_kind, limit_bytes = _limits(profile, request.limit)
+    baseline = profile.baseline if request.baseline_bytes is None else request.baseline_bytes
+    fixed = chosen.total_bytes + request.buffer_cache_bytes + baseline
+
+    max_context, limited_by = _solve(spec, parsed, request, limit_bytes, fixed, cap)
+    max_default = (
+        _solve(spec, parsed, request, profile.limit_default, fixed, cap)[0] if limit_kind == "entitled" else max_context
+    )
+    budgets = {
+        name: _peak_bytes(
+            spec, scheme, max(max_context[name], 1), fixed, request.prefill_step, request.dtype, request.backend
+        ).model_copy(
+            update={
+                "weights_bytes": chosen.total_bytes,
+                "buffer_cache_bytes": request.buffer_cache_bytes,
+                "baseline_bytes": baseline,
+            }
+        )
+        for name, scheme in parsed.items()
+    }
+    all_limits, binding, gpu_check = _metal_limits(
+        spec, profile, request, parsed, chosen, max_context, limited_by, budgets, cap
+    )
+    listed = sorted(set(request.contexts))
+    bandwidth = profile.memory_bandwidth
+    return MemoryPlan(
+        model=ModelSummary(
+            source=spec.source,
+            model_type=spec.model_type,
+            layers=spec.num_layers,
+            parameters=chosen.parameters,
+            layer_kinds={k: spec.count(k) for k in ("full", "sliding", "shared", "linear", "latent") if spec.count(k)},
+            max_position_embeddings=int(trained) if trained else None,
+            quantized_attention=spec.quantized_attention,
+        ),
+        device=DeviceSummary(
+            name=profile.name,
+            marketing_name=profile.marketing_name,
+            product_types=list(profile.product_types),
+            limit_default_bytes=profile.limit_default,
+            limit_entitled_bytes=profile.limit_entitled,
+            memory_bandwidth_bytes_per_s=bandwidth,
+            page_size_bytes=profile.page_size,
+            baseline_bytes=baseline,
+        ),
+        weights_recipe=request.weights,
+        group_size=request.group_size,
+        kv_group_size=kv_group,
+        dtype=request.dtype,
+        limit_kind=limit_kind,
+        limit_bytes=limit_bytes,
+        margin=request.margin,
+        budget_bytes=int(limit_bytes * (1 - request.margin)),
+        weights_bytes=chosen.total_bytes,
+        weights_by_recipe={name: a.total_bytes for name, a in accounts.items()},
+        active_weights_bytes=chosen.active_bytes,
+        runtime=RuntimeTerms(
+            buffer_cache_bytes=request.buffer_cache_bytes,
+            baseline_bytes=baseline,
+            baseline_calibrated_from=request.baseline_source if request.baseline_bytes is not None else None,
+            prefill_step=request.prefill_step,
+            backend=request.backend,
+            prefill_activation_bytes={
+                str(c): prefill_activation_bytes(spec, request.prefill_step, c, request.dtype, backend=request.backend)
+                for c in listed
+            },
+        ),
+        kv_bytes_per_token={name: bytes_per_token(spec, s) for name, s in parsed.items()},
+        kv_constant_bytes={name: constant_kv_bytes(spec, s, request.prefill_step) for name, s in parsed.items()},
+        kv_bytes={
+            name: {str(c): kv_bytes(spec, s, context_schedule(c, request.prefill_step)) for c in listed}
+            for name, s in parsed.items()
+        },
+        max_context=max_context,
+        max_context_default_limit=max_default,
+        limited_by=limited_by,  # type: ignore[arg-type]
+        budget_at_max_context=budgets,
+        decode_tps_ceiling={
+            name: {str(c): round(bandwidth / (chosen.active_bytes + kv_read_bytes(spec, s, c)), 1) for c in listed}
+            for name, s in parsed.items()
+        },
+        recommendation=recommend(parsed, max_context, limited_by, chosen.parameters, request.target_context, spec),
+        notes=_notes(spec, profile, request, trained),
+        gpu_limits=GpuLimitsSummary(
+            recommended_working_set_bytes=profile.gpu_working_set, max_buffer_bytes=profile.gpu_max_buffer
+        ),
+        gpu_check=gpu_check,
+        max_context_all_limits=all_limits,
+        binding_limit=binding,  # type: ignore[arg-type]
+    )
+
+
+def _check_request(request: PlanRequest) -> None:
+    if not 0 <= request.margin < 1:
+        raise PlanInputError(f"margin {request.margin} must be in [0, 1)", field="margin")
+    if request.prefill_step < 1:
+        raise PlanInputError("prefill step must be at least 1", field="prefill_step")
+    if request.backend not in BACKENDS:
+        raise PlanInputError(f"backend {request.backend!r}: expected one of {', '.join(BACKENDS)}", field="backend")
+
+
+def _solve(
+    spec: ModelSpec, parsed: dict[str, KVScheme], request: PlanRequest, limit: int, fixed: int, cap: int
+) -> tuple[dict[str, int], dict[str, str]]:
+    """Max context and what limits it, per scheme, under `limit` less the margin."""
+    budget = int(limit * (1 - request.margin))
+    max_context: dict[str, int] = {}
+    limited_by: dict[str, str] = {}
+    for name, scheme in parsed.items():
+        max_context[name], limited_by[name] = max_context_for(
+            spec, scheme, budget, fixed, request.prefill_step, request.dtype, cap, request.backend
+        )
+    return max_context, limited_by
+
+
+def _metal_limits(
+    spec: ModelSpec,
+    profile: DeviceProfile,
+    request: PlanRequest,
+    parsed: dict[str, KVScheme],
+    chosen: WeightsAccount,
+    max_context: dict[str, int],
+    limited_by: dict[str, str],
+    budgets: dict[str, SchemeBudget],
+    cap: int,
+) -> tuple[dict[str, int], dict[str, str], dict[str, GpuCheck]]:
+    """Metal's own limits beside jetsam's: the GPU-resident total (no app baseline) within the recommended
+    working set, and the largest single array within the largest buffer. Per scheme: the max context under all
+    limits, the limit that binds, and the check at the jetsam max context."""
+    working_set, max_buffer = profile.gpu_working_set, profile.gpu_max_buffer
+    step, dtype, backend = request.prefill_step, request.dtype, request.backend
+    weights_array = chosen.largest_array
+    gpu_fixed = chosen.total_bytes + request.buffer_cache_bytes
+    all_limits: dict[str, int] = {}
+    binding: dict[str, str] = {}
+    gpu_check: dict[str, GpuCheck] = {}
+    for name, scheme in parsed.items():
+        options: list[tuple[int, str]] = [(max_context[name], "jetsam")]
+        if working_set is not None:
+            ws_budget = int(working_set * (1 - request.margin))
+            ws_context = max_context_for(spec, scheme, ws_budget, gpu_fixed, step, dtype, cap, backend)[0]
+            options.append((ws_context, "metal_working_set"))
+        if max_buffer is not None:
+            buffer_context = max_context_for_buffer(spec, scheme, max_buffer, step, dtype, weights_array, cap, backend)
+            options.append((buffer_context, "metal_max_buffer"))
+        best, which = min(options, key=lambda o: o[0])  # ties keep jetsam (listed first)
+        if which == "jetsam" and limited_by[name] in ("model", "weights"):
+            which = limited_by[name]
+        elif best == 0:
+            which = "weights" if which == "jetsam" else which
+        all_limits[name], binding[name] = best, which
+        ctx = max(max_context[name], 1)
+        b = budgets[name]
+        resident = b.total_bytes - b.baseline_bytes
+        size, what = _largest_buffer(spec, scheme, ctx, step, dtype, weights_array, backend)
+        gpu_check[name] = GpuCheck(
+            context=ctx,
+            resident_bytes=resident,
+            largest_buffer_bytes=size,
+            largest_buffer=what,
+            within_working_set=None if working_set is None else resident <= working_set,
+            within_max_buffer=None if max_buffer is None else size <= max_buffer,
+        )
+    return all_limits, binding, gpu_check
+
+
+def _notes(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest, trained: Any) -> list[str]:
+    notes = list(spec.notes)
+    exact = (
+        "Weights and KV bytes are exact (MLX's own nbytes); prefill activations besides the attention scores, "
+        "the baseline and the decode ceiling are estimates."
+    )
+    if request.baseline_bytes is None:
+        notes.append(f"{exact} The baseline comes from the device profile.")
+    else:
+        source_text = f" ({request.baseline_source})" if request.baseline_source else ""
+        notes.append(
+            f"{exact} The baseline is calibrated from measured soaks{source_text}; the profile's estimate is "
+            f"{profile.baseline} bytes."
+        )
+    notes.append(
+        f"Backend {request.backend} ({BACKENDS[request.backend]}): the prefill transient's attention scores are "
+        "counted as MLX's attention holds them there (buffers per score measured on this host's MLX)."
+    )
+    if trained is None:
+        notes.append("config has no max_position_embeddings; max context is bounded by memory only.")
+    return notes
+
+
+def constant_kv_bytes(spec: ModelSpec, scheme: KVScheme, prefill_step: int) -> int:
+    """Rings and recurrent state at full size: their bytes once the context passes every window."""
+    windows = [layer.window or 1 for layer in spec.layers if layer.kind in ("sliding", "linear")]
+    if not windows:
+        return 0
+    return kv_bytes(spec, scheme, context_schedule(max(windows) + 1, prefill_step), kinds=("sliding", "linear"))
+
+
+def plan_to_json(plan: MemoryPlan) -> dict[str, Any]:
+    return plan.model_dump(mode="json", by_alias=True)

@@ -1,0 +1,100 @@
+"""Memory beyond weights and KV cache: MLX buffer cache, prefill activations, growth copies, app baseline.
+
+These are estimates (labelled so in the plan), except the attention scores, which follow what MLX's attention
+measurably holds on the named backend (plan/transient.py); weights and KV bytes are exact.
+"""
+
+from __future__ import annotations
+
+from kvrig.models.layers import DTYPE_BYTES
+from kvrig.models.spec import ModelSpec
+from kvrig.planner.kv import KVScheme, layer_quantized, row_bytes
+from kvrig.planner.transient import DEFAULT_BACKEND, Backend, scores_bytes
+
+DEFAULT_BUFFER_CACHE_BYTES = 20 * 1024 * 1024  # what the MLX-Swift examples cap Memory.cacheLimit at
+DEFAULT_PREFILL_STEP = 512  # MLX-Swift's GenerateParameters.prefillStepSize default
+
+
+def _cfg(spec: ModelSpec) -> dict:
+    return spec.config.get("text_config", spec.config)
+
+
+def prefill_activation_bytes(
+    spec: ModelSpec,
+    prefill_step: int,
+    context: int,
+    dtype: str = "float16",
+    *,
+    scheme: KVScheme | None = None,
+    backend: Backend = DEFAULT_BACKEND,
+) -> int:
+    """Live activations while one prefill chunk of `prefill_step` tokens runs at `context`: residual stream and
+    projections, the MLP's widest intermediate (estimates, upper bounds), and one layer's attention scores as
+    MLX's attention on `backend` allocates them (plan/transient.py: measured, 0 where Metal's kernel is fused)."""
+    cfg = _cfg(spec)
+    width = DTYPE_BYTES[dtype]
+    s = min(prefill_step, max(context, 1))
+    hidden = spec.hidden_size
+    heads = int(cfg.get("num_attention_heads") or 1)
+    kv = max((layer.kv_heads for layer in spec.layers), default=0)
+    head_dim = max((layer.k_head_dim for layer in spec.layers), default=0)
+    inter = int(cfg.get("intermediate_size") or 4 * hidden)
+    if cfg.get("moe_intermediate_size") and cfg.get("num_experts_per_tok"):
+        inter = max(inter, int(cfg["moe_intermediate_size"]) * int(cfg["num_experts_per_tok"]))
+    stream = 4 * s * hidden * width
+    projections = s * (heads + 2 * kv) * head_dim * width
+    mlp = 3 * s * inter * width
+    scores = prefill_scores_bytes(spec, prefill_step, context, dtype, scheme=scheme, backend=backend)
+    logits = spec.vocab_size * 4  # only the last position's logits are evaluated
+    return stream + projections + mlp + scores + logits
+
+
+def prefill_scores_bytes(
+    spec: ModelSpec,
+    prefill_step: int,
+    context: int,
+    dtype: str = "float16",
+    *,
+    scheme: KVScheme | None = None,
+    backend: Backend = DEFAULT_BACKEND,
+) -> int:
+    """The largest layer's attention scores for a prefill chunk at `context` (chunk × keys per head) as MLX's
+    attention on `backend` holds them; one layer at a time, and a single buffer, so Metal's largest-buffer
+    limit applies. Attention over a quantized cache (mlx-lm's) materializes them on every backend."""
+    heads = int(_cfg(spec).get("num_attention_heads") or 1)
+    queries = min(prefill_step, max(context, 1))
+    largest = 0
+    for layer in spec.layers:
+        if layer.kind in ("full", "latent", "shared") and layer.k_head_dim:
+            keys = context
+        elif layer.kind == "sliding" and layer.window is not None:
+            keys = min(context, layer.window - 1 + queries)
+        else:
+            continue
+        quantized = scheme is not None and layer_quantized(layer, scheme) and not scheme.dequantizes_on_read(spec)
+        key_bits = scheme.key_bits if quantized and scheme is not None else None
+        size = scores_bytes(
+            backend=backend,
+            heads=heads,
+            kv_heads=layer.kv_heads,
+            head_dim=layer.k_head_dim,
+            queries=queries,
+            keys=keys,
+            width=DTYPE_BYTES[dtype],
+            key_bits=key_bits,
+        )
+        largest = max(largest, size)
+    return largest
+
+
+def kv_read_bytes(spec: ModelSpec, scheme: KVScheme, context: int) -> int:
+    """Cache bytes one decode step reads at `context` (growing layers up to context, rings up to window)."""
+    total = 0
+    for layer in spec.layers:
+        if layer.kind in ("full", "latent"):
+            total += context * row_bytes(spec, scheme, layer)
+        elif layer.kind == "sliding":
+            assert layer.window is not None
+            total += min(context, layer.window) * row_bytes(spec, scheme, layer)
+    probe = spec.probe(scheme.dtype)
+    return total + sum(slot.state_bytes for slot in probe.slots if not slot.updates)

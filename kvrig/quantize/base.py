@@ -1,0 +1,99 @@
+"""Weight quantization recipes, applied with mlx-lm (group size always explicit in the written config)."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvrig.exceptions import ModelConfigError, QuantizationError, UnsupportedArchitectureError
+from kvrig.planner.weights import WeightRecipe, parse_recipe
+
+# Recipes (q4, q8, mlx-lm's mixed_X_Y, fp16) are the planner's: one parser for both.
+__all__ = ["WeightRecipe", "load_source_model", "parse_recipe", "quantize"]
+
+
+def load_source_model(model_dir: Path) -> tuple[Any, dict[str, Any]]:
+    """Builds the mlx-lm model for a Hugging Face-layout directory (lazily: weights are read on use)."""
+    from mlx_lm.utils import load_model
+
+    try:
+        model, config = load_model(model_dir, lazy=True)
+    except FileNotFoundError as exc:
+        raise ModelConfigError(f"cannot load the model: {exc}", file=model_dir) from None
+    except ValueError as exc:
+        text = str(exc)
+        if "not supported" in text.lower():
+            arch = _read_model_type(model_dir)
+            raise UnsupportedArchitectureError(arch, _mlx_lm_architectures(), file=model_dir / "config.json") from None
+        raise ModelConfigError(f"cannot build the model: {text}", file=model_dir / "config.json") from None
+    return model, config
+
+
+def quantize(model: Any, config: dict[str, Any], recipe: WeightRecipe) -> tuple[Any, dict[str, Any]]:
+    """Casts floats to the model's dtype and quantizes linear/embedding layers as the recipe says. Returns the
+    model and the config with an explicit `quantization` block."""
+    import mlx.core as mx
+    from mlx.utils import tree_map_with_path
+    from mlx_lm.convert import mixed_quant_predicate_builder
+    from mlx_lm.utils import dequantize_model, quantize_model
+
+    config = dict(config)
+    if "quantization" in config or "quantization_config" in config:
+        # Already-quantized source: start from its dequantized weights so the recipe applies cleanly.
+        config.pop("quantization", None)
+        config.pop("quantization_config", None)
+        model = dequantize_model(model)
+
+    dtype_name = config.get("torch_dtype") or "float16"
+    if dtype_name not in ("float16", "bfloat16", "float32"):
+        dtype_name = "float16"
+    dtype = getattr(mx, dtype_name)
+    cast_predicate = getattr(model, "cast_predicate", lambda _: True)
+
+    def cast(path: str, v: Any) -> Any:
+        return v.astype(dtype) if cast_predicate(path) and mx.issubdtype(v.dtype, mx.floating) else v
+
+    model.update(tree_map_with_path(cast, model.parameters()))
+    if not recipe.quantized:
+        return model, config
+
+    predicate = None
+    if recipe.mixed is not None:
+        try:
+            predicate = mixed_quant_predicate_builder(recipe.mixed, model, recipe.group_size)
+        except ValueError as exc:
+            raise QuantizationError(f"recipe {recipe.name}: {exc}") from None
+    # mlx-lm prints its bits-per-weight line to stdout; keep stdout clean for --json.
+    with contextlib.redirect_stdout(sys.stderr):
+        model, config = quantize_model(
+            model,
+            config,
+            recipe.group_size,
+            recipe.bits,
+            quant_predicate=predicate,  # type: ignore[arg-type]
+        )
+    quant = config["quantization"]
+    # Never leave the group size implicit (the Swift loader has no default to fall back on).
+    quant["group_size"] = recipe.group_size
+    quant["bits"] = recipe.bits
+    config["quantization_config"] = quant
+    return model, config
+
+
+def _read_model_type(model_dir: Path) -> str:
+    import json
+
+    try:
+        return str(json.loads((model_dir / "config.json").read_text()).get("model_type", "?"))
+    except (OSError, ValueError):
+        return "?"
+
+
+def _mlx_lm_architectures() -> list[str]:
+    import pkgutil
+
+    import mlx_lm.models
+
+    return [m.name for m in pkgutil.iter_modules(mlx_lm.models.__path__) if not m.name.startswith("_")]

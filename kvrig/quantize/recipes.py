@@ -1,0 +1,238 @@
+"""Weight recipes for the quality bench and the package option `--method`: plain round-to-nearest (kvrig's
+`quantize`), and mlx-lm's own calibrated quantizers (mlx_lm.quant: AWQ, GPTQ, sensitivity-driven dynamic
+mixed bits) fed a local calibration text instead of the file their command lines download.
+
+AWQ and GPTQ keep the layout of the uniform recipe (every linear and the embedding at the same bits and
+group size, fp16 scales), so the planner's bytes for `q4` stay exact; only the chosen values differ."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvrig.exceptions import QuantizationError
+from kvrig.quantize.base import parse_recipe, quantize
+from kvrig.quantize.gpx import DAMPING, EMBEDDING_DAMPING, fit_feedback, input_hessians
+from kvrig.quantize.imx import PACKED_BITS, activation_importance, fit_affine, mlp_g32_layout
+from kvrig.texts import CALIBRATION_FILES, read_texts, tokens_of
+
+METHODS = ("rtn", "awq", "gptq", "imx", "gpx", "dynamic")
+_NAME = re.compile(
+    r"^(?:(awq|gptq|imx|gpx)-)?q(\d)(?:g(\d+))?$|^(dq|imx|gpx)-(\d+(?:\.\d+)?)$|^(fp16|bf16|fp32|mixed_\d_\d)$"
+)
+
+
+@dataclass(frozen=True)
+class QualityRecipe:
+    """`q4`, `q4g32`, `awq-q4`, `gptq-q4g32`, `imx-q4` (importance-weighted grids, q4's layout), `dq-4.6`
+    (dynamic, target bits per weight), `imx-4.6` (importance-weighted 4-bit, MLP up/down of the last layers at
+    group 32 up to the target bits per weight), `gpx-q4` / `gpx-4.6` (the same layouts, linears quantized with
+    GPTQ-style error feedback on the importance-weighted grids), `mixed_4_6`, `fp16`."""
+
+    name: str
+    method: str
+    base: str
+    """The planner's recipe name for the layout (q4, mixed_4_6, fp16 ...)."""
+    group_size: int = 64
+    target_bpw: float | None = None
+
+    @property
+    def bits(self) -> int | None:
+        m = re.match(r"^q(\d)$", self.base)
+        return int(m.group(1)) if m else None
+
+
+def parse_quality_recipe(text: str, group_size: int = 64) -> QualityRecipe:
+    name = text.strip().lower()
+    m = _NAME.match(name)
+    if not m:
+        raise QuantizationError(
+            f"unknown weight recipe '{text}': expected qN[gG], awq-qN[gG], gptq-qN[gG], imx-qN[gG], gpx-qN[gG], "
+            "dq-BPW, imx-BPW, gpx-BPW, mixed_X_Y or fp16"
+        )
+    method, bits, group, target_method, bpw, plain = m.groups()
+    if plain:
+        return QualityRecipe(name, "rtn", plain, group_size)
+    if bpw:
+        return QualityRecipe(name, "dynamic" if target_method == "dq" else target_method, "mixed", 64, float(bpw))
+    group = int(group) if group else group_size
+    if method == "gptq" and int(bits) not in (2, 4, 8):
+        raise QuantizationError(f"recipe '{text}': mlx-lm's GPTQ packs 2, 4 or 8 bits, not {bits}")
+    if method in ("imx", "gpx") and int(bits) not in PACKED_BITS:
+        raise QuantizationError(f"recipe '{text}': importance-weighted recipes pack {PACKED_BITS} bits, not {bits}")
+    return QualityRecipe(name, method or "rtn", f"q{bits}", group)
+
+
+def calibration_tokens(tokenizer: Any, *, samples: int = 16, length: int = 256) -> Any:
+    """`samples` rows of `length` consecutive tokens from the local calibration text (in order: the same rows
+    on every run)."""
+    import mlx.core as mx
+
+    text, used = read_texts(CALIBRATION_FILES)
+    ids = tokens_of(tokenizer, text, samples * length, what="the calibration text", source=", ".join(used))
+    return mx.array(ids).reshape(samples, length)
+
+
+def apply_recipe(
+    model: Any, config: dict[str, Any], recipe: QualityRecipe, calibration: Any = None
+) -> tuple[Any, dict[str, Any]]:
+    """Quantizes `model` (float weights, loaded by `load_source_model`) as the recipe says; returns the model
+    and its config with an explicit `quantization` block. Calibrated methods need `calibration` tokens."""
+
+    if recipe.method == "rtn":
+        return quantize(model, config, parse_recipe(recipe.base, recipe.group_size))
+    if calibration is None:
+        raise QuantizationError(f"recipe {recipe.name} needs calibration tokens")
+    import mlx.core as mx
+
+    # Calibrate in float32 (float16 arithmetic is emulated on x86 CPUs), store scales as the source dtype.
+    model, config = quantize(model, config, parse_recipe("fp16"))
+    dtype = getattr(mx, str(config.get("torch_dtype") or "float16"), mx.float16)
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    with contextlib.redirect_stdout(sys.stderr), contextlib.redirect_stderr(sys.stderr):
+        if recipe.method == "gptq":
+            model, config = _gptq(model, config, recipe, calibration)
+        elif recipe.method == "awq":
+            model, config = _awq(model, config, recipe, calibration)
+        elif recipe.method in ("imx", "gpx"):
+            model, config = _imx(model, config, recipe, calibration, dtype)
+        else:
+            model, config = _dynamic(model, config, recipe, calibration)
+    model.set_dtype(dtype)  # floating parameters only: packed weights stay uint32
+    mx.eval(model.parameters())
+    return model, config
+
+
+def _gptq(model: Any, config: dict[str, Any], recipe: QualityRecipe, calibration: Any) -> tuple[Any, dict[str, Any]]:
+    from mlx_lm.quant.gptq import gptq_quantize
+
+    bits = recipe.bits
+    assert bits is not None
+    model, quant = gptq_quantize(model, calibration, bits, recipe.group_size, bits, recipe.group_size, batch_size=4)
+    config = dict(config)
+    config["quantization"] = quant
+    config["quantization_config"] = quant
+    return model, config
+
+
+def _imx(
+    model: Any, config: dict[str, Any], recipe: QualityRecipe, calibration: Any, dtype: Any
+) -> tuple[Any, dict[str, Any]]:
+    feedback = recipe.method == "gpx"
+    if recipe.target_bpw is None:
+        assert recipe.bits is not None
+        return quantize_weighted(
+            model, config, recipe.bits, calibration, group_size=recipe.group_size, dtype=dtype, feedback=feedback
+        )
+    return quantize_weighted(
+        model, config, 4, calibration, target_bpw=recipe.target_bpw, dtype=dtype, feedback=feedback
+    )
+
+
+def _awq(model: Any, config: dict[str, Any], recipe: QualityRecipe, calibration: Any) -> tuple[Any, dict[str, Any]]:
+    from mlx_lm.quant.awq import AWQ_MODEL_CONFIGS, awq_quantize, update_config
+
+    model_type = str(config.get("model_type"))
+    awq_config = AWQ_MODEL_CONFIGS.get(model_type)
+    if awq_config is None:
+        raise QuantizationError(
+            f"mlx-lm's AWQ has no layer map for {model_type}; supported: {', '.join(sorted(AWQ_MODEL_CONFIGS))}"
+        )
+    bits = recipe.bits
+    assert bits is not None
+    awq_quantize(
+        model,
+        calibration,
+        awq_config,
+        group_size=recipe.group_size,
+        bits=bits,
+        embed_group_size=recipe.group_size,
+        embed_bits=bits,
+        n_grid=10,
+    )
+    config = update_config(model, dict(config))
+    config["quantization"]["bits"] = bits
+    config["quantization"]["group_size"] = recipe.group_size
+    config["quantization_config"] = config["quantization"]
+    return model, config
+
+
+def _dynamic(model: Any, config: dict[str, Any], recipe: QualityRecipe, calibration: Any) -> tuple[Any, dict[str, Any]]:
+    """mlx-lm's sensitivity estimate (gradient of the KL to the float model), then the threshold that meets the
+    target bits per weight: 4-bit g64 layers, the most sensitive ones at 6-bit g64."""
+    from mlx_lm.quant.dynamic_quant import estimate_sensitivities, estimate_threshold
+    from mlx_lm.utils import quantize_model
+
+    assert recipe.target_bpw is not None
+    low, high = (4, 64), (6, 64)
+    sens = dict(estimate_sensitivities(model, calibration, *low, *high, batch_size=4))
+    threshold = estimate_threshold(model, sens, recipe.target_bpw, *low, *high)
+
+    def predicate(path: str, module: Any) -> Any:
+        if not hasattr(module, "to_quantized"):
+            return False
+        return {"bits": high[0], "group_size": high[1]} if sens.get(path, 0.0) > threshold else True
+
+    model, config = quantize_model(model, dict(config), low[1], low[0], quant_predicate=predicate)  # type: ignore[arg-type]
+    config["quantization_config"] = config["quantization"]
+    return model, config
+
+
+def quantize_weighted(
+    model: Any,
+    config: dict[str, Any],
+    bits: int,
+    calibration: Any,
+    *,
+    group_size: int = 64,
+    target_bpw: float | None = None,
+    dtype: Any = None,
+    feedback: bool = False,
+    progress: Callable[[str], None] = lambda _: None,
+) -> tuple[Any, dict[str, Any]]:
+    """Quantizes a float model with mlx-lm's `quantize_model` (its layout and config block: `group_size`
+    everywhere, or the mixed layout for `target_bpw`), then refits every layer's grid with `fit_affine` and
+    the activation importance of the float model on `calibration`. With `feedback`, every layer is quantized
+    with GPTQ-style error feedback instead (`feedback.fit_feedback`, the float model's input Hessians); a tied
+    embedding with heavy damping (its rows are also looked up, where error moved onto other columns hurts)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.utils import quantize_model
+
+    dtype = dtype or mx.float16
+    if feedback:
+        hessians = input_hessians(model, calibration)
+        importance = {p: None if h is None else mx.diagonal(h) for p, h in hessians.items()}
+    else:
+        hessians, importance = {}, activation_importance(model, calibration)
+    floats = {p: m.weight for p, m in model.named_modules() if hasattr(m, "to_quantized") and "weight" in m}
+    scale_bytes = mx.zeros((), dtype=dtype).itemsize
+    layout = (
+        mlp_g32_layout(model, target_bpw, bits, scale_bytes)
+        if target_bpw is not None
+        else dict.fromkeys(floats, group_size)
+    )
+
+    def predicate(path: str, module: Any) -> Any:
+        if path not in layout:
+            return False
+        return {"bits": bits, "group_size": layout[path]}
+
+    model, config = quantize_model(model, dict(config), group_size, bits, quant_predicate=predicate)  # type: ignore[arg-type]
+    for path, module in model.named_modules():
+        if isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding) and path in floats:
+            progress(path)
+            if feedback and hessians.get(path) is not None:
+                damping = EMBEDDING_DAMPING if isinstance(module, nn.QuantizedEmbedding) else DAMPING
+                q = fit_feedback(floats[path], hessians[path], module.group_size, module.bits, dtype, damping)
+            else:
+                q = fit_affine(floats[path], module.group_size, module.bits, importance.get(path), dtype)
+            module.weight, module.scales, module.biases = q
+            mx.eval(module.parameters())
+    config["quantization_config"] = config["quantization"]
+    return model, config

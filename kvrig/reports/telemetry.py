@@ -1,0 +1,283 @@
+"""Read the app's telemetry (JSON Lines, one event per line), summarise each run, and line a run up with
+the JetsamEvent report that ended it.
+
+The app can be killed mid-write, so a last line without its newline that does not parse is expected: it is
+kept aside as `torn_line`, not an error. Bad lines elsewhere are skipped and listed with their line number.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError
+
+from kvrig.exceptions import ReportError
+from kvrig.reports.jetsam import JetsamReport, report_time, verdict
+from kvrig.schemas import describe_validation_error
+from kvrig.schemas.telemetry import (
+    EndEvent,
+    EvictEvent,
+    MemoryPressureEvent,
+    StartEvent,
+    StepEvent,
+    TelemetryEvent,
+)
+
+MAX_TELEMETRY_BYTES = 512 * 1024 * 1024
+_EVENT = TypeAdapter(TelemetryEvent)
+_CHECKPOINTS = [2**k for k in range(8, 21)]  # 256 .. 1M tokens: where tok/s is reported
+_CURVE_POINTS = 24
+
+
+class SkippedLine(BaseModel):
+    line: int
+    reason: str
+
+
+class TelemetryRun(BaseModel):
+    run_id: str
+    events: list[Any] = Field(description="events of this run in file order (TelemetryEvent models)")
+
+    @property
+    def start(self) -> StartEvent | None:
+        return next((e for e in self.events if isinstance(e, StartEvent)), None)
+
+    @property
+    def steps(self) -> list[StepEvent]:
+        return [e for e in self.events if isinstance(e, StepEvent)]
+
+    @property
+    def end(self) -> EndEvent | None:
+        return next((e for e in reversed(self.events) if isinstance(e, EndEvent)), None)
+
+
+class TelemetryLog(BaseModel):
+    file: str
+    runs: list[TelemetryRun]
+    lines: int
+    skipped: list[SkippedLine] = Field(default_factory=list)
+    torn_line: int | None = Field(None, description="number of the torn last line (killed mid-write)")
+
+    @property
+    def partial(self) -> bool:
+        return bool(self.skipped)
+
+
+class RunSummary(BaseModel):
+    file: str
+    run_id: str
+    model: str | None = None
+    scheme: str | None = None
+    product_type: str | None = None
+    os_version: str | None = None
+    limit_bytes: int | None = None
+    converted: list[str] = Field(default_factory=list)
+    steps: int
+    max_context_tokens: int | None
+    max_footprint_bytes: int | None
+    last_context_tokens: int | None
+    last_footprint_bytes: int | None
+    tps_at_context: list[tuple[int, float]] = Field(
+        default_factory=list, description="(checkpoint tokens, decode tok/s of the last step at or below it)"
+    )
+    footprint_curve: list[tuple[int, int]] = Field(
+        default_factory=list, description="(context tokens, phys_footprint bytes), at most 24 points"
+    )
+    memory_pressure: dict[str, int] = Field(default_factory=dict)
+    evictions: int = 0
+    end_reason: str | None = Field(None, description="None: the run has no end record (killed?)")
+
+
+class Correlation(BaseModel):
+    telemetry_file: str
+    report_file: str
+    run_id: str
+    process: str
+    killed: bool
+    reason: str | None
+    last_context_tokens: int | None
+    last_footprint_bytes: int | None = Field(description="last footprint the app wrote before the event")
+    report_footprint_bytes: int | None = Field(description="footprint in the JetsamEvent report")
+    gap_bytes: int | None = Field(description="report footprint minus last telemetry footprint")
+    gap_seconds: float | None = Field(None, description="report time minus last telemetry record time")
+    app_limit_bytes: int | None = Field(None, description="limit the app believed in (start record)")
+    implied_limit_bytes: int | None = Field(None, description="limit the report implies (per-process-limit)")
+    summary: str
+
+
+# --- reading ------------------------------------------------------------------------------------------
+
+
+def read_telemetry(path: str | Path) -> TelemetryLog:
+    """All runs in a telemetry file. Raises ReportError only when nothing in it is usable."""
+    path = Path(path)
+    data = _read_bytes(path)
+    raw_lines = data.split(b"\n")
+    ends_with_newline = data.endswith(b"\n")
+    if ends_with_newline:
+        raw_lines.pop()
+    runs: dict[str, list[Any]] = {}
+    skipped: list[SkippedLine] = []
+    torn: int | None = None
+    for number, raw in enumerate(raw_lines, start=1):
+        if not raw.strip():
+            continue
+        is_last = number == len(raw_lines)
+        try:
+            obj = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            if is_last and not ends_with_newline:
+                torn = number
+            else:
+                skipped.append(SkippedLine(line=number, reason=f"not JSON: {_short(exc)}"))
+            continue
+        try:
+            event = _EVENT.validate_python(obj)
+        except ValidationError as exc:
+            field, message, expected = describe_validation_error(exc)
+            why = f"field '{field}': {message}" + (f" (expected {expected})" if expected else "")
+            skipped.append(SkippedLine(line=number, reason=why))
+            continue
+        runs.setdefault(event.run_id, []).append(event)
+    if not runs:
+        first = skipped[0] if skipped else None
+        detail = f"; line {first.line}: {first.reason}" if first else ""
+        if torn is not None and not skipped:
+            detail = f"; only a torn line {torn}"
+        raise ReportError(f"no telemetry records{detail}", file=path, expected="JSON Lines telemetry events")
+    return TelemetryLog(
+        file=str(path),
+        runs=[TelemetryRun(run_id=rid, events=sorted(ev, key=lambda e: e.seq)) for rid, ev in runs.items()],
+        lines=len(raw_lines),
+        skipped=skipped,
+        torn_line=torn,
+    )
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        size = path.stat().st_size
+        if path.is_dir():
+            raise ReportError("is a directory, not a telemetry file", file=path)
+        if size > MAX_TELEMETRY_BYTES:
+            raise ReportError(
+                f"file is {size} bytes, too large", file=path, expected=f"at most {MAX_TELEMETRY_BYTES} bytes"
+            )
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise ReportError("file not found", file=path) from None
+    except OSError as exc:
+        raise ReportError(f"cannot read: {exc.strerror or exc}", file=path) from None
+
+
+def _short(exc: Exception) -> str:
+    return str(exc).splitlines()[0][:80]
+
+
+# --- summarising ---------------------------------------------------------------------------------------
+
+
+def summarize(log: TelemetryLog) -> list[RunSummary]:
+    return [summarize_run(run, file=log.file) for run in log.runs]
+
+
+def summarize_run(run: TelemetryRun, *, file: str = "") -> RunSummary:
+    start, steps, end = run.start, run.steps, run.end
+    contexts = [s.context_tokens for s in steps]
+    pressure: dict[str, int] = {}
+    for e in run.events:
+        if isinstance(e, MemoryPressureEvent):
+            pressure[e.level] = pressure.get(e.level, 0) + 1
+    return RunSummary(
+        file=file,
+        run_id=run.run_id,
+        model=start.model if start else None,
+        scheme=start.scheme if start else None,
+        product_type=start.product_type if start else None,
+        os_version=start.os_version if start else None,
+        limit_bytes=start.limit_bytes if start else None,
+        converted=start.converted if start else [],
+        steps=len(steps),
+        max_context_tokens=max(contexts) if contexts else None,
+        max_footprint_bytes=max((s.phys_footprint_bytes for s in steps), default=None),
+        last_context_tokens=steps[-1].context_tokens if steps else None,
+        last_footprint_bytes=steps[-1].phys_footprint_bytes if steps else None,
+        tps_at_context=_tps_at_checkpoints(steps),
+        footprint_curve=_downsample([(s.context_tokens, s.phys_footprint_bytes) for s in steps]),
+        memory_pressure=pressure,
+        evictions=sum(1 for e in run.events if isinstance(e, EvictEvent)),
+        end_reason=end.reason if end else None,
+    )
+
+
+def _tps_at_checkpoints(steps: list[StepEvent]) -> list[tuple[int, float]]:
+    timed = [(s.context_tokens, s.decode_tps) for s in steps if s.decode_tps is not None]
+    if not timed:
+        return []
+    top = max(c for c, _ in timed)
+    out = []
+    for point in _CHECKPOINTS:
+        if point > top:
+            break
+        below = [tps for c, tps in timed if c <= point]
+        if below:
+            out.append((point, below[-1]))
+    if not out or out[-1][0] != top:
+        out.append((top, timed[-1][1]))
+    return out
+
+
+def _downsample(points: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    if len(points) <= _CURVE_POINTS:
+        return points
+    stride = (len(points) - 1) / (_CURVE_POINTS - 1)
+    return [points[round(i * stride)] for i in range(_CURVE_POINTS)]
+
+
+# --- correlating with a jetsam report -------------------------------------------------------------------
+
+
+def correlate(run: TelemetryRun, report: JetsamReport, *, process: str, file: str = "") -> Correlation:
+    """Lines a run up with a JetsamEvent report: last context and footprint before the event, and how far
+    the app's last self-measured footprint was from what the kernel recorded."""
+    v = verdict(report, process)
+    steps = run.steps
+    last = steps[-1] if steps else None
+    last_fp = last.phys_footprint_bytes if last else None
+    gap = v.footprint_bytes - last_fp if v.footprint_bytes is not None and last_fp is not None else None
+    when = report_time(report)
+    gap_s = None
+    if when is not None and run.events:
+        last_t = max(e.t for e in run.events)
+        gap_s = when.timestamp() - last_t
+    start = run.start
+    if not v.present:
+        summary = f"{process} is not in {Path(report.file).name}: this report is not about run {run.run_id}"
+    elif last is None:
+        summary = f"run {run.run_id} has no step records to compare with the report"
+    else:
+        state = f"killed ({v.reason})" if v.killed else "not killed"
+        summary = (
+            f"{process} {state}; last telemetry: {last.context_tokens} tokens at {last_fp} bytes; "
+            f"report: {v.footprint_bytes} bytes (gap {gap:+d} bytes)"
+            if gap is not None
+            else f"{process} {state}; last telemetry at {last.context_tokens} tokens"
+        )
+    return Correlation(
+        telemetry_file=file,
+        report_file=report.file,
+        run_id=run.run_id,
+        process=process,
+        killed=v.killed,
+        reason=v.reason,
+        last_context_tokens=last.context_tokens if last else None,
+        last_footprint_bytes=last_fp,
+        report_footprint_bytes=v.footprint_bytes,
+        gap_bytes=gap,
+        gap_seconds=gap_s,
+        app_limit_bytes=start.limit_bytes if start else None,
+        implied_limit_bytes=v.implied_limit_bytes,
+        summary=summary,
+    )
