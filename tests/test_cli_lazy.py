@@ -57,3 +57,18 @@ def test_every_command_has_one_summary():
     for name in COMMANDS:
         cmd = cli.get_command(ctx, name)
         assert cmd is not None and cmd.short_help, name
+
+
+def test_bench_startup_times_both_commands_side_by_side() -> None:
+    import json
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvrig", "bench", "startup", "--runs", "1", "--json"], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    commands = out["commands"]
+    assert set(commands) == {"python", "kvrig --help", "pymobiledevice3 --help"}
+    assert all(len(c["runs_s"]) == 1 and c["median_s"] > 0 for c in commands.values())
+    kvrig, peer = commands["kvrig --help"]["median_s"], commands["pymobiledevice3 --help"]["median_s"]
+    assert out["ratio_kvrig_to_pymobiledevice3"] == kvrig / peer

@@ -211,3 +211,30 @@ def _print_quality(report: object, paths: list[Path]) -> None:
 
 # `kvrig bench plan` lives beside the plan command it measures.
 bench.add_command(plan_bench, "plan")
+
+
+@bench.command("startup")
+@click.option("--runs", default=5, show_default=True, type=click.IntRange(1), help="Runs of each command.")
+@json_option
+def startup(runs: int, as_json: bool) -> None:
+    """`kvrig --help` beside `pymobiledevice3 --help` and an empty Python, each a fresh interpreter, interleaved
+    in one run: the cost of starting kvrig, as a ratio to the tool a device user already runs."""
+    from kvrig.startup import time_startup
+
+    times = {t.command: t for t in time_startup(runs)}
+    ours, peer = times["kvrig --help"], times["pymobiledevice3 --help"]
+    ratio = ours.median_s / peer.median_s
+    if as_json:
+        echo_json(
+            {
+                "runs": runs,
+                "commands": {
+                    name: {"median_s": t.median_s, "best_s": t.best_s, "runs_s": t.runs} for name, t in times.items()
+                },
+                "ratio_kvrig_to_pymobiledevice3": ratio,
+            }
+        )
+        return
+    for name, t in times.items():
+        click.echo(f"{name:<24} median {t.median_s:.3f} s   best {t.best_s:.3f} s")
+    click.echo(f"kvrig --help takes {ratio:.2f}x the time of pymobiledevice3 --help (median of {runs})")
