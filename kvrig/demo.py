@@ -43,7 +43,7 @@ class DemoOptions:
     out: Path
     device: str = "iPhone16,1"
     weights: str = "q4"
-    kv: str = "k8v4"
+    kv: str = "auto"
     room_tokens: int = 2048
     prefill_step: int = 512
     step_tokens: int = 256

@@ -16,24 +16,25 @@ import shutil
 import sys
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvrig.bundle.kvcache_json import build_kvcache_config
 from kvrig.bundle.manifest import hash_files
-from kvrig.bundle.options import MLX_CACHE_STEP, TOP_KEYS, PackageOptions, PlanView, resolve_rotation
+from kvrig.bundle.options import MLX_CACHE_STEP, PackageOptions, PlanView, resolve_kv
 from kvrig.exceptions import BundleError, BundleExistsError, BundleWriteError, DoesNotFitError, ModelConfigError
 from kvrig.models import load_model_spec, spec_from_config
 from kvrig.models.gguf import embedded_default_model
 from kvrig.models.source import source_dir
 from kvrig.planner import PlanRequest, plan_memory
-from kvrig.planner.kv import KVScheme, check_dims, parse_scheme
-from kvrig.planner.weights import WeightRecipe, parse_recipe
+from kvrig.planner.kv import check_dims
 from kvrig.profiles import load_profile
 from kvrig.quality.gate import enforce, measure_quality
 from kvrig.quality.kv_sensitivity import resolve_for_source
-from kvrig.quantize.base import load_source_model, quantize
+from kvrig.quantize.base import load_source_model
+from kvrig.quantize.recipes import apply_recipe, calibration_tokens
+from kvrig.recipes import AUTO, KVSpec, WeightRecipe, parse_kv, parse_weights
 from kvrig.schemas.bundle import MANIFEST_NAME, Manifest, Prediction, QualityCheck, Recipe, SourceModel
 from kvrig.schemas.kvcache import KVCACHE_NAME, KVCacheConfig
 from kvrig.version import __version__
@@ -63,9 +64,7 @@ class PackageResult:
 # --- the plan (adapter: the one place that calls the planner) ---------------------------------------------
 
 
-def plan_for_bundle(
-    config_path: Path, device: str, recipe: WeightRecipe, scheme: KVScheme, kv_group_size: int
-) -> PlanView:
+def plan_for_bundle(config_path: Path, device: str, recipe: WeightRecipe, scheme: KVSpec) -> PlanView:
     """Calls the planner for one weight recipe and KV scheme on one device."""
     plan = plan_memory(
         load_model_spec(config_path),
@@ -75,7 +74,7 @@ def plan_for_bundle(
             weights=recipe.name,
             recipes=(recipe.name,),
             group_size=recipe.group_size,
-            kv_group_size=kv_group_size,
+            kv_group_size=scheme.group_size,
         ),
     )
     # MLX's own limit sits below jetsam's: the app's non-MLX memory (runtime, UI baseline) lives in the gap.
@@ -124,19 +123,19 @@ def _mib(n: int) -> str:
 def package(model: str | Path | None, out: str | Path, options: PackageOptions) -> PackageResult:
     """Quantizes `model` (HF directory, GGUF file, None: the embedded SmolLM2) into a bundle at `out`."""
     out = Path(out)
-    recipe = parse_recipe(options.weights, options.group_size)
-    # `+kN@topM` (the layers whose keys suffer most get N bits) is resolved on the source below.
-    scheme = parse_scheme(TOP_KEYS.sub("", options.kv), group_size=options.kv_group_size)
+    recipe = parse_weights(options.weights, options.group_size)
+    if options.kv.strip().lower() != AUTO:
+        parse_kv(options.kv)  # a spec that cannot be read is refused before anything is converted
     source = _check_paths(model, out, force=options.force)
     with contextlib.ExitStack() as stack:
         with _disk_errors(out.parent):
             src_dir, source_info = stack.enter_context(source_dir(source, scratch_parent=out.parent))
         config = json.loads((src_dir / "config.json").read_text())
-        scheme, options = _resolve_kv(src_dir, config, scheme, options)
+        scheme = _resolve_kv(src_dir, config, options.kv)
         plan: PlanView | None = None
         warnings: list[str] = []
         if options.device is not None:
-            plan = plan_for_bundle(src_dir / "config.json", options.device, recipe, scheme, options.kv_group_size)
+            plan = plan_for_bundle(src_dir / "config.json", options.device, recipe, scheme)
             warnings += check_fits(plan, min_context=MLX_CACHE_STEP, force=options.force)
         manifest, kvcache = _write_bundle(
             src_dir, source_info, out, config, recipe, scheme, options, plan, forced=bool(warnings)
@@ -156,16 +155,15 @@ def _check_paths(model: str | Path | None, out: Path, *, force: bool) -> Path:
     return source
 
 
-def _resolve_kv(
-    src_dir: Path, config: dict[str, Any], scheme: KVScheme, options: PackageOptions
-) -> tuple[KVScheme, PackageOptions]:
-    """The scheme with `+kN@topM` resolved to layers on the source, checked against the model's head dims, and
-    the options with `auto` rotation resolved."""
+def _resolve_kv(src_dir: Path, config: dict[str, Any], text: str) -> KVSpec:
+    """The KV spec for the source in `src_dir`: `auto` resolved, `+kN@topM` resolved to the layers measured on
+    the source, checked against the model's head dims."""
     config_path = src_dir / "config.json"
-    if TOP_KEYS.search(options.kv):
-        scheme = resolve_for_source(src_dir, options.kv, options.kv_group_size).scheme
-    check_dims(spec_from_config(config, config_path), scheme)
-    return scheme, replace(options, rotation=resolve_rotation(options.rotation, config, config_path, scheme))
+    kv = resolve_kv(text, config, config_path)
+    if kv.promote_keys is not None:
+        kv = resolve_for_source(src_dir, kv)
+    check_dims(spec_from_config(config, config_path), kv)
+    return kv
 
 
 def _write_bundle(
@@ -174,7 +172,7 @@ def _write_bundle(
     out: Path,
     config: dict[str, Any],
     recipe: WeightRecipe,
-    scheme: KVScheme,
+    scheme: KVSpec,
     options: PackageOptions,
     plan: PlanView | None,
     *,
@@ -187,9 +185,9 @@ def _write_bundle(
             tmp.mkdir()
             q_config = _write_weights(src_dir, tmp, recipe)
             _copy_tokenizer(src_dir, tmp)
-            kvcache = build_kvcache_config(config, src_dir, scheme, options, plan)
+            kvcache = build_kvcache_config(config, load_model_spec(src_dir / "config.json"), scheme, options, plan)
             (tmp / KVCACHE_NAME).write_text(kvcache.model_dump_json(by_alias=True, indent=2) + "\n")
-            quality = _quality_gate(src_dir, tmp, kvcache, options, recipe.name, scheme.name)
+            quality = _quality_gate(src_dir, tmp, kvcache, options, recipe.name, scheme.scheme)
             manifest = Manifest(
                 tool_version=__version__,
                 created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -198,10 +196,10 @@ def _write_bundle(
                     weights=recipe.name,
                     bits=q_config.get("quantization", {}).get("bits"),
                     group_size=recipe.group_size,
-                    kv_scheme=scheme.name,
+                    kv_scheme=scheme.scheme,
                     key_bits=scheme.key_bits,
                     value_bits=scheme.value_bits,
-                    kv_group_size=options.kv_group_size,
+                    kv_group_size=scheme.group_size,
                 ),
                 prediction=_prediction(plan, forced=forced),
                 quality=quality,
@@ -328,10 +326,11 @@ class _WeightsWriteFailed(Exception):
 
 def _write_weights(src_dir: Path, dst: Path, recipe: WeightRecipe) -> dict[str, Any]:
     import mlx.core as mx
-    from mlx_lm.utils import save_config, save_model
+    from mlx_lm.utils import load_tokenizer, save_config, save_model
 
     model, config = load_source_model(src_dir)
-    model, config = quantize(model, config, recipe)
+    calibration = calibration_tokens(load_tokenizer(src_dir)) if recipe.calibrated else None
+    model, config = apply_recipe(model, config, recipe, calibration)
     mx.eval(model.parameters())  # computed here, so a RuntimeError from the save below is the write's
     try:
         save_model(dst, model, donate_model=True)

@@ -251,15 +251,15 @@ def _parse_base(base: str, text: str, *, group_size: int, dtype: str) -> KVSpec:
         return KVSpec(None, None, group_size, UNQUANTIZED[base])
     m = _BASE.match(base)
     if not m:
-        raise KVSchemeError(f"unknown KV spec '{text}': expected fp16, bf16, fp32 or kXvY[gZ] (e.g. k8v4, k6v4g32)")
+        raise QuantizationError(f"unknown KV spec '{text}': expected fp16, bf16, fp32 or kXvY[gZ] (e.g. k8v4, k6v4g32)")
     group = int(m[3]) if m[3] else group_size
     if group not in GROUP_SIZES:
-        raise KVSchemeError(f"KV spec '{text}': group size {group} not in {GROUP_SIZES}")
+        raise QuantizationError(f"KV spec '{text}': group size {group} not in {GROUP_SIZES}")
     return KVSpec(_kv_bits(m[1], "key", text), _kv_bits(m[2], "value", text), group, dtype)
 
 
 def _kv_bits(digits: str, what: str, text: str) -> int:
     bits = int(digits)
     if bits not in KV_BITS:
-        raise KVSchemeError(f"KV spec '{text}': {what} bits {bits} not in {KV_BITS}")
+        raise QuantizationError(f"KV spec '{text}': {what} bits {bits} not in {KV_BITS}")
     return bits

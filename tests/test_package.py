@@ -311,30 +311,37 @@ def _llama(head_dim: int, model_type: str = "llama") -> dict[str, object]:
 
 
 @pytest.mark.parametrize(
-    ("head_dim", "kv", "rotation", "expected"),
+    ("head_dim", "kv", "expected"),
     [
-        (64, "k8v4", "auto", "hadamard"),
-        (128, "k4v4", "auto", "hadamard"),
-        (80, "k8v4", "auto", "none"),  # 80 is not a power of two: no Hadamard matrix of that size is its own inverse
-        (64, "fp16", "auto", "none"),  # nothing quantized, nothing to spread
-        (64, "k8v8", "auto", "none"),  # 8-bit both ways loses 0.1 %: mlx-lm's own cache stays
-        (64, "k8v4", "none", "none"),
-        (64, "k8v4", "hadamard_keys", "hadamard_keys"),
+        (64, "k8v4", "hadamard"),
+        (128, "k4v4", "hadamard"),
+        (80, "k8v4", "none"),  # 80 is not a power of two: no Hadamard matrix of that size is its own inverse
+        (64, "fp16", "none"),  # nothing quantized, nothing to spread
+        (64, "k8v8", "none"),  # 8-bit both ways loses 0.1 %: mlx-lm's own cache stays
     ],
 )
-def test_auto_rotation_applies_where_the_transform_does(
-    head_dim: int, kv: str, rotation: str, expected: str, tmp_path: Path
-) -> None:
-    from kvrig.planner.kv import parse_scheme
+def test_auto_rotation_applies_where_the_transform_does(head_dim: int, kv: str, expected: str, tmp_path: Path) -> None:
+    from kvrig.bundle.options import auto_rotation
+    from kvrig.recipes import parse_kv
 
-    scheme = parse_scheme(kv)
-    assert bundle_mod.resolve_rotation(rotation, _llama(head_dim), tmp_path / "config.json", scheme) == expected
+    assert auto_rotation(parse_kv(kv), _llama(head_dim), tmp_path / "config.json") == expected
+
+
+@pytest.mark.parametrize(("head_dim", "expected"), [(64, "k8v4+rot"), (80, "k8v4")])
+def test_auto_kv_is_k8v4_rotated_where_the_model_allows(head_dim: int, expected: str, tmp_path: Path) -> None:
+    from kvrig.bundle.options import resolve_kv
+
+    assert resolve_kv("auto", _llama(head_dim), tmp_path / "config.json").name == expected
+    # a spec as written is taken as written: no rotation added, none removed
+    assert resolve_kv("k8v4", _llama(head_dim), tmp_path / "config.json").rotation == "none"
+    assert resolve_kv("k8v4+rotk", _llama(head_dim), tmp_path / "config.json").rotation == "hadamard_keys"
 
 
 def test_auto_rotation_is_none_where_attention_cannot_read_the_cache(tmp_path: Path) -> None:
+    from kvrig.bundle.options import auto_rotation
     from kvrig.kvcache.families import NO_QUANTIZED_ATTENTION
-    from kvrig.planner.kv import parse_scheme
+    from kvrig.recipes import parse_kv
 
     assert "gemma2" in NO_QUANTIZED_ATTENTION
     config = {**_llama(64, "gemma2"), "query_pre_attn_scalar": 64}
-    assert bundle_mod.resolve_rotation("auto", config, tmp_path / "config.json", parse_scheme("k8v4")) == "none"
+    assert auto_rotation(parse_kv("k8v4"), config, tmp_path / "config.json") == "none"

@@ -3,23 +3,21 @@ caches are (what mlx-lm really stores per layer)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from kvrig.bundle.options import MLX_CACHE_STEP, PackageOptions, PlanView
-from kvrig.models import load_model_spec
-from kvrig.planner.kv import KVScheme
-from kvrig.schemas.kvcache import KVCacheConfig, LayerCache
+from kvrig.models.spec import ModelSpec
+from kvrig.recipes import KVSpec
+from kvrig.schemas.kvcache import KVCacheConfig, LayerCache, host_kvcache
 
 
-def layer_caches(src_dir: Path, scheme: KVScheme) -> list[LayerCache]:
+def layer_caches(spec: ModelSpec, kv: KVSpec) -> list[LayerCache]:
     """Per-layer cache entries from the model spec (what mlx-lm really stores per layer). Only growing
     full-attention layers are quantized: mlx-lm cannot quantize rotating (sliding) caches, and latent (MLA)
     and linear caches are read as plain arrays."""
-    spec = load_model_spec(src_dir / "config.json")
     out = []
     for layer in spec.layers:
-        bits = (scheme.key_bits_for(layer.index), scheme.value_bits) if layer.kind == "full" else (None, None)
+        bits = (kv.key_bits_for(layer.index), kv.value_bits) if layer.kind == "full" else (None, None)
         out.append(
             LayerCache(
                 layer=layer.index,
@@ -33,8 +31,31 @@ def layer_caches(src_dir: Path, scheme: KVScheme) -> list[LayerCache]:
     return out
 
 
+def host_config(spec: ModelSpec, kv: KVSpec, *, max_context: int = 4096) -> KVCacheConfig:
+    """The kvcache.json a bundle with `kv` would carry for a run on this host (no phone plan behind it)."""
+    return host_kvcache(
+        layer_caches(spec, kv),
+        max_context=max_context,
+        prefill_step_size=256,
+        **_kv_fields(kv),
+    )
+
+
+def _kv_fields(kv: KVSpec) -> dict[str, Any]:
+    """The fields of kvcache.json that one KV spec decides."""
+    return {
+        "scheme": kv.scheme,
+        "key_bits": kv.key_bits,
+        "value_bits": kv.value_bits,
+        "group_size": kv.group_size,
+        "rotation": kv.rotation,
+        "sink_tokens": kv.sink_tokens,
+        "recent_tokens": kv.recent_tokens,
+    }
+
+
 def build_kvcache_config(
-    config: dict[str, Any], src_dir: Path, scheme: KVScheme, options: PackageOptions, plan: PlanView | None
+    config: dict[str, Any], spec: ModelSpec, kv: KVSpec, options: PackageOptions, plan: PlanView | None
 ) -> KVCacheConfig:
     dtype = str(config.get("torch_dtype") or "float16")
     if dtype not in ("float16", "bfloat16", "float32"):
@@ -47,15 +68,8 @@ def build_kvcache_config(
         max_context = options.max_context or int(text.get("max_position_embeddings", 4096))
         memory_limit = 0
     return KVCacheConfig(
-        scheme=scheme.name,
         dtype=dtype,  # type: ignore[arg-type]
-        key_bits=scheme.key_bits,
-        value_bits=scheme.value_bits,
-        group_size=options.kv_group_size,
         quantized_kv_start=options.quantized_kv_start,
-        rotation=options.rotation,  # type: ignore[arg-type]
-        sink_tokens=options.sink_tokens,
-        recent_tokens=options.recent_tokens,
         step=MLX_CACHE_STEP,
         page_tokens=options.page_tokens,
         max_context=max_context,
@@ -64,5 +78,6 @@ def build_kvcache_config(
         buffer_cache_limit_bytes=options.buffer_cache_limit_bytes,
         memory_limit_bytes=memory_limit,
         pressure=options.pressure,
-        layers=layer_caches(src_dir, scheme),
+        layers=layer_caches(spec, kv),
+        **_kv_fields(kv),
     )

@@ -23,7 +23,12 @@ if TYPE_CHECKING:
 )
 @click.option("--device", default="iPhone16,1", show_default=True, help="ProductType or profile of the virtual iPhone.")
 @click.option("--weights", default="q4", show_default=True, help="Weight recipe for `kvrig package`.")
-@click.option("--kv", default="k8v4", show_default=True, help="KV scheme, or several: fp16,k8v8,k8v4,k4v4.")
+@click.option(
+    "--kv",
+    default="auto",
+    show_default=True,
+    help="KV spec as `kvrig package --kv` takes it, or several: auto,fp16,k8v8,k4v4+rot.",
+)
 @click.option(
     "--prefill-step", default="512", show_default=True, help="Prefill step size (kvcache.json), or several: 256,512."
 )

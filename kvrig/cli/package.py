@@ -20,8 +20,14 @@ from kvrig.cli.render import echo_json, human_bytes, json_option
     "32) and q5 raise perplexity 12-35 %, and q6 answers 'capital of France' wrong (see `kvrig bench quality`).",
 )
 @click.option("--group-size", default=64, show_default=True, type=int, help="Weight quantization group size.")
-@click.option("--kv", default="k8v4", show_default=True, help="KV-cache scheme: k8v4, k8v8, k4v4, fp16 ...")
-@click.option("--kv-group-size", default=64, show_default=True, type=int)
+@click.option(
+    "--kv",
+    default="auto",
+    show_default=True,
+    help="KV spec: fp16, kXvY[gZ] (k8v4, k6v4g32) with +kN@L1.L2 / +kN@topM (keys of some layers at N bits), "
+    "+rot / +rotk (Hadamard rotation of keys and values / keys), +sN (sink tokens), +wN (recent window). auto: "
+    "k8v4, rotated where the model allows it.",
+)
 @click.option(
     "--quantized-kv-start",
     default=0,
@@ -29,16 +35,6 @@ from kvrig.cli.render import echo_json, human_bytes, json_option
     type=int,
     help="Context at which KV quantization begins.",
 )
-@click.option(
-    "--rotation",
-    type=click.Choice(["auto", "none", "hadamard_keys", "hadamard"]),
-    default="auto",
-    show_default=True,
-    help="Hadamard rotation before KV quantization: keys only, or keys and values. auto: keys and values when "
-    "the KV cache is quantized and every head dim is a power of two, none otherwise.",
-)
-@click.option("--sink-tokens", default=0, show_default=True, type=int, help="First tokens kept unquantized.")
-@click.option("--recent-tokens", default=0, show_default=True, type=int, help="Latest tokens kept unquantized.")
 @click.option(
     "--quality-gate/--no-quality-gate",
     default=True,
@@ -64,11 +60,7 @@ def package(
     weights: str,
     group_size: int,
     kv: str,
-    kv_group_size: int,
     quantized_kv_start: int,
-    rotation: str,
-    sink_tokens: int,
-    recent_tokens: int,
     quality_gate: bool,
     max_ppl_increase: float,
     page_tokens: int,
@@ -91,13 +83,9 @@ def package(
         weights=weights,
         group_size=group_size,
         kv=kv,
-        kv_group_size=kv_group_size,
         device=device,
         force=force,
         quantized_kv_start=quantized_kv_start,
-        rotation=rotation,
-        sink_tokens=sink_tokens,
-        recent_tokens=recent_tokens,
         quality_gate=quality_gate,
         max_ppl_increase_pct=max_ppl_increase,
         page_tokens=page_tokens,

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 from kvrig.exceptions import QuantizationError, SchemaError
 from kvrig.models import load_model_spec
 from kvrig.planner import PlanRequest, plan_memory
-from kvrig.planner.kv import parse_scheme
 from kvrig.profiles import AppMemoryLimit, SourcedInt, load_profile
+from kvrig.recipes import parse_kv
 from kvrig.schemas.lab import LabDevice, MatrixEntry, SchemeSpec
 from kvrig.schemas.results import Prediction
 
@@ -34,7 +34,7 @@ class Predictor:
             return None
 
         try:
-            planner_scheme = parse_scheme(scheme.plan_scheme or scheme.name).name
+            planner_scheme = parse_kv(scheme.plan_scheme or scheme.name).name
         except QuantizationError:
             if scheme.plan_scheme is not None:
                 raise SchemaError(

@@ -19,10 +19,11 @@ from typing import Any
 from kvrig.models import load_model_spec
 from kvrig.models.lazy import cast_model
 from kvrig.models.probe import forget_replays
-from kvrig.planner.kv import context_schedule, kv_bytes, parse_scheme
+from kvrig.planner.kv import context_schedule, kv_bytes
 from kvrig.planner.memory import PlanRequest, plan_memory
 from kvrig.planner.runtime import prefill_activation_bytes
 from kvrig.profiles import load_profile
+from kvrig.recipes import parse_kv
 
 BENCH_CONTEXT = 8192
 
@@ -74,7 +75,7 @@ def benchmark_plan(model: str | Path | None, device: str, *, real: bool = True, 
     spec = load_model_spec(model)
     profile = load_profile(device)
     _, plan_s, plan_mlx, plan_py = _measure(lambda: plan_memory(spec, profile, PlanRequest(prefill_step=prefill_step)))
-    fp16 = parse_scheme("fp16")
+    fp16 = parse_kv("fp16")
     schedule = context_schedule(BENCH_CONTEXT, prefill_step)
     fresh = load_model_spec(model)
     fresh.probe()

@@ -21,8 +21,8 @@ from pydantic import Field
 
 from kvrig.exceptions import CoreMLUnsupportedError, ModelConfigError
 from kvrig.models import default_model_path, read_config
-from kvrig.planner.weights import parse_recipe
 from kvrig.profiles import load_profile
+from kvrig.recipes import parse_weights
 from kvrig.schemas import StrictModel
 
 # Families whose mlx-lm implementation the exporter rebuilds op by op (llama covers SmolLM, Llama and Mistral).
@@ -268,7 +268,7 @@ def plan_coreml_model(
     """`kvrig plan --backend coreml`: the program `kvrig export coreml` writes for MODEL packaged with
     `weights` (q4, q8 or fp16), beside the device's app memory limit."""
 
-    recipe = parse_recipe(weights, group_size)
+    recipe = parse_weights(weights, group_size)
     if recipe.mixed or (not recipe.quantized and recipe.name != "fp16"):
         raise CoreMLUnsupportedError(
             f"weight recipe '{recipe.name}' has no exact Core ML form (use q4, q8 or fp16)", field="weights"

@@ -1,12 +1,11 @@
-"""KV-cache bytes: schemes, update schedules, and what MLX allocates for them (`kv_bytes`).
+"""KV-cache bytes: update schedules, and what MLX allocates for a KV spec (`kv_bytes`).
 
-The bytes come from mlx-lm's own caches driven lazily (plan/caches.py), so step growth, ragged trims and
+The bytes come from mlx-lm's own caches driven lazily (models/probe.py), so step growth, ragged trims and
 rotating windows are MLX's, not a copy of them.
 """
 
 from __future__ import annotations
 
-import re
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -16,105 +15,20 @@ from kvrig.exceptions import PlanInputError, QuantizationError
 from kvrig.models.layers import DTYPE_BYTES, LayerSpec
 from kvrig.models.probe import Slot
 from kvrig.models.spec import ModelSpec
+from kvrig.recipes import GROUP_SIZES, KVSpec
 
 MLX_STEP = 256
-SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
-SUPPORTED_GROUPS = (32, 64, 128)
 DEFAULT_SCHEMES = ("fp16", "k8v8", "k8v4", "k4v8", "k4v4")
 ALL_NAMED_SCHEMES = ("fp16", "bf16", "k8v8", "k8v4", "k4v8", "k4v4")
 
-_SCHEME_RE = re.compile(r"^k(\d+)v(\d+)(?:g(\d+))?$")
-_LAYER_KEYS_RE = re.compile(r"^k(\d+)@(\d+(?:\.\d+)*)$")
+
+def dequantizes_on_read(kv: KVSpec, spec: ModelSpec) -> bool:
+    """Whether attention reads a dequantized copy (kvrig's cache) rather than the quantized cache: K and V at
+    different widths (mlx-lm's cache takes one), or a model whose attention cannot read quantized KV."""
+    return kv.quantized and (kv.mixed or not spec.quantized_attention)
 
 
-@dataclass(frozen=True)
-class KVScheme:
-    """How K and V are stored: unquantized in `dtype` (bits None) or affine-quantized, with one scale and
-    one bias per group in the activation dtype."""
-
-    name: str
-    key_bits: int | None
-    value_bits: int | None
-    group_size: int = 64
-    dtype: str = "float16"
-    layer_key_bits: tuple[tuple[int, int], ...] = ()
-    """(layer index, key bits) for layers whose keys differ from `key_bits` (`k4v4+k8@1.3`): the layers whose
-    keys suffer most at the base width keep more bits; kvcache.json carries them as per-layer `key_bits`."""
-
-    @property
-    def quantized(self) -> bool:
-        return self.key_bits is not None
-
-    @property
-    def mixed(self) -> bool:
-        """K and V at different bits in some layer: needs kvrig's own cache (mlx-lm's takes one bit width)."""
-        return self.quantized and any(
-            k != self.value_bits for k in (self.key_bits, *dict(self.layer_key_bits).values())
-        )
-
-    def key_bits_for(self, layer: int) -> int | None:
-        return dict(self.layer_key_bits).get(layer, self.key_bits)
-
-    def dequantizes_on_read(self, spec: ModelSpec) -> bool:
-        """Whether attention reads a dequantized copy (kvrig's cache) rather than the quantized cache."""
-        return self.quantized and (self.mixed or not spec.quantized_attention)
-
-
-def parse_scheme(text: str, *, group_size: int = 64, dtype: str = "float16") -> KVScheme:
-    """`fp16`, `bf16`, `fp32`, `k8v4` or `k8v4g32` (group size in the name overrides `group_size`), optionally
-    with keys of some layers at other widths: `k4v4+k8@1.3` (layers 1 and 3 keep 8-bit keys)."""
-    base, *overrides = text.strip().lower().split("+")
-    scheme = _parse_base_scheme(base, text, group_size=group_size, dtype=dtype)
-    by_layer: dict[int, int] = {}
-    for part in overrides:
-        m = _LAYER_KEYS_RE.match(part)
-        if not m or not scheme.quantized:
-            raise QuantizationError(
-                f"KV scheme '{text}': '+{part}' is not a layer override; expected kXvY+kN@L1.L2 (e.g. k4v4+k8@1.3)"
-            )
-        bits = int(m.group(1))
-        if bits not in SUPPORTED_BITS:
-            raise QuantizationError(f"KV scheme '{text}': key bits {bits} not in {SUPPORTED_BITS}")
-        by_layer |= dict.fromkeys((int(i) for i in m.group(2).split(".")), bits)
-    return with_layer_key_bits(scheme, by_layer)
-
-
-def with_layer_key_bits(scheme: KVScheme, by_layer: dict[int, int]) -> KVScheme:
-    """`scheme` with keys of the given layers at their own widths (the name spells them out, `+k8@1.3`)."""
-    from dataclasses import replace
-
-    pairs = tuple(sorted((i, b) for i, b in by_layer.items() if b != scheme.key_bits))
-    if not pairs:
-        return scheme
-    groups: dict[int, list[int]] = {}
-    for i, b in pairs:
-        groups.setdefault(b, []).append(i)
-    base = scheme.name.split("+")[0]
-    name = base + "".join(f"+k{b}@{'.'.join(map(str, layers))}" for b, layers in sorted(groups.items()))
-    return replace(scheme, name=name, layer_key_bits=pairs)
-
-
-def _parse_base_scheme(name: str, text: str, *, group_size: int, dtype: str) -> KVScheme:
-    plain = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
-    if name in plain:
-        return KVScheme(name, None, None, group_size, plain[name])
-    m = _SCHEME_RE.match(name)
-    if not m:
-        raise QuantizationError(
-            f"unknown KV scheme '{text}': expected fp16, bf16, fp32 or kXvY[gZ] (e.g. k8v4, k6v4g32)"
-        )
-    kb, vb = int(m.group(1)), int(m.group(2))
-    gs = int(m.group(3)) if m.group(3) else group_size
-    for label, bits in (("key", kb), ("value", vb)):
-        if bits not in SUPPORTED_BITS:
-            raise QuantizationError(f"KV scheme '{text}': {label} bits {bits} not in {SUPPORTED_BITS}")
-    if gs not in SUPPORTED_GROUPS:
-        raise QuantizationError(f"KV scheme '{text}': group size {gs} not in {SUPPORTED_GROUPS}")
-    canonical = f"k{kb}v{vb}" + (f"g{gs}" if gs != group_size else "")
-    return KVScheme(canonical, kb, vb, gs, dtype)
-
-
-def check_dims(spec: ModelSpec, scheme: KVScheme) -> None:
+def check_dims(spec: ModelSpec, scheme: KVSpec) -> None:
     """Quantized KV needs every quantized cache's head dims divisible by the group size (and packable into
     uint32); the dims are those the model's own step handed its caches."""
     if not scheme.quantized:
@@ -134,7 +48,7 @@ def check_dims(spec: ModelSpec, scheme: KVScheme) -> None:
         for what, dim, bits in dims:
             assert bits is not None
             if dim % scheme.group_size or (dim * bits) % 32:
-                smaller = [g for g in SUPPORTED_GROUPS if dim % g == 0 and g < scheme.group_size]
+                smaller = [g for g in GROUP_SIZES if dim % g == 0 and g < scheme.group_size]
                 hint = f"use group size {max(smaller)}" if smaller else "use an unquantized scheme (fp16)"
                 raise QuantizationError(
                     f"layer {layer.index}: {what} head dim {dim} is not divisible by KV group size "
@@ -150,7 +64,7 @@ def _ranges(indices: list[int]) -> str:
     )
 
 
-def layer_quantized(layer: LayerSpec, scheme: KVScheme) -> bool:
+def layer_quantized(layer: LayerSpec, scheme: KVSpec) -> bool:
     """Only plain growing caches are quantized (mlx-lm cannot quantize rotating caches or recurrent state)."""
     return scheme.quantized and layer.kind == "full" and layer.quantizable
 
@@ -191,7 +105,7 @@ def _memo(spec: ModelSpec) -> dict[Any, Any]:
     return _MEMOS[key]
 
 
-def _factory(spec: ModelSpec, scheme: KVScheme) -> Callable[[Slot], Any] | None:
+def _factory(spec: ModelSpec, scheme: KVSpec) -> Callable[[Slot], Any] | None:
     """The caches kvrig makes for a scheme: the model's own, with its plain KVCaches quantized (mlx-lm's
     QuantizedKVCache, or kvrig's dequantize-on-read cache for mixed bits or attention that cannot read
     quantized KV). None: the model's own caches unchanged. Made once per spec and scheme."""
@@ -204,14 +118,14 @@ def _factory(spec: ModelSpec, scheme: KVScheme) -> Callable[[Slot], Any] | None:
     return memo[key]  # type: ignore[no-any-return]
 
 
-def _make_factory(spec: ModelSpec, scheme: KVScheme) -> Callable[[Slot], Any]:
+def _make_factory(spec: ModelSpec, scheme: KVSpec) -> Callable[[Slot], Any]:
     from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
     from kvrig.kvcache.kv_cache import DequantizingKVCache  # subclasses mlx-lm's caches: loads MLX
 
     assert scheme.key_bits is not None and scheme.value_bits is not None
     kb, vb, gs = scheme.key_bits, scheme.value_bits, scheme.group_size
-    dequantizing = scheme.dequantizes_on_read(spec)
+    dequantizing = dequantizes_on_read(scheme, spec)
     # Layers with a cache pair with make_prompt_cache's entries in order (the runtime's own rule).
     owners = [layer for layer in spec.layers if layer.kind != "shared"]
     chosen = {i for i, layer in enumerate(owners) if layer_quantized(layer, scheme)}
@@ -236,7 +150,7 @@ def _make_factory(spec: ModelSpec, scheme: KVScheme) -> Callable[[Slot], Any]:
     return make
 
 
-def kv_bytes(spec: ModelSpec, scheme: KVScheme, schedule: Sequence[int], kinds: tuple[str, ...] | None = None) -> int:
+def kv_bytes(spec: ModelSpec, scheme: KVSpec, schedule: Sequence[int], kinds: tuple[str, ...] | None = None) -> int:
     """Bytes MLX holds in the model's caches after feeding `schedule` (tokens per update, in order): soak
     steps, chat turns, prefill chunks. A growing cache that overflows grows to offset + ceil(n/256)*256 (a
     ragged tail trimmed first); rotating and recurrent caches keep their own sizes. Driven through mlx-lm's
@@ -247,7 +161,22 @@ def kv_bytes(spec: ModelSpec, scheme: KVScheme, schedule: Sequence[int], kinds: 
     probe = spec.probe(scheme.dtype)
     make = _factory(spec, scheme)
     sched = tuple(schedule)
-    return sum(n * probe.slot_bytes(slot, sched, make) for slot, n in probe.groups(make) if slot.kind in kinds)
+    extras = extra_bytes(spec, scheme) if sched and "full" in kinds else 0
+    return extras + sum(n * probe.slot_bytes(slot, sched, make) for slot, n in probe.groups(make) if slot.kind in kinds)
+
+
+def extra_bytes(spec: ModelSpec, scheme: KVSpec) -> int:
+    """The sink and recent-window copies kvrig's cache keeps in the activation dtype on every quantized full
+    layer (`+sN`, `+wN`): fixed once the first token is in. The quantized store itself is mlx-lm's (above)."""
+    n = scheme.sink_tokens + scheme.recent_tokens
+    if not n or not scheme.quantized:
+        return 0
+    width = DTYPE_BYTES[scheme.dtype]
+    return sum(
+        n * layer.kv_heads * (layer.k_head_dim + layer.v_head_dim) * width
+        for layer in spec.layers
+        if layer.kind == "full"
+    )
 
 
 @dataclass(frozen=True)
@@ -261,7 +190,7 @@ class KVBytes:
     """the largest single array (one Metal buffer: a layer's keys or values) at the end."""
 
 
-def kv_bytes_detail(spec: ModelSpec, scheme: KVScheme, schedule: Sequence[int]) -> KVBytes:
+def kv_bytes_detail(spec: ModelSpec, scheme: KVSpec, schedule: Sequence[int]) -> KVBytes:
     probe = spec.probe(scheme.dtype)
     make = _factory(spec, scheme)
     sched = tuple(int(n) for n in schedule)
@@ -271,10 +200,12 @@ def kv_bytes_detail(spec: ModelSpec, scheme: KVScheme, schedule: Sequence[int]) 
     finals = [(probe.slot_bytes(slot, sched, make), n) for slot, n in groups]
     peaks = [probe.slot_peak(slot, sched, make) * n for slot, n in groups]
     largest = max((probe.slot_largest_array(slot, sched, make) for slot, _ in groups), default=0)
-    return KVBytes(sum(b * n for b, n in finals), sum(peaks), max((b for b, _ in finals), default=0), largest)
+    extras = extra_bytes(spec, scheme) if sched else 0
+    total, peak = sum(b * n for b, n in finals) + extras, sum(peaks) + extras
+    return KVBytes(total, peak, max((b for b, _ in finals), default=0), largest)
 
 
-def bytes_per_token(spec: ModelSpec, scheme: KVScheme) -> int:
+def bytes_per_token(spec: ModelSpec, scheme: KVSpec) -> int:
     """Steady-state bytes per additional context token: the growth MLX shows over one 256-token step."""
     probe = spec.probe(scheme.dtype)
     make = _factory(spec, scheme)
@@ -286,7 +217,7 @@ def bytes_per_token(spec: ModelSpec, scheme: KVScheme) -> int:
     return total // step
 
 
-def row_bytes(spec: ModelSpec, scheme: KVScheme, layer: LayerSpec) -> int:
+def row_bytes(spec: ModelSpec, scheme: KVSpec, layer: LayerSpec) -> int:
     """Bytes per cached token of one layer's cache under `scheme` (measured over one 256-token step)."""
     key = ("row", scheme, layer.index)
     memo = _memo(spec)
@@ -295,7 +226,7 @@ def row_bytes(spec: ModelSpec, scheme: KVScheme, layer: LayerSpec) -> int:
     return memo[key]  # type: ignore[no-any-return]
 
 
-def _row_bytes(spec: ModelSpec, scheme: KVScheme, layer: LayerSpec) -> int:
+def _row_bytes(spec: ModelSpec, scheme: KVSpec, layer: LayerSpec) -> int:
     probe = spec.probe(scheme.dtype)
     make = _factory(spec, scheme)
     slot = probe.slot_of_layer(layer.index)
@@ -304,9 +235,9 @@ def _row_bytes(spec: ModelSpec, scheme: KVScheme, layer: LayerSpec) -> int:
     return probe.slot_bytes(slot, (MLX_STEP,), make) // MLX_STEP
 
 
-def dequantized_read_bytes(spec: ModelSpec, scheme: KVScheme, context: int) -> int:
+def dequantized_read_bytes(spec: ModelSpec, scheme: KVSpec, context: int) -> int:
     """Transient bytes of kvrig's dequantizing cache: one layer's K and V dequantized for attention."""
-    if not scheme.dequantizes_on_read(spec):
+    if not dequantizes_on_read(scheme, spec):
         return 0
     width = DTYPE_BYTES[scheme.dtype]
     return max(

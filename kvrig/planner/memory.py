@@ -12,14 +12,13 @@ from kvrig.models.spec import ModelSpec
 from kvrig.planner.kv import (
     ALL_NAMED_SCHEMES,
     MLX_STEP,
-    KVScheme,
     bytes_per_token,
     check_dims,
     context_schedule,
     dequantized_read_bytes,
+    dequantizes_on_read,
     kv_bytes,
     kv_bytes_detail,
-    parse_scheme,
     row_bytes,
 )
 from kvrig.planner.runtime import (
@@ -30,8 +29,9 @@ from kvrig.planner.runtime import (
     prefill_scores_bytes,
 )
 from kvrig.planner.transient import BACKENDS, DEFAULT_BACKEND, Backend
-from kvrig.planner.weights import DEFAULT_RECIPES, WeightsAccount, account_weights, parse_recipe
+from kvrig.planner.weights import DEFAULT_RECIPES, WeightsAccount, account_weights
 from kvrig.profiles import DeviceProfile
+from kvrig.recipes import KVSpec, parse_kv, parse_weights
 from kvrig.schemas import StrictModel
 
 PLAN_SCHEMA_VERSION: Final = 1
@@ -164,7 +164,7 @@ def _limits(profile: DeviceProfile, limit: str) -> tuple[Literal["entitled", "de
 
 def _peak_bytes(
     spec: ModelSpec,
-    scheme: KVScheme,
+    scheme: KVSpec,
     context: int,
     fixed: int,
     prefill_step: int,
@@ -224,7 +224,7 @@ def largest_fitting(fits: Callable[[int], bool], estimate: int, cap: int) -> int
 
 def max_context_for(
     spec: ModelSpec,
-    scheme: KVScheme,
+    scheme: KVSpec,
     budget: int,
     fixed: int,
     prefill_step: int,
@@ -261,7 +261,7 @@ def max_context_for(
 
 def _largest_buffer(
     spec: ModelSpec,
-    scheme: KVScheme,
+    scheme: KVSpec,
     context: int,
     prefill_step: int,
     dtype: str,
@@ -280,7 +280,7 @@ def _largest_buffer(
 
 def max_context_for_buffer(
     spec: ModelSpec,
-    scheme: KVScheme,
+    scheme: KVSpec,
     max_buffer: int,
     prefill_step: int,
     dtype: str,
@@ -298,7 +298,7 @@ def max_context_for_buffer(
 
 
 def recommend(
-    schemes: dict[str, KVScheme],
+    schemes: dict[str, KVSpec],
     max_context: dict[str, int],
     limited_by: dict[str, str],
     parameters: int,
@@ -354,7 +354,7 @@ def recommend(
     scheme = schemes[chosen]
     if scheme.quantized and any(layer.kind == "sliding" for layer in spec.layers):
         reasons.append("Sliding-window layers stay unquantized (mlx-lm cannot quantize a rotating cache).")
-    if scheme.dequantizes_on_read(spec):
+    if dequantizes_on_read(scheme, spec):
         reasons.append(
             "This scheme needs kvrig's dequantize-on-read cache (mixed K/V bits or attention that cannot read "
             "quantized KV); its transient dequantized layer is counted."
@@ -394,11 +394,11 @@ def plan_memory(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest | 
     request = request or PlanRequest()
     _check_request(request)
     kv_group = request.kv_group_size or request.group_size
-    parsed = {s.name: s for s in (parse_scheme(n, group_size=kv_group, dtype=request.dtype) for n in request.schemes)}
+    parsed = {s.name: s for s in (parse_kv(n, group_size=kv_group, dtype=request.dtype) for n in request.schemes)}
     for scheme in parsed.values():
         check_dims(spec, scheme)
     accounts = {
-        name: account_weights(spec, parse_recipe(name, request.group_size), request.dtype)
+        name: account_weights(spec, parse_weights(name, request.group_size), request.dtype)
         for name in dict.fromkeys([request.weights, *request.recipes])
     }
     chosen = accounts[request.weights]
@@ -506,7 +506,7 @@ def _check_request(request: PlanRequest) -> None:
 
 
 def _solve(
-    spec: ModelSpec, parsed: dict[str, KVScheme], request: PlanRequest, limit: int, fixed: int, cap: int
+    spec: ModelSpec, parsed: dict[str, KVSpec], request: PlanRequest, limit: int, fixed: int, cap: int
 ) -> tuple[dict[str, int], dict[str, str]]:
     """Max context and what limits it, per scheme, under `limit` less the margin."""
     budget = int(limit * (1 - request.margin))
@@ -523,7 +523,7 @@ def _metal_limits(
     spec: ModelSpec,
     profile: DeviceProfile,
     request: PlanRequest,
-    parsed: dict[str, KVScheme],
+    parsed: dict[str, KVSpec],
     chosen: WeightsAccount,
     max_context: dict[str, int],
     limited_by: dict[str, str],
@@ -593,7 +593,7 @@ def _notes(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest, traine
     return notes
 
 
-def constant_kv_bytes(spec: ModelSpec, scheme: KVScheme, prefill_step: int) -> int:
+def constant_kv_bytes(spec: ModelSpec, scheme: KVSpec, prefill_step: int) -> int:
     """Rings and recurrent state at full size: their bytes once the context passes every window."""
     windows = [layer.window or 1 for layer in spec.layers if layer.kind in ("sliding", "linear")]
     if not windows:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from kvrig.models.layers import DTYPE_BYTES
 from kvrig.models.spec import ModelSpec
-from kvrig.planner.kv import KVScheme, layer_quantized, row_bytes
+from kvrig.planner.kv import dequantizes_on_read, layer_quantized, row_bytes
 from kvrig.planner.transient import DEFAULT_BACKEND, Backend, scores_bytes
+from kvrig.recipes import KVSpec
 
 DEFAULT_BUFFER_CACHE_BYTES = 20 * 1024 * 1024  # what the MLX-Swift examples cap Memory.cacheLimit at
 DEFAULT_PREFILL_STEP = 512  # MLX-Swift's GenerateParameters.prefillStepSize default
@@ -25,7 +26,7 @@ def prefill_activation_bytes(
     context: int,
     dtype: str = "float16",
     *,
-    scheme: KVScheme | None = None,
+    scheme: KVSpec | None = None,
     backend: Backend = DEFAULT_BACKEND,
 ) -> int:
     """Live activations while one prefill chunk of `prefill_step` tokens runs at `context`: residual stream and
@@ -55,7 +56,7 @@ def prefill_scores_bytes(
     context: int,
     dtype: str = "float16",
     *,
-    scheme: KVScheme | None = None,
+    scheme: KVSpec | None = None,
     backend: Backend = DEFAULT_BACKEND,
 ) -> int:
     """The largest layer's attention scores for a prefill chunk at `context` (chunk × keys per head) as MLX's
@@ -71,7 +72,7 @@ def prefill_scores_bytes(
             keys = min(context, layer.window - 1 + queries)
         else:
             continue
-        quantized = scheme is not None and layer_quantized(layer, scheme) and not scheme.dequantizes_on_read(spec)
+        quantized = scheme is not None and layer_quantized(layer, scheme) and not dequantizes_on_read(scheme, spec)
         key_bits = scheme.key_bits if quantized and scheme is not None else None
         size = scores_bytes(
             backend=backend,
@@ -87,7 +88,7 @@ def prefill_scores_bytes(
     return largest
 
 
-def kv_read_bytes(spec: ModelSpec, scheme: KVScheme, context: int) -> int:
+def kv_read_bytes(spec: ModelSpec, scheme: KVSpec, context: int) -> int:
     """Cache bytes one decode step reads at `context` (growing layers up to context, rings up to window)."""
     total = 0
     for layer in spec.layers:

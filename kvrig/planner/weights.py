@@ -8,55 +8,27 @@ from __future__ import annotations
 
 import contextlib
 import io
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from kvrig.exceptions import QuantizationError
 from kvrig.models.spec import ModelSpec
+from kvrig.recipes import WeightRecipe
 
-MIXED_RECIPES = ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6")
 DEFAULT_RECIPES = ("q4", "q8", "mixed_4_6")
-_Q_RE = re.compile(r"^q(\d)$")
 
 
-GROUP_SIZES = (32, 64, 128)
-
-
-@dataclass(frozen=True)
-class WeightRecipe:
-    """`q4`, `q8` (uniform bits), mlx-lm's `mixed_X_Y`, or `fp16`/`bf16` (not quantized). For mixed recipes
-    `bits` is the low width most weights get."""
-
-    name: str
-    bits: int | None
-    group_size: int
-
-    @property
-    def quantized(self) -> bool:
-        return self.bits is not None
-
-    @property
-    def mixed(self) -> str | None:
-        """mlx-lm's mixed recipe name, or None for a uniform recipe."""
-        return self.name if self.name in MIXED_RECIPES else None
-
-
-def parse_recipe(text: str, group_size: int = 64) -> WeightRecipe:
-    if group_size not in GROUP_SIZES:
-        raise QuantizationError(f"group size {group_size} is not supported by MLX; choose one of {GROUP_SIZES}")
-    name = text.strip().lower()
-    if name in ("fp16", "bf16", "fp32"):
-        return WeightRecipe(name, None, group_size)
-    if name in MIXED_RECIPES:
-        low = int(name.split("_")[1])
-        return WeightRecipe(name, low, group_size)
-    m = _Q_RE.match(name)
-    if m and int(m.group(1)) in (2, 3, 4, 5, 6, 8):
-        return WeightRecipe(name, int(m.group(1)), group_size)
-    raise QuantizationError(
-        f"unknown weight recipe '{text}': expected q2, q3, q4, q5, q6, q8, {', '.join(MIXED_RECIPES)} or fp16"
-    )
+def planned_layout(recipe: WeightRecipe) -> WeightRecipe:
+    """The round-to-nearest recipe whose arrays a recipe's bytes are (awq-q4, gptq-q4, gpx-q4 → q4): the one
+    the planner quantizes lazily. A target-bits-per-weight recipe picks its layout from the model's weights and
+    has none to plan from."""
+    layout = recipe.layout
+    if layout is None:
+        raise QuantizationError(
+            f"recipe {recipe}: its layout (which layers get group 32) is chosen on the model's own weights; "
+            "plan its bytes from a packaged bundle"
+        )
+    return layout
 
 
 @dataclass
@@ -87,10 +59,11 @@ def quantize_lazily(spec: ModelSpec, recipe: WeightRecipe, dtype: str = "float16
     from mlx_lm.convert import mixed_quant_predicate_builder
     from mlx_lm.utils import quantize_model
 
+    recipe = planned_layout(recipe)
     model = spec.weights_model(dtype)
     if recipe.bits is None:
         return model
-    predicate = mixed_quant_predicate_builder(recipe.name, model, recipe.group_size) if recipe.mixed else None
+    predicate = mixed_quant_predicate_builder(recipe.mixed, model, recipe.group_size) if recipe.mixed else None
     config = {k: v for k, v in spec.config.items() if k not in ("quantization", "quantization_config")}
     with contextlib.redirect_stdout(io.StringIO()):  # quantize_model prints its bits per weight
         try:

@@ -11,21 +11,23 @@ import contextlib
 import json
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from kvrig.bundle.kvcache_json import host_config
 from kvrig.bundle.manifest import load_manifest
 from kvrig.bundle.options import package_default_kv
 from kvrig.models import load_model_spec
 from kvrig.models.gguf import embedded_default_model
 from kvrig.models.source import source_dir
-from kvrig.planner.kv import context_schedule
+from kvrig.planner.kv import context_schedule, kv_bytes
 from kvrig.quality.kv_sensitivity import resolve_variant, sensitivity_tokens
 from kvrig.quality.perplexity import perplexity
-from kvrig.quality.schemes import KVVariant, kv_config, make_variant_caches, parse_kv_variant, predicted_bytes
+from kvrig.quality.schemes import make_kv_caches
 from kvrig.quantize.base import load_source_model
-from kvrig.quantize.recipes import apply_recipe, calibration_tokens, parse_quality_recipe
+from kvrig.quantize.recipes import apply_recipe, calibration_tokens
+from kvrig.recipes import KVSpec, parse_kv, parse_weights
 from kvrig.runtime.generate import encode_prompt, generate_tokens
 from kvrig.runtime.host import load_bundle_model, prepare_for_host
 from kvrig.schemas.bundle import MANIFEST_NAME
@@ -128,19 +130,19 @@ def load_weights(src: Path, recipe: str, calibration: Any) -> tuple[Any, float |
     model, config = load_source_model(src)
     bpw = None
     if recipe != "source":
-        model, config = apply_recipe(model, config, parse_quality_recipe(recipe), calibration)
+        model, config = apply_recipe(model, config, parse_weights(recipe), calibration)
         bpw = float(compute_bits_per_weight(model))
     return prepare_for_host(model), bpw
 
 
 def decode_speed(
-    model: Any, spec: Any, variant: KVVariant, contexts: tuple[int, ...], *, steps: int = 8, chunk: int = 256
+    model: Any, spec: Any, variant: KVSpec, contexts: tuple[int, ...], *, steps: int = 8, chunk: int = 256
 ) -> tuple[dict[int, float], dict[int, int], dict[int, int]]:
     """Decode tok/s at each context, with the caches filled by random keys and values (attention costs the same
     whatever they hold); also the caches' bytes at each context and the planner's bytes for that schedule."""
     import mlx.core as mx
 
-    caches = make_variant_caches(model, spec, variant)
+    caches = make_kv_caches(model, spec, variant)
     layers = [layer for layer in spec.layers if layer.kind != "shared"]
     schedule: list[int] = []
     tps, measured, predicted = {}, {}, {}
@@ -157,7 +159,7 @@ def decode_speed(
             schedule.append(n)
             offset += n
         measured[ctx] = sum(int(c.nbytes) for c in caches)
-        predicted[ctx] = predicted_bytes(spec, variant, schedule, "float32")
+        predicted[ctx] = kv_bytes(spec, replace(variant, dtype="float32"), schedule)
         mx.eval(model(token, cache=caches))  # warm-up step, not timed
         t0 = time.perf_counter()
         for _ in range(steps):
@@ -179,7 +181,7 @@ def paired_decode(
     layers = [layer for layer in spec.layers if layer.kind != "shared"]
     sets = {}
     for name in names:
-        caches = make_variant_caches(model, spec, parse_kv_variant(name))
+        caches = make_kv_caches(model, spec, parse_kv(name))
         for start in range(0, context, chunk):
             n = min(chunk, context - start)
             for layer, cache in zip(layers, caches, strict=True):
@@ -205,17 +207,17 @@ def greedy_answer(model: Any, tokenizer: Any, prompt: str, spec: Any, kv: str = 
     A direct forward pass of the whole prompt reads the cache differently and, on a model this small, can
     flip an answer the real path gets right."""
 
-    variant = parse_kv_variant(kv)
+    variant = parse_kv(kv)
     ids = encode_prompt(tokenizer, prompt, chat=True)
     stop = set(getattr(tokenizer, "eos_token_ids", None) or [])
-    caches = make_variant_caches(model, spec, variant)
+    caches = make_kv_caches(model, spec, variant)
     out = [
         t
         for t in generate_tokens(
             model,
             ids,
             caches,
-            kv_config(spec, variant),
+            host_config(spec, variant),
             max_tokens=max_tokens,
             stop_tokens=stop,
             model_type=spec.model_type,
@@ -241,9 +243,9 @@ def run_quality_bench(
 ) -> QualityReport:
     from mlx_lm.utils import load_tokenizer
 
-    variants = [parse_kv_variant(v) for v in kv_variants]
-    if variants and all(v.scheme.quantized for v in variants):
-        variants.insert(0, parse_kv_variant("fp16"))
+    variants = [parse_kv(v) for v in kv_variants]
+    if variants and all(v.quantized for v in variants):
+        variants.insert(0, parse_kv("fp16"))
     with bench_source(model) as (src, name, bundle):
         tokenizer = load_tokenizer(src)
         spec = load_model_spec(src / "config.json")
@@ -257,11 +259,11 @@ def run_quality_bench(
             name, used, [str(LICENSES / f) for f in CALIBRATION_FILES] if needs_calibration else [], {}, [], []
         )
         report.kv_reads = kv_reads
-        fp = parse_kv_variant("fp16")
+        fp = parse_kv("fp16")
 
         progress("source weights, unquantized KV")
         source, _ = load_weights(src, "source", None)
-        base_w = perplexity(source, ids[: weights_tokens + 1], make_variant_caches(source, spec, fp)).ppl
+        base_w = perplexity(source, ids[: weights_tokens + 1], make_kv_caches(source, spec, fp)).ppl
         report.source_ppl[f"{weights_tokens}"] = base_w
 
         rows_w = []
@@ -280,7 +282,7 @@ def run_quality_bench(
                 bpw: float | None = float(compute_bits_per_weight(m))
             else:
                 m, bpw = load_weights(src, recipe, calibration)
-            ppl = perplexity(m, ids[: weights_tokens + 1], make_variant_caches(m, spec, fp)).ppl
+            ppl = perplexity(m, ids[: weights_tokens + 1], make_kv_caches(m, spec, fp)).ppl
             rows_w.append(
                 Row(recipe, "fp16", ppl, 100 * (ppl / base_w - 1), weights_tokens, bpw, time.perf_counter() - t0)
             )
@@ -291,12 +293,13 @@ def run_quality_bench(
         ppl_ctx = tuple(c for c in contexts if c <= kv_tokens and c % 256 == 0)
         base_kv = None
         for variant in variants:
-            progress(f"kv {variant.name}")
+            requested = variant.name  # the row keeps the name asked for; kv_scheme says which layers it chose
+            progress(f"kv {requested}")
             t0 = time.perf_counter()
             if variant.promote_keys is not None:
                 variant = resolve_variant(source, spec, variant, sensitivity_tokens(tokenizer))
-                progress(f"  layers chosen: {variant.scheme.name}")
-            caches = make_variant_caches(source, spec, variant)
+                progress(f"  layers chosen: {variant.scheme}")
+            caches = make_kv_caches(source, spec, variant)
             for cache in caches:
                 cache.per_query_window = kv_reads == "decoded"
             res = perplexity(source, ids[: kv_tokens + 1], caches, contexts=ppl_ctx)
@@ -305,10 +308,10 @@ def run_quality_bench(
                 report.source_ppl[f"{kv_tokens}"] = res.ppl
             tps, measured, predicted = decode_speed(source, spec, variant, contexts, steps=decode_steps)
 
-            phone = {c: predicted_bytes(spec, variant, context_schedule(c, 256), "float16") for c in contexts}
+            phone = {c: kv_bytes(spec, replace(variant, dtype="float16"), context_schedule(c, 256)) for c in contexts}
             row = Row(
                 "source",
-                variant.name,
+                requested,
                 res.ppl,
                 100 * (res.ppl / base_kv - 1),
                 kv_tokens,
@@ -318,7 +321,7 @@ def run_quality_bench(
                 predicted_kv_bytes=predicted,
                 phone_kv_bytes=phone,
                 decode_tps={c: round(t, 3) for c, t in tps.items()},
-                kv_scheme=variant.scheme.name,
+                kv_scheme=variant.scheme,
             )
             report.kv.append(row)
             progress(f"  ppl {res.ppl:.3f} ({row.ppl_delta_pct:+.2f} %), decode {tps}")

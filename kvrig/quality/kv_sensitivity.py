@@ -7,18 +7,18 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from kvrig.bundle.kvcache_json import host_config
 from kvrig.kvcache.caches import check_scheme, scheme_extras
 from kvrig.kvcache.kv_cache import SchemeKVCache, install_attention
 from kvrig.models import load_model_spec
 from kvrig.models.spec import ModelSpec
-from kvrig.planner.kv import with_layer_key_bits
-from kvrig.quality.schemes import KVVariant, kv_config, parse_kv_variant
 from kvrig.quantize.base import load_source_model
 from kvrig.quantize.recipes import calibration_tokens
+from kvrig.recipes import KVSpec
 from kvrig.runtime.host import prepare_for_host
 
 
-def key_sensitivity(model: Any, spec: ModelSpec, variant: KVVariant, tokens: list[int]) -> list[tuple[int, float]]:
+def key_sensitivity(model: Any, spec: ModelSpec, variant: KVSpec, tokens: list[int]) -> list[tuple[int, float]]:
     """(layer index, mean KL in nats per token) for every layer the scheme quantizes, worst first. The layer
     under test gets kvrig's scheme cache (its prefill reads dequantized copies through BLAS: MLX's CPU
     quantized matmul is a slow loop), every other layer the model's own unquantized cache."""
@@ -34,7 +34,7 @@ def key_sensitivity(model: Any, spec: ModelSpec, variant: KVVariant, tokens: lis
     reference = log_probs(make_prompt_cache(model))
     p_ref = mx.exp(reference)
     mx.eval(reference, p_ref)
-    kv = kv_config(spec, replace(variant, scheme=replace(variant.scheme, layer_key_bits=())))
+    kv = host_config(spec, replace(variant, layer_key_bits=(), promote_keys=None))
     check_scheme(model, kv, spec.model_type)
     install_attention(model)
     owners = [e for e in kv.layers if e.kind != "shared"]
@@ -50,23 +50,21 @@ def key_sensitivity(model: Any, spec: ModelSpec, variant: KVVariant, tokens: lis
     return sorted(out, key=lambda lk: -lk[1])
 
 
-def resolve_variant(model: Any, spec: ModelSpec, variant: KVVariant, tokens: list[int]) -> KVVariant:
+def resolve_variant(model: Any, spec: ModelSpec, variant: KVSpec, tokens: list[int]) -> KVSpec:
     """`variant` with `+kN@topM` replaced by the M most sensitive layers (explicit per-layer key widths)."""
     if variant.promote_keys is None:
         return variant
     bits, count = variant.promote_keys
     ranked = key_sensitivity(model, spec, variant, tokens)
     chosen = {layer: bits for layer, _ in ranked[:count]}
-    scheme = with_layer_key_bits(variant.scheme, dict(variant.scheme.layer_key_bits) | chosen)
-    return replace(variant, scheme=scheme, promote_keys=None)
+    return variant.with_layer_key_bits(dict(variant.layer_key_bits) | chosen)
 
 
-def resolve_for_source(src_dir: Any, text: str, group_size: int) -> KVVariant:
+def resolve_for_source(src_dir: Any, variant: KVSpec) -> KVSpec:
     """A package's `--kv` with `+kN@topM`, resolved on the source model in `src_dir` (float weights, the local
     calibration text): what `kvrig package` writes to kvcache.json."""
     from mlx_lm.utils import load_tokenizer
 
-    variant = parse_kv_variant(text, group_size=group_size)
     if variant.promote_keys is None:
         return variant
     model = prepare_for_host(load_source_model(src_dir)[0])

@@ -8,10 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrig.exceptions import ModelConfigError, QuantizationError, UnsupportedArchitectureError
-from kvrig.planner.weights import WeightRecipe, parse_recipe
-
-# Recipes (q4, q8, mlx-lm's mixed_X_Y, fp16) are the planner's: one parser for both.
-__all__ = ["WeightRecipe", "load_source_model", "parse_recipe", "quantize"]
+from kvrig.recipes import WeightRecipe
 
 
 def load_source_model(model_dir: Path) -> tuple[Any, dict[str, Any]]:
@@ -32,8 +29,11 @@ def load_source_model(model_dir: Path) -> tuple[Any, dict[str, Any]]:
 
 
 def quantize(model: Any, config: dict[str, Any], recipe: WeightRecipe) -> tuple[Any, dict[str, Any]]:
-    """Casts floats to the model's dtype and quantizes linear/embedding layers as the recipe says. Returns the
-    model and the config with an explicit `quantization` block."""
+    """Casts floats to the model's dtype and quantizes linear/embedding layers round-to-nearest as the recipe's
+    layout says (qN, mixed_X_Y, fp16; calibrated recipes go through `quantize.recipes.apply_recipe`). Returns
+    the model and the config with an explicit `quantization` block."""
+    if recipe.calibrated:
+        raise QuantizationError(f"recipe {recipe} needs calibration: apply it with quantize.recipes.apply_recipe")
     import mlx.core as mx
     from mlx.utils import tree_map_with_path
     from mlx_lm.convert import mixed_quant_predicate_builder

@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvrig.exceptions import QuantizationError
-from kvrig.quantize.imx import PACKED_BITS, fit_grid, input_statistics, levels, pack
+from kvrig.quantize.imx import fit_grid, input_statistics, levels, pack
+from kvrig.recipes import PACKED_BITS
 
 DAMPING = 0.1
 """Added to H's diagonal, as a fraction of its mean: keeps the inverse finite for rarely driven channels, and

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 from kvrig.exceptions import QuantizationError
+from kvrig.recipes import PACKED_BITS
 
-PACKED_BITS = (2, 3, 4, 5, 6, 8)
 """Widths whose MLX packing this module writes itself (a little-endian bit stream of uint32 words: value k
 of a row takes bits k·b .. k·b+b-1, so 3, 5 and 6 bits cross word boundaries)."""
 SCALE_STEPS = 20

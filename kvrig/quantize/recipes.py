@@ -1,6 +1,7 @@
-"""Weight recipes for the quality bench and the package option `--method`: plain round-to-nearest (kvrig's
-`quantize`), and mlx-lm's own calibrated quantizers (mlx_lm.quant: AWQ, GPTQ, sensitivity-driven dynamic
-mixed bits) fed a local calibration text instead of the file their command lines download.
+"""Applying a weight recipe (recipes.py) to a float model: round-to-nearest (`base.quantize`), kvrig's
+importance-weighted grids with or without error feedback (imx, gpx), and mlx-lm's own calibrated quantizers
+(mlx_lm.quant: AWQ, GPTQ, sensitivity-driven dynamic mixed bits) fed a local calibration text instead of the
+file their command lines download.
 
 AWQ and GPTQ keep the layout of the uniform recipe (every linear and the embedding at the same bits and
 group size, fp16 scales), so the planner's bytes for `q4` stay exact; only the chosen values differ."""
@@ -8,63 +9,16 @@ group size, fp16 scales), so the planner's bytes for `q4` stay exact; only the c
 from __future__ import annotations
 
 import contextlib
-import re
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from kvrig.exceptions import QuantizationError
-from kvrig.quantize.base import parse_recipe, quantize
+from kvrig.quantize.base import quantize
 from kvrig.quantize.gpx import DAMPING, EMBEDDING_DAMPING, fit_feedback, input_hessians
-from kvrig.quantize.imx import PACKED_BITS, activation_importance, fit_affine, mlp_g32_layout
+from kvrig.quantize.imx import activation_importance, fit_affine, mlp_g32_layout
+from kvrig.recipes import WeightRecipe, parse_weights
 from kvrig.texts import CALIBRATION_FILES, read_texts, tokens_of
-
-METHODS = ("rtn", "awq", "gptq", "imx", "gpx", "dynamic")
-_NAME = re.compile(
-    r"^(?:(awq|gptq|imx|gpx)-)?q(\d)(?:g(\d+))?$|^(dq|imx|gpx)-(\d+(?:\.\d+)?)$|^(fp16|bf16|fp32|mixed_\d_\d)$"
-)
-
-
-@dataclass(frozen=True)
-class QualityRecipe:
-    """`q4`, `q4g32`, `awq-q4`, `gptq-q4g32`, `imx-q4` (importance-weighted grids, q4's layout), `dq-4.6`
-    (dynamic, target bits per weight), `imx-4.6` (importance-weighted 4-bit, MLP up/down of the last layers at
-    group 32 up to the target bits per weight), `gpx-q4` / `gpx-4.6` (the same layouts, linears quantized with
-    GPTQ-style error feedback on the importance-weighted grids), `mixed_4_6`, `fp16`."""
-
-    name: str
-    method: str
-    base: str
-    """The planner's recipe name for the layout (q4, mixed_4_6, fp16 ...)."""
-    group_size: int = 64
-    target_bpw: float | None = None
-
-    @property
-    def bits(self) -> int | None:
-        m = re.match(r"^q(\d)$", self.base)
-        return int(m.group(1)) if m else None
-
-
-def parse_quality_recipe(text: str, group_size: int = 64) -> QualityRecipe:
-    name = text.strip().lower()
-    m = _NAME.match(name)
-    if not m:
-        raise QuantizationError(
-            f"unknown weight recipe '{text}': expected qN[gG], awq-qN[gG], gptq-qN[gG], imx-qN[gG], gpx-qN[gG], "
-            "dq-BPW, imx-BPW, gpx-BPW, mixed_X_Y or fp16"
-        )
-    method, bits, group, target_method, bpw, plain = m.groups()
-    if plain:
-        return QualityRecipe(name, "rtn", plain, group_size)
-    if bpw:
-        return QualityRecipe(name, "dynamic" if target_method == "dq" else target_method, "mixed", 64, float(bpw))
-    group = int(group) if group else group_size
-    if method == "gptq" and int(bits) not in (2, 4, 8):
-        raise QuantizationError(f"recipe '{text}': mlx-lm's GPTQ packs 2, 4 or 8 bits, not {bits}")
-    if method in ("imx", "gpx") and int(bits) not in PACKED_BITS:
-        raise QuantizationError(f"recipe '{text}': importance-weighted recipes pack {PACKED_BITS} bits, not {bits}")
-    return QualityRecipe(name, method or "rtn", f"q{bits}", group)
 
 
 def calibration_tokens(tokenizer: Any, *, samples: int = 16, length: int = 256) -> Any:
@@ -78,19 +32,19 @@ def calibration_tokens(tokenizer: Any, *, samples: int = 16, length: int = 256) 
 
 
 def apply_recipe(
-    model: Any, config: dict[str, Any], recipe: QualityRecipe, calibration: Any = None
+    model: Any, config: dict[str, Any], recipe: WeightRecipe, calibration: Any = None
 ) -> tuple[Any, dict[str, Any]]:
     """Quantizes `model` (float weights, loaded by `load_source_model`) as the recipe says; returns the model
     and its config with an explicit `quantization` block. Calibrated methods need `calibration` tokens."""
 
-    if recipe.method == "rtn":
-        return quantize(model, config, parse_recipe(recipe.base, recipe.group_size))
+    if not recipe.calibrated:
+        return quantize(model, config, recipe)
     if calibration is None:
         raise QuantizationError(f"recipe {recipe.name} needs calibration tokens")
     import mlx.core as mx
 
     # Calibrate in float32 (float16 arithmetic is emulated on x86 CPUs), store scales as the source dtype.
-    model, config = quantize(model, config, parse_recipe("fp16"))
+    model, config = quantize(model, config, parse_weights("fp16"))
     dtype = getattr(mx, str(config.get("torch_dtype") or "float16"), mx.float16)
     model.set_dtype(mx.float32)
     mx.eval(model.parameters())
@@ -108,7 +62,7 @@ def apply_recipe(
     return model, config
 
 
-def _gptq(model: Any, config: dict[str, Any], recipe: QualityRecipe, calibration: Any) -> tuple[Any, dict[str, Any]]:
+def _gptq(model: Any, config: dict[str, Any], recipe: WeightRecipe, calibration: Any) -> tuple[Any, dict[str, Any]]:
     from mlx_lm.quant.gptq import gptq_quantize
 
     bits = recipe.bits
@@ -121,7 +75,7 @@ def _gptq(model: Any, config: dict[str, Any], recipe: QualityRecipe, calibration
 
 
 def _imx(
-    model: Any, config: dict[str, Any], recipe: QualityRecipe, calibration: Any, dtype: Any
+    model: Any, config: dict[str, Any], recipe: WeightRecipe, calibration: Any, dtype: Any
 ) -> tuple[Any, dict[str, Any]]:
     feedback = recipe.method == "gpx"
     if recipe.target_bpw is None:
@@ -134,7 +88,7 @@ def _imx(
     )
 
 
-def _awq(model: Any, config: dict[str, Any], recipe: QualityRecipe, calibration: Any) -> tuple[Any, dict[str, Any]]:
+def _awq(model: Any, config: dict[str, Any], recipe: WeightRecipe, calibration: Any) -> tuple[Any, dict[str, Any]]:
     from mlx_lm.quant.awq import AWQ_MODEL_CONFIGS, awq_quantize, update_config
 
     model_type = str(config.get("model_type"))
@@ -162,7 +116,7 @@ def _awq(model: Any, config: dict[str, Any], recipe: QualityRecipe, calibration:
     return model, config
 
 
-def _dynamic(model: Any, config: dict[str, Any], recipe: QualityRecipe, calibration: Any) -> tuple[Any, dict[str, Any]]:
+def _dynamic(model: Any, config: dict[str, Any], recipe: WeightRecipe, calibration: Any) -> tuple[Any, dict[str, Any]]:
     """mlx-lm's sensitivity estimate (gradient of the KL to the float model), then the threshold that meets the
     target bits per weight: 4-bit g64 layers, the most sensitive ones at 6-bit g64."""
     from mlx_lm.quant.dynamic_quant import estimate_sensitivities, estimate_threshold

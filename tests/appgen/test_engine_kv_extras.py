@@ -11,6 +11,7 @@ engine prints token ids. No Swift build runs here; the test fails if the engine 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +25,13 @@ from tests.bundle_fixtures import packaged
 PROMPT = "Write one sentence about the sea."
 TOKENS = 6
 # 37 prompt tokens: the 4 sink and 16 recent tokens leave quantized rows between them from the first chunk on.
-EXTRAS = {"rotation": "hadamard", "sink_tokens": 4, "recent_tokens": 16}
+EXTRAS = "+rot+s4+w16"
 SCHEMES = ("k3v3", "k5v3")
 
 
 @pytest.fixture(scope="module", params=SCHEMES)
 def bundle(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    options = PackageOptions(weights="q4", group_size=64, kv=request.param, prefill_step_size=128, **EXTRAS)  # type: ignore[arg-type]
+    options = PackageOptions(weights="q4", group_size=64, kv=request.param + EXTRAS, prefill_step_size=128)
     return packaged(tmp_path_factory, f"smollm2-q4-{request.param}-rot-s4-w16", options)
 
 
@@ -60,11 +61,12 @@ def test_engine_applies_rotation_sinks_and_window_as_the_python_runtime(
     engine_binary: Path,  # noqa: F811
 ) -> None:
     from kvrig.models import load_model_spec
-    from kvrig.quality.schemes import parse_kv_variant, predicted_bytes
+    from kvrig.planner.kv import kv_bytes as planned_kv_bytes
+    from kvrig.recipes import parse_kv
     from kvrig.virtual.llm_memory import kv_bytes
 
     kv = KVCacheConfig.model_validate_json((bundle / "kvcache.json").read_text())
-    assert (kv.rotation, kv.sink_tokens, kv.recent_tokens) == tuple(EXTRAS.values())
+    assert (kv.rotation, kv.sink_tokens, kv.recent_tokens) == ("hadamard", 4, 16)
 
     documents = tmp_path / "Documents"
     args = ("--chat", PROMPT, "--temperature", "0", "--max-tokens", str(TOKENS), "--print-tokens")
@@ -81,8 +83,8 @@ def test_engine_applies_rotation_sinks_and_window_as_the_python_runtime(
     assert context == max(c.offset for c in caches) < 256
     python_bytes = kv_bytes(caches, "float16")[1]
     assert steps[-1]["kv_bytes"] == python_bytes
-    variant = parse_kv_variant(f"{kv.scheme}+rot+s4+w16")
-    assert predicted_bytes(load_model_spec(bundle), variant, [context], "float16") == python_bytes
+    variant = parse_kv(f"{kv.scheme}{EXTRAS}")
+    assert planned_kv_bytes(load_model_spec(bundle), replace(variant, dtype="float16"), [context]) == python_bytes
 
     # The extras matter at k3v3: without them the runtime answers otherwise, so equal tokens above mean the
     # engine applied them.

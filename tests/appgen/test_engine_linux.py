@@ -79,9 +79,9 @@ def _expected_from_mlx(bundle: Path, updates: list[int]) -> int:
 def _expected_from_planner(bundle: Path, scheme: str, updates: list[int]) -> int:
     from kvrig.models import load_model_spec
     from kvrig.planner import kv_bytes
-    from kvrig.planner.kv import parse_scheme
+    from kvrig.recipes import parse_kv
 
-    return kv_bytes(load_model_spec(bundle), parse_scheme(scheme), updates)
+    return kv_bytes(load_model_spec(bundle), parse_kv(scheme), updates)
 
 
 def _run(engine: Path, bundle: Path, schedule: GrowthSchedule, scheme: str, tmp: Path, chat: bool) -> dict:

@@ -24,8 +24,8 @@ from kvrig.bundle.options import PackageOptions
 from kvrig.device.deploy import deploy
 from kvrig.models import load_model_spec
 from kvrig.planner import PlanRequest, kv_bytes, plan_memory
-from kvrig.planner.kv import parse_scheme
 from kvrig.profiles import load_profile
+from kvrig.recipes import parse_kv
 from kvrig.soaking.driver import SoakOptions, run_soak
 from kvrig.soaking.plan import make_plan
 from kvrig.virtual.device import VirtualDevice
@@ -104,7 +104,7 @@ def test_swift_engine_soaks_into_jetsam(phone: Phone, tmp_path: Path) -> None:
     # KV bytes at every step against the planner's for the same updates: each step prefills up to its target
     # (all but its last token in one chunk, the bundle's prefill step being larger, then the last one alone,
     # as mlx-lm does) and decodes one token.
-    spec, scheme = load_model_spec(phone.bundle), parse_scheme(SCHEME)
+    spec, scheme = load_model_spec(phone.bundle), parse_kv(SCHEME)
     updates: list[int] = []
     context = 0
     for target, step in zip(range(STEP, 4096, STEP), steps, strict=False):

@@ -20,7 +20,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from kvrig.exceptions import UnsupportedArchitectureError
 from kvrig.models import spec_from_config
 from kvrig.models.lazy import METAL_ONLY, REFUSED, build_lazy_model, refused_here
-from kvrig.planner.kv import kv_bytes, parse_scheme
+from kvrig.planner.kv import kv_bytes
+from kvrig.recipes import parse_kv
 
 # A prompt, a decode step, a chunk that crosses the first 256-token step, another decode step.
 SCHEDULE = (3, 1, 254, 1)
@@ -84,7 +85,7 @@ def test_architecture_plans_exactly(name: str) -> None:
         mx.eval(model(mx.array([[(token + i) % 50 + 1 for i in range(n)]]), cache=caches))
         token += n
     measured = sum(c.nbytes for c in caches)
-    assert kv_bytes(spec, parse_scheme("fp32", dtype="float32"), SCHEDULE) == measured
+    assert kv_bytes(spec, parse_kv("fp32", dtype="float32"), SCHEDULE) == measured
 
 
 @pytest.mark.skipif(mx.metal.is_available(), reason="with Metal these modules run and are planned above")

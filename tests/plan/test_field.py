@@ -14,8 +14,9 @@ import yaml
 
 from kvrig.models import load_model_spec
 from kvrig.planner import PlanRequest, plan_memory
-from kvrig.planner.kv import context_schedule, kv_bytes, parse_scheme
+from kvrig.planner.kv import context_schedule, kv_bytes
 from kvrig.profiles import load_profile
+from kvrig.recipes import parse_kv
 
 FIELD = Path(__file__).parents[1] / "data" / "field"
 REPORTS: dict[str, list[dict[str, Any]]] = yaml.safe_load((FIELD / "reports.yaml").read_text())
@@ -60,7 +61,7 @@ def _models(kind: str) -> list[dict[str, Any]]:
 def test_kv_bytes(fact: dict[str, Any]) -> None:
     spec = load_model_spec(FIELD / "configs" / fact["config"])
     value, tolerance = _expected(fact)
-    got = kv_bytes(spec, parse_scheme("fp16"), context_schedule(fact["context"], 512))
+    got = kv_bytes(spec, parse_kv("fp16"), context_schedule(fact["context"], 512))
     assert abs(got - value) <= tolerance, (got, value, fact["source"])
 
 

@@ -17,7 +17,8 @@ from kvrig.compat.mlx_lm_classes import model_classes
 from kvrig.exceptions import QuantizationError
 from kvrig.kvcache.caches import make_kv_caches
 from kvrig.models import spec_from_config
-from kvrig.planner.kv import bytes_per_token, check_dims, kv_bytes, parse_scheme
+from kvrig.planner.kv import bytes_per_token, check_dims, kv_bytes
+from kvrig.recipes import parse_kv
 
 # The phone keeps activations (and so caches) in fp16; a few families run that way here. The rest run in
 # fp32 because MLX's CPU matmul is far faster there (and its GatherMM for MoE experts is fp32-only); the
@@ -56,11 +57,11 @@ def test_planned_kv_bytes_equal_mlx_nbytes(family: str, scheme_name: str) -> Non
     if scheme_name == "bf16":
         model.set_dtype(mx.bfloat16)
         dtype = "bfloat16"
-    scheme = parse_scheme(scheme_name, dtype=dtype)
+    scheme = parse_kv(scheme_name, dtype=dtype)
     try:
         check_dims(spec, scheme)
     except QuantizationError:  # MLA's rope key (32 wide) needs a smaller group, as the planner says
-        scheme = parse_scheme(scheme_name, group_size=32, dtype=dtype)
+        scheme = parse_kv(scheme_name, group_size=32, dtype=dtype)
     caches = make_kv_caches(model, spec, scheme.key_bits, scheme.value_bits, scheme.group_size)
     fed: list[int] = []
     token = 1
@@ -78,7 +79,7 @@ def test_planned_kv_bytes_equal_mlx_nbytes(family: str, scheme_name: str) -> Non
 def test_bytes_per_token_is_the_growth_of_full_caches(family: str) -> None:
     """Steady-state bytes/token: the difference MLX shows between two step-aligned contexts, per token."""
     model, spec, dtype = build(family)
-    scheme = parse_scheme("k8v4", group_size=32, dtype=dtype)
+    scheme = parse_kv("k8v4", group_size=32, dtype=dtype)
     caches = make_kv_caches(model, spec, scheme.key_bits, scheme.value_bits, scheme.group_size)
     owners = [layer for layer in spec.layers if layer.kind != "shared"]
     growing = [c for layer, c in zip(owners, caches, strict=True) if layer.grows]
@@ -103,7 +104,7 @@ def test_llama4_chunked_caches_trim_as_planned(scheme_name: str) -> None:
     model = model_cls(args_cls.from_dict(config))
     mx.eval(model.parameters())
     spec = spec_from_config(config)
-    scheme = parse_scheme(scheme_name, dtype="float32")
+    scheme = parse_kv(scheme_name, dtype="float32")
     caches = make_kv_caches(model, spec, scheme.key_bits, scheme.value_bits, scheme.group_size)
     chunk = config["text_config"]["attention_chunk_size"]
     assert [layer.quantizable for layer in spec.layers] == [False, False, False, True]

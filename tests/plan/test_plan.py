@@ -16,9 +16,10 @@ from kvrig.exceptions import ModelConfigError, PlanInputError, QuantizationError
 from kvrig.kvcache.caches import make_kv_caches
 from kvrig.models import load_model_spec, spec_from_config
 from kvrig.planner import plan
-from kvrig.planner.kv import context_schedule, kv_bytes, parse_scheme
+from kvrig.planner.kv import context_schedule, kv_bytes
 from kvrig.planner.memory import _peak_bytes, recommend
 from kvrig.profiles import load_profile
+from kvrig.recipes import parse_kv
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def test_real_smollm2_kv_bytes_match_mlx(smollm2_plan) -> None:
     model = model_cls(args_cls.from_dict(spec.config))
     model.set_dtype(mx.float16)
     for name in ("fp16", "k8v8", "k8v4"):
-        scheme = parse_scheme(name)
+        scheme = parse_kv(name)
         caches = make_kv_caches(model, spec, scheme.key_bits, scheme.value_bits, scheme.group_size)
         for chunk in context_schedule(40, 512):
             model(mx.array([[7] * chunk]), cache=caches)
@@ -85,14 +86,14 @@ def test_max_context_is_the_largest_that_fits() -> None:
     p = plan(None, "iPhone13,1", limit="default", max_context_cap=1 << 22, schemes=["fp16", "k8v4"])
     fixed = p.weights_bytes + p.runtime.buffer_cache_bytes + p.runtime.baseline_bytes
     for name in ("fp16", "k8v4"):
-        scheme = parse_scheme(name)
+        scheme = parse_kv(name)
         n = p.max_context[name]
         assert p.limited_by[name] == "memory"
         assert _peak_bytes(spec, scheme, n, fixed, 512, "float16").total_bytes <= p.budget_bytes
         assert _peak_bytes(spec, scheme, n + 1, fixed, 512, "float16").total_bytes > p.budget_bytes
     # The smaller cache holds more; the allocated KV alone is below the budget at max context.
     assert p.max_context["k8v4"] > p.max_context["fp16"]
-    assert kv_bytes(spec, parse_scheme("fp16"), context_schedule(p.max_context["fp16"], 512)) < p.budget_bytes
+    assert kv_bytes(spec, parse_kv("fp16"), context_schedule(p.max_context["fp16"], 512)) < p.budget_bytes
 
 
 def test_margin_and_entitlement_move_max_context() -> None:
@@ -116,7 +117,7 @@ def test_decode_ceiling_falls_with_context_and_rises_with_smaller_kv() -> None:
 
 def test_recommendation_rules() -> None:
     spec = spec_from_config(TINY_CONFIGS["llama"])
-    schemes = {n: parse_scheme(n) for n in ("fp16", "k8v8", "k8v4", "k4v8", "k4v4")}
+    schemes = {n: parse_kv(n) for n in ("fp16", "k8v8", "k8v4", "k4v8", "k4v4")}
     mc = {"fp16": 1000, "k8v8": 2000, "k8v4": 2500, "k4v8": 2500, "k4v4": 3500}
     memory = dict.fromkeys(mc, "memory")
     small = recommend(schemes, mc, memory, 135_000_000, None, spec)
@@ -134,8 +135,8 @@ def test_head_dim_not_divisible_by_group_is_refused() -> None:
     from kvrig.planner.kv import check_dims
 
     with pytest.raises(QuantizationError, match=r"head dim 96 is not divisible by KV group size 64.*group size 32"):
-        check_dims(spec, parse_scheme("k8v4"))
-    check_dims(spec, parse_scheme("k8v4g32"))  # a smaller group works
+        check_dims(spec, parse_kv("k8v4"))
+    check_dims(spec, parse_kv("k8v4g32"))  # a smaller group works
 
 
 def test_missing_config_field_names_it(tmp_path: Path) -> None:

@@ -13,7 +13,8 @@ from mlx_lm.utils import load_model
 from tiny_configs import TINY_CONFIGS
 
 from kvrig.models import load_model_spec, spec_from_config
-from kvrig.planner.weights import account_weights, parse_recipe
+from kvrig.planner.weights import account_weights
+from kvrig.recipes import parse_weights
 
 CONFIGS = Path(__file__).parent / "configs"
 
@@ -29,7 +30,7 @@ def test_gemma3_1b_config_alone_ties_its_embeddings() -> None:
     """Its config.json says nothing about tying and mlx-lm's gemma3_text ties when the checkpoint has no head."""
     spec = load_model_spec(CONFIGS / "gemma-3-1b-it.json")
     assert GEMMA3_1B_TIED == 999_885_952
-    assert account_weights(spec, parse_recipe("q4")).parameters == GEMMA3_1B_TIED
+    assert account_weights(spec, parse_weights("q4")).parameters == GEMMA3_1B_TIED
 
 
 def test_config_flag_wins() -> None:

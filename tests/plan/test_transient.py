@@ -20,11 +20,12 @@ from kvrig.compat.mlx_lm_classes import model_classes
 from kvrig.exceptions import PlanInputError
 from kvrig.models import load_model_spec, spec_from_config
 from kvrig.planner import PlanRequest, plan, plan_memory
-from kvrig.planner.kv import kv_bytes, parse_scheme
+from kvrig.planner.kv import kv_bytes
 from kvrig.planner.memory import _peak_bytes
 from kvrig.planner.runtime import prefill_scores_bytes
 from kvrig.planner.transient import materializes_scores
 from kvrig.profiles import AppMemoryLimit, SourcedInt, load_profile
+from kvrig.recipes import parse_kv
 
 # 8 heads of dim 64 (a dim Metal's fused kernel takes) over 2 KV heads: the scores dominate the chunk's memory.
 CONFIG = {**TINY_CONFIGS["llama"], "num_attention_heads": 8, "num_key_value_heads": 2, "num_hidden_layers": 2}
@@ -53,7 +54,7 @@ def _measured_chunk(quantized_bits: int | None) -> int:
 
 def _cpu_case(scheme: str) -> dict[str, int]:
     """MLX's measured chunk and the plan's numbers for it, in bytes."""
-    parsed = parse_scheme(scheme, dtype="float32")
+    parsed = parse_kv(scheme, dtype="float32")
     spec = spec_from_config(CONFIG)
     before = kv_bytes(spec, parsed, [CHUNK] * (CONTEXT // CHUNK - 1))
     return {
@@ -90,7 +91,7 @@ def test_cpu_transient_is_what_mlx_allocates(scheme: str) -> None:
 
 def test_metal_counts_scores_only_where_attention_is_not_fused() -> None:
     spec = spec_from_config(CONFIG)
-    fp16, k8v8 = parse_scheme("fp16"), parse_scheme("k8v8")
+    fp16, k8v8 = parse_kv("fp16"), parse_kv("k8v8")
     assert prefill_scores_bytes(spec, CHUNK, CONTEXT, scheme=fp16, backend="metal") == 0
     # mlx-lm's attention over a quantized cache is unfused on every backend.
     assert prefill_scores_bytes(spec, CHUNK, CONTEXT, scheme=k8v8, backend="metal") > 0

@@ -14,7 +14,8 @@ from tiny_configs import TINY_CONFIGS
 from kvrig.compat.mlx_lm_classes import model_classes
 from kvrig.exceptions import QuantizationError
 from kvrig.models import spec_from_config
-from kvrig.planner.weights import account_weights, parse_recipe
+from kvrig.planner.weights import account_weights
+from kvrig.recipes import parse_weights
 
 RECIPES = ["q4", "q8", "mixed_3_6", "fp16"]
 
@@ -34,7 +35,7 @@ def quantized_nbytes(config: dict, recipe_name: str, group_size: int) -> int:
             model.parameters(),
         )
     )
-    recipe = parse_recipe(recipe_name, group_size)
+    recipe = parse_weights(recipe_name, group_size)
     if recipe.bits is not None:
         predicate = (
             mixed_quant_predicate_builder(recipe_name, model, group_size) if recipe_name.startswith("mixed") else None
@@ -48,13 +49,13 @@ def quantized_nbytes(config: dict, recipe_name: str, group_size: int) -> int:
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_planned_weight_bytes_equal_mlx_nbytes(family: str, recipe: str) -> None:
     config = TINY_CONFIGS[family]
-    planned = account_weights(spec_from_config(config), parse_recipe(recipe, 32), "float16").total_bytes
+    planned = account_weights(spec_from_config(config), parse_weights(recipe, 32), "float16").total_bytes
     assert planned == quantized_nbytes(config, recipe, 32)
 
 
 def test_group_size_64_on_llama() -> None:
     config = TINY_CONFIGS["llama"]
-    assert account_weights(spec_from_config(config), parse_recipe("q4", 64)).total_bytes == quantized_nbytes(
+    assert account_weights(spec_from_config(config), parse_weights("q4", 64)).total_bytes == quantized_nbytes(
         config, "q4", 64
     )
 
@@ -64,10 +65,10 @@ def test_parameter_count_matches_mlx() -> None:
     model_cls, args_cls = model_classes(config)
     model = model_cls(args_cls.from_dict(config))
     expected = sum(v.size for _, v in tree_flatten(model.parameters()))
-    assert account_weights(spec_from_config(config), parse_recipe("q4")).parameters == expected
+    assert account_weights(spec_from_config(config), parse_weights("q4")).parameters == expected
     assert spec_from_config(config).parameter_count() == expected
 
 
 def test_unknown_recipe_is_a_clear_error() -> None:
     with pytest.raises(QuantizationError, match="q7"):
-        parse_recipe("q7")
+        parse_weights("q7")

@@ -12,10 +12,11 @@ import pytest
 from mlx.utils import tree_flatten
 
 from kvrig.models import spec_from_config
-from kvrig.planner.weights import account_weights, parse_recipe
+from kvrig.planner.weights import account_weights
 from kvrig.quantize.gpx import fit_feedback, input_hessians
 from kvrig.quantize.imx import fit_affine
-from kvrig.quantize.recipes import apply_recipe, parse_quality_recipe
+from kvrig.quantize.recipes import apply_recipe
+from kvrig.recipes import parse_weights
 from tests.quality.test_recipes_weighted import CONFIG, tiny
 
 
@@ -60,11 +61,11 @@ def test_hessians_are_the_inputs_gram_matrix() -> None:
 
 def test_gpx_bytes_equal_the_planners_and_imx() -> None:
     calibration = mx.random.randint(0, 256, (4, 16))
-    model, _ = apply_recipe(tiny(), dict(CONFIG), parse_quality_recipe("gpx-q4"), calibration)
-    planned = account_weights(spec_from_config(CONFIG), parse_recipe("q4", 64), "float16").total_bytes
+    model, _ = apply_recipe(tiny(), dict(CONFIG), parse_weights("gpx-q4"), calibration)
+    planned = account_weights(spec_from_config(CONFIG), parse_weights("q4", 64), "float16").total_bytes
     assert sum(v.nbytes for _, v in tree_flatten(model.parameters())) == planned
-    gpx, gpx_config = apply_recipe(tiny(), dict(CONFIG), parse_quality_recipe("gpx-4.6"), calibration)
-    imx, imx_config = apply_recipe(tiny(), dict(CONFIG), parse_quality_recipe("imx-4.6"), calibration)
+    gpx, gpx_config = apply_recipe(tiny(), dict(CONFIG), parse_weights("gpx-4.6"), calibration)
+    imx, imx_config = apply_recipe(tiny(), dict(CONFIG), parse_weights("imx-4.6"), calibration)
     assert gpx_config["quantization"] == imx_config["quantization"]
     shapes = {k: (v.shape, v.dtype) for k, v in tree_flatten(gpx.parameters())}
     assert shapes == {k: (v.shape, v.dtype) for k, v in tree_flatten(imx.parameters())}

@@ -4,16 +4,21 @@ arguments; expected values from MLX itself (nbytes, mx.fast.scaled_dot_product_a
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models import llama
 
+from kvrig.bundle.kvcache_json import host_config
 from kvrig.exceptions import KVSchemeError, QuantizationError
 from kvrig.kvcache.caches import make_caches
 from kvrig.kvcache.kv_cache import DEQUANTIZED_ROWS, SchemeKVCache, rotate
 from kvrig.models import spec_from_config
-from kvrig.quality.schemes import kv_config, make_variant_caches, parse_kv_variant, predicted_bytes
+from kvrig.planner.kv import kv_bytes
+from kvrig.quality.schemes import make_kv_caches
+from kvrig.recipes import parse_kv
 
 CONFIG = {
     "model_type": "llama",
@@ -95,8 +100,8 @@ def test_prefill_rows_read_the_same_quantized_cache_as_decode_rows(name: str) ->
     through MLX's quantized matmul: both give the same attention, and without extras it is MLX's fused
     attention over MLX's own dequantization of the stored rows."""
     mx.random.seed(3)
-    variant = parse_kv_variant(name)
-    s = variant.scheme
+    variant = parse_kv(name)
+    s = variant
     assert s.key_bits is not None and s.value_bits is not None
     q, k, v = (mx.random.normal((1, h, n, 64)) for h, n in ((6, 24), (2, 100), (2, 100)))
     scale = 64**-0.5
@@ -153,16 +158,16 @@ def test_cache_bytes_equal_the_plan(name: str) -> None:
     """After every update of a ragged schedule, MLX's nbytes over the model's caches equals the planner's
     allocation for the same schedule plus the scheme's fixed float copies."""
     model, spec = tiny()
-    variant = parse_kv_variant(name)
-    caches = make_variant_caches(model, spec, variant)
+    variant = parse_kv(name)
+    caches = make_kv_caches(model, spec, variant)
     fed: list[int] = []
     for n in SCHEDULE:
         model(mx.random.randint(0, 97, (1, n)), cache=caches)
         mx.eval([c.state for c in caches])
         fed.append(n)
         measured = sum(c.nbytes for c in caches)
-        assert measured == predicted_bytes(spec, variant, fed, "float32"), (name, fed)
-    s = variant.scheme
+        assert measured == kv_bytes(spec, replace(variant, dtype="float32"), fed), (name, fed)
+    s = variant
     for layer, cache in enumerate(caches):
         if variant.has_extras or s.key_bits_for(layer) != s.value_bits:
             assert type(cache) is SchemeKVCache
@@ -183,49 +188,49 @@ def test_k8v8_keeps_greedy_tokens_on_a_tiny_model() -> None:
             logits = model(mx.array([[tok]]), cache=caches)
         return out
 
-    ref = greedy(make_variant_caches(model, spec, parse_kv_variant("fp16")))
-    assert greedy(make_variant_caches(model, spec, parse_kv_variant("k8v8+rot"))) == ref
+    ref = greedy(make_kv_caches(model, spec, parse_kv("fp16")))
+    assert greedy(make_kv_caches(model, spec, parse_kv("k8v8+rot"))) == ref
 
 
 def test_unsupported_schemes_are_clear_errors() -> None:
     with pytest.raises(QuantizationError, match="key bits 7"):
-        parse_kv_variant("k7v4")
+        parse_kv("k7v4")
     with pytest.raises(QuantizationError, match="group size 48"):
-        parse_kv_variant("k8v4g48")
+        parse_kv("k8v4g48")
     with pytest.raises(KVSchemeError, match=r"\+x9"):
-        parse_kv_variant("k8v4+x9")
-    with pytest.raises(KVSchemeError, match="quantized schemes only"):
-        parse_kv_variant("fp16+rot")
+        parse_kv("k8v4+x9")
+    with pytest.raises(KVSchemeError, match="quantized caches only"):
+        parse_kv("fp16+rot")
     assert KVSchemeError.exit_code == 47 and issubclass(KVSchemeError, QuantizationError)
     with pytest.raises(QuantizationError, match="key bits 7"):
-        parse_kv_variant("k4v4+k7@1")
-    with pytest.raises(QuantizationError, match="not a layer override"):
-        parse_kv_variant("fp16+k8@1")
+        parse_kv("k4v4+k7@1")
+    with pytest.raises(KVSchemeError, match="quantized caches only"):
+        parse_kv("fp16+k8@1")
 
     # head dim 96: the 64 group does not divide it (the planner's check names the layer and a fix) ...
     from kvrig.planner.kv import check_dims
 
     model, spec = tiny(head_dim=96)
     with pytest.raises(QuantizationError, match="layer 0: key head dim 96 is not divisible by KV group size 64"):
-        check_dims(spec, parse_kv_variant("k8v4").scheme)
+        check_dims(spec, parse_kv("k8v4"))
     # ... and a Hadamard rotation needs a power-of-two head dim
-    kv = kv_config(spec, parse_kv_variant("k8v4g32+rot"))
+    kv = host_config(spec, parse_kv("k8v4g32+rot"))
     with pytest.raises(KVSchemeError, match="field 'rotation' is hadamard but layer 0 has head dim 96"):
         make_caches(model, kv, "llama")
     # without the rotation the same scheme is fine
     make_caches(model, kv.model_copy(update={"rotation": "none"}), "llama")
     # a per-layer key width for a layer the model does not have
     with pytest.raises(QuantizationError, match="layer 5 has no quantized KV cache"):
-        check_dims(spec, parse_kv_variant("k4v4+k8@5").scheme)
+        check_dims(spec, parse_kv("k4v4+k8@5"))
 
 
 def test_layer_key_widths_reach_kvcache_json_and_the_caches() -> None:
     """`+k8@1`: kvcache.json gives layer 1 8-bit keys and the cache built from it stores 8-bit keys there
     (MLX's packed width: 64 dims x 8 bits = 16 uint32 words per row, 4 bits: 8)."""
     model, spec = tiny()
-    variant = parse_kv_variant("k4v4+k8@1")
-    assert variant.scheme.name == "k4v4+k8@1"
-    kv = kv_config(spec, variant)
+    variant = parse_kv("k4v4+k8@1")
+    assert variant.name == "k4v4+k8@1"
+    kv = host_config(spec, variant)
     assert [(e.key_bits, e.value_bits) for e in kv.layers] == [(4, 4), (8, 4)]
     caches = make_caches(model, kv, "llama")
     model(mx.array([[1, 2, 3]]), cache=caches)
@@ -241,10 +246,10 @@ def test_per_query_window_reads_chunks_as_decoding_reads_them(name: str) -> None
 
     model, spec = tiny()
     tokens = [int(t) for t in mx.random.randint(0, 97, (70,), key=mx.random.key(2)).tolist()]
-    variant = parse_kv_variant(name)
+    variant = parse_kv(name)
 
     def caches(per_query: bool) -> list[SchemeKVCache]:
-        made = make_variant_caches(model, spec, variant)
+        made = make_kv_caches(model, spec, variant)
         for c in made:
             c.per_query_window = per_query
         return made

@@ -7,10 +7,12 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import llama
 
+from kvrig.bundle.kvcache_json import host_config
 from kvrig.exceptions import KVSchemeError
 from kvrig.models import spec_from_config
 from kvrig.quality.kv_sensitivity import key_sensitivity, resolve_variant
-from kvrig.quality.schemes import kv_config, make_variant_caches, parse_kv_variant
+from kvrig.quality.schemes import make_kv_caches
+from kvrig.recipes import parse_kv
 
 CONFIG = {
     "model_type": "llama",
@@ -45,19 +47,19 @@ def model_with_outlier_keys(layer: int) -> tuple[llama.Model, object]:
 def test_the_layer_with_outlier_keys_ranks_first_and_gets_the_wide_keys(layer: int) -> None:
     model, spec = model_with_outlier_keys(layer)
     tokens = [int(t) for t in mx.random.randint(0, 97, (96,), key=mx.random.key(5)).tolist()]
-    variant = parse_kv_variant("k3v8+k8@top1")
+    variant = parse_kv("k3v8+k8@top1")
     ranked = key_sensitivity(model, spec, variant, tokens)
     assert sorted(i for i, _ in ranked) == [0, 1, 2]
     assert ranked[0][0] == layer
     assert all(kl >= 0 for _, kl in ranked)
 
     resolved = resolve_variant(model, spec, variant, tokens)
-    assert resolved.scheme.name == f"k3v8+k8@{layer}"
-    assert [e.key_bits for e in kv_config(spec, resolved).layers] == [8 if i == layer else 3 for i in range(3)]
-    make_variant_caches(model, spec, resolved)  # resolved: caches can be made
+    assert resolved.name == f"k3v8+k8@{layer}"
+    assert [e.key_bits for e in host_config(spec, resolved).layers] == [8 if i == layer else 3 for i in range(3)]
+    make_kv_caches(model, spec, resolved)  # resolved: caches can be made
 
 
 def test_unresolved_top_variant_is_a_clear_error() -> None:
     model, spec = model_with_outlier_keys(0)
     with pytest.raises(KVSchemeError, match="resolve"):
-        make_variant_caches(model, spec, parse_kv_variant("k4v4+k8@top2"))
+        make_kv_caches(model, spec, parse_kv("k4v4+k8@top2"))

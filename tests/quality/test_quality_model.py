@@ -17,8 +17,9 @@ from kvrig.exceptions import QualityGateError
 from kvrig.kvcache.kv_cache import SchemeKVCache
 from kvrig.models import load_model_spec
 from kvrig.packaging import package
-from kvrig.quality.schemes import make_variant_caches, parse_kv_variant
+from kvrig.quality.schemes import make_kv_caches
 from kvrig.quantize.base import load_source_model
+from kvrig.recipes import parse_kv
 from kvrig.runtime.host import prepare_for_host
 from tests.bundle_fixtures import converted_source
 
@@ -47,9 +48,9 @@ def test_k8v8_greedy_tokens_equal_fp16(source: Path) -> None:
             logits = model(mx.array([[out[-1]]]), cache=caches)
         return out
 
-    ref = greedy(make_variant_caches(model, spec, parse_kv_variant("fp16")))
-    assert greedy(make_variant_caches(model, spec, parse_kv_variant("k8v8"))) == ref
-    rotated = make_variant_caches(model, spec, parse_kv_variant("k8v8+rot"))
+    ref = greedy(make_kv_caches(model, spec, parse_kv("fp16")))
+    assert greedy(make_kv_caches(model, spec, parse_kv("k8v8"))) == ref
+    rotated = make_kv_caches(model, spec, parse_kv("k8v8+rot"))
     assert all(type(c) is SchemeKVCache for c in rotated)
     assert greedy(rotated) == ref
 

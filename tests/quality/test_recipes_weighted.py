@@ -19,9 +19,10 @@ from mlx_lm.utils import compute_bits_per_weight, quantize_model
 
 from kvrig.exceptions import QuantizationError
 from kvrig.models import spec_from_config
-from kvrig.planner.weights import account_weights, parse_recipe
+from kvrig.planner.weights import account_weights
 from kvrig.quantize.imx import activation_importance, fit_affine, mlp_g32_layout, pack
-from kvrig.quantize.recipes import apply_recipe, parse_quality_recipe
+from kvrig.quantize.recipes import apply_recipe
+from kvrig.recipes import parse_weights
 
 CONFIG: dict[str, Any] = {
     "model_type": "llama",
@@ -95,20 +96,20 @@ def test_fit_refuses_what_it_cannot_pack() -> None:
     with pytest.raises(QuantizationError):
         fit_affine(mx.zeros((4, 96)), 64, 4)
     with pytest.raises(QuantizationError):
-        parse_quality_recipe("imx-q7")
+        parse_weights("imx-q7")
     with pytest.raises(QuantizationError):
-        parse_quality_recipe("gpx-q7")
+        parse_weights("gpx-q7")
 
 
 def test_parse() -> None:
-    r = parse_quality_recipe("imx-4.6")
-    assert (r.method, r.base, r.target_bpw) == ("imx", "mixed", 4.6)
-    r = parse_quality_recipe("IMX-q4g32")
-    assert (r.method, r.base, r.group_size, r.bits) == ("imx", "q4", 32, 4)
-    r = parse_quality_recipe("gpx-4.6")
-    assert (r.method, r.base, r.target_bpw) == ("gpx", "mixed", 4.6)
-    r = parse_quality_recipe("gpx-q3g32")
-    assert (r.method, r.base, r.group_size, r.bits) == ("gpx", "q3", 32, 3)
+    r = parse_weights("imx-4.6")
+    assert (r.method, r.layout, r.target_bpw, str(r)) == ("imx", None, 4.6, "imx-4.6")
+    r = parse_weights("IMX-q4g32")
+    assert (r.method, str(r.layout), r.group_size, r.bits, str(r)) == ("imx", "q4g32", 32, 4, "imx-q4g32")
+    r = parse_weights("gpx-4.6")
+    assert (r.method, r.layout, r.target_bpw) == ("gpx", None, 4.6)
+    r = parse_weights("gpx-q3g32")
+    assert (r.method, str(r.layout), r.group_size, r.bits) == ("gpx", "q3g32", 32, 3)
 
 
 def test_importance_is_the_mean_square_input() -> None:
@@ -126,10 +127,8 @@ def test_importance_is_the_mean_square_input() -> None:
 
 
 def test_imx_q4_bytes_equal_the_planners_q4() -> None:
-    model, config = apply_recipe(
-        tiny(), dict(CONFIG), parse_quality_recipe("imx-q4"), mx.random.randint(0, 256, (4, 16))
-    )
-    planned = account_weights(spec_from_config(CONFIG), parse_recipe("q4", 64), "float16").total_bytes
+    model, config = apply_recipe(tiny(), dict(CONFIG), parse_weights("imx-q4"), mx.random.randint(0, 256, (4, 16)))
+    planned = account_weights(spec_from_config(CONFIG), parse_weights("q4", 64), "float16").total_bytes
     assert nbytes(model) == planned
     assert config["quantization"]["group_size"] == 64
 
@@ -139,7 +138,7 @@ def test_imx_target_layout_meets_the_target_and_matches_mlx_lm() -> None:
     count) within the target, and the bytes mlx-lm's quantize_model gives for the config's per-layer entries."""
     target = 4.6
     model, config = apply_recipe(
-        tiny(), dict(CONFIG), parse_quality_recipe(f"imx-{target}"), mx.random.randint(0, 256, (4, 16))
+        tiny(), dict(CONFIG), parse_weights(f"imx-{target}"), mx.random.randint(0, 256, (4, 16))
     )
     bpw = compute_bits_per_weight(model)
     assert bpw <= target
