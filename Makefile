@@ -7,9 +7,11 @@ STAMP := $(VENV)/.kvrig-setup-3
 # workers pay off even on two cores. Each test file stays on one worker, so module fixtures are built once; files
 # go out in collection order (tests/conftest.py puts the longest first), not xdist's most-tests-first.
 PYTEST_WORKERS ?= 2
-# libopenblas0-pthread: MLX CPU matmul; libimobiledevice: the device tools; the rest: the Linux build of the
-# Swift engine where MLX Swift resolves (it links BLAS/LAPACK; g++ for MLX's compile JIT).
+# libopenblas0-pthread: MLX CPU matmul; libimobiledevice: the device tools; fortunes, libc6-dev,
+# libpython3-stdlib, debian-reference-en: the kinds of text quality is calibrated and measured on (kvrig/texts.py);
+# the rest: the Linux build of the Swift engine where MLX Swift resolves (BLAS/LAPACK; g++ for MLX's compile JIT).
 DEBIAN_PACKAGES := libopenblas0-pthread libimobiledevice-utils ideviceinstaller \
+	fortunes libc6-dev libpython3-stdlib debian-reference-en \
 	libblas-dev liblapacke-dev libopenblas-dev liblapack-dev gfortran g++
 
 .PHONY: setup test demo lint typecheck clean

@@ -7,7 +7,7 @@ these and renders the result)::
 
     plan = kvrig.planner(None, "iPhone16,1", schemes=("k8v4",))        # None: the embedded SmolLM2-135M
     print(plan.max_context["k8v4"])
-    bundle = kvrig.packaging(None, "out/smollm2", kvrig.PackageOptions(device="iPhone16,1"))
+    bundle = kvrig.package(None, "out/smollm2", kvrig.PackageOptions(device="iPhone16,1"))
     kvrig.verify_bundle("out/smollm2")
 
 Names load on first use, so `import kvrig` (and `kvrig --help`) loads neither MLX nor pymobiledevice3.

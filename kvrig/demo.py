@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from kvrig.packaging import package
 from kvrig.planner import PlanRequest, plan_memory
 from kvrig.planner.memory import DEFAULT_MARGIN
 from kvrig.profiles import AppMemoryLimit, SourcedInt, load_profile
+from kvrig.schemas.bundle import MANIFEST_NAME
 from kvrig.schemas.kvcache import PressurePolicy
 from kvrig.schemas.results import Prediction, SoakResult
 from kvrig.soaking.driver import SoakOptions, soak
@@ -42,7 +44,7 @@ Event = Callable[[str], None]
 class DemoOptions:
     out: Path
     device: str = "iPhone16,1"
-    weights: str = "q4"
+    weights: str = "auto"
     kv: str = "auto"
     room_tokens: int = 2048
     prefill_step: int = 512
@@ -113,16 +115,19 @@ def run_demo(options: DemoOptions, on_event: Event | None = None) -> DemoResult:
     out.mkdir(parents=True, exist_ok=True)
     name = f"smollm2-{options.weights}-{options.kv}-p{options.prefill_step}"
     _say(on_event, f"packaging SmolLM2-135M ({options.weights} weights, {options.kv} KV) ...")
+    bundle_dir = out / "bundles" / name
+    if (bundle_dir / MANIFEST_NAME).is_file():
+        shutil.rmtree(bundle_dir)  # the demo's own bundle from an earlier run: rebuilt, never forced past a check
     packaged = package(
         embedded_default_model(),
-        out / "bundles" / name,
+        bundle_dir,
         PackageOptions(
             weights=options.weights,
             kv=options.kv,
             prefill_step_size=options.prefill_step,
             # The demo measures where jetsam strikes: an app that evicted under pressure would move it.
             pressure=PressurePolicy(warning="none", critical="none"),
-            force=True,
+            progress=lambda line: _say(on_event, line),
         ),
     )
     bundle, kv = packaged.path, packaged.kvcache
@@ -134,7 +139,7 @@ def run_demo(options: DemoOptions, on_event: Event | None = None) -> DemoResult:
     held_cache = buffer_cache_held(runtime.runtime, kv.buffer_cache_limit_bytes)
     common = PlanRequest(
         schemes=(kv.scheme,),
-        weights=options.weights,
+        weights=packaged.manifest.recipe.weights,  # what `auto` chose
         # The largest chunk the app prefills: the bundle's prefill step, or a whole soak step when that is
         # smaller (each step feeds at most step_tokens new tokens).
         prefill_step=min(kv.prefill_step_size, options.step_tokens),

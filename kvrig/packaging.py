@@ -20,22 +20,42 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvrig.bundle.kvcache_json import build_kvcache_config
+from kvrig.bundle.kvcache_json import build_kvcache_config, host_config
 from kvrig.bundle.manifest import hash_files
 from kvrig.bundle.options import MLX_CACHE_STEP, PackageOptions, PlanView, resolve_kv
-from kvrig.exceptions import BundleError, BundleExistsError, BundleWriteError, DoesNotFitError, ModelConfigError
+from kvrig.exceptions import (
+    BundleError,
+    BundleExistsError,
+    BundleWriteError,
+    DoesNotFitError,
+    InputError,
+    ModelConfigError,
+    QualityGateError,
+    QuantizationError,
+)
 from kvrig.models import load_model_spec, spec_from_config
 from kvrig.models.gguf import embedded_default_model
 from kvrig.models.source import source_dir
 from kvrig.planner import PlanRequest, plan_memory
 from kvrig.planner.kv import check_dims
-from kvrig.profiles import load_profile
-from kvrig.quality.gate import enforce, measure_quality
+from kvrig.profiles import list_profiles, load_profile
+from kvrig.quality.choose import FIT_KV, WEIGHT_CANDIDATES, choose_kv, measure_kv, rank_fit
+from kvrig.quality.gate import GateTexts, check_model, enforce, measure_source
 from kvrig.quality.kv_sensitivity import resolve_for_source
 from kvrig.quantize.base import load_source_model
 from kvrig.quantize.recipes import apply_recipe, calibration_tokens
 from kvrig.recipes import AUTO, KVSpec, WeightRecipe, parse_kv, parse_weights
-from kvrig.schemas.bundle import MANIFEST_NAME, Manifest, Prediction, QualityCheck, Recipe, SourceModel
+from kvrig.runtime.host import load_bundle_model, prepare_for_host
+from kvrig.schemas.bundle import (
+    MANIFEST_NAME,
+    Candidate,
+    Choice,
+    Manifest,
+    Prediction,
+    QualityCheck,
+    Recipe,
+    SourceModel,
+)
 from kvrig.schemas.kvcache import KVCACHE_NAME, KVCacheConfig
 from kvrig.version import __version__
 
@@ -120,27 +140,70 @@ def _mib(n: int) -> str:
 # --- packaging --------------------------------------------------------------------------------------------
 
 
+class _Job:
+    """One `package` call's source and what it measures once: the model spec, the tokenizer, the unquantized
+    model prepared for the host and the gate's texts with its perplexity on them."""
+
+    def __init__(self, src_dir: Path, source_info: SourceModel, out: Path, options: PackageOptions) -> None:
+        self.src_dir, self.source_info, self.out, self.options = src_dir, source_info, out, options
+        self.config_path = src_dir / "config.json"
+        self.config: dict[str, Any] = json.loads(self.config_path.read_text())
+        self.spec = load_model_spec(self.config_path)
+        self._source: Any = None
+        self._texts: GateTexts | None = None
+        self.say = options.progress
+
+    def source(self) -> Any:
+        if self._source is None:
+            self._source = prepare_for_host(load_source_model(self.src_dir)[0])
+        return self._source
+
+    def texts(self) -> GateTexts:
+        if self._texts is None:
+            from mlx_lm.utils import load_tokenizer
+
+            self.say("measuring the unquantized model on the gate's texts ...")
+            self._texts = measure_source(self.source(), load_tokenizer(self.src_dir))
+        return self._texts
+
+    def drop_source(self) -> None:
+        self._source = None  # its memory goes back before quantized candidates load
+
+
 def package(model: str | Path | None, out: str | Path, options: PackageOptions) -> PackageResult:
-    """Quantizes `model` (HF directory, GGUF file, None: the embedded SmolLM2) into a bundle at `out`."""
+    """Quantizes `model` (HF directory, GGUF file, None: the embedded SmolLM2) into a bundle at `out`. `auto`
+    weights or KV, and `fit`, choose by measuring on the model (quality/choose.py); the manifest records what
+    was tried."""
     out = Path(out)
-    recipe = parse_weights(options.weights, options.group_size)
-    if options.kv.strip().lower() != AUTO:
-        parse_kv(options.kv)  # a spec that cannot be read is refused before anything is converted
+    _check_options(options)
     source = _check_paths(model, out, force=options.force)
     with contextlib.ExitStack() as stack:
         with _disk_errors(out.parent):
             src_dir, source_info = stack.enter_context(source_dir(source, scratch_parent=out.parent))
-        config = json.loads((src_dir / "config.json").read_text())
-        scheme = _resolve_kv(src_dir, config, options.kv)
-        plan: PlanView | None = None
-        warnings: list[str] = []
-        if options.device is not None:
-            plan = plan_for_bundle(src_dir / "config.json", options.device, recipe, scheme)
-            warnings += check_fits(plan, min_context=MLX_CACHE_STEP, force=options.force)
-        manifest, kvcache = _write_bundle(
-            src_dir, source_info, out, config, recipe, scheme, options, plan, forced=bool(warnings)
-        )
-    return PackageResult(out, manifest, kvcache, warnings)
+        job = _Job(src_dir, source_info, out, options)
+        if options.fit is not None:
+            return _package_fit(job, options.fit)
+        kv, choice = _choose_kv(job)
+        if options.weights.strip().lower() == AUTO:
+            return _package_auto_weights(job, kv, choice)
+        recipe = parse_weights(options.weights, options.group_size)
+        plan, warnings = _plan(job, recipe, kv)
+        staged = _stage(job, recipe, kv, plan)
+        quality = _gate(job, staged, recipe, kv, enforce_it=True)
+        return _finish(job, staged, recipe, kv, plan, quality, choice, warnings)
+
+
+def _check_options(options: PackageOptions) -> None:
+    """What can be refused before any model is read: the recipe, the KV spec, `fit` without a device."""
+    if options.weights.strip().lower() != AUTO:
+        parse_weights(options.weights, options.group_size)
+    if options.kv.strip().lower() != AUTO:
+        parse_kv(options.kv)
+    if options.fit is not None:
+        if options.device is None:
+            raise InputError("--fit needs a device to plan for", field="--fit", expected="--device D as well")
+        if options.fit < 1:
+            raise InputError(f"--fit {options.fit}", field="--fit", expected="a context of at least 1 token")
 
 
 def _check_paths(model: str | Path | None, out: Path, *, force: bool) -> Path:
@@ -155,71 +218,332 @@ def _check_paths(model: str | Path | None, out: Path, *, force: bool) -> Path:
     return source
 
 
-def _resolve_kv(src_dir: Path, config: dict[str, Any], text: str) -> KVSpec:
-    """The KV spec for the source in `src_dir`: `auto` resolved, `+kN@topM` resolved to the layers measured on
-    the source, checked against the model's head dims."""
-    config_path = src_dir / "config.json"
-    kv = resolve_kv(text, config, config_path)
+def _resolve_kv(job: _Job, kv: KVSpec) -> KVSpec:
+    """`+kN@topM` resolved to the layers measured on the source, checked against the model's head dims."""
     if kv.promote_keys is not None:
-        kv = resolve_for_source(src_dir, kv)
-    check_dims(spec_from_config(config, config_path), kv)
+        kv = resolve_for_source(job.src_dir, kv)
+    check_dims(spec_from_config(job.config, job.config_path), kv)
     return kv
 
 
-def _write_bundle(
-    src_dir: Path,
-    source: SourceModel,
-    out: Path,
-    config: dict[str, Any],
-    recipe: WeightRecipe,
-    scheme: KVSpec,
-    options: PackageOptions,
-    plan: PlanView | None,
-    *,
-    forced: bool,
-) -> tuple[Manifest, KVCacheConfig]:
-    """Writes everything into a hidden folder beside `out` and renames it into place; removes it on any error."""
-    tmp = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
+def _choose_kv(job: _Job) -> tuple[KVSpec, Choice | None]:
+    text = job.options.kv.strip().lower()
+    if text != AUTO:
+        return _resolve_kv(job, parse_kv(text)), None
+    if not job.options.quality_gate:
+        # Nothing measured without the gate: `auto` is the rule it was before measurement, rotation where allowed.
+        return _resolve_kv(job, resolve_kv(AUTO, job.config, job.config_path)), None
+    job.say("choosing the KV spec (--kv auto) ...")
+    kv, candidates, why = choose_kv(job.source(), job.spec, job.texts())
+    job.say(f"  {why}")
+    return _resolve_kv(job, kv), Choice(kv=candidates, kv_why=why)
+
+
+def _plan(job: _Job, recipe: WeightRecipe, kv: KVSpec) -> tuple[PlanView | None, list[str]]:
+    if job.options.device is None:
+        return None, []
+    plan = plan_for_bundle(job.config_path, job.options.device, recipe, kv)
+    return plan, check_fits(plan, min_context=MLX_CACHE_STEP, force=job.options.force)
+
+
+@dataclass
+class _Staged:
+    """A bundle written into a hidden folder beside the output, not yet gated or installed."""
+
+    path: Path
+    quant_config: dict[str, Any]
+    kvcache: KVCacheConfig
+
+
+def _stage(job: _Job, recipe: WeightRecipe, kv: KVSpec, plan: PlanView | None) -> _Staged:
+    """Weights, tokenizer and kvcache.json into a hidden folder beside the output; removed on any error."""
+    tmp = job.out.parent / f".{job.out.name}.partial-{uuid.uuid4().hex[:8]}"
     try:
         with _disk_errors(tmp):
             tmp.mkdir()
-            q_config = _write_weights(src_dir, tmp, recipe)
-            _copy_tokenizer(src_dir, tmp)
-            kvcache = build_kvcache_config(config, load_model_spec(src_dir / "config.json"), scheme, options, plan)
+            job.say(f"quantizing the weights ({recipe}) ...")
+            q_config = _write_weights(job.src_dir, tmp, recipe)
+            _copy_tokenizer(job.src_dir, tmp)
+            kvcache = build_kvcache_config(job.config, job.spec, kv, job.options, plan)
             (tmp / KVCACHE_NAME).write_text(kvcache.model_dump_json(by_alias=True, indent=2) + "\n")
-            quality = _quality_gate(src_dir, tmp, kvcache, options, recipe.name, scheme.scheme)
-            manifest = Manifest(
-                tool_version=__version__,
-                created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-                source=source,
-                recipe=Recipe(
-                    weights=recipe.name,
-                    bits=q_config.get("quantization", {}).get("bits"),
-                    group_size=recipe.group_size,
-                    kv_scheme=scheme.scheme,
-                    key_bits=scheme.key_bits,
-                    value_bits=scheme.value_bits,
-                    kv_group_size=scheme.group_size,
-                ),
-                prediction=_prediction(plan, forced=forced),
-                quality=quality,
-                files=list(hash_files(tmp)),
-            )
-            (tmp / MANIFEST_NAME).write_text(manifest.model_dump_json(by_alias=True, indent=2) + "\n")
-            _install(tmp, out, force=options.force)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return manifest, kvcache
+    return _Staged(tmp, q_config, kvcache)
 
 
-def _quality_gate(
-    src_dir: Path, bundle: Path, kv: KVCacheConfig, options: PackageOptions, recipe: str, scheme: str
-) -> QualityCheck | None:
-    if not options.quality_gate:
+def _gate(job: _Job, staged: _Staged, recipe: WeightRecipe, kv: KVSpec, *, enforce_it: bool) -> QualityCheck | None:
+    """The quality gate on the staged bundle (None when turned off); with `enforce_it` a failure raises
+    (QualityGateError, unless forced) and the staged folder is removed."""
+    if not job.options.quality_gate:
         return None
-    check = measure_quality(src_dir, bundle, kv, max_increase_pct=options.max_ppl_increase_pct)
-    return enforce(check, force=options.force, recipe=recipe, kv=scheme)
+    try:
+        texts = job.texts()
+        job.drop_source()
+        model, _, config = load_bundle_model(staged.path)
+        check = check_model(
+            model,
+            staged.kvcache,
+            str(config.get("model_type", "")),
+            texts,
+            max_increase_pct=job.options.max_ppl_increase_pct,
+        )
+        job.say(
+            f"  quality gate: {check.ppl_delta_pct:+.2f} % on the worst text ({'passed' if check.passed else 'failed'})"
+        )
+        return enforce(check, force=job.options.force, recipe=recipe.name, kv=kv.name) if enforce_it else check
+    except BaseException:
+        shutil.rmtree(staged.path, ignore_errors=True)
+        raise
+
+
+def _finish(
+    job: _Job,
+    staged: _Staged,
+    recipe: WeightRecipe,
+    kv: KVSpec,
+    plan: PlanView | None,
+    quality: QualityCheck | None,
+    choice: Choice | None,
+    warnings: list[str],
+) -> PackageResult:
+    """The manifest over every staged file, then the folder renamed into place."""
+    try:
+        with _disk_errors(staged.path):
+            manifest = Manifest(
+                tool_version=__version__,
+                created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+                source=job.source_info,
+                recipe=Recipe(
+                    weights=recipe.name,
+                    bits=staged.quant_config.get("quantization", {}).get("bits"),
+                    group_size=recipe.group_size,
+                    kv_scheme=kv.scheme,
+                    key_bits=kv.key_bits,
+                    value_bits=kv.value_bits,
+                    kv_group_size=kv.group_size,
+                ),
+                prediction=_prediction(plan, forced=bool(warnings)),
+                quality=quality,
+                choice=choice,
+                files=list(hash_files(staged.path)),
+            )
+            (staged.path / MANIFEST_NAME).write_text(manifest.model_dump_json(by_alias=True, indent=2) + "\n")
+            _install(staged.path, job.out, force=job.options.force)
+    except BaseException:
+        shutil.rmtree(staged.path, ignore_errors=True)
+        raise
+    return PackageResult(job.out, manifest, staged.kvcache, warnings)
+
+
+def _package_auto_weights(job: _Job, kv: KVSpec, choice: Choice | None) -> PackageResult:
+    """`--weights auto`: each candidate, smallest first, written and gated; the first that passes is kept."""
+    choice = choice or Choice()
+    tried: list[Candidate] = []
+    if not job.options.quality_gate:
+        raise InputError(
+            "--weights auto chooses by the quality gate",
+            field="--no-quality-gate",
+            expected="the gate on, or --weights R",
+        )
+    for name in WEIGHT_CANDIDATES:
+        recipe = parse_weights(name)
+        try:
+            plan, warnings = _plan(job, recipe, kv)
+        except QuantizationError as exc:
+            tried.append(Candidate(weights=name, kv=kv.name, verdict="unavailable", reason=str(exc)))
+            continue
+        except DoesNotFitError as exc:
+            tried.append(Candidate(weights=name, kv=kv.name, verdict="does not fit", reason=str(exc)))
+            break  # every later candidate is larger
+        staged = _stage(job, recipe, kv, plan)
+        check = _gate(job, staged, recipe, kv, enforce_it=False)
+        assert check is not None
+        entry = Candidate(
+            weights=name,
+            kv=kv.name,
+            weights_bytes=plan.weights_bytes if plan else None,
+            max_context=plan.max_context if plan else None,
+            bits_per_weight=_bits_per_weight(staged.path, job.spec),
+            ppl_delta_pct=check.ppl_delta_pct,
+            verdict="passed" if check.passed else "failed gate",
+        )
+        if check.passed:
+            tried.append(entry.model_copy(update={"verdict": "chosen"}))
+            tried += [
+                Candidate(weights=n, kv=kv.name, verdict="not tried", reason="a smaller recipe passed")
+                for n in WEIGHT_CANDIDATES[WEIGHT_CANDIDATES.index(name) + 1 :]
+            ]
+            why = (
+                f"{name}: the smallest recipe whose bundle passes the gate ({check.ppl_delta_pct:+.2f} % on its worst "
+                f"text, limit {check.max_increase_pct:g} %)"
+            )
+            job.say(f"  {why}")
+            choice = choice.model_copy(update={"weights": tried, "weights_why": why})
+            return _finish(job, staged, recipe, kv, plan, check, choice, warnings)
+        tried.append(entry)
+        shutil.rmtree(staged.path, ignore_errors=True)
+    summary = "; ".join(
+        f"{c.weights}: {c.verdict}" + (f" ({c.ppl_delta_pct:+.1f} %)" if c.ppl_delta_pct is not None else "")
+        for c in tried
+    )
+    raise QualityGateError(
+        f"--weights auto: no candidate passes the quality gate ({summary}); raise --max-ppl-increase, or give "
+        "--weights R (with --force to package it anyway)"
+    )
+
+
+def _package_fit(job: _Job, context: int) -> PackageResult:
+    """`--fit N`: the weights x KV pairs the plan says hold N tokens on the device, best measured quality first;
+    the first whose bundle passes the gate is kept. Nothing fits: DoesNotFitError naming the closest option."""
+    assert job.options.device is not None
+    profile = load_profile(job.options.device)
+    kv_names = tuple(n for n in FIT_KV if _dims_ok(job, parse_kv(n)))
+    pairs = fit_pairs(job.spec, profile, WEIGHT_CANDIDATES, kv_names, context)
+    fitting = [p for p in pairs if p.verdict == "passed"]
+    if not fitting:
+        raise DoesNotFitError(_closest(job, profile.name, pairs, context))
+    job.say(f"{len(fitting)} of {len(pairs)} weights x KV pairs hold {context} tokens on {profile.name}; measuring ...")
+    kv_delta = {
+        c.kv: c.ppl_delta_pct
+        for c in measure_kv(job.source(), job.spec, job.texts(), tuple({p.kv for p in fitting}))
+        if c.ppl_delta_pct is not None
+    }
+    weights_delta = _measure_weights(job, tuple(dict.fromkeys(p.weights for p in fitting)))
+    ranked = rank_fit(pairs, weights_delta, kv_delta)
+    candidates = {(p.weights, p.kv): p for p in pairs}
+    for attempt, best in enumerate(ranked[:FIT_ATTEMPTS]):
+        recipe, kv = parse_weights(best.weights), _resolve_kv(job, parse_kv(best.kv))
+        plan, warnings = _plan(job, recipe, kv)
+        staged = _stage(job, recipe, kv, plan)
+        check = _gate(job, staged, recipe, kv, enforce_it=False)
+        assert check is not None
+        if not check.passed:
+            candidates[(best.weights, best.kv)] = best.model_copy(
+                update={"verdict": "failed gate", "reason": f"combined {check.ppl_delta_pct:+.2f} % on its worst text"}
+            )
+            shutil.rmtree(staged.path, ignore_errors=True)
+            continue
+        candidates[(best.weights, best.kv)] = best.model_copy(update={"verdict": "chosen"})
+        why = (
+            f"{best.weights} + {best.kv}: holds {best.max_context} tokens (>= {context}) on {profile.name} and has the "
+            f"best measured quality of the {len(fitting)} pairs that fit (weights and KV measured apart: "
+            f"{best.ppl_delta_pct:+.2f} %; together, by the gate: {check.ppl_delta_pct:+.2f} %)"
+            + (f"; {attempt} better-ranked pair(s) failed the gate together" if attempt else "")
+        )
+        job.say(f"  {why}")
+        for key, pair in list(candidates.items()):
+            if key not in {(b.weights, b.kv) for b in ranked[: attempt + 1]} and pair.verdict == "passed":
+                scored = next((r for r in ranked if (r.weights, r.kv) == key), pair)
+                candidates[key] = scored.model_copy(
+                    update={"verdict": "not tried", "reason": "ranked below the winner"}
+                )
+        choice = Choice(fit_context=context, fit=list(candidates.values()), fit_why=why)
+        return _finish(job, staged, recipe, kv, plan, check, choice, warnings)
+    raise QualityGateError(
+        f"--fit {context}: the {min(len(ranked), FIT_ATTEMPTS)} best-ranked pairs that hold {context} tokens on "
+        f"{profile.name} failed the quality gate together; raise --max-ppl-increase or ask for less context"
+    )
+
+
+FIT_ATTEMPTS = 3
+"""Pairs `--fit` writes and gates at most, best-ranked first, before it gives up."""
+
+
+def fit_pairs(
+    spec: Any, profile: Any, weights: tuple[str, ...], kv_names: tuple[str, ...], context: int
+) -> list[Candidate]:
+    """Every weights x KV pair with its planned bytes and max context on `profile` (one plan per recipe)."""
+    pairs = []
+    for name in weights:
+        try:
+            plan = plan_memory(spec, profile, PlanRequest(schemes=kv_names, weights=name, recipes=(name,)))
+        except QuantizationError as exc:
+            pairs += [Candidate(weights=name, kv=k, verdict="unavailable", reason=str(exc)) for k in kv_names]
+            continue
+        for kv in kv_names:
+            kv_name = parse_kv(kv).name
+            max_context = plan.max_context[kv_name]
+            pairs.append(
+                Candidate(
+                    weights=name,
+                    kv=kv,
+                    weights_bytes=plan.weights_bytes,
+                    kv_bytes=plan.kv_bytes[kv_name].get("4096") if "4096" in plan.kv_bytes[kv_name] else None,
+                    max_context=max_context,
+                    verdict="passed" if max_context >= context else "does not fit",
+                )
+            )
+    return pairs
+
+
+def _dims_ok(job: _Job, kv: KVSpec) -> bool:
+    try:
+        check_dims(job.spec, kv)
+    except QuantizationError:
+        return False
+    return True
+
+
+def _closest(job: _Job, device: str, pairs: list[Candidate], context: int) -> str:
+    """What to say when nothing fits: the pair that comes closest (the model's own trained context, when that is
+    what stops every pair), and the devices where the smallest pair holds the context."""
+    planned = [p for p in pairs if p.max_context is not None]
+    if not planned:
+        return f"--fit {context}: no candidate recipe can be planned for this model"
+    text = job.spec.config.get("text_config", job.spec.config)
+    trained = text.get("max_position_embeddings")
+    best = max(planned, key=lambda p: (p.max_context or 0, -(p.weights_bytes or 0) - (p.kv_bytes or 0)))
+    if trained and best.max_context == int(trained):
+        return (
+            f"nothing holds {context} tokens: the model's trained context is {trained} tokens (max_position_embeddings "
+            f"in {job.config_path.name}), which {best.weights} + {best.kv} already reaches on {device}"
+        )
+    smallest = min(planned, key=lambda p: (p.weights_bytes or 0, p.kv_bytes or 0))
+    holders = []
+    request = PlanRequest(schemes=(smallest.kv,), weights=smallest.weights, recipes=(smallest.weights,))
+    for profile in list_profiles():
+        try:
+            plan = plan_memory(job.spec, profile, request)
+        except QuantizationError:
+            continue
+        if plan.max_context[parse_kv(smallest.kv).name] >= context:
+            holders.append(profile.name)
+    where = (
+        f"; {smallest.weights} + {smallest.kv} would hold it on {', '.join(holders[:5])}"
+        if holders
+        else "; no device kvrig knows holds it with these candidates"
+    )
+    return (
+        f"nothing holds {context} tokens on {device}: the closest is {best.weights} + {best.kv} at "
+        f"{best.max_context} tokens{where}"
+    )
+
+
+def _measure_weights(job: _Job, names: tuple[str, ...]) -> dict[str, float]:
+    """Each recipe's worst-kind perplexity change with an unquantized KV cache, quantized in memory."""
+    from mlx_lm.utils import load_tokenizer
+
+    texts = job.texts()
+    fp16 = parse_kv("fp16")
+    calibration = None
+    out = {}
+    for name in names:
+        recipe = parse_weights(name)
+        if recipe.calibrated and calibration is None:
+            calibration = calibration_tokens(load_tokenizer(job.src_dir))
+        job.say(f"  measuring {name} weights ...")
+        model, _ = apply_recipe(load_source_model(job.src_dir)[0], dict(job.config), recipe, calibration)
+        check = check_model(prepare_for_host(model), host_config(job.spec, fp16), job.spec.model_type, texts)
+        out[name] = check.ppl_delta_pct
+        del model
+    return out
+
+
+def _bits_per_weight(bundle: Path, spec: Any) -> float:
+    """Bits per parameter of the written weights (their safetensors bytes over the model's parameter count)."""
+    weights = sum(f.stat().st_size for f in bundle.glob("*.safetensors"))
+    return round(8 * weights / max(spec.parameter_count(), 1), 3)
 
 
 def _check_output(out: Path, *, force: bool) -> None:

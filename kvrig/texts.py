@@ -1,18 +1,85 @@
-"""Texts the quality measurements read. Nothing downloads: the evaluation and calibration texts are licence
-texts Debian's `base-files` package ships in /usr/share/common-licenses (their licences allow verbatim
-copies; kvrig only reads them), and the gate's short text is kvrig's own."""
+"""Texts the quality measurements read, by kind. Nothing downloads: every text is a file a Debian package ships
+(`make setup` installs them; their licences allow verbatim copies, kvrig only reads them), except the gate's short
+prose, which is kvrig's own.
+
+Calibration (what AWQ, GPTQ and kvrig's importance-weighted recipes learn from) and evaluation never share a kind:
+a recipe is judged on kinds of text it never saw — Python source and a technical manual — while it is calibrated
+on legal prose, quotations and dialogue, and C headers.
+"""
 
 from __future__ import annotations
 
+import glob
+import gzip
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from kvrig.exceptions import QualityInputError
 
 LICENSES = Path("/usr/share/common-licenses")
-EVAL_FILES = ("GPL-3", "Apache-2.0")
-"""Evaluation text: the GPL-3 text, then Apache-2.0 for contexts longer than the GPL-3 (~7.5k tokens)."""
-CALIBRATION_FILES = ("GFDL-1.3", "GPL-2", "MPL-2.0", "LGPL-2.1")
-"""Calibration text for AWQ / GPTQ / sensitivity recipes: other licences, never the evaluation text."""
+
+
+@dataclass(frozen=True)
+class TextKind:
+    """One kind of text: where its files are, which Debian package ships them, and what it is used for."""
+
+    name: str
+    description: str
+    package: str
+    files: tuple[str, ...]
+    """Paths (a glob where the Python version varies), read in this order."""
+    role: Literal["calibration", "evaluation"]
+    start: str | None = None
+    """The text starts at the first occurrence of this (a manual's table of contents is not prose)."""
+
+
+KINDS: tuple[TextKind, ...] = (
+    TextKind(
+        "legal",
+        "licence texts",
+        "base-files",
+        tuple(str(LICENSES / name) for name in ("GFDL-1.3", "GPL-2", "MPL-2.0", "LGPL-2.1")),
+        "calibration",
+    ),
+    TextKind(
+        "quotes",
+        "quotations, jokes and dialogue (fortune cookies)",
+        "fortunes",
+        tuple(
+            f"/usr/share/games/fortunes/{name}"
+            for name in ("literature", "wisdom", "people", "startrek", "men-women", "humorists", "work", "science")
+        ),
+        "calibration",
+    ),
+    TextKind(
+        "c",
+        "C headers of the GNU C library",
+        "libc6-dev",
+        tuple(f"/usr/include/{name}.h" for name in ("stdio", "stdlib", "string", "unistd", "pthread", "signal")),
+        "calibration",
+    ),
+    TextKind(
+        "python",
+        "Python source: modules of the standard library",
+        "libpython3.11-stdlib",
+        tuple(
+            f"/usr/lib/python3.*/{name}.py"
+            for name in ("textwrap", "difflib", "fractions", "shlex", "calendar", "heapq", "statistics", "argparse")
+        ),
+        "evaluation",
+    ),
+    TextKind(
+        "manual",
+        "technical documentation: the Debian Reference",
+        "debian-reference-en",
+        ("/usr/share/debian-reference/debian-reference.en.txt.gz",),
+        "evaluation",
+        start="This Debian Reference (version",
+    ),
+)
+CALIBRATION_KINDS = tuple(k.name for k in KINDS if k.role == "calibration")
+EVALUATION_KINDS = tuple(k.name for k in KINDS if k.role == "evaluation")
 
 GATE_TEXT = """\
 The river town woke slowly on market days. Before the sun had cleared the hills, farmers were already
@@ -34,28 +101,76 @@ returned late, stamping each one with the date before putting it back on its she
 """
 
 
-def read_texts(names: tuple[str, ...], *, root: Path = LICENSES) -> tuple[str, list[str]]:
-    """The named files joined by blank lines, and the paths read."""
+def kind(name: str) -> TextKind:
+    for k in KINDS:
+        if k.name == name:
+            return k
+    raise QualityInputError(
+        f"no text kind {name!r}", field="kind", expected=f"one of {', '.join(k.name for k in KINDS)}"
+    )
+
+
+def read_kind(text_kind: TextKind | str) -> tuple[str, list[str]]:
+    """The kind's files joined by blank lines, and the paths read."""
+    text_kind = kind(text_kind) if isinstance(text_kind, str) else text_kind
     parts, used = [], []
-    for name in names:
-        path = root / name
+    for pattern in text_kind.files:
+        matches = sorted(glob.glob(pattern)) if "*" in pattern else [pattern]
+        path = Path(matches[-1]) if matches else Path(pattern)  # the newest Python where several are installed
         try:
-            parts.append(path.read_text(encoding="utf-8"))
+            raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+            parts.append(raw.decode("utf-8", errors="replace").replace("\n%\n", "\n\n"))
         except OSError as exc:
             raise QualityInputError(
-                f"cannot read the text: {exc.strerror or exc}",
+                f"cannot read the {text_kind.name} text: {exc.strerror or exc}",
                 file=path,
-                expected="Debian's base-files licence texts (installed on every Debian system)",
+                expected=f"Debian's {text_kind.package} package (`make setup` installs it)",
             ) from None
         used.append(str(path))
-    return "\n\n".join(parts), used
+    text = "\n\n".join(parts)
+    if text_kind.start is not None and text_kind.start in text:
+        text = text[text.index(text_kind.start) :]
+    return text, used
+
+
+def read_texts(names: tuple[str, ...], *, root: Path = LICENSES) -> tuple[str, list[str]]:
+    """Named files under `root` joined by blank lines, and the paths read (the licence texts by name)."""
+    text_kind = TextKind("files", f"files in {root}", "base-files", tuple(str(root / n) for n in names), "evaluation")
+    return read_kind(text_kind)
 
 
 def tokens_of(tokenizer: object, text: str, n: int, *, what: str, source: str) -> list[int]:
-    """The first `n` tokens of `text`, or a QualityInputError saying how many there are."""
-    ids = list(tokenizer.encode(text))  # type: ignore[attr-defined]
+    """The first `n` tokens of `text`, or a QualityInputError saying how many there are. Encodes a prefix that
+    grows until it holds them (a whole manual is ~100k tokens; the tokenizer warns past the model's length)."""
+    chars = 8 * n
+    while True:
+        ids = list(tokenizer.encode(text[:chars]))  # type: ignore[attr-defined]
+        if len(ids) > n or chars >= len(text):
+            break
+        chars *= 2
     if len(ids) < n:
         raise QualityInputError(
             f"{what} has {len(ids)} tokens, fewer than the {n} asked for", file=source, expected=f">= {n} tokens"
         )
     return ids[:n]
+
+
+def kind_tokens(tokenizer: object, name: str, n: int, *, from_end: bool = False) -> list[int]:
+    """The first `n` tokens of one kind of text, or with `from_end` its last `n` (the gate's: the quality bench
+    reads the beginnings)."""
+    text, used = read_kind(name)
+    source = ", ".join(used)
+    if not from_end:
+        return tokens_of(tokenizer, text, n, what=f"the {name} text", source=source)
+    chars = 8 * n
+    while True:
+        tail = text[-chars:]
+        ids = list(tokenizer.encode(tail[tail.find("\n") + 1 :]))  # type: ignore[attr-defined]  # from a line start
+        if len(ids) >= n or chars >= len(text):
+            break
+        chars *= 2
+    if len(ids) < n:
+        raise QualityInputError(
+            f"the {name} text has {len(ids)} tokens, fewer than the {n} asked for", file=source, expected=f">= {n}"
+        )
+    return ids[-n:]

@@ -35,7 +35,11 @@ def _shared(factory: pytest.TempPathFactory, name: str, make: Callable[[Path], N
 
 
 def packaged(factory: pytest.TempPathFactory, name: str, options: PackageOptions) -> Path:
-    return _shared(factory, name, lambda out: package(embedded_default_model(), out, replace(options, force=True)))
+    return _shared(
+        factory,
+        name,
+        lambda out: package(embedded_default_model(), out, replace(options, force=True, quality_gate=False)),
+    )
 
 
 def converted_source(factory: pytest.TempPathFactory) -> Path:

@@ -51,7 +51,7 @@ def q4_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def q8_bundle(workdir: Path) -> Path:
     out = workdir / "smollm2-q8"
-    package(embedded_default_model(), out, PackageOptions(weights="q8", group_size=32, kv="k8v4"))
+    package(embedded_default_model(), out, PackageOptions(weights="q8", group_size=32, kv="k8v4", quality_gate=False))
     return out
 
 
@@ -150,13 +150,13 @@ def test_verify_ok_and_catches_truncated_and_edited_files(q4_bundle: Path, tmp_p
 
 def test_existing_output_folder(q4_bundle: Path) -> None:
     with pytest.raises(BundleExistsError, match="already exists; use --force to replace it"):
-        package(None, q4_bundle, PackageOptions(kv="k8v8"))
+        package(None, q4_bundle, PackageOptions(weights="q8", quality_gate=False, kv="k8v8"))
 
 
 def test_force_replaces_a_bundle_but_nothing_else(q4_bundle: Path, source_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "bundle"
     shutil.copytree(q4_bundle, out)
-    result = package(source_dir, out, PackageOptions(kv="k8v4", force=True))
+    result = package(source_dir, out, PackageOptions(weights="q8", quality_gate=False, kv="k8v4", force=True))
     assert result.path == out
     # The new bundle is in place, whole; the old one and the temporary folder are gone.
     assert load_model_file(KVCacheConfig, out / "kvcache.json").scheme == "k8v4"
@@ -168,32 +168,37 @@ def test_force_replaces_a_bundle_but_nothing_else(q4_bundle: Path, source_dir: P
     mine.mkdir()
     (mine / "notes.txt").write_text("keep me")
     with pytest.raises(BundleExistsError, match="not a kvrig bundle"):
-        package(source_dir, mine, PackageOptions(kv="k8v4", force=True))
+        package(source_dir, mine, PackageOptions(weights="q8", quality_gate=False, kv="k8v4", force=True))
     assert (mine / "notes.txt").read_text() == "keep me" and len(list(mine.iterdir())) == 1
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert package(source_dir, empty, PackageOptions(kv="k8v4", force=True)).kvcache.scheme == "k8v4"
+    assert (
+        package(
+            source_dir, empty, PackageOptions(weights="q8", quality_gate=False, kv="k8v4", force=True)
+        ).kvcache.scheme
+        == "k8v4"
+    )
 
 
 def test_missing_and_incomplete_model_dirs(tmp_path: Path) -> None:
     with pytest.raises(ModelConfigError, match="not found"):
-        package(tmp_path / "nope", tmp_path / "out", PackageOptions())
+        package(tmp_path / "nope", tmp_path / "out", PackageOptions(weights="q8", quality_gate=False))
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelConfigError, match=r"no config\.json"):
-        package(tmp_path / "empty", tmp_path / "out", PackageOptions())
+        package(tmp_path / "empty", tmp_path / "out", PackageOptions(weights="q8", quality_gate=False))
     assert not (tmp_path / "out").exists()
 
 
 def test_unsupported_architecture(tmp_path: Path) -> None:
     gguf = write_gguf(tmp_path / "m.gguf", {"general.architecture": "mamba9", "mamba9.block_count": 1})
     with pytest.raises(UnsupportedArchitectureError, match="mamba9"):
-        package(gguf, tmp_path / "out1", PackageOptions())
+        package(gguf, tmp_path / "out1", PackageOptions(weights="q8", quality_gate=False))
     hf = tmp_path / "hf"
     hf.mkdir()
     (hf / "config.json").write_text(json.dumps({"model_type": "mamba9", "hidden_size": 8}))
     mx.save_safetensors(str(hf / "model.safetensors"), {"w": mx.zeros((2,))})
     with pytest.raises(UnsupportedArchitectureError, match="mamba9"):
-        package(hf, tmp_path / "out2", PackageOptions(kv="fp16"))
+        package(hf, tmp_path / "out2", PackageOptions(weights="q8", quality_gate=False, kv="fp16"))
     assert not (tmp_path / "out1").exists() and not (tmp_path / "out2").exists()
 
 
@@ -204,9 +209,17 @@ def test_does_not_fit_refuses_and_force_packages(
     plan = PlanView("iPhone-test", 100 * 2**20, 75 * 2**20, 10_000, 100, 90 * 2**20)
     monkeypatch.setattr(bundle_mod, "plan_for_bundle", lambda *a, **k: plan)
     with pytest.raises(DoesNotFitError, match=r"max context is 100 tokens, 156 short of 256"):
-        package(source_dir, tmp_path / "out", PackageOptions(device="iPhone-test", kv="k8v8"))
+        package(
+            source_dir,
+            tmp_path / "out",
+            PackageOptions(weights="q8", quality_gate=False, device="iPhone-test", kv="k8v8"),
+        )
     assert not (tmp_path / "out").exists()
-    result = package(source_dir, tmp_path / "out", PackageOptions(device="iPhone-test", kv="k8v8", force=True))
+    result = package(
+        source_dir,
+        tmp_path / "out",
+        PackageOptions(weights="q8", quality_gate=False, device="iPhone-test", kv="k8v8", force=True),
+    )
     assert result.manifest.prediction is not None
     assert result.manifest.prediction.forced and not result.manifest.prediction.fits
     assert result.kvcache.max_context == 100
@@ -231,7 +244,7 @@ def small_disk(tmp_path: Path):
 
 def test_full_disk_leaves_nothing_half_written(source_dir: Path, small_disk: Path) -> None:
     with pytest.raises(BundleError, match="disk full"):
-        package(source_dir, small_disk / "bundle", PackageOptions(kv="k8v8"))
+        package(source_dir, small_disk / "bundle", PackageOptions(weights="q8", quality_gate=False, kv="k8v8"))
     assert list(small_disk.iterdir()) == []
 
 
@@ -255,12 +268,14 @@ def test_real_plan_refuses_a_model_too_big_for_the_device(tmp_path: Path) -> Non
     (hf / "config.json").write_text(json.dumps(config))
     mx.save_safetensors(str(hf / "model.safetensors"), {"placeholder": mx.zeros((1,))})
     with pytest.raises(DoesNotFitError, match=r"weights alone \(.*MiB\) exceed the .* limit by .*MiB"):
-        package(hf, tmp_path / "out", PackageOptions(device="iPhone15,2"))
+        package(hf, tmp_path / "out", PackageOptions(weights="q8", quality_gate=False, device="iPhone15,2"))
     assert not (tmp_path / "out").exists()
 
 
 def test_package_with_a_device_records_the_plan(source_dir: Path, tmp_path: Path) -> None:
-    result = package(source_dir, tmp_path / "b", PackageOptions(device="iPhone15,2", kv="k8v4"))
+    result = package(
+        source_dir, tmp_path / "b", PackageOptions(weights="q8", quality_gate=False, device="iPhone15,2", kv="k8v4")
+    )
     p = result.manifest.prediction
     assert p is not None and p.fits and not p.forced
     assert p.max_context == result.kvcache.max_context > 0

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -19,11 +20,15 @@ DEFAULT_BUFFER_CACHE_LIMIT = DEFAULT_BUFFER_CACHE_BYTES
 MLX_CACHE_STEP = MLX_STEP
 
 
+def _quiet(_: str) -> None:
+    pass
+
+
 @dataclass(frozen=True)
 class PackageOptions:
-    weights: str = "q8"
-    """q8 rather than q4: on SmolLM2 q4 g64 raises perplexity 18-34 % and gets simple facts wrong; q5 is +16 %
-    on the GPL-3 text, and q6 (+6-7 %) still answers 'capital of France' wrong (`kvrig bench quality`)."""
+    weights: str = AUTO
+    """A weight recipe (`q8`, `gpx-q4`, `gpx-4.6`; recipes.py) or `auto`: the smallest of the candidates whose
+    bundle passes the quality gate, measured on the model (quality/choose.py)."""
     group_size: int = 64
     kv: str = AUTO
     """A KV spec (`k8v4`, `k4v4+k8@top2+rot+s4`; recipes.py) or `auto`: k8v4 with the Hadamard rotation where it
@@ -38,10 +43,14 @@ class PackageOptions:
     buffer_cache_limit_bytes: int = DEFAULT_BUFFER_CACHE_LIMIT
     max_context: int | None = None
     """Without a device: the context written to kvcache.json (default: the model's own maximum)."""
-    quality_gate: bool = False
-    """Measure the bundle's perplexity against the source and refuse it over `max_ppl_increase_pct` (the CLI
-    turns this on by default; `force` packages anyway and records the failed check)."""
+    quality_gate: bool = True
+    """Measure the bundle's perplexity against the source and refuse it over `max_ppl_increase_pct` (`force`
+    packages anyway and records the failed check). `auto` and `fit` choose by it."""
     max_ppl_increase_pct: float = 10.0
+    fit: int | None = None
+    """With a device: choose weights and KV spec that hold this many tokens there, best measured quality first."""
+    progress: Callable[[str], None] = _quiet
+    """Told what the packager is doing (quantizing, measuring, choosing): the CLI prints it to stderr."""
     pressure: PressurePolicy = field(default_factory=PressurePolicy)
     """What the app does on memory-pressure levels (kvcache.json `pressure`)."""
 

@@ -86,6 +86,12 @@ def _csv(text: str) -> tuple[str, ...]:
     help="KV variants, e.g. k8v4,k8v4+rot,k4v4+rot+s4+w64 "
     "(rot: Hadamard on K and V, rotk: keys only, sN: sink tokens, wN: recent window).",
 )
+@click.option(
+    "--kinds",
+    default="python,manual",
+    show_default=True,
+    help="Kinds of evaluation text (texts.py; none of them used for calibration).",
+)
 @click.option("--weights-tokens", default=512, show_default=True, type=int, help="Tokens for the weight rows.")
 @click.option("--kv-tokens", default=2048, show_default=True, type=int, help="Tokens for the KV rows.")
 @click.option("--contexts", default="512,1024,2048,4096", show_default=True, help="Contexts for bytes and decode.")
@@ -119,6 +125,7 @@ def quality(
     model: Path | None,
     recipes: str,
     kv_variants: str | None,
+    kinds: str,
     weights_tokens: int,
     kv_tokens: int,
     contexts: str,
@@ -128,8 +135,9 @@ def quality(
     output: Path,
     as_json: bool,
 ) -> None:
-    """Perplexity of weight recipes and KV variants against the unquantized source on the GPL-3 text (Debian
-    base-files), KV bytes measured vs planned, host decode tok/s by context, plots.
+    """Perplexity of weight recipes and KV specs against the unquantized source on kinds of text the calibration
+    never saw (Python source, a technical manual; Debian packages), KV bytes measured vs planned, host decode
+    tok/s by context, plots.
 
     MODEL: a bundle (its manifest names the source; its own weights get a row), a model folder or GGUF; none:
     the embedded SmolLM2. Minutes on a 2-core CPU; not part of the test suite."""
@@ -145,6 +153,7 @@ def quality(
         model,
         recipes=_csv(recipes),
         kv_variants=DEFAULT_KV if kv_variants is None else _csv(kv_variants),  # '' runs no KV rows
+        kinds=_csv(kinds),
         weights_tokens=weights_tokens,
         kv_tokens=kv_tokens,
         contexts=tuple(int(c) for c in _csv(contexts)),
@@ -161,44 +170,53 @@ def quality(
 
 
 def _print_quality(report: object, paths: list[Path]) -> None:
-    from kvrig.quality.bench import QualityReport
+    from kvrig.quality.bench import QualityReport, worst_by_name
 
     assert isinstance(report, QualityReport)
-    click.echo(f"model {report.model}; text {', '.join(report.text)}")
+    kinds = list(report.text)
+    click.echo(f"model {report.model}; evaluated on kinds never calibrated on: {', '.join(kinds)}")
+    for kind, files in report.text.items():
+        click.echo(f"  {kind}: {', '.join(files)}")
     if report.calibration:
-        click.echo(f"calibration text {', '.join(report.calibration)}")
+        click.echo(f"calibrated on: {', '.join(report.calibration)}")
     click.echo(
         "source PPL (unquantized weights and KV): "
         + ", ".join(f"{v:.3f} on {k} tokens" for k, v in report.source_ppl.items())
     )
-    click.echo(f"\nweight recipes (first {report.weights[0].tokens if report.weights else 0} tokens, fp KV)")
-    click.echo(f"{'recipe':14}{'bits/weight':>12}{'PPL':>9}{'change':>9}{'seconds':>9}")
-    for r in report.weights:
-        bpw = f"{r.bits_per_weight:.3f}" if r.bits_per_weight is not None else "-"
-        click.echo(f"{r.recipe:14}{bpw:>12}{r.ppl:9.3f}{r.ppl_delta_pct:+8.2f}%{r.seconds:9.0f}")
+    if report.weights:
+        click.echo(f"\nweight recipes (first {report.weights[0].tokens} tokens of each kind, fp KV): PPL change")
+        kind_heads = "".join(f"{k:>11}" for k in kinds)
+        click.echo(f"{'recipe':16}{'bits/weight':>12}{kind_heads}{'worst':>9}{'seconds':>9}")
+        worst = worst_by_name(report.weights, lambda r: r.recipe)
+        for name, w in worst.items():
+            by_kind = {r.kind: r for r in report.weights if r.recipe == name}
+            bpw = f"{w.bits_per_weight:.3f}" if w.bits_per_weight is not None else "-"
+            cells = "".join(f"{by_kind[k].ppl_delta_pct:+10.2f}%" if k in by_kind else f"{'-':>11}" for k in kinds)
+            click.echo(f"{name:16}{bpw:>12}{cells}{w.ppl_delta_pct:+8.2f}%{w.seconds:9.0f}")
     if report.kv:
         ctx = sorted(report.kv[0].decode_tps)
-        fp = next((r for r in report.kv if r.kv == "fp16"), None)
+        last = ctx[-1]
         reads = {
             "decoded": "each position reads its own recent window, as decoding it would",
             "chunked": "the recent window at each 256-token chunk's end",
         }[report.kv_reads]
-        click.echo(f"\nKV variants (source weights, {report.kv[0].tokens} tokens, {reads}); bytes at {ctx[-1]} tokens")
-        head = f"{'kv':20}{'PPL':>8}{'change':>9}{'host bytes':>12}{'planned':>12}{'phone plan':>12}{'of fp16':>8}"
+        click.echo(f"\nKV specs (source weights, {report.kv[0].tokens} tokens of each kind, {reads}): PPL change")
+        worst = worst_by_name(report.kv, lambda r: r.kv)
+        fp = worst.get("fp16")
+        head = f"{'kv':20}" + "".join(f"{k:>10}" for k in kinds) + f"{'worst':>9}{'phone plan':>12}{'of fp16':>8}"
         click.echo(head + "".join(f"{'tok/s@' + str(c):>12}" for c in ctx))
-        for r in report.kv:
-            last = ctx[-1]
-            frac = r.phone_kv_bytes[last] / fp.phone_kv_bytes[last] if fp else 0.0
+        for name, w in worst.items():
+            by_kind = {r.kind: r for r in report.kv if r.kv == name}
+            frac = w.phone_kv_bytes[last] / fp.phone_kv_bytes[last] if fp else 0.0
+            cells = "".join(f"{by_kind[k].ppl_delta_pct:+9.2f}%" if k in by_kind else f"{'-':>10}" for k in kinds)
             click.echo(
-                f"{r.kv:20}{r.ppl:8.3f}{r.ppl_delta_pct:+8.2f}%{human_bytes(r.kv_bytes[last]):>12}"
-                f"{human_bytes(r.predicted_kv_bytes[last]):>12}{human_bytes(r.phone_kv_bytes[last]):>12}{frac:8.1%}"
-                + "".join(f"{r.decode_tps[c]:12.2f}" for c in ctx)
+                f"{name:20}{cells}{w.ppl_delta_pct:+8.2f}%{human_bytes(w.phone_kv_bytes[last]):>12}{frac:8.1%}"
+                + "".join(f"{w.decode_tps[c]:12.2f}" for c in ctx)
             )
-        for r in report.kv:
-            if r.kv_scheme and r.kv_scheme != r.kv.split("+")[0] and "@top" in r.kv:
-                click.echo(f"{r.kv}: layers chosen by measurement: {r.kv_scheme}")
+            if w.kv_scheme and "@top" in name:
+                click.echo(f"  {name}: layers chosen by measurement: {w.kv_scheme}")
         exact = all(r.kv_bytes == r.predicted_kv_bytes for r in report.kv)
-        click.echo(f"measured cache bytes equal the plan at every context: {'yes' if exact else 'NO'}")
+        click.echo(f"measured cache bytes (host) equal the plan at every context: {'yes' if exact else 'NO'}")
     if report.factual:
         click.echo(f"\nfactual prompts, source vs {report.factual_recipe}")
         for c in report.factual:

@@ -22,7 +22,9 @@ if TYPE_CHECKING:
     "-o", "--out", type=click.Path(file_okay=False, path_type=Path), default=Path("build/demo"), show_default=True
 )
 @click.option("--device", default="iPhone16,1", show_default=True, help="ProductType or profile of the virtual iPhone.")
-@click.option("--weights", default="q4", show_default=True, help="Weight recipe for `kvrig package`.")
+@click.option(
+    "--weights", default="auto", show_default=True, help="Weight recipe as `kvrig package --weights` takes it."
+)
 @click.option(
     "--kv",
     default="auto",

@@ -14,10 +14,16 @@ from kvrig.cli.render import echo_json, human_bytes, json_option
 @click.option("--device", "-d", help="Device profile to plan for (refuses a bundle that does not fit).")
 @click.option(
     "--weights",
-    default="q8",
+    default="auto",
     show_default=True,
-    help="q2-q8, mixed_2_6, mixed_3_4, mixed_3_6, mixed_4_6, fp16. The default is q8: on SmolLM2 q4 (group 64 or "
-    "32) and q5 raise perplexity 12-35 %, and q6 answers 'capital of France' wrong (see `kvrig bench quality`).",
+    help="Weight recipe: qN[gG], mixed_X_Y, fp16, awq-qN, gptq-qN, imx-qN, gpx-qN, imx-BPW, gpx-BPW, dq-BPW. "
+    "auto: the smallest of gpx-q4, gpx-4.6, q5, q6, q8 whose bundle passes the quality gate, measured here.",
+)
+@click.option(
+    "--fit",
+    type=click.IntRange(1),
+    help="With --device: choose weights and KV spec that hold this many tokens there, best measured quality first "
+    "(prints every pair considered and why the winner won; refuses naming the closest option).",
 )
 @click.option("--group-size", default=64, show_default=True, type=int, help="Weight quantization group size.")
 @click.option(
@@ -59,6 +65,7 @@ def package(
     device: str | None,
     weights: str,
     group_size: int,
+    fit: int | None,
     kv: str,
     quantized_kv_start: int,
     quality_gate: bool,
@@ -83,6 +90,7 @@ def package(
         weights=weights,
         group_size=group_size,
         kv=kv,
+        fit=fit,
         device=device,
         force=force,
         quantized_kv_start=quantized_kv_start,
@@ -92,6 +100,7 @@ def package(
         keep_tokens=keep_tokens,
         prefill_step_size=prefill_step,
         max_context=max_context,
+        progress=lambda line: click.echo(line, err=True),
     )
     result = package_bundle(model, output, options)
     for warning in result.warnings:
@@ -111,13 +120,39 @@ def package(
     if m.quality is not None:
         q = m.quality
         verdict = "passed" if q.passed else "FAILED (packaged anyway: --force)"
+        per_kind = ", ".join(f"{k.kind} {k.ppl_delta_pct:+.1f} %" for k in q.kinds)
         click.echo(
-            f"  quality  perplexity {q.bundle_ppl:.2f} vs source {q.source_ppl:.2f} ({q.ppl_delta_pct:+.1f} %, limit "
-            f"{q.max_increase_pct:g} %) on {q.tokens} tokens of the built-in text: {verdict}"
+            f"  quality  perplexity vs the unquantized source: {per_kind or f'{q.ppl_delta_pct:+.1f} %'} (limit "
+            f"{q.max_increase_pct:g} % on every text): {verdict}"
         )
+    if m.choice is not None:
+        _print_choice(m.choice)
     if m.prediction is not None:
         p = m.prediction
         click.echo(
             f"  plan     {p.device}: weights {human_bytes(p.weights_bytes)}, "
             f"{human_bytes(p.kv_bytes_per_token)}/token KV, limit {human_bytes(p.limit_bytes)}"
         )
+
+
+def _print_choice(choice: object) -> None:
+    from kvrig.schemas.bundle import Choice
+
+    assert isinstance(choice, Choice)
+    for title, rows, why in (
+        ("KV specs measured (--kv auto)", choice.kv, choice.kv_why),
+        ("weight recipes tried (--weights auto)", choice.weights, choice.weights_why),
+        (f"weights x KV pairs for {choice.fit_context} tokens (--fit)", choice.fit, choice.fit_why),
+    ):
+        if not rows:
+            continue
+        click.echo(f"  {title}:")
+        click.echo(f"    {'weights':10}{'kv':18}{'weights':>11}{'KV@4096':>10}{'max ctx':>9}{'PPL':>9}  verdict")
+        for c in rows:
+            w = human_bytes(c.weights_bytes) if c.weights_bytes else "-"
+            k = human_bytes(c.kv_bytes) if c.kv_bytes else "-"
+            ctx = str(c.max_context) if c.max_context is not None else "-"
+            ppl = f"{c.ppl_delta_pct:+.2f}%" if c.ppl_delta_pct is not None else "-"
+            reason = f" ({c.reason})" if c.reason and c.verdict in ("unavailable", "failed gate") else ""
+            click.echo(f"    {c.weights:10}{c.kv:18}{w:>11}{k:>10}{ctx:>9}{ppl:>9}  {c.verdict}{reason}")
+        click.echo(f"    why: {why}")

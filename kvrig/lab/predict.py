@@ -6,11 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvrig.bundle.manifest import load_manifest
 from kvrig.exceptions import QuantizationError, SchemaError
 from kvrig.models import load_model_spec
 from kvrig.planner import PlanRequest, plan_memory
 from kvrig.profiles import AppMemoryLimit, SourcedInt, load_profile
 from kvrig.recipes import parse_kv
+from kvrig.schemas.bundle import MANIFEST_NAME
 from kvrig.schemas.lab import LabDevice, MatrixEntry, SchemeSpec
 from kvrig.schemas.results import Prediction
 
@@ -71,7 +73,7 @@ class Predictor:
                 profile,
                 PlanRequest(
                     schemes=(scheme,),
-                    weights=opts.weights,
+                    weights=opts.weights or _bundle_recipe(entry) or "q4",
                     margin=opts.margin,
                     limit=opts.limit,
                     prefill_step=opts.prefill_step,
@@ -88,3 +90,10 @@ class Predictor:
             limit_bytes=plan.limit_bytes,
             footprint_at_max_context_bytes=plan.budget_at_max_context[scheme].total_bytes,
         )
+
+
+def _bundle_recipe(entry: MatrixEntry) -> str | None:
+    """The weight recipe the entry's bundle was packaged with (`kvrig package --weights auto` chose it)."""
+    if entry.bundle_path is None or not (entry.bundle_path / MANIFEST_NAME).is_file():
+        return None
+    return load_manifest(entry.bundle_path).recipe.weights

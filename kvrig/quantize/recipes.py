@@ -18,17 +18,27 @@ from kvrig.quantize.base import quantize
 from kvrig.quantize.gpx import DAMPING, EMBEDDING_DAMPING, fit_feedback, input_hessians
 from kvrig.quantize.imx import activation_importance, fit_affine, mlp_g32_layout
 from kvrig.recipes import WeightRecipe, parse_weights
-from kvrig.texts import CALIBRATION_FILES, read_texts, tokens_of
+from kvrig.texts import CALIBRATION_KINDS, kind_tokens, read_kind
 
 
 def calibration_tokens(tokenizer: Any, *, samples: int = 16, length: int = 256) -> Any:
-    """`samples` rows of `length` consecutive tokens from the local calibration text (in order: the same rows
-    on every run)."""
+    """`samples` rows of `length` consecutive tokens, the calibration kinds taken in turn (legal text, quotations
+    and dialogue, C source; texts.py), each kind's rows in order: the same rows on every run, and no kind of text
+    the quality bench evaluates on."""
     import mlx.core as mx
 
-    text, used = read_texts(CALIBRATION_FILES)
-    ids = tokens_of(tokenizer, text, samples * length, what="the calibration text", source=", ".join(used))
-    return mx.array(ids).reshape(samples, length)
+    per_kind = -(-samples // len(CALIBRATION_KINDS))
+    streams = {k: kind_tokens(tokenizer, k, per_kind * length) for k in CALIBRATION_KINDS}
+    rows = []
+    for i in range(samples):
+        k, r = CALIBRATION_KINDS[i % len(CALIBRATION_KINDS)], i // len(CALIBRATION_KINDS)
+        rows.append(streams[k][r * length : (r + 1) * length])
+    return mx.array(rows)
+
+
+def calibration_files() -> dict[str, list[str]]:
+    """Calibration kind -> the files `calibration_tokens` reads."""
+    return {k: read_kind(k)[1] for k in CALIBRATION_KINDS}
 
 
 def apply_recipe(

@@ -9,7 +9,9 @@ from pydantic import Field
 
 from kvrig.schemas import StrictModel
 
-MANIFEST_SCHEMA_VERSION: Final = 1
+MANIFEST_SCHEMA_VERSION: Final = 2
+"""2: the quality check names each gate kind's perplexity (`quality.kinds`) and `--weights auto` / `--kv auto`
+record what they tried (`choice`)."""
 MANIFEST_NAME = "manifest.json"
 
 
@@ -48,9 +50,19 @@ class Prediction(StrictModel):
     forced: bool = Field(description="packaged with --force although the plan said it does not fit")
 
 
+class KindCheck(StrictModel):
+    """The gate on one kind of text."""
+
+    kind: str
+    tokens: int = Field(ge=1)
+    source_ppl: float
+    bundle_ppl: float
+    ppl_delta_pct: float
+
+
 class QualityCheck(StrictModel):
     """The package quality gate: perplexity of the bundle (its weights and KV scheme) against the unquantized
-    source on a short built-in text."""
+    source on short texts of several kinds; the top-level numbers are the worst kind's."""
 
     text: str
     tokens: int = Field(ge=1)
@@ -61,10 +73,37 @@ class QualityCheck(StrictModel):
     passed: bool
     forced: bool = Field(description="packaged with --force although the gate failed")
     seconds: float
+    kinds: list[KindCheck] = Field(default_factory=list, description="per kind of text (schema 2)")
+
+
+class Candidate(StrictModel):
+    """One option `--weights auto`, `--kv auto` or `--fit` considered, with what was measured and planned."""
+
+    weights: str = Field(description="a weight recipe, or `source` for a KV measurement on the source weights")
+    kv: str
+    weights_bytes: int | None = Field(default=None, description="MLX nbytes of the weights as planned")
+    kv_bytes: int | None = Field(default=None, description="KV bytes at 4096 tokens (float16, extras included)")
+    max_context: int | None = Field(default=None, description="the plan's max context on the device")
+    bits_per_weight: float | None = None
+    ppl_delta_pct: float | None = Field(default=None, description="measured, on the worst gate text")
+    verdict: Literal["chosen", "passed", "failed gate", "over the limit", "does not fit", "unavailable", "not tried"]
+    reason: str = ""
+
+
+class Choice(StrictModel):
+    """How the bundle's recipe and KV spec were chosen by measurement (schema 2)."""
+
+    kv: list[Candidate] = Field(default_factory=list, description="`--kv auto`: the KV specs measured")
+    kv_why: str = ""
+    weights: list[Candidate] = Field(default_factory=list, description="`--weights auto`: the recipes tried")
+    weights_why: str = ""
+    fit_context: int | None = Field(default=None, description="`--fit N`: the context asked for")
+    fit: list[Candidate] = Field(default_factory=list, description="`--fit`: every weights x KV pair considered")
+    fit_why: str = ""
 
 
 class Manifest(StrictModel):
-    schema_version: Literal[1] = Field(default=MANIFEST_SCHEMA_VERSION, alias="schema")
+    schema_version: Literal[1, 2] = Field(default=MANIFEST_SCHEMA_VERSION, alias="schema")
     tool: str = "kvrig"
     tool_version: str
     created: str = Field(description="ISO 8601, UTC")
@@ -72,4 +111,5 @@ class Manifest(StrictModel):
     recipe: Recipe
     prediction: Prediction | None = Field(description="null when packaged without a device")
     quality: QualityCheck | None = Field(default=None, description="null when the gate was skipped")
+    choice: Choice | None = Field(default=None, description="null when weights and KV were given, not chosen")
     files: list[ManifestFile]

@@ -66,7 +66,10 @@ class SoakSchedule(StrictModel):
 class PlanOptions(StrictModel):
     """Options for the planner's prediction (see `kvrig plan`)."""
 
-    weights: str = "q4"
+    weights: str | None = Field(
+        default=None,
+        description="the weight recipe to plan (recipes.py); default: the bundle's own (its manifest.json), else q4",
+    )
     margin: float = Field(default=0.0, ge=0, lt=1, description="0: predict the context at the limit itself")
     limit: Literal["default", "entitled"] = "default"
     prefill_step: int = Field(default=512, ge=1)

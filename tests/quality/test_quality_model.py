@@ -20,7 +20,7 @@ from kvrig.packaging import package
 from kvrig.quality.schemes import make_kv_caches
 from kvrig.quantize.base import load_source_model
 from kvrig.recipes import parse_kv
-from kvrig.runtime.host import prepare_for_host
+from kvrig.runtime.host import load_bundle_model, prepare_for_host
 from tests.bundle_fixtures import converted_source
 
 PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
@@ -55,21 +55,48 @@ def test_k8v8_greedy_tokens_equal_fp16(source: Path) -> None:
     assert greedy(rotated) == ref
 
 
-def test_default_recipe_passes_the_gate(source: Path, tmp_path: Path) -> None:
-    defaults = PackageOptions()
-    result = package(source, tmp_path / "default", PackageOptions(quality_gate=True))
-    q = result.manifest.quality
+@pytest.fixture(scope="module")
+def default_bundle(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`kvrig package` with every default: weights and KV chosen by measurement on SmolLM2."""
+    out = tmp_path_factory.mktemp("default") / "bundle"
+    package(source, out, PackageOptions())
+    return out
+
+
+def test_defaults_choose_the_smallest_recipe_that_passes_the_gate(default_bundle: Path) -> None:
+    from mlx_lm.utils import compute_bits_per_weight
+
+    from kvrig.bundle.manifest import load_manifest
+    from kvrig.quality.choose import KV_AUTO, WEIGHT_CANDIDATES
+
+    manifest = load_manifest(default_bundle)
+    q, choice = manifest.quality, manifest.choice
     assert q is not None and q.passed and not q.forced
-    assert q.ppl_delta_pct <= defaults.max_ppl_increase_pct and q.source_ppl > 1.0
-    on_disk = json.loads((tmp_path / "default" / "manifest.json").read_text())
-    assert on_disk["quality"]["bundle_ppl"] == q.bundle_ppl
-    # SmolLM2's head dim is 64, a power of two: the default k8v4 cache is rotated.
-    assert result.kvcache.rotation == "hadamard" and result.kvcache.scheme == "k8v4"
+    assert {k.kind for k in q.kinds} == {"prose", "python", "manual"}
+    assert q.ppl_delta_pct == max(k.ppl_delta_pct for k in q.kinds) <= PackageOptions().max_ppl_increase_pct
+    # The recipe: the first candidate that passed; every smaller one failed the gate, none larger was tried.
+    assert choice is not None
+    verdicts = [(c.weights, c.verdict) for c in choice.weights]
+    chosen = next(i for i, (_, v) in enumerate(verdicts) if v == "chosen")
+    assert [w for w, _ in verdicts] == list(WEIGHT_CANDIDATES)
+    assert all(v == "failed gate" for _, v in verdicts[:chosen]) and all(
+        v == "not tried" for _, v in verdicts[chosen + 1 :]
+    )
+    assert manifest.recipe.weights == verdicts[chosen][0]
+    # <= 4.6 bits per weight, by mlx-lm's own count of the bundle's weights.
+    assert compute_bits_per_weight(load_bundle_model(default_bundle)[0]) <= 4.6
+    # The KV spec: both k8v4 spellings measured; the one chosen rose least.
+    measured = {c.kv: c for c in choice.kv if c.kv in KV_AUTO}
+    assert set(measured) == set(KV_AUTO) and all(c.ppl_delta_pct is not None for c in measured.values())
+    winner = min(measured.values(), key=lambda c: c.ppl_delta_pct or 0.0)
+    assert winner.verdict == "chosen"
+    kv = json.loads((default_bundle / "kvcache.json").read_text())
+    assert (kv["scheme"], kv["rotation"]) == ("k8v4", "hadamard" if winner.kv.endswith("+rot") else "none")
 
 
-def test_default_bundle_answers_facts_as_the_source_does(source: Path, tmp_path: Path) -> None:
+def test_default_bundle_answers_facts_as_the_source_does(source: Path, default_bundle: Path) -> None:
     """The issue's check: `kvrig run` on the default bundle names the facts the unquantized model (mlx-lm's
-    own float cache) names (the 8-bit weights are q8; q4 made up a place for the capital of France)."""
+    own float cache) names."""
     import re
 
     from mlx_lm.utils import load_tokenizer
@@ -77,8 +104,7 @@ def test_default_bundle_answers_facts_as_the_source_does(source: Path, tmp_path:
     from kvrig.quality.bench import FACTUAL_PROMPTS, greedy_answer
     from kvrig.runtime.generate import load_bundle, run_bundle
 
-    package(source, tmp_path / "default", PackageOptions())
-    loaded = load_bundle(tmp_path / "default")
+    loaded = load_bundle(default_bundle)
     reference = prepare_for_host(load_source_model(source)[0])
     tokenizer = load_tokenizer(source)
     spec = load_model_spec(source / "config.json")
