@@ -130,7 +130,7 @@ def quantize_layout(
         except (ValueError, TypeError) as exc:
             # mlx-lm's own layers refusing its own quantization (a width the group does not divide, a module
             # whose to_quantized takes other arguments): the architecture cannot take the recipe.
-            raise QuantizationError(f"mlx-lm cannot quantize it with {recipe.name}: {exc}") from None
+            raise QuantizationError(f"mlx-lm cannot quantize this model with {recipe.name}: {exc}") from None
 
 
 def quantized_layout(model: Any) -> dict[str, dict[str, Any]]:
