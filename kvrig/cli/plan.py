@@ -180,7 +180,11 @@ def render_plan(p) -> None:  # type: ignore[no-untyped-def]
     for name, b in p.weights_by_recipe.items():
         mark = " ◀ used" if name == p.weights_recipe else ""
         weights.add_row(f"{name} (g{p.group_size}){mark}", human_bytes(b))
+    for name in p.weights_unavailable:
+        weights.add_row(f"{name} (g{p.group_size})", "unavailable")
     console.print(weights)
+    for name, reason in p.weights_unavailable.items():
+        console.print(f"  {name} unavailable for {m.model_type}: {reason}", markup=False)
 
     contexts = list(next(iter(p.kv_bytes.values())).keys())
     kv = Table(title="KV cache by scheme", title_justify="left")

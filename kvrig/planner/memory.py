@@ -7,7 +7,7 @@ from typing import Any, Final, Literal
 
 from pydantic import ConfigDict, Field
 
-from kvrig.exceptions import PlanInputError
+from kvrig.exceptions import PlanInputError, QuantizationError
 from kvrig.models.spec import ModelSpec
 from kvrig.planner.kv import (
     ALL_NAMED_SCHEMES,
@@ -132,6 +132,10 @@ class MemoryPlan(StrictModel):
     budget_bytes: int = Field(description="limit × (1 − margin): what the plan fills")
     weights_bytes: int = Field(description="bytes of the weights under `weights_recipe`")
     weights_by_recipe: dict[str, int]
+    weights_unavailable: dict[str, str] = Field(
+        default_factory=dict,
+        description="requested recipes this architecture cannot take, each with the reason (no bytes for them)",
+    )
     active_weights_bytes: int = Field(description="weight bytes read per generated token (MoE: routed share)")
     runtime: RuntimeTerms
     kv_bytes_per_token: dict[str, int] = Field(description="steady state, per additional token, no step rounding")
@@ -397,10 +401,12 @@ def plan_memory(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest | 
     parsed = {s.name: s for s in (parse_kv(n, group_size=kv_group, dtype=request.dtype) for n in request.schemes)}
     for scheme in parsed.values():
         check_dims(spec, scheme)
-    accounts = {
-        name: account_weights(spec, parse_weights(name, request.group_size), request.dtype)
-        for name in dict.fromkeys([request.weights, *request.recipes])
-    }
+    accounts, unavailable = _account_recipes(spec, request)
+    if request.weights in unavailable:
+        raise QuantizationError(
+            f"weight recipe '{request.weights}' is unavailable for architecture '{spec.model_type}': "
+            f"{unavailable[request.weights]}"
+        )
     chosen = accounts[request.weights]
     trained = spec.config.get("text_config", spec.config).get("max_position_embeddings")
     cap = request.max_context_cap or (int(trained) if trained else 1 << 20)
@@ -459,6 +465,7 @@ def plan_memory(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest | 
         budget_bytes=int(limit_bytes * (1 - request.margin)),
         weights_bytes=chosen.total_bytes,
         weights_by_recipe={name: a.total_bytes for name, a in accounts.items()},
+        weights_unavailable=unavailable,
         active_weights_bytes=chosen.active_bytes,
         runtime=RuntimeTerms(
             buffer_cache_bytes=request.buffer_cache_bytes,
@@ -494,6 +501,23 @@ def plan_memory(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest | 
         max_context_all_limits=all_limits,
         binding_limit=binding,  # type: ignore[arg-type]
     )
+
+
+def _account_recipes(spec: ModelSpec, request: PlanRequest) -> tuple[dict[str, WeightsAccount], dict[str, str]]:
+    """Weight bytes of every requested recipe (the chosen one first), and why the architecture cannot take the
+    others: one recipe a model cannot take is listed, never the end of the plan. A name the grammar does not
+    know is the caller's mistake and still an error."""
+    recipes = {
+        name: parse_weights(name, request.group_size) for name in dict.fromkeys([request.weights, *request.recipes])
+    }
+    accounts: dict[str, WeightsAccount] = {}
+    unavailable: dict[str, str] = {}
+    for name, recipe in recipes.items():
+        try:
+            accounts[name] = account_weights(spec, recipe, request.dtype)
+        except QuantizationError as exc:
+            unavailable[name] = str(exc)
+    return accounts, unavailable
 
 
 def _check_request(request: PlanRequest) -> None:

@@ -6,29 +6,15 @@ are MLX's `nbytes` of the quantized parameters: mlx-lm's predicates, mixed recip
 
 from __future__ import annotations
 
-import contextlib
-import io
 from dataclasses import dataclass
 from typing import Any
 
 from kvrig.exceptions import QuantizationError
 from kvrig.models.spec import ModelSpec
+from kvrig.planner.layout import quantize_layout, unavailable_reason
 from kvrig.recipes import WeightRecipe
 
 DEFAULT_RECIPES = ("q4", "q8", "mixed_4_6")
-
-
-def planned_layout(recipe: WeightRecipe) -> WeightRecipe:
-    """The round-to-nearest recipe whose arrays a recipe's bytes are (awq-q4, gptq-q4, gpx-q4 → q4): the one
-    the planner quantizes lazily. A target-bits-per-weight recipe picks its layout from the model's weights and
-    has none to plan from."""
-    layout = recipe.layout
-    if layout is None:
-        raise QuantizationError(
-            f"recipe {recipe}: its layout (which layers get group 32) is chosen on the model's own weights; "
-            "plan its bytes from a packaged bundle"
-        )
-    return layout
 
 
 @dataclass
@@ -54,23 +40,18 @@ def _routed_fraction(config: dict[str, Any]) -> float:
 
 
 def quantize_lazily(spec: ModelSpec, recipe: WeightRecipe, dtype: str = "float16") -> Any:
-    """The lazily built model cast and quantized exactly as mlx-lm's convert does it (its `quantize_model`,
-    its own predicates and mixed recipes); nothing is evaluated."""
-    from mlx_lm.convert import mixed_quant_predicate_builder
-    from mlx_lm.utils import quantize_model
-
-    recipe = planned_layout(recipe)
+    """The lazily built model cast to `dtype` and quantized by mlx-lm's own `quantize_model` with the recipe's
+    layout (layout.py: the one the quantizers write); nothing is evaluated. A recipe the architecture cannot
+    take is a QuantizationError whose message is the reason."""
     model = spec.weights_model(dtype)
     if recipe.bits is None:
         return model
-    predicate = mixed_quant_predicate_builder(recipe.mixed, model, recipe.group_size) if recipe.mixed else None
-    config = {k: v for k, v in spec.config.items() if k not in ("quantization", "quantization_config")}
-    with contextlib.redirect_stdout(io.StringIO()):  # quantize_model prints its bits per weight
-        try:
-            quantize_model(model, config, recipe.group_size, recipe.bits, quant_predicate=predicate)  # type: ignore[arg-type]
-        except ValueError as exc:
-            raise QuantizationError(f"mlx-lm cannot quantize {spec.model_type} with {recipe.name}: {exc}") from None
-    return model
+    import mlx.core as mx
+
+    if (reason := unavailable_reason(recipe, str(spec.config.get("model_type")))) is not None:
+        raise QuantizationError(reason)
+    quantized, _ = quantize_layout(model, spec.config, recipe, getattr(mx, dtype).size)
+    return quantized
 
 
 def account_weights(spec: ModelSpec, recipe: WeightRecipe, dtype: str = "float16") -> WeightsAccount:

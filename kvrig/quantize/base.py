@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
-import sys
 from pathlib import Path
 from typing import Any
 
 from kvrig.exceptions import ModelConfigError, QuantizationError, UnsupportedArchitectureError
+from kvrig.planner.layout import quantize_layout
 from kvrig.recipes import WeightRecipe
 
 
@@ -36,8 +35,7 @@ def quantize(model: Any, config: dict[str, Any], recipe: WeightRecipe) -> tuple[
         raise QuantizationError(f"recipe {recipe} needs calibration: apply it with quantize.recipes.apply_recipe")
     import mlx.core as mx
     from mlx.utils import tree_map_with_path
-    from mlx_lm.convert import mixed_quant_predicate_builder
-    from mlx_lm.utils import dequantize_model, quantize_model
+    from mlx_lm.utils import dequantize_model
 
     config = dict(config)
     if "quantization" in config or "quantization_config" in config:
@@ -59,21 +57,8 @@ def quantize(model: Any, config: dict[str, Any], recipe: WeightRecipe) -> tuple[
     if not recipe.quantized:
         return model, config
 
-    predicate = None
-    if recipe.mixed is not None:
-        try:
-            predicate = mixed_quant_predicate_builder(recipe.mixed, model, recipe.group_size)
-        except ValueError as exc:
-            raise QuantizationError(f"recipe {recipe.name}: {exc}") from None
-    # mlx-lm prints its bits-per-weight line to stdout; keep stdout clean for --json.
-    with contextlib.redirect_stdout(sys.stderr):
-        model, config = quantize_model(
-            model,
-            config,
-            recipe.group_size,
-            recipe.bits,
-            quant_predicate=predicate,  # type: ignore[arg-type]
-        )
+    # The planner's layout (planner/layout.py): mlx-lm's quantize_model with its own or its mixed predicate.
+    model, config = quantize_layout(model, config, recipe, dtype.size)
     quant = config["quantization"]
     # Never leave the group size implicit (the Swift loader has no default to fall back on).
     quant["group_size"] = recipe.group_size

@@ -9,7 +9,6 @@ the MLP up/down projections of the last layers group size 32 until a bits-per-we
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +19,6 @@ from kvrig.recipes import PACKED_BITS
 of a row takes bits k·b .. k·b+b-1, so 3, 5 and 6 bits cross word boundaries)."""
 SCALE_STEPS = 20
 """Candidate grids tried per group (scale stretched from range/(levels-1) by -1 .. +1 level), each refitted."""
-_MLP_G32 = re.compile(r"layers\.(\d+)\.mlp\.(up_proj|down_proj)$")
 
 
 def pack(q: Any, bits: int) -> Any:
@@ -166,30 +164,3 @@ def input_statistics(model: Any, calibration: Any, reduce: Callable[[Any], Any],
         model.update_modules(tree_unflatten(originals))
     rows = calibration.size
     return {p: sums[p] / rows if p in sums else None for p, _ in originals}
-
-
-def mlp_g32_layout(model: Any, target_bpw: float, bits: int, scale_bytes: int) -> dict[str, int]:
-    """Group size by quantizable path: 64, and 32 for MLP up/down projections from the last layer backwards
-    while the model's bits per weight (as mlx-lm's compute_bits_per_weight counts them: every array's bytes
-    over the parameter count) stays within `target_bpw`."""
-    from mlx.utils import tree_flatten
-
-    quantizable = {p: m for p, m in model.named_modules() if hasattr(m, "to_quantized") and "weight" in m}
-    flat: list[tuple[str, Any]] = tree_flatten(model.parameters())  # type: ignore[assignment]
-    params = sum(v.size for _, v in flat)
-    q_size = {p: m.weight.size for p, m in quantizable.items()}
-    # Everything not quantized (norms, biases) is stored in the scales' float dtype.
-    other_bits = 8 * scale_bytes * (params - sum(q_size.values()))
-    per = {32: bits + 16 * scale_bytes / 32, 64: bits + 16 * scale_bytes / 64}
-    layout = dict.fromkeys(quantizable, 64)
-    total = other_bits + sum(per[64] * n for n in q_size.values())
-    if total / params > target_bpw:
-        raise QuantizationError(f"{bits}-bit group-64 weights alone exceed {target_bpw} bits per weight")
-    mlp = sorted(((int(m.group(1)), p) for p in quantizable if (m := _MLP_G32.search(p))), reverse=True)
-    for _, path in mlp:
-        extra = (per[32] - per[64]) * q_size[path]
-        if (total + extra) / params > target_bpw:
-            break
-        layout[path] = 32
-        total += extra
-    return layout

@@ -14,9 +14,10 @@ from collections.abc import Callable
 from typing import Any
 
 from kvrig.exceptions import QuantizationError
+from kvrig.planner.layout import awq_unavailable_reason, quantize_layout, quantized_layout, recipe_layout
 from kvrig.quantize.base import quantize
 from kvrig.quantize.gpx import DAMPING, EMBEDDING_DAMPING, fit_feedback, input_hessians
-from kvrig.quantize.imx import activation_importance, fit_affine, mlp_g32_layout
+from kvrig.quantize.imx import activation_importance, fit_affine
 from kvrig.recipes import WeightRecipe, parse_weights
 from kvrig.texts import CALIBRATION_KINDS, kind_tokens, read_kind
 
@@ -52,36 +53,49 @@ def apply_recipe(
     if calibration is None:
         raise QuantizationError(f"recipe {recipe.name} needs calibration tokens")
     import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map_with_path
 
     # Calibrate in float32 (float16 arithmetic is emulated on x86 CPUs), store scales as the source dtype.
     model, config = quantize(model, config, parse_weights("fp16"))
     dtype = getattr(mx, str(config.get("torch_dtype") or "float16"), mx.float16)
+    # What the model's cast_predicate keeps out of the cast (a router's float32 correction bias) goes back to
+    # its own dtype afterwards, as in round-to-nearest recipes and the plan.
+    flat: list[tuple[str, Any]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+    kept = {p: v.dtype for p, v in flat if mx.issubdtype(v.dtype, mx.floating) and v.dtype != dtype}
     model.set_dtype(mx.float32)
     mx.eval(model.parameters())
     with contextlib.redirect_stdout(sys.stderr), contextlib.redirect_stderr(sys.stderr):
         if recipe.method == "gptq":
-            model, config = _gptq(model, config, recipe, calibration)
+            model, config = _gptq(model, config, recipe, calibration, dtype)
         elif recipe.method == "awq":
-            model, config = _awq(model, config, recipe, calibration)
+            model, config = _awq(model, config, recipe, calibration, dtype)
         elif recipe.method in ("imx", "gpx"):
             model, config = _imx(model, config, recipe, calibration, dtype)
         else:
             model, config = _dynamic(model, config, recipe, calibration)
     model.set_dtype(dtype)  # floating parameters only: packed weights stay uint32
+    model.update(
+        tree_map_with_path(
+            lambda p, v: v.astype(kept[p]) if p in kept and mx.issubdtype(v.dtype, mx.floating) else v,
+            model.parameters(),
+        )
+    )
     mx.eval(model.parameters())
     return model, config
 
 
-def _gptq(model: Any, config: dict[str, Any], recipe: WeightRecipe, calibration: Any) -> tuple[Any, dict[str, Any]]:
+def _gptq(
+    model: Any, config: dict[str, Any], recipe: WeightRecipe, calibration: Any, dtype: Any
+) -> tuple[Any, dict[str, Any]]:
     from mlx_lm.quant.gptq import gptq_quantize
 
     bits = recipe.bits
     assert bits is not None
-    model, quant = gptq_quantize(model, calibration, bits, recipe.group_size, bits, recipe.group_size, batch_size=4)
-    config = dict(config)
-    config["quantization"] = quant
-    config["quantization_config"] = quant
-    return model, config
+
+    def run(model: Any) -> None:
+        gptq_quantize(model, calibration, bits, recipe.group_size, bits, recipe.group_size, batch_size=4)
+
+    return _on_layout(model, config, recipe, dtype, run)
 
 
 def _imx(
@@ -98,31 +112,103 @@ def _imx(
     )
 
 
-def _awq(model: Any, config: dict[str, Any], recipe: WeightRecipe, calibration: Any) -> tuple[Any, dict[str, Any]]:
-    from mlx_lm.quant.awq import AWQ_MODEL_CONFIGS, awq_quantize, update_config
+def _awq(
+    model: Any, config: dict[str, Any], recipe: WeightRecipe, calibration: Any, dtype: Any
+) -> tuple[Any, dict[str, Any]]:
+    from mlx_lm.quant.awq import AWQ_MODEL_CONFIGS, awq_quantize
 
     model_type = str(config.get("model_type"))
-    awq_config = AWQ_MODEL_CONFIGS.get(model_type)
-    if awq_config is None:
-        raise QuantizationError(
-            f"mlx-lm's AWQ has no layer map for {model_type}; supported: {', '.join(sorted(AWQ_MODEL_CONFIGS))}"
-        )
+    if (reason := awq_unavailable_reason(model_type)) is not None:
+        raise QuantizationError(reason)
     bits = recipe.bits
     assert bits is not None
-    awq_quantize(
-        model,
-        calibration,
-        awq_config,
-        group_size=recipe.group_size,
-        bits=bits,
-        embed_group_size=recipe.group_size,
-        embed_bits=bits,
-        n_grid=10,
-    )
-    config = update_config(model, dict(config))
-    config["quantization"]["bits"] = bits
-    config["quantization"]["group_size"] = recipe.group_size
-    config["quantization_config"] = config["quantization"]
+
+    def run(model: Any) -> None:
+        awq_quantize(
+            model,
+            calibration,
+            AWQ_MODEL_CONFIGS[model_type],
+            group_size=recipe.group_size,
+            bits=bits,
+            embed_group_size=recipe.group_size,
+            embed_bits=bits,
+            n_grid=10,
+        )
+
+    return _on_layout(model, config, recipe, dtype, run)
+
+
+def _held(layer: Any) -> Any:
+    """A float layer out of an mlx-lm quantizer's reach: calls and attribute reads go to the layer, which is
+    no child of the returned module (so no walk over the model's modules finds it) and has no `to_quantized`."""
+    import mlx.nn as nn
+
+    class Held(nn.Module):
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return layer(*args, **kwargs)
+
+        def __getattr__(self, key: str) -> Any:
+            if key == "to_quantized":
+                raise AttributeError(key)
+            return getattr(layer, key)
+
+        def __setattr__(self, key: str, value: Any) -> None:
+            if key.startswith("_"):  # Module's own bookkeeping (training flag, frozen names)
+                super().__setattr__(key, value)
+            else:  # a model that recasts a layer's weight in place (gemma3n) sets it on the layer
+                setattr(layer, key, value)
+
+    return Held()
+
+
+def _on_layout(
+    model: Any, config: dict[str, Any], recipe: WeightRecipe, dtype: Any, run: Callable[[Any], None]
+) -> tuple[Any, dict[str, Any]]:
+    """Runs one of mlx-lm's calibrated quantizers (`run`, in place) so that the model comes out with qN's
+    layout, the one the planner counts (planner/layout.py): GPTQ and AWQ quantize every layer they reach at one
+    width, whatever the model's own quant_predicate says (a router gate at 8 bits) and whether the group
+    divides the layer. So the layers qN quantizes otherwise are quantized as qN does first, the ones qN keeps
+    float are held out of reach, and the qN layers the quantizer did not reach are quantized as qN does after.
+    Returns the model and its config with the layout's `quantization` block."""
+    from mlx.utils import tree_unflatten
+
+    assert recipe.bits is not None
+    layout = recipe_layout(model, recipe, dtype.size)
+    uniform = {"bits": recipe.bits, "group_size": recipe.group_size}
+    held: list[tuple[str, Any]] = []
+    early: list[tuple[str, Any]] = []
+    for path, module in model.named_modules():
+        if not hasattr(module, "to_quantized"):
+            continue
+        if path not in layout:
+            held.append((path, module))
+        elif layout[path] != uniform:
+            early.append((path, module.to_quantized(**layout[path])))
+    model.update_modules(tree_unflatten([(p, _held(m)) for p, m in held] + early))
+    try:
+        run(model)
+    except (ValueError, RuntimeError, AttributeError) as exc:
+        # mlx-lm's quantizer meeting a model it does not handle (a layer the calibration never reaches has an
+        # empty Hessian, a layer fed a 1-D input): the recipe cannot be applied to this model.
+        name = {"gptq": "GPTQ", "awq": "AWQ"}.get(recipe.method, recipe.method)
+        raise QuantizationError(f"mlx-lm's {name} failed on this model: {type(exc).__name__}: {exc}") from None
+    finally:
+        model.update_modules(tree_unflatten(held))
+    late = [(p, m) for p, m in model.named_modules() if p in layout and hasattr(m, "to_quantized")]
+    if late:
+        model.update_modules(tree_unflatten([(p, m.to_quantized(**layout[p])) for p, m in late]))
+    got = quantized_layout(model)
+    if got != layout:
+        wrong = sorted(p for p in set(got) | set(layout) if got.get(p) != layout.get(p))
+        raise QuantizationError(
+            f"recipe {recipe}: mlx-lm's quantizer left {len(wrong)} layer(s) off {recipe.layout}'s layout "
+            f"(e.g. {wrong[0]}: {got.get(wrong[0], 'float')}, expected {layout.get(wrong[0], 'float')})"
+        )
+    quant: dict[str, Any] = dict(uniform)
+    quant.update({p: params for p, params in got.items() if params != uniform})
+    config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
+    config["quantization"] = quant
+    config["quantization_config"] = quant
     return model, config
 
 
@@ -159,14 +245,14 @@ def quantize_weighted(
     feedback: bool = False,
     progress: Callable[[str], None] = lambda _: None,
 ) -> tuple[Any, dict[str, Any]]:
-    """Quantizes a float model with mlx-lm's `quantize_model` (its layout and config block: `group_size`
-    everywhere, or the mixed layout for `target_bpw`), then refits every layer's grid with `fit_affine` and
-    the activation importance of the float model on `calibration`. With `feedback`, every layer is quantized
-    with GPTQ-style error feedback instead (`feedback.fit_feedback`, the float model's input Hessians); a tied
-    embedding with heavy damping (its rows are also looked up, where error moved onto other columns hurts)."""
+    """Quantizes a float model with mlx-lm's `quantize_model` in the planner's layout (planner/layout.py: qN's
+    at `group_size`, or MLP projections of the last layers at group 32 for `target_bpw`), then refits every
+    layer's grid with `fit_affine` and the activation importance of the float model on `calibration`. With
+    `feedback`, every layer is quantized with GPTQ-style error feedback instead (`feedback.fit_feedback`, the
+    float model's input Hessians); a tied embedding with heavy damping (its rows are also looked up, where error
+    moved onto other columns hurts)."""
     import mlx.core as mx
     import mlx.nn as nn
-    from mlx_lm.utils import quantize_model
 
     dtype = dtype or mx.float16
     if feedback:
@@ -175,19 +261,9 @@ def quantize_weighted(
     else:
         hessians, importance = {}, activation_importance(model, calibration)
     floats = {p: m.weight for p, m in model.named_modules() if hasattr(m, "to_quantized") and "weight" in m}
-    scale_bytes = mx.zeros((), dtype=dtype).itemsize
-    layout = (
-        mlp_g32_layout(model, target_bpw, bits, scale_bytes)
-        if target_bpw is not None
-        else dict.fromkeys(floats, group_size)
-    )
-
-    def predicate(path: str, module: Any) -> Any:
-        if path not in layout:
-            return False
-        return {"bits": bits, "group_size": layout[path]}
-
-    model, config = quantize_model(model, dict(config), group_size, bits, quant_predicate=predicate)  # type: ignore[arg-type]
+    # The layout is the planner's (planner/layout.py): qN's, or qN's with MLP projections at group 32.
+    recipe = WeightRecipe("gpx" if feedback else "imx", bits, group_size, target_bpw=target_bpw)
+    model, config = quantize_layout(model, dict(config), recipe, mx.zeros((), dtype=dtype).itemsize)
     for path, module in model.named_modules():
         if isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding) and path in floats:
             progress(path)

@@ -111,6 +111,9 @@ EXTRA: dict[str, dict[str, Any]] = {
         "attn_config": {"kv_n_heads": 1, "clip_qkv": 8.0, "rope_theta": 1e4},
     },
     "plamo": {"n_shared_head": 2},
+    # Its Mamba mixer is mamba_num_heads × hidden_size_per_head wide (64 × 128 by default: 8192 columns, which
+    # GPTQ's column loop takes minutes over).
+    "plamo2": {"mamba_num_heads": 2, "hidden_size_per_head": 64},
     "deepseek_v32": {"q_lora_rank": 32},  # its attention always has the low-rank query projection
     "deepseek_v41": {"q_lora_rank": 32},
     "glm_moe_dsa": {"q_lora_rank": 32, "rope_parameters": {"rope_theta": 1e4}},

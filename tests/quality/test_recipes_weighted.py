@@ -19,8 +19,9 @@ from mlx_lm.utils import compute_bits_per_weight, quantize_model
 
 from kvrig.exceptions import QuantizationError
 from kvrig.models import spec_from_config
+from kvrig.planner.layout import mlp_g32_layout
 from kvrig.planner.weights import account_weights
-from kvrig.quantize.imx import activation_importance, fit_affine, mlp_g32_layout, pack
+from kvrig.quantize.imx import activation_importance, fit_affine, pack
 from kvrig.quantize.recipes import apply_recipe
 from kvrig.recipes import parse_weights
 

@@ -1,0 +1,154 @@
+"""Which arrays a weight recipe writes: its layout (which layers are quantized, at which bits and group size),
+as mlx-lm's `quantize_model` lays it out. One rule for the plan and the quantizers: the planner counts the
+bytes of this layout on the lazily built model, and `kvrig.quantize` writes this layout (its calibrated
+methods only choose the values), so a plan's bytes are the packaged bytes.
+
+    qN[gG], and awq-/gptq-/imx-/gpx-qN[gG]   mlx-lm's default layout (the model's own quant_predicate)
+    mixed_X_Y                               mlx-lm's mixed predicate
+    imx-BPW | gpx-BPW                       4 bits everywhere, MLP up/down projections of the last layers at
+                                            group 32 until the target (`mlp_g32_layout`)
+    dq-BPW                                  none before quantizing: mlx-lm's sensitivity measurement picks it
+
+The rule only needs module shapes, so it runs on a lazily built model (nothing evaluated).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+from collections.abc import Callable
+from typing import Any
+
+from kvrig.exceptions import QuantizationError
+from kvrig.recipes import WeightRecipe
+
+Predicate = Callable[[str, Any], bool | dict[str, Any]]
+"""What mlx-lm's quantize_model takes as quant_predicate: per layer, False, True or to_quantized's params."""
+
+_MLP_G32 = re.compile(r"layers\.(\d+)\.mlp\.(up_proj|down_proj)$")
+
+
+def unplannable_reason(recipe: WeightRecipe) -> str | None:
+    """Why the recipe has no layout before it is applied to the weights (None: it has one)."""
+    if recipe.method == "dq":
+        return (
+            "mlx-lm's dynamic quantization picks which layers get 6 bits from a sensitivity measurement (gradients "
+            "of the float model on calibration text, the cost of quantizing the model itself), so its bytes exist "
+            f"only once the weights are quantized: package it (kvrig package --weights {recipe.name}) and read the "
+            "bundle's"
+        )
+    return None
+
+
+def awq_unavailable_reason(model_type: str) -> str | None:
+    """Why mlx-lm's AWQ cannot quantize this architecture (None: it has a layer map for it)."""
+    from mlx_lm.quant.awq import AWQ_MODEL_CONFIGS
+
+    if model_type in AWQ_MODEL_CONFIGS:
+        return None
+    return f"mlx-lm's AWQ has no layer map for {model_type}; it has one for {', '.join(sorted(AWQ_MODEL_CONFIGS))}"
+
+
+def unavailable_reason(recipe: WeightRecipe, model_type: str) -> str | None:
+    """Why a recipe cannot be planned for an architecture before anything is quantized (None: it can; what
+    mlx-lm's quantize_model refuses on the model itself surfaces in `quantize_layout`)."""
+    if recipe.method == "awq":
+        return awq_unavailable_reason(model_type)
+    return unplannable_reason(recipe)
+
+
+def mlp_g32_layout(model: Any, target_bpw: float, bits: int, scale_bytes: int) -> dict[str, int]:
+    """Group size by quantizable path: 64, and 32 for MLP up/down projections from the last layer backwards
+    while the model's bits per weight (as mlx-lm's compute_bits_per_weight counts them: every array's bytes
+    over the parameter count) stays within `target_bpw`."""
+    from mlx.utils import tree_flatten
+
+    quantizable = {p: m for p, m in model.named_modules() if hasattr(m, "to_quantized") and "weight" in m}
+    flat: list[tuple[str, Any]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+    params = sum(v.size for _, v in flat)
+    q_size = {p: m.weight.size for p, m in quantizable.items()}
+    # Everything not quantized (norms, biases) is stored in the scales' float dtype.
+    other_bits = 8 * scale_bytes * (params - sum(q_size.values()))
+    per = {32: bits + 16 * scale_bytes / 32, 64: bits + 16 * scale_bytes / 64}
+    layout = dict.fromkeys(quantizable, 64)
+    total = other_bits + sum(per[64] * n for n in q_size.values())
+    if total / params > target_bpw:
+        raise QuantizationError(f"{bits}-bit group-64 weights alone exceed {target_bpw} bits per weight")
+    mlp = sorted(((int(m.group(1)), p) for p in quantizable if (m := _MLP_G32.search(p))), reverse=True)
+    for _, path in mlp:
+        extra = (per[32] - per[64]) * q_size[path]
+        if (total + extra) / params > target_bpw:
+            break
+        layout[path] = 32
+        total += extra
+    return layout
+
+
+def layout_predicate(model: Any, recipe: WeightRecipe, scale_bytes: int) -> Predicate | None:
+    """The quant_predicate that gives `model` the recipe's layout in mlx-lm's quantize_model (None: its
+    default, which follows the model's own quant_predicate). `scale_bytes`: the bytes of one scale (the
+    float dtype the quantized model keeps), which a target bits per weight counts."""
+    if (reason := unplannable_reason(recipe)) is not None:
+        raise QuantizationError(reason)
+    if recipe.mixed is not None:
+        from mlx_lm.convert import mixed_quant_predicate_builder
+
+        try:
+            return mixed_quant_predicate_builder(recipe.mixed, model, recipe.group_size)  # type: ignore[return-value]
+        except (ValueError, AttributeError) as exc:  # no down_proj / no `layers` to count: mlx-lm's own refusal
+            raise QuantizationError(f"mlx-lm's {recipe.mixed} cannot lay out this model: {exc}") from None
+    if recipe.target_bpw is None:
+        return None
+    assert recipe.bits is not None
+    groups = mlp_g32_layout(model, recipe.target_bpw, recipe.bits, scale_bytes)
+    bits = recipe.bits
+
+    # 4 bits everywhere, as the target was counted: the model's own quant_predicate (a router gate at 8 bits)
+    # would spend bits the count did not see.
+    def predicate(path: str, module: Any) -> bool | dict[str, Any]:
+        return {"bits": bits, "group_size": groups[path]} if path in groups else False
+
+    return predicate
+
+
+def quantize_layout(
+    model: Any, config: dict[str, Any], recipe: WeightRecipe, scale_bytes: int
+) -> tuple[Any, dict[str, Any]]:
+    """`model` quantized in place round-to-nearest with the recipe's layout by mlx-lm's quantize_model; returns
+    the model and mlx-lm's config (its `quantization` block). Arrays stay lazy until evaluated. What mlx-lm
+    cannot do for this model is a QuantizationError with mlx-lm's reason."""
+    from mlx_lm.utils import quantize_model
+
+    if recipe.bits is None:
+        raise QuantizationError(f"recipe {recipe} is not quantized")
+    predicate = layout_predicate(model, recipe, scale_bytes)
+    config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
+    with contextlib.redirect_stdout(io.StringIO()):  # quantize_model prints its bits per weight
+        try:
+            return quantize_model(model, config, recipe.group_size, recipe.bits, quant_predicate=predicate)  # type: ignore[arg-type]
+        except (ValueError, TypeError) as exc:
+            # mlx-lm's own layers refusing its own quantization (a width the group does not divide, a module
+            # whose to_quantized takes other arguments): the architecture cannot take the recipe.
+            raise QuantizationError(f"mlx-lm cannot quantize this model with {recipe.name}: {exc}") from None
+
+
+def quantized_layout(model: Any) -> dict[str, dict[str, Any]]:
+    """path -> to_quantized params (bits, group_size, and mode where not affine) of every quantized module."""
+    out: dict[str, dict[str, Any]] = {}
+    for path, module in model.named_modules():
+        if "scales" in module and hasattr(module, "bits"):
+            params = {"bits": module.bits, "group_size": module.group_size}
+            if getattr(module, "mode", "affine") != "affine":
+                params["mode"] = module.mode
+            out[path] = params
+    return out
+
+
+def recipe_layout(model: Any, recipe: WeightRecipe, scale_bytes: int) -> dict[str, dict[str, Any]]:
+    """The recipe's layout on `model` (path -> to_quantized params), read off mlx-lm's quantize_model run on a
+    copy of the model's modules: the arrays are shared and the quantized ones never computed."""
+    from kvrig.models.lazy import copy_modules
+
+    quantized, _ = quantize_layout(copy_modules(model), {}, recipe, scale_bytes)
+    return quantized_layout(quantized)
