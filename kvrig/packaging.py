@@ -22,6 +22,7 @@ from typing import Any
 
 from kvrig.bundle.kvcache_json import build_kvcache_config, host_config
 from kvrig.bundle.manifest import hash_files
+from kvrig.bundle.mapped import PAGE_BYTES, align_file
 from kvrig.bundle.options import MLX_CACHE_STEP, PackageOptions, PlanView, resolve_kv
 from kvrig.exceptions import (
     BundleError,
@@ -263,6 +264,9 @@ def _stage(job: _Job, recipe: WeightRecipe, kv: KVSpec, plan: PlanView | None) -
             tmp.mkdir()
             job.say(f"quantizing the weights ({recipe}) ...")
             q_config = _write_weights(job.src_dir, tmp, recipe)
+            if job.options.weights_layout == "mapped":
+                for weights in sorted(tmp.glob("*.safetensors")):
+                    align_file(weights, PAGE_BYTES)
             _copy_tokenizer(job.src_dir, tmp)
             kvcache = build_kvcache_config(job.config, job.spec, kv, job.options, plan)
             (tmp / KVCACHE_NAME).write_text(kvcache.model_dump_json(by_alias=True, indent=2) + "\n")
@@ -322,6 +326,8 @@ def _finish(
                     key_bits=kv.key_bits,
                     value_bits=kv.value_bits,
                     kv_group_size=kv.group_size,
+                    weights_layout=job.options.weights_layout,
+                    weights_alignment_bytes=staged.kvcache.weights_alignment_bytes,
                 ),
                 prediction=_prediction(plan, forced=bool(warnings)),
                 quality=quality,

@@ -64,6 +64,34 @@ class GpuLimits(_Frozen):
     max_buffer_bytes: SourcedInt | None = Field(default=None, description="MTLDevice.maxBufferLength")
 
 
+class MappedMemoryLimit(_Frozen):
+    """How much of files a process may map (weights mapped read-only count here, not in the footprint)."""
+
+    default_bytes: SourcedInt = Field(description="without entitlements")
+    entitled_bytes: SourcedInt | None = Field(
+        default=None, description="with com.apple.developer.kernel.increased-memory-limit (a lower bound)"
+    )
+
+
+# The one public measurement of the ceiling (the same probe on one phone): a device profile may carry its own.
+MAPPED_MEMORY_LIMIT = MappedMemoryLimit(
+    default_bytes=SourcedInt(
+        value=6_979_321_856,
+        basis="estimated",
+        source="measured ~6.5 GiB on an iPhone 13 (repeated read-only MAP_SHARED maps of one weight file until "
+        "ENOMEM, github.com/cactus-compute/cactus/issues/793); assumed for every device: a VM policy, not RAM. "
+        "Two reports of a 3.1 GB map failing (iPhone 15 Pro, iPhone 16: DenisovAV/flutter_gemma#88, #132) "
+        "say it can be lower",
+    ),
+    entitled_bytes=SourcedInt(
+        value=49_392_123_904,
+        basis="estimated",
+        source="measured > 46 GiB on an iPhone 13 with the increased-memory-limit entitlement "
+        "(github.com/cactus-compute/cactus/issues/793); a lower bound, assumed for every device",
+    ),
+)
+
+
 class DeviceProfile(_Frozen):
     schema_version: Literal[1] = Field(alias="schema")
     name: str = Field(pattern=r"^[a-z0-9]+(-[a-z0-9]+)*$", description="kebab-case; the file name")
@@ -80,6 +108,9 @@ class DeviceProfile(_Frozen):
     )
     os_seen: SourcedText | None = Field(default=None, description="OS versions the limits were seen on")
     gpu: GpuLimits | None = Field(default=None, description="Metal's limits (working set, largest buffer)")
+    mapped_memory_limit: MappedMemoryLimit = Field(
+        default=MAPPED_MEMORY_LIMIT, description="files a process may map (default: the one public measurement)"
+    )
     notes: list[str] = Field(default_factory=list)
     sources: list[str] = Field(default_factory=list, description="references behind the values")
 
@@ -122,6 +153,11 @@ class DeviceProfile(_Frozen):
     def gpu_working_set(self) -> int | None:
         limit = self.gpu.recommended_working_set_bytes if self.gpu else None
         return limit.value if limit is not None else None
+
+    def mapped_ceiling(self, limit: str) -> int:
+        """The mapped-memory ceiling for the `default` or `entitled` limit kind."""
+        m = self.mapped_memory_limit
+        return m.entitled_bytes.value if limit == "entitled" and m.entitled_bytes is not None else m.default_bytes.value
 
     @property
     def gpu_max_buffer(self) -> int | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvrig.bundle.mapped import PAGE_BYTES
 from kvrig.bundle.options import MLX_CACHE_STEP, PackageOptions, PlanView
 from kvrig.models.spec import ModelSpec
 from kvrig.recipes import KVSpec
@@ -78,6 +79,8 @@ def build_kvcache_config(
         buffer_cache_limit_bytes=options.buffer_cache_limit_bytes,
         memory_limit_bytes=memory_limit,
         pressure=options.pressure,
+        weights_layout=options.weights_layout,
+        weights_alignment_bytes=PAGE_BYTES if options.weights_layout == "mapped" else None,
         layers=layer_caches(spec, kv),
         **_kv_fields(kv),
     )

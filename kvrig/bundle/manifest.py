@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvrig.bundle.mapped import misaligned
 from kvrig.exceptions import BundleError, SchemaError, VerifyError
 from kvrig.fileio import sha256_file
 from kvrig.schemas import load_model_file
@@ -68,7 +69,29 @@ def check_bundle(bundle: str | Path, *, progress: Callable[[str], None] | None =
         rel = path.relative_to(bundle).as_posix()
         if rel != MANIFEST_NAME and rel not in listed:
             problems.append(FileProblem(rel, "not listed in the manifest"))
+    problems += _alignment_problems(bundle, manifest, {p.path for p in problems})
     return VerifyResult(bundle, manifest, len(manifest.files), problems)
+
+
+def _alignment_problems(bundle: Path, manifest: Manifest, broken: set[str]) -> list[FileProblem]:
+    """A mapped bundle: every tensor of every listed safetensors file on its alignment boundary."""
+    alignment = manifest.recipe.weights_alignment_bytes
+    if manifest.recipe.weights_layout != "mapped" or alignment is None:
+        return []
+    problems = []
+    for entry in manifest.files:
+        if not entry.path.endswith(".safetensors") or entry.path in broken:
+            continue
+        try:
+            for extent in misaligned(bundle / entry.path, alignment):
+                problems.append(
+                    FileProblem(
+                        entry.path, f"tensor {extent.name} starts at {extent.offset}, not on a {alignment}-byte page"
+                    )
+                )
+        except BundleError as exc:
+            problems.append(FileProblem(entry.path, str(exc)))
+    return problems
 
 
 def verify_bundle(bundle: str | Path) -> VerifyResult:

@@ -14,7 +14,7 @@ from kvrig.models import spec_from_config
 from kvrig.planner.kv import MLX_STEP
 from kvrig.planner.runtime import DEFAULT_BUFFER_CACHE_BYTES
 from kvrig.recipes import AUTO, KVSpec, Rotation, parse_kv
-from kvrig.schemas.kvcache import PressurePolicy
+from kvrig.schemas.kvcache import PressurePolicy, WeightsLayout
 
 DEFAULT_BUFFER_CACHE_LIMIT = DEFAULT_BUFFER_CACHE_BYTES
 MLX_CACHE_STEP = MLX_STEP
@@ -47,6 +47,9 @@ class PackageOptions:
     """Measure the bundle's perplexity against the source and refuse it over `max_ppl_increase_pct` (`force`
     packages anyway and records the failed check). `auto` and `fit` choose by it."""
     max_ppl_increase_pct: float = 10.0
+    weights_layout: WeightsLayout = "loaded"
+    """`mapped`: every tensor starts on a 16 KiB page (bundle/mapped.py), so the app can map the weights from the
+    file and iOS counts them outside its footprint; `loaded`: plain safetensors, loaded into MLX's memory."""
     fit: int | None = None
     """With a device: choose weights and KV spec that hold this many tokens there, best measured quality first."""
     progress: Callable[[str], None] = _quiet

@@ -27,6 +27,14 @@ from kvrig.cli.render import echo_json, human_bytes, json_option
 )
 @click.option("--group-size", default=64, show_default=True, type=int, help="Weight quantization group size.")
 @click.option(
+    "--weights-layout",
+    type=click.Choice(["loaded", "mapped"]),
+    default="loaded",
+    show_default=True,
+    help="mapped: every tensor starts on a 16 KiB page, so the app maps the weights from the file and iOS counts "
+    "them outside its footprint (MLX loads the file as usual; strict safetensors readers refuse the gaps).",
+)
+@click.option(
     "--kv",
     default="auto",
     show_default=True,
@@ -65,6 +73,7 @@ def package(
     device: str | None,
     weights: str,
     group_size: int,
+    weights_layout: str,
     fit: int | None,
     kv: str,
     quantized_kv_start: int,
@@ -89,6 +98,7 @@ def package(
     options = PackageOptions(
         weights=weights,
         group_size=group_size,
+        weights_layout=weights_layout,  # type: ignore[arg-type]
         kv=kv,
         fit=fit,
         device=device,

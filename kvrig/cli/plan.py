@@ -69,6 +69,12 @@ def _str_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
     help="Where MLX runs the app: metal (the phone: fused attention) or cpu (the host runtime, the virtual "
     "iPhone: attention materializes the prefill scores).",
 )
+@click.option(
+    "--weights-residency",
+    type=click.Choice(["loaded", "mapped"]),
+    help="How the app holds the weights: loaded (in the footprint) or mapped from the bundle's file (outside it; "
+    "`kvrig package --weights-layout mapped`). Default: mapped for such a bundle, loaded otherwise.",
+)
 @json_option
 def plan(
     model: Path | None,
@@ -90,13 +96,14 @@ def plan(
     quality_file: Path | None,
     backend: str,
     mlx_backend: str,
+    weights_residency: str | None,
     as_json: bool,
 ) -> None:
     """Plan memory for MODEL on a device: exact weight bytes per recipe, KV bytes per scheme, the app memory
     limit and the max context each scheme holds, with a recommendation.
 
     MODEL is a model directory, a config.json or a GGUF file; omitted, the embedded SmolLM2-135M."""
-    from kvrig.planner import PlanRequest
+    from kvrig.planner import PlanRequest, bundle_residency
     from kvrig.planner import plan as make_plan
     from kvrig.planner.kv import ALL_NAMED_SCHEMES
     from kvrig.planner.memory import DEFAULT_CONTEXTS
@@ -131,6 +138,7 @@ def plan(
         target_context=target_context,
         max_context_cap=cap_value,
         backend=mlx_backend,  # type: ignore[arg-type]
+        weights_residency=weights_residency or bundle_residency(model),  # type: ignore[arg-type]
     )
     if calibration is not None:
         from kvrig.calibration import calibrated_baseline
@@ -174,6 +182,15 @@ def render_plan(p) -> None:  # type: ignore[no-untyped-def]
         + ("(calibrated), " if p.runtime.baseline_calibrated_from else "(estimate), ")
         + f"prefill step {p.runtime.prefill_step}, MLX on {p.runtime.backend}"
     )
+    if p.mapped is not None:
+        mc = p.mapped
+        verdict = "within" if mc.within_ceiling else "[bold red]OVER[/]"
+        headroom = mc.ram_headroom_bytes
+        shown = human_bytes(headroom) if headroom >= 0 else "-" + human_bytes(-headroom)
+        console.print(
+            f"Weights mapped from the file: {human_bytes(mc.mapped_bytes)} outside the footprint, {verdict} the "
+            f"mapped-memory ceiling {human_bytes(mc.ceiling_bytes)}; RAM headroom beside the largest footprint {shown}"
+        )
     weights = Table(title="Weights", title_justify="left")
     weights.add_column("recipe")
     weights.add_column("bytes", justify="right")

@@ -10,9 +10,10 @@ from kvrig.models import load_model_spec
 from kvrig.planner.kv import kv_bytes
 from kvrig.planner.memory import MemoryPlan, PlanRequest, plan_memory
 from kvrig.profiles import load_profile
-from kvrig.schemas import validate_data
+from kvrig.schemas import load_model_file, validate_data
+from kvrig.schemas.bundle import MANIFEST_NAME, Manifest
 
-__all__ = ["MemoryPlan", "PlanRequest", "kv_bytes", "plan", "plan_memory"]
+__all__ = ["MemoryPlan", "PlanRequest", "bundle_residency", "kv_bytes", "plan", "plan_memory"]
 
 
 def plan(
@@ -25,3 +26,14 @@ def plan(
         base = dict(request) if request is not None else {}
         request = validate_data(PlanRequest, {**base, **options}, error=PlanInputError)
     return plan_memory(load_model_spec(model), load_profile(device), request)
+
+
+def bundle_residency(model: str | Path | None) -> str:
+    """`mapped` when `model` is a bundle written with `--weights-layout mapped` (its manifest says so), else
+    `loaded`: what the app will do with it."""
+    if model is None:
+        return "loaded"
+    manifest = Path(model) / MANIFEST_NAME
+    if not manifest.is_file():
+        return "loaded"
+    return load_model_file(Manifest, manifest).recipe.weights_layout

@@ -112,6 +112,21 @@ class GpuCheck(StrictModel):
     within_max_buffer: bool | None = Field(description="None: the device's largest buffer is unknown")
 
 
+class MappedCheck(StrictModel):
+    """Weights mapped from the bundle's file: outside the footprint, inside the mapped-memory ceiling, Metal's
+    working set (gpu_check) and the phone's RAM."""
+
+    mapped_bytes: int = Field(description="the weights, mapped read-only")
+    ceiling_bytes: int = Field(description="how much of files the process may map (the limit kind's)")
+    ceiling_basis: str = Field(description="the profile's basis and source for the ceiling")
+    within_ceiling: bool
+    ram_bytes: int
+    ram_headroom_bytes: int = Field(
+        description="RAM left beside the largest footprint and the mapped weights; negative: iOS drops clean weight "
+        "pages and reads them back (slower decode), it does not kill for them"
+    )
+
+
 class Recommendation(StrictModel):
     scheme: str
     max_context: int
@@ -143,7 +158,7 @@ class MemoryPlan(StrictModel):
     kv_bytes: dict[str, dict[str, int]] = Field(description="allocated bytes (256-token steps) at listed contexts")
     max_context: dict[str, int] = Field(description="under limit_bytes with the margin")
     max_context_default_limit: dict[str, int] = Field(description="the same without the entitlement")
-    limited_by: dict[str, Literal["memory", "model", "weights"]]
+    limited_by: dict[str, Literal["memory", "model", "weights", "mapped_ceiling"]]
     budget_at_max_context: dict[str, SchemeBudget]
     decode_tps_ceiling: dict[str, dict[str, float]] = Field(
         description="ceiling, not a prediction: memory bandwidth / bytes read per token (weights + KV at context)"
@@ -155,9 +170,15 @@ class MemoryPlan(StrictModel):
     max_context_all_limits: dict[str, int] = Field(
         default_factory=dict, description="max context under jetsam and Metal's working set and largest buffer"
     )
-    binding_limit: dict[str, Literal["jetsam", "metal_working_set", "metal_max_buffer", "model", "weights"]] = Field(
-        default_factory=dict, description="which limit sets max_context_all_limits"
+    binding_limit: dict[
+        str, Literal["jetsam", "metal_working_set", "metal_max_buffer", "model", "weights", "mapped_ceiling"]
+    ] = Field(default_factory=dict, description="which limit sets max_context_all_limits")
+    weights_residency: Literal["loaded", "mapped"] = Field(
+        default="loaded",
+        description="loaded: the weights count in the footprint; mapped: they are mapped from the bundle's file "
+        "(kvrig package --weights-layout mapped) and count against `mapped` instead",
     )
+    mapped: MappedCheck | None = Field(default=None, description="mapped residency only")
 
 
 def _limits(profile: DeviceProfile, limit: str) -> tuple[Literal["entitled", "default"], int]:
@@ -389,6 +410,7 @@ class PlanRequest(StrictModel):
     baseline_bytes: int | None = None
     baseline_source: str | None = None
     backend: Backend = DEFAULT_BACKEND
+    weights_residency: Literal["loaded", "mapped"] = "loaded"
 
 
 def plan_memory(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest | None = None) -> MemoryPlan:
@@ -412,9 +434,16 @@ def plan_memory(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest | 
     cap = request.max_context_cap or (int(trained) if trained else 1 << 20)
     limit_kind, limit_bytes = _limits(profile, request.limit)
     baseline = profile.baseline if request.baseline_bytes is None else request.baseline_bytes
-    fixed = chosen.total_bytes + request.buffer_cache_bytes + baseline
+    mapped = request.weights_residency == "mapped"
+    # Mapped weights are clean file pages: iOS does not charge them to the footprint the jetsam limit judges.
+    footprint_weights = 0 if mapped else chosen.total_bytes
+    fixed = footprint_weights + request.buffer_cache_bytes + baseline
 
     max_context, limited_by = _solve(spec, parsed, request, limit_bytes, fixed, cap)
+    ceiling = profile.mapped_ceiling(limit_kind)
+    if mapped and chosen.total_bytes > ceiling:
+        max_context = dict.fromkeys(max_context, 0)
+        limited_by = dict.fromkeys(limited_by, "mapped_ceiling")
     max_default = (
         _solve(spec, parsed, request, profile.limit_default, fixed, cap)[0] if limit_kind == "entitled" else max_context
     )
@@ -423,7 +452,7 @@ def plan_memory(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest | 
             spec, scheme, max(max_context[name], 1), fixed, request.prefill_step, request.dtype, request.backend
         ).model_copy(
             update={
-                "weights_bytes": chosen.total_bytes,
+                "weights_bytes": footprint_weights,
                 "buffer_cache_bytes": request.buffer_cache_bytes,
                 "baseline_bytes": baseline,
             }
@@ -500,6 +529,24 @@ def plan_memory(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest | 
         gpu_check=gpu_check,
         max_context_all_limits=all_limits,
         binding_limit=binding,  # type: ignore[arg-type]
+        weights_residency=request.weights_residency,
+        mapped=_mapped_check(profile, limit_kind, chosen.total_bytes, budgets) if mapped else None,
+    )
+
+
+def _mapped_check(
+    profile: DeviceProfile, limit_kind: str, weights: int, budgets: dict[str, SchemeBudget]
+) -> MappedCheck:
+    m = profile.mapped_memory_limit
+    sourced = m.entitled_bytes if limit_kind == "entitled" and m.entitled_bytes is not None else m.default_bytes
+    largest = max((b.total_bytes for b in budgets.values()), default=0)
+    return MappedCheck(
+        mapped_bytes=weights,
+        ceiling_bytes=sourced.value,
+        ceiling_basis=f"{sourced.basis}: {sourced.source}",
+        within_ceiling=weights <= sourced.value,
+        ram_bytes=profile.ram,
+        ram_headroom_bytes=profile.ram - largest - weights,
     )
 
 
@@ -574,7 +621,7 @@ def _metal_limits(
             buffer_context = max_context_for_buffer(spec, scheme, max_buffer, step, dtype, weights_array, cap, backend)
             options.append((buffer_context, "metal_max_buffer"))
         best, which = min(options, key=lambda o: o[0])  # ties keep jetsam (listed first)
-        if which == "jetsam" and limited_by[name] in ("model", "weights"):
+        if which == "jetsam" and limited_by[name] in ("model", "weights", "mapped_ceiling"):
             which = limited_by[name]
         elif best == 0:
             which = "weights" if which == "jetsam" else which
@@ -612,6 +659,17 @@ def _notes(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest, traine
         f"Backend {request.backend} ({BACKENDS[request.backend]}): the prefill transient's attention scores are "
         "counted as MLX's attention holds them there (buffers per score measured on this host's MLX)."
     )
+    if request.weights_residency == "mapped":
+        notes.append(
+            "Weights mapped from the bundle's file (kvrig package --weights-layout mapped): iOS charges the footprint "
+            "for dirty, anonymous memory, not for clean pages mapped read-only, so the weights are left out of the "
+            "jetsam budget and counted against the mapped-memory ceiling, Metal's working set and the phone's RAM "
+            "(llama.cpp maps its weights this way on iOS; ExecuTorch measured ~400 MB of mapped weights leaving "
+            "phys_footprint, pytorch/executorch#19862). Uncertain until measured on a phone: that MLX Swift's "
+            "no-copy buffers (mlx_array_new_data_managed) stay clean on Metal, and the ceiling on this device "
+            "(one public measurement, on an iPhone 13). `kvrig lab` runs a bundle loaded and mapped side by side "
+            "and `kvrig calibrate` corrects the plan from it."
+        )
     if trained is None:
         notes.append("config has no max_position_embeddings; max context is bounded by memory only.")
     return notes

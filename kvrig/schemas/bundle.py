@@ -38,6 +38,10 @@ class Recipe(StrictModel):
     key_bits: int | None
     value_bits: int | None
     kv_group_size: int
+    weights_layout: Literal["loaded", "mapped"] = Field(
+        default="loaded", description="mapped: every tensor of the safetensors starts on weights_alignment_bytes"
+    )
+    weights_alignment_bytes: int | None = Field(default=None, ge=1)
 
 
 class Prediction(StrictModel):

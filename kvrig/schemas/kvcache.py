@@ -9,9 +9,12 @@ from pydantic import Field, model_validator
 from kvrig.schemas import StrictModel
 
 KVCACHE_NAME: Final = "kvcache.json"
-KVCACHE_SCHEMA_VERSION: Final = 2
+KVCACHE_SCHEMA_VERSION: Final = 3
 """2: rotation gains `hadamard_keys` (and `hadamard` now rotates keys and values); `sink_tokens` and
-`recent_tokens` keep the first and the latest tokens in the activation dtype."""
+`recent_tokens` keep the first and the latest tokens in the activation dtype. 3: `weights_layout` says whether the
+app maps the weights from the file (`mapped`: every tensor starts on `weights_alignment_bytes`)."""
+
+WeightsLayout = Literal["loaded", "mapped"]
 
 CacheKind = Literal["full", "sliding", "shared", "linear", "latent"]
 """full: grows with context; sliding: ring of `window` tokens; shared: reuses `source_layer`'s cache;
@@ -42,7 +45,7 @@ class PressurePolicy(StrictModel):
 
 
 class KVCacheConfig(StrictModel):
-    schema_version: Literal[2] = Field(default=KVCACHE_SCHEMA_VERSION, alias="schema")
+    schema_version: Literal[2, 3] = Field(default=KVCACHE_SCHEMA_VERSION, alias="schema")
     scheme: str = Field(description="name such as k8v4, fp16")
     dtype: Literal["float16", "bfloat16", "float32"] = "float16"
     key_bits: int | None = Field(description="null: keys unquantized")
@@ -68,7 +71,25 @@ class KVCacheConfig(StrictModel):
     buffer_cache_limit_bytes: int = Field(ge=0, description="MLX Memory.cacheLimit")
     memory_limit_bytes: int = Field(ge=0, description="MLX Memory.memoryLimit, below the jetsam limit")
     pressure: PressurePolicy = PressurePolicy()
+    weights_layout: WeightsLayout = Field(
+        default="loaded",
+        description="loaded: the app loads the weights into memory MLX allocates (footprint); mapped: every tensor "
+        "of the bundle's safetensors starts on weights_alignment_bytes and the app maps the file read-only, handing "
+        "the pages to MLX without a copy (schema 3), falling back to loading where it cannot",
+    )
+    weights_alignment_bytes: int | None = Field(
+        default=None, ge=1, description="mapped: the boundary every tensor starts on (the phone's 16 KiB page)"
+    )
     layers: list[LayerCache]
+
+    @model_validator(mode="after")
+    def _mapped_needs_schema_3(self) -> KVCacheConfig:
+        mapped = self.weights_layout == "mapped" or self.weights_alignment_bytes is not None
+        if mapped and self.schema_version < 3:
+            raise ValueError("weights_layout / weights_alignment_bytes are schema-3 fields")
+        if self.weights_layout == "mapped" and self.weights_alignment_bytes is None:
+            raise ValueError("a mapped layout names its weights_alignment_bytes")
+        return self
 
 
 def host_kvcache(

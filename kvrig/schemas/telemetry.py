@@ -13,12 +13,12 @@ from kvrig.schemas import StrictModel
 
 # 2: `start` names the backend that ran (mlx or coreml). Schema-1 files (MLX-only apps) still read, as mlx.
 # 3: `step` names it too, so a step read alone (or a file mixing runs) says which runtime measured it.
-TELEMETRY_SCHEMA_VERSION: Final = 3
+TELEMETRY_SCHEMA_VERSION: Final = 4
 TELEMETRY_FILE = "telemetry.jsonl"
 
 
 class _Event(StrictModel):
-    schema_version: Literal[1, 2, 3] = Field(default=TELEMETRY_SCHEMA_VERSION, alias="schema")
+    schema_version: Literal[1, 2, 3, 4] = Field(default=TELEMETRY_SCHEMA_VERSION, alias="schema")
     run_id: str
     seq: int = Field(ge=0, description="record number within the run, from 0")
     t: float = Field(description="seconds since the Unix epoch")
@@ -38,11 +38,25 @@ class StartEvent(_Event):
         default_factory=list,
         description="fields the virtual iPhone converted to the phone's format (e.g. fp32 host activations)",
     )
+    weights_residency: Literal["loaded", "mapped"] | None = Field(
+        default=None,
+        description="how the app holds its weights (schema 4): loaded into MLX's memory, or mapped from the bundle's "
+        "file (None: an older file, loaded)",
+    )
+    mapped_weight_bytes: int | None = Field(
+        default=None, ge=0, description="bytes of weights backed by the file mapping (schema 4; 0 when loaded)"
+    )
+    residency_note: str | None = Field(
+        default=None, description="why the weights are loaded although the bundle asked for mapped (schema 4)"
+    )
 
     @model_validator(mode="after")
-    def _backend_needs_schema_2(self) -> StartEvent:
+    def _fields_need_their_schema(self) -> StartEvent:
         if self.schema_version == 1 and "backend" in self.model_fields_set:
             raise ValueError("'backend' is a schema-2 field; a schema-1 record cannot carry it")
+        residency = {"weights_residency", "mapped_weight_bytes", "residency_note"} & self.model_fields_set
+        if self.schema_version < 4 and residency:
+            raise ValueError(f"{sorted(residency)} are schema-4 fields; an older record cannot carry them")
         return self
 
 

@@ -80,8 +80,12 @@ def test_python_reads_core_telemetry(swift_run: dict[str, Path]) -> None:
     assert [e.seq for e in events] == list(range(13))
     assert events[0].model == 'Smol "LM" \\ 135M' and events[0].limit_bytes == 3_221_225_472
     # Schema 2: `start` names the backend (the Core default is MLX; the second start ran Core ML); schema 3:
-    # `step` too (set on the first step, unset on the second).
-    assert {e.schema_version for e in events} == {3}
+    # `step` too (set on the first step, unset on the second); schema 4: how the weights are held (the first
+    # start leaves it unset: an app that says nothing about it).
+    assert {e.schema_version for e in events} == {4}
+    starts = [e for e in events if e.event == "start"]
+    assert [(e.weights_residency, e.mapped_weight_bytes) for e in starts] == [(None, None), ("loaded", 0)]
+    assert starts[1].residency_note == 'mapping "refused": fell back'
     assert [e.backend for e in events if e.event == "step"] == ["coreml", None]
     assert [e.backend for e in events if e.event == "start"] == ["mlx", "coreml"]
     assert json.loads(lines[0])["backend"] == "mlx"  # written by Swift, not filled in by the Python default

@@ -1,6 +1,6 @@
 import Foundation
 
-/// kvcache.json, schema 2: mirrors kvrig/schemas/kvcache.py field for field (snake_case on disk).
+/// kvcache.json, schema 3: mirrors kvrig/schemas/kvcache.py field for field (snake_case on disk).
 
 public enum CacheKind: String, Codable, Sendable, CaseIterable {
     case full, sliding, shared, linear, latent
@@ -27,6 +27,12 @@ public enum Rotation: String, Codable, Sendable {
 
     public var rotatesKeys: Bool { self != .none }
     public var rotatesValues: Bool { self == .hadamard }
+}
+
+/// How the app holds the weights (schema 3): `loaded` into memory MLX allocates, or `mapped` from the bundle's file,
+/// read-only, every tensor on a `weightsAlignmentBytes` boundary, its pages handed to MLX without a copy.
+public enum WeightsLayout: String, Codable, Sendable {
+    case loaded, mapped
 }
 
 public struct LayerCache: Codable, Equatable, Sendable {
@@ -138,7 +144,8 @@ public struct PressurePolicy: Codable, Equatable, Sendable {
 }
 
 public struct KVCacheConfig: Codable, Equatable, Sendable {
-    public static let schemaVersion = 2
+    public static let schemaVersion = 3
+    public static let readableSchemas = 2...3
 
     public var schema: Int
     public var scheme: String
@@ -160,6 +167,9 @@ public struct KVCacheConfig: Codable, Equatable, Sendable {
     public var bufferCacheLimitBytes: Int
     public var memoryLimitBytes: Int
     public var pressure: PressurePolicy
+    /// Schema 3: `mapped` asks the app to map the weights from the file (it falls back to loading, and says so).
+    public var weightsLayout: WeightsLayout
+    public var weightsAlignmentBytes: Int?
     public var layers: [LayerCache]
 
     enum CodingKeys: String, CodingKey, CaseIterable {
@@ -178,7 +188,10 @@ public struct KVCacheConfig: Codable, Equatable, Sendable {
         case prefillStepSize = "prefill_step_size"
         case bufferCacheLimitBytes = "buffer_cache_limit_bytes"
         case memoryLimitBytes = "memory_limit_bytes"
-        case pressure, layers
+        case pressure
+        case weightsLayout = "weights_layout"
+        case weightsAlignmentBytes = "weights_alignment_bytes"
+        case layers
     }
 
     public init(
@@ -186,7 +199,8 @@ public struct KVCacheConfig: Codable, Equatable, Sendable {
         quantizedKVStart: Int, rotation: Rotation = .none, sinkTokens: Int = 0, recentTokens: Int = 0,
         step: Int = 256, pageTokens: Int, maxContext: Int,
         keepTokens: Int, prefillStepSize: Int, bufferCacheLimitBytes: Int, memoryLimitBytes: Int,
-        pressure: PressurePolicy = PressurePolicy(), layers: [LayerCache]
+        pressure: PressurePolicy = PressurePolicy(), weightsLayout: WeightsLayout = .loaded,
+        weightsAlignmentBytes: Int? = nil, layers: [LayerCache]
     ) {
         self.schema = Self.schemaVersion
         self.scheme = scheme
@@ -206,6 +220,8 @@ public struct KVCacheConfig: Codable, Equatable, Sendable {
         self.bufferCacheLimitBytes = bufferCacheLimitBytes
         self.memoryLimitBytes = memoryLimitBytes
         self.pressure = pressure
+        self.weightsLayout = weightsLayout
+        self.weightsAlignmentBytes = weightsAlignmentBytes
         self.layers = layers
     }
 
@@ -240,6 +256,8 @@ public struct KVCacheConfig: Codable, Equatable, Sendable {
         bufferCacheLimitBytes = try c.decode(Int.self, forKey: .bufferCacheLimitBytes)
         memoryLimitBytes = try c.decode(Int.self, forKey: .memoryLimitBytes)
         pressure = try c.decodeIfPresent(PressurePolicy.self, forKey: .pressure) ?? PressurePolicy()
+        weightsLayout = try c.decodeIfPresent(WeightsLayout.self, forKey: .weightsLayout) ?? .loaded
+        weightsAlignmentBytes = try c.decodeIfPresent(Int.self, forKey: .weightsAlignmentBytes)
         layers = try c.decode([LayerCache].self, forKey: .layers)
         try validate()
     }
@@ -264,11 +282,20 @@ public struct KVCacheConfig: Codable, Equatable, Sendable {
         try c.encode(bufferCacheLimitBytes, forKey: .bufferCacheLimitBytes)
         try c.encode(memoryLimitBytes, forKey: .memoryLimitBytes)
         try c.encode(pressure, forKey: .pressure)
+        try c.encode(weightsLayout, forKey: .weightsLayout)
+        try c.encode(weightsAlignmentBytes, forKey: .weightsAlignmentBytes)
         try c.encode(layers, forKey: .layers)
     }
 
     public func validate() throws {
-        try require(schema == Self.schemaVersion, "schema", "expected \(Self.schemaVersion), got \(schema)")
+        // Schema 2 files (bundles written before weights could be mapped) read as loaded.
+        try require(Self.readableSchemas.contains(schema), "schema", "expected 2 or 3, got \(schema)")
+        if weightsLayout == .mapped || weightsAlignmentBytes != nil {
+            try require(schema >= 3, "weights_layout", "a schema-3 field")
+        }
+        if weightsLayout == .mapped {
+            try require((weightsAlignmentBytes ?? 0) >= 1, "weights_alignment_bytes", "a mapped layout names it")
+        }
         try require(groupSize >= 1, "group_size", "must be >= 1")
         try require(quantizedKVStart >= 0, "quantized_kv_start", "must be >= 0")
         try require(sinkTokens >= 0, "sink_tokens", "must be >= 0")

@@ -1,8 +1,8 @@
 import Foundation
 
-/// Telemetry, schema 3: mirrors kvrig/schemas/telemetry.py. One JSON object per line, `event` says which.
+/// Telemetry, schema 4: mirrors kvrig/schemas/telemetry.py. One JSON object per line, `event` says which.
 /// Schema 2 added `backend` to `start`: which runtime ran the soak (MLX, or the Core ML program); schema 3
-/// added it to `step`.
+/// added it to `step`; schema 4 added how the weights are held to `start` (loaded, or mapped from the file).
 
 public enum ThermalState: String, Codable, Sendable {
     case nominal, fair, serious, critical
@@ -10,6 +10,12 @@ public enum ThermalState: String, Codable, Sendable {
 
 public enum TelemetryBackend: String, Codable, Sendable {
     case mlx, coreml
+}
+
+/// How the app holds its weights: in memory MLX allocated (counted in the footprint), or mapped from the bundle's
+/// file (clean pages iOS can drop and read back, outside the footprint).
+public enum WeightsResidency: String, Codable, Sendable {
+    case loaded, mapped
 }
 
 public enum PressureLevel: String, Codable, Sendable {
@@ -27,7 +33,8 @@ public enum EndReason: String, Codable, Sendable {
 public enum TelemetryPayload: Equatable, Sendable {
     case start(
         model: String, scheme: String, productType: String, osVersion: String, limitBytes: Int?,
-        converted: [String], backend: TelemetryBackend = .mlx)
+        converted: [String], backend: TelemetryBackend = .mlx, weightsResidency: WeightsResidency? = nil,
+        mappedWeightBytes: Int? = nil, residencyNote: String? = nil)
     case step(StepMetrics)
     case memoryPressure(level: PressureLevel, contextTokens: Int, physFootprintBytes: Int?)
     case evict(tokensEvicted: Int, contextTokens: Int, kvBytes: Int?)
@@ -79,7 +86,7 @@ public struct StepMetrics: Equatable, Sendable {
 }
 
 public struct TelemetryEvent: Encodable, Equatable, Sendable {
-    public static let schemaVersion = 3
+    public static let schemaVersion = 4
 
     public var runId: String
     public var seq: Int
@@ -110,6 +117,9 @@ public struct TelemetryEvent: Encodable, Equatable, Sendable {
         case kvBytes = "kv_bytes"
         case thermalState = "thermal_state"
         case tokensEvicted = "tokens_evicted"
+        case weightsResidency = "weights_residency"
+        case mappedWeightBytes = "mapped_weight_bytes"
+        case residencyNote = "residency_note"
     }
 
     /// Rates that are not finite (a zero-length interval) are written as null, which JSON can carry.
@@ -127,7 +137,8 @@ public struct TelemetryEvent: Encodable, Equatable, Sendable {
         try c.encode(t, forKey: .t)
         switch payload {
         case .start(
-            let model, let scheme, let productType, let osVersion, let limitBytes, let converted, let backend):
+            let model, let scheme, let productType, let osVersion, let limitBytes, let converted, let backend,
+            let weightsResidency, let mappedWeightBytes, let residencyNote):
             try c.encode(model, forKey: .model)
             try c.encode(scheme, forKey: .scheme)
             try c.encode(productType, forKey: .productType)
@@ -135,6 +146,9 @@ public struct TelemetryEvent: Encodable, Equatable, Sendable {
             try c.encode(limitBytes, forKey: .limitBytes)
             try c.encode(converted, forKey: .converted)
             try c.encode(backend, forKey: .backend)
+            try c.encode(weightsResidency, forKey: .weightsResidency)
+            try c.encode(mappedWeightBytes, forKey: .mappedWeightBytes)
+            try c.encode(residencyNote, forKey: .residencyNote)
         case .step(let m):
             try c.encode(m.contextTokens, forKey: .contextTokens)
             try c.encode(Self.finite(m.decodeTps), forKey: .decodeTps)

@@ -38,7 +38,7 @@ final class ContractTests: XCTestCase {
 
     func testKVCacheJSONFromPython() throws {
         let config = try assertRoundTrip(KVCacheConfig.self, file: "kvcache.json")
-        XCTAssertEqual(config.schema, 2)
+        XCTAssertEqual(config.schema, 3)
         XCTAssertEqual(config.schema, KVCacheConfig.schemaVersion)
         XCTAssertFalse(config.layers.isEmpty)
         XCTAssertEqual(config.layers.map(\.layer), Array(0 ..< config.layers.count))
@@ -105,7 +105,8 @@ final class ContractTests: XCTestCase {
                 limitBytes: 3_221_225_472, converted: []))
         try log.record(
             .start(model: "m", scheme: "fp16", productType: "iPhone15,2", osVersion: "16.7", limitBytes: nil,
-                   converted: ["activations"], backend: .coreml))
+                   converted: ["activations"], backend: .coreml, weightsResidency: .loaded, mappedWeightBytes: 0,
+                   residencyNote: "mapping \"refused\": fell back"))
         try log.record(
             .step(
                 StepMetrics(
