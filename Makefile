@@ -8,10 +8,10 @@ STAMP := $(VENV)/.kvrig-setup-3
 # go out in collection order (tests/conftest.py puts the longest first), not xdist's most-tests-first.
 PYTEST_WORKERS ?= 2
 # libopenblas0-pthread: MLX CPU matmul; libimobiledevice: the device tools; fortunes, libc6-dev,
-# libpython3-stdlib, debian-reference-en: the kinds of text quality is calibrated and measured on (kvrig/texts.py);
+# libpython3-stdlib, python3-doc, debian-reference-en: the kinds of text quality is calibrated and measured on (kvrig/texts.py);
 # the rest: the Linux build of the Swift engine where MLX Swift resolves (BLAS/LAPACK; g++ for MLX's compile JIT).
 DEBIAN_PACKAGES := libopenblas0-pthread libimobiledevice-utils ideviceinstaller \
-	fortunes libc6-dev libpython3-stdlib debian-reference-en \
+	fortunes libc6-dev libpython3-stdlib python3-doc debian-reference-en \
 	libblas-dev liblapacke-dev libopenblas-dev liblapack-dev gfortran g++
 
 .PHONY: setup test demo lint typecheck clean

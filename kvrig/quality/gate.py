@@ -1,7 +1,7 @@
 """The quality gate `kvrig package` runs, and what `--weights auto` and `--kv auto` choose with: perplexity of a
 bundle (its weights and its KV cache) against the unquantized source (unquantized KV) on one text of each gate
-kind — kvrig's own prose and the ends of the evaluation kinds (texts.py), which the calibration never reads and
-the quality bench's rows (their beginnings) do not share — judged on the worst kind. Seconds for SmolLM2 on a
+kind — kvrig's own prose, Python modules and a manual the calibration never reads (texts.py) — judged on the
+worst kind. Seconds for SmolLM2 on a
 CPU with OpenBLAS loaded (the CLI preloads it; blas.load_openblas for library callers)."""
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ from kvrig.quantize.base import load_source_model
 from kvrig.runtime.host import load_bundle_model, prepare_for_host
 from kvrig.schemas.bundle import KindCheck, QualityCheck
 from kvrig.schemas.kvcache import KVCacheConfig
-from kvrig.texts import EVALUATION_KINDS, GATE_TEXT, kind_tokens
+from kvrig.texts import GATE_KINDS as FILE_KINDS
+from kvrig.texts import GATE_TEXT, kind_tokens
 
 DEFAULT_MAX_INCREASE_PCT = 10.0
 """Refuse bundles whose perplexity is more than this much above the source's on any gate kind."""
 GATE_TOKENS = 320
-GATE_KINDS = ("prose", *EVALUATION_KINDS)
+GATE_KINDS = ("prose", *FILE_KINDS)
 
 
 @dataclass(frozen=True)
@@ -35,9 +36,9 @@ class GateTexts:
 
 
 def gate_tokens(tokenizer: Any, tokens: int = GATE_TOKENS) -> dict[str, list[int]]:
-    """`prose`: kvrig's own text; the evaluation kinds: their last `tokens` tokens (the bench reads their first)."""
+    """`prose`: kvrig's own text; the gate's file kinds (texts.py): their last `tokens` tokens."""
     ids = {"prose": list(tokenizer.encode(GATE_TEXT))[:tokens]}
-    for kind in EVALUATION_KINDS:
+    for kind in FILE_KINDS:
         ids[kind] = kind_tokens(tokenizer, kind, tokens, from_end=True)
     return ids
 

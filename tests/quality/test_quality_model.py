@@ -72,7 +72,7 @@ def test_defaults_choose_the_smallest_recipe_that_passes_the_gate(default_bundle
     manifest = load_manifest(default_bundle)
     q, choice = manifest.quality, manifest.choice
     assert q is not None and q.passed and not q.forced
-    assert {k.kind for k in q.kinds} == {"prose", "python", "manual"}
+    assert {k.kind for k in q.kinds} == {"prose", "python-held-out", "manual"}
     assert q.ppl_delta_pct == max(k.ppl_delta_pct for k in q.kinds) <= PackageOptions().max_ppl_increase_pct
     # The recipe: the first candidate that passed; every smaller one failed the gate, none larger was tried.
     assert choice is not None

@@ -8,7 +8,15 @@ from mlx_lm.utils import load_tokenizer
 
 from kvrig.exceptions import QualityInputError
 from kvrig.quantize.recipes import calibration_files, calibration_tokens
-from kvrig.texts import CALIBRATION_KINDS, EVALUATION_KINDS, KINDS, TextKind, kind_tokens, read_kind
+from kvrig.texts import (
+    CALIBRATION_KINDS,
+    EVALUATION_KINDS,
+    GATE_KINDS,
+    KINDS,
+    TextKind,
+    kind_tokens,
+    read_kind,
+)
 
 
 @pytest.mark.parametrize("kind", [k.name for k in KINDS])
@@ -18,12 +26,12 @@ def test_every_kind_reads_enough_text(kind: str) -> None:
     assert "\ufffd" not in text[:20_000]  # decoded as the UTF-8 it is
 
 
-def test_calibration_and_evaluation_share_no_kind_and_no_file() -> None:
-    assert CALIBRATION_KINDS and EVALUATION_KINDS
-    assert not set(CALIBRATION_KINDS) & set(EVALUATION_KINDS)
+def test_calibration_shares_no_kind_with_evaluation_and_no_file_with_anything() -> None:
+    assert CALIBRATION_KINDS and EVALUATION_KINDS and GATE_KINDS
+    assert not set(CALIBRATION_KINDS) & (set(EVALUATION_KINDS) | set(GATE_KINDS))
     calibration = {f for k in CALIBRATION_KINDS for f in read_kind(k)[1]}
-    evaluation = {f for k in EVALUATION_KINDS for f in read_kind(k)[1]}
-    assert not calibration & evaluation
+    measured = {f for k in EVALUATION_KINDS + GATE_KINDS for f in read_kind(k)[1]}
+    assert not calibration & measured
 
 
 def test_the_manual_starts_at_its_prose_not_its_table_of_contents() -> None:
