@@ -10,23 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from kvrig.cli import main
 from kvrig.profiles import DeviceProfile
 from kvrig.schemas import json_schema
+from tests.cli_run import run
 
 ROOT = Path(__file__).resolve().parents[1]
 CSV_ROWS = list(csv.DictReader((Path(__file__).parent / "data" / "device_facts.csv").open(newline="")))
 MIB = 1 << 20
-
-
-def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture(autouse=True)

@@ -93,10 +93,29 @@ def test_the_options_the_readme_gives_a_command_are_its_own() -> None:
     assert not wrong, wrong
 
 
+def _other_exit_rows() -> dict[str, int]:
+    """The rows that are not kvrig's errors: click's usage errors and a bug."""
+    text = README.read_text()
+    section = text[text.index("### Exit codes") :]
+    rows = re.findall(r"^\| (\d+) \| (`click\.\w+`|\(unexpected\)) \|", section, flags=re.M)
+    return {name.strip("`"): int(code) for code, name in rows}
+
+
 def test_every_exit_code_the_text_names_is_in_the_table() -> None:
     named = {int(c) for c in re.findall(r"\bexit(?:s| with)?(?: code)? (\d+)", README.read_text())}
     assert named, "the README names no exit code in its text"
-    assert named <= set(_exit_code_rows().values()), sorted(named - set(_exit_code_rows().values()))
+    listed = set(_exit_code_rows().values()) | set(_other_exit_rows().values())
+    assert named <= listed, sorted(named - listed)
+
+
+def test_the_usage_and_bug_rows_are_what_the_cli_exits_with(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvrig.cli import UNEXPECTED_EXIT
+
+    rows = _other_exit_rows()
+    assert rows == {"click.UsageError": click.UsageError.exit_code, "(unexpected)": UNEXPECTED_EXIT}
+    with pytest.raises(SystemExit) as exited:
+        main(["plan", "--no-such-option"])
+    assert exited.value.code == rows["click.UsageError"]
 
 
 @click.command("raise-for-readme")

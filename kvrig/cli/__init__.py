@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import importlib
 import sys
+import traceback
 
 import click
 
+from kvrig.cli.output import OUTPUT
 from kvrig.exceptions import KvrigError
 from kvrig.version import __version__
 
@@ -49,13 +51,58 @@ class LazyGroup(click.Group):
         return getattr(importlib.import_module(module_name), attr)
 
 
+# The packages whose versions decide what kvrig does (bytes, caches, wire formats); read from their metadata,
+# so `--version` imports none of them.
+DEPENDENCIES = ("mlx", "mlx-lm", "pymobiledevice3", "coremltools")
+
+# A bug in kvrig, not an error it reports (BSD's EX_SOFTWARE): CI can tell it from every kvrig exit code.
+UNEXPECTED_EXIT = 70
+
+
+def _versions() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    def one(name: str) -> str:
+        try:
+            return f"{name} {version(name)}"
+        except PackageNotFoundError:
+            return f"{name} not installed"
+
+    return f"kvrig {__version__} (Python {sys.version.split()[0]}; " + ", ".join(map(one, DEPENDENCIES)) + ")"
+
+
+def _show_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if value and not ctx.resilient_parsing:
+        click.echo(_versions())
+        ctx.exit()
+
+
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, prog_name="kvrig")
-def cli() -> None:
+@click.option(
+    "--version",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=_show_version,
+    help="Show kvrig's version and those of mlx, mlx-lm, pymobiledevice3 and coremltools, and exit.",
+)
+@click.option("-v", "--verbose", is_flag=True, help="Debug logging, and the traceback of an unexpected error.")
+@click.option("-q", "--quiet", is_flag=True, help="Only results, warnings and errors: no progress lines.")
+@click.option("--no-color", is_flag=True, help="No colour (also when NO_COLOR is set, or off a terminal).")
+def cli(verbose: bool, quiet: bool, no_color: bool) -> None:
     """kvrig: the longest context your quantized LLM can hold on an iPhone without being killed."""
+    if verbose and quiet:
+        raise click.UsageError("-v and -q ask for opposite things; give one")
+    OUTPUT.verbosity = 1 if verbose else -1 if quiet else 0
+    OUTPUT.color = not no_color
+    if verbose:
+        import logging
+
+        logging.basicConfig(level=logging.DEBUG, format="%(name)s: %(message)s")
 
 
 def main(argv: list[str] | None = None) -> None:
+    OUTPUT.verbosity, OUTPUT.color = 0, True  # a fresh invocation (tests call main() many times in one process)
     try:
         cli.main(args=argv, prog_name="kvrig", standalone_mode=False)
     except click.exceptions.Abort:
@@ -67,7 +114,18 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     except KvrigError as exc:
+        if OUTPUT.verbosity > 0:
+            traceback.print_exc()
         click.echo(f"kvrig: error: {exc}", err=True)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)
+    except Exception as exc:
+        if OUTPUT.verbosity > 0:
+            traceback.print_exc()
+            sys.exit(UNEXPECTED_EXIT)
+        click.echo(
+            f"kvrig: unexpected error: {type(exc).__name__}: {exc} (a bug in kvrig; rerun with -v for the traceback)",
+            err=True,
+        )
+        sys.exit(UNEXPECTED_EXIT)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from kvrig.cli.output import info
 from kvrig.cli.plan import plan_bench
 from kvrig.cli.render import echo_json, human_bytes, json_option
 
@@ -147,9 +148,6 @@ def quality(
     ensure_openblas()
     from kvrig.quality.bench import DEFAULT_KV, run_quality_bench, write_plots
 
-    def progress(line: str) -> None:
-        click.echo(line, err=True)
-
     report = run_quality_bench(
         model,
         recipes=_csv(recipes),
@@ -161,7 +159,7 @@ def quality(
         decode_steps=decode_steps,
         kv_reads=kv_reads,
         factual_recipe=factual_recipe or None,
-        progress=progress,
+        progress=info,
     )
     paths = write_plots(report, output)
     if as_json:

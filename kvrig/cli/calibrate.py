@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from kvrig.cli.output import console
 from kvrig.cli.render import echo_json, human_bytes, json_option
 
 
@@ -33,7 +34,6 @@ def calibrate(
     if as_json:
         echo_json(calibration)
         return
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"Calibration → {out}", title_justify="left")
@@ -48,4 +48,4 @@ def calibrate(
             str(entry.points),
             ", ".join(entry.sources),
         )
-    Console().print(table)
+    console().print(table)

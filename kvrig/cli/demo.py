@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from kvrig.cli.options import ios_option, tokens_option
+from kvrig.cli.output import console, info
 from kvrig.cli.render import echo_json, human_bytes, json_option
 
 if TYPE_CHECKING:
@@ -88,7 +89,7 @@ def demo(
             ios=ios,
             app_runtime=app_runtime,
         )
-        say = None if as_json else (lambda line, tag=f"{scheme}/p{step}": click.echo(f"  [{tag}] {line}", err=True))
+        say = None if as_json else (lambda line, tag=f"{scheme}/p{step}": info(f"  [{tag}] {line}"))
         results.append(run_demo(options, on_event=say))
     if as_json:
         echo_json([_as_dict(r) for r in results] if len(results) > 1 else _as_dict(results[0]))
@@ -197,26 +198,25 @@ def _render_one(result: DemoResult) -> None:
 
 
 def _render_table(results: list[DemoResult]) -> None:
-    header = ("kv", "prefill", "limit", "planned", "killed in step", "within 1 step", "report - limit", "outcome")
-    lines = [header]
+    from rich.table import Table
+
+    table = Table(
+        "kv", "prefill", "limit", "planned", "killed in step", "within 1 step", "report - limit", "outcome", box=None
+    )
     for r in results:
         killed = r.killed_in_step
         over = r.kill_footprint_over_limit_bytes
-        lines.append(
-            (
-                r.kv,
-                str(r.prefill_step),
-                human_bytes(r.limit_bytes),
-                str(r.predicted_max_context),
-                f"{killed[0]}->{killed[1]}" if killed else "-",
-                _yes_no(r.plan_within_one_step),
-                f"{over:+d} B" if over is not None else "-",
-                str(r.soak.outcome),
-            )
+        table.add_row(
+            r.kv,
+            str(r.prefill_step),
+            human_bytes(r.limit_bytes),
+            str(r.predicted_max_context),
+            f"{killed[0]}->{killed[1]}" if killed else "-",
+            _yes_no(r.plan_within_one_step),
+            f"{over:+d} B" if over is not None else "-",
+            str(r.soak.outcome),
         )
-    widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
-    for row in lines:
-        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    console().print(table)
     click.echo(f"soak step {results[0].step_tokens} tokens; planned = the plan's max context without its margin")
     click.echo(f"app runtime: {results[0].app_runtime_why}")
     first = results[0]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from kvrig.cli.output import OUTPUT, console
 from kvrig.cli.render import echo_json, human_bytes, json_option, usbmuxd_option
 from kvrig.device.loop import run_async
 
@@ -73,7 +74,6 @@ def devices(tunnel: str, usbmuxd: tuple[str, ...], as_json: bool) -> None:
     if not found:
         click.echo("no devices attached (connect an iPhone, or start one with `kvrig virtual start`)")
         return
-    from rich.console import Console
     from rich.table import Table
 
     table = Table("UDID", "ProductType", "iOS", "profile", "dev mode", "image", "tunnel", "connection", "host")
@@ -91,11 +91,11 @@ def devices(tunnel: str, usbmuxd: tuple[str, ...], as_json: bool) -> None:
             d.connection,
             d.host,
         )
-    console = Console(width=max(120, Console().width))
-    console.print(table)
+    out = console(min_width=120)
+    out.print(table)
     for p in found:
         for problem in p.problems:
-            console.print(f"[red]{p.device.udid}[/red]: {problem}", markup=True, highlight=False)
+            out.print(f"[red]{p.device.udid}[/red]: {problem}", markup=True, highlight=False)
 
 
 @click.command(
@@ -161,12 +161,15 @@ def deploy(bundle: Path, ipa: Path | None, app_id: str | None, udid: str | None,
         echo_json(result.to_json())
         return
 
-    from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-    console = Console(stderr=True)
     with Progress(
-        TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), console=console
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        console=console(stderr=True, live=True),
+        disable=OUTPUT.verbosity < 0,
     ) as bar:
         task = bar.add_task("pushing", total=None)
 

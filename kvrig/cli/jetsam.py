@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from kvrig.cli.output import console
 from kvrig.cli.render import echo_json, human_bytes, json_option, read_each
 from kvrig.exceptions import NotAJetsamReportError, ReportError
 
@@ -56,26 +57,25 @@ def _band_name(band: str | None, priority: int | None) -> str:
 
 
 def _render(report: JetsamReport, v: Verdict | None) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=max(120, Console().width))
+    out = console(min_width=120)
     device = report.product or "unknown device"
     if report.profile:
         device += f" ({report.profile})"
     page = f"{report.page_size} B pages" if report.page_size else "page size unknown"
-    console.print(f"[bold]{report.file}[/bold]")
-    console.print(f"  {report.os_version or 'OS unknown'} · {device} · {report.timestamp or 'time unknown'} · {page}")
+    out.print(f"[bold]{report.file}[/bold]")
+    out.print(f"  {report.os_version or 'OS unknown'} · {device} · {report.timestamp or 'time unknown'} · {page}")
     mem = report.memory
     parts = [f"{k} {human_bytes(b)}" for k, b in mem.bytes.items() if k in ("free", "active", "inactive", "wired")]
     if mem.compressed_bytes is not None:
         parts.append(f"compressed {human_bytes(mem.compressed_bytes)}")
     if parts:
-        console.print("  memory: " + ", ".join(parts))
+        out.print("  memory: " + ", ".join(parts))
     largest = report.largest_process or "not recorded"
     if report.largest_process_bytes is not None:
         largest += f" ({human_bytes(report.largest_process_bytes)})"
-    console.print(f"  largest process: {largest}")
+    out.print(f"  largest process: {largest}")
     if report.killed:
         table = Table("killed", "pid", "reason", "footprint", "peak", "states", "priority band", "implied limit")
         for p in report.killed:
@@ -89,11 +89,11 @@ def _render(report: JetsamReport, v: Verdict | None) -> None:
                 _band_name(p.priority_band, p.priority),
                 human_bytes(p.implied_limit_bytes) if p.implied_limit_bytes is not None else "",
             )
-        console.print(table)
+        out.print(table)
     else:
-        console.print("  no process killed in this report")
+        out.print("  no process killed in this report")
     if report.partial:
-        console.print("  [yellow]partial:[/yellow] " + "; ".join(report.problems))
+        out.print("  [yellow]partial:[/yellow] " + "; ".join(report.problems))
     if v is not None:
         colour = "red" if v.killed else "green"
-        console.print(f"  [{colour}]verdict:[/{colour}] {v.summary}")
+        out.print(f"  [{colour}]verdict:[/{colour}] {v.summary}")

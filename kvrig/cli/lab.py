@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from kvrig.cli.device import parse_tunnel, tunnel_option
+from kvrig.cli.output import console, info
 from kvrig.cli.render import echo_json, json_option, usbmuxd_option
 
 
@@ -68,7 +69,7 @@ def run(
     share = Shard.parse(shard) if shard else None
     udids = [u for text in devices for u in text.replace(",", " ").split()] or None
     mode = str(parse_tunnel(tunnel))
-    echo = None if as_json else (lambda line: click.echo(line, err=True))
+    echo = None if as_json else info
     results = run_async(run_lab(spec, out_dir, on_event=echo, hosts=hosts, shard=share, devices=udids, tunnel=mode))
     if as_json:
         echo_json(results.results)
@@ -141,7 +142,6 @@ def report(results_file: Path, out_dir: Path, title: str) -> None:
 
 
 def _render(results, *, title: str, out_dir: Path) -> None:  # type: ignore[no-untyped-def]
-    from rich.console import Console
     from rich.table import Table
 
     from kvrig.lab.gates import failures
@@ -169,9 +169,9 @@ def _render(results, *, title: str, out_dir: Path) -> None:  # type: ignore[no-u
             predicted,
             verdict,
         )
-    console = Console()
-    console.print(table)
+    out = console()
+    out.print(table)
     for note in results.lab.notes if results.lab else []:
-        console.print(f"note: {note}")
-    console.print(f"results: {out_dir / 'results.json'}, junit: {out_dir / 'junit.xml'}, "
+        out.print(f"note: {note}")
+    out.print(f"results: {out_dir / 'results.json'}, junit: {out_dir / 'junit.xml'}, "
                   f"report: {out_dir / 'report.html'}")  # fmt: skip

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from kvrig.cli.output import info, warn
 from kvrig.cli.render import echo_json, human_bytes, json_option
 
 
@@ -110,11 +111,11 @@ def package(
         keep_tokens=keep_tokens,
         prefill_step_size=prefill_step,
         max_context=max_context,
-        progress=lambda line: click.echo(line, err=True),
+        progress=info,
     )
     result = package_bundle(model, output, options)
     for warning in result.warnings:
-        click.echo(f"kvrig: warning: {warning}", err=True)
+        warn(warning)
     if as_json:
         echo_json({"path": str(result.path), "manifest": result.manifest, "kvcache": result.kvcache})
         return

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from kvrig.cli.options import backend_option
+from kvrig.cli.output import console
 from kvrig.cli.render import echo_json, human_bytes, json_option
 
 
@@ -160,23 +161,22 @@ def plan(
 
 
 def render_plan(p) -> None:  # type: ignore[no-untyped-def]
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    out = console()
     m, d = p.model, p.device
-    console.print(
+    out.print(
         f"[bold]{Path(m.source).name}[/] ({m.model_type}, {m.layers} layers: "
         + ", ".join(f"{n} {k}" for k, n in m.layer_kinds.items())
         + f"; {m.parameters / 1e6:.0f}M parameters) on [bold]{d.marketing_name}[/] ({', '.join(d.product_types)})"
     )
     entitled = human_bytes(d.limit_entitled_bytes) if d.limit_entitled_bytes else "unknown"
-    console.print(
+    out.print(
         f"App memory limit: default {human_bytes(d.limit_default_bytes)}, entitled {entitled}; "
         f"planning against {p.limit_kind} {human_bytes(p.limit_bytes)} − {p.margin:.0%} margin = "
         f"{human_bytes(p.budget_bytes)}"
     )
-    console.print(
+    out.print(
         "Runtime: MLX buffer cache "
         f"{human_bytes(p.runtime.buffer_cache_bytes)}, baseline {human_bytes(p.runtime.baseline_bytes)} "
         + ("(calibrated), " if p.runtime.baseline_calibrated_from else "(estimate), ")
@@ -187,7 +187,7 @@ def render_plan(p) -> None:  # type: ignore[no-untyped-def]
         verdict = "within" if mc.within_ceiling else "[bold red]OVER[/]"
         headroom = mc.ram_headroom_bytes
         shown = human_bytes(headroom) if headroom >= 0 else "-" + human_bytes(-headroom)
-        console.print(
+        out.print(
             f"Weights mapped from the file: {human_bytes(mc.mapped_bytes)} outside the footprint, {verdict} the "
             f"mapped-memory ceiling {human_bytes(mc.ceiling_bytes)}; RAM headroom beside the largest footprint {shown}"
         )
@@ -199,9 +199,9 @@ def render_plan(p) -> None:  # type: ignore[no-untyped-def]
         weights.add_row(f"{name} (g{p.group_size}){mark}", human_bytes(b))
     for name in p.weights_unavailable:
         weights.add_row(f"{name} (g{p.group_size})", "unavailable")
-    console.print(weights)
+    out.print(weights)
     for name, reason in p.weights_unavailable.items():
-        console.print(f"  {name} unavailable for {m.model_type}: {reason}", markup=False)
+        out.print(f"  {name} unavailable for {m.model_type}: {reason}", markup=False)
 
     contexts = list(next(iter(p.kv_bytes.values())).keys())
     kv = Table(title="KV cache by scheme", title_justify="left")
@@ -220,7 +220,7 @@ def render_plan(p) -> None:  # type: ignore[no-untyped-def]
             f"{p.max_context[name]:,} ({bound})",
             f"{p.max_context_default_limit[name]:,}",
         )
-    console.print(kv)
+    out.print(kv)
 
     tps = Table(
         title="Decode ceiling, tok/s (bandwidth / bytes read per token — a ceiling, not a forecast)",
@@ -231,14 +231,14 @@ def render_plan(p) -> None:  # type: ignore[no-untyped-def]
         tps.add_column(f"@{c}", justify="right")
     for name, row in p.decode_tps_ceiling.items():
         tps.add_row(name, *[f"{row[c]:.0f}" for c in contexts])
-    console.print(tps)
+    out.print(tps)
 
     r = p.recommendation
-    console.print(f"[bold green]Recommendation:[/] {r.scheme} — max context {r.max_context:,}")
+    out.print(f"[bold green]Recommendation:[/] {r.scheme} — max context {r.max_context:,}")
     for reason in r.reasons:
-        console.print(f"  • {reason}")
+        out.print(f"  • {reason}")
     for note in p.notes:
-        console.print(f"[dim]note: {note}[/]")
+        out.print(f"[dim]note: {note}[/]")
 
 
 @click.command("plan", short_help="Time and memory of planning, side by side with doing the same for real.")

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import click
-from rich.console import Console
 from rich.table import Table
 
+from kvrig.cli.output import console
 from kvrig.cli.render import echo_json, human_bytes, json_option
 from kvrig.profiles import DeviceProfile, SourcedInt, list_profiles, load_profile
 from kvrig.schemas import json_schema
@@ -41,7 +41,7 @@ def list_command(as_json: bool) -> None:
             _estimated(p.app_memory_limit.entitled_bytes, _as_mib),
             _estimated(p.memory_bandwidth_bytes_per_s, _gb_per_s),
         )
-    Console().print(table)
+    console().print(table)
 
 
 @profiles.command("show")
@@ -63,8 +63,8 @@ def schema_command() -> None:
 
 
 def _print_profile(p: DeviceProfile) -> None:
-    console = Console()
-    console.print(f"[bold]{p.marketing_name}[/bold] ({p.name}): {', '.join(p.product_types)}, {p.chip}")
+    out = console()
+    out.print(f"[bold]{p.marketing_name}[/bold] ({p.name}): {', '.join(p.product_types)}, {p.chip}")
     table = Table(show_lines=True)
     table.add_column("field", no_wrap=True)
     table.add_column("value")
@@ -88,12 +88,12 @@ def _print_profile(p: DeviceProfile) -> None:
             table.add_row(field, value, sourced.basis, sourced.source)
     if p.os_seen is not None:
         table.add_row("os_seen", p.os_seen.value, p.os_seen.basis, p.os_seen.source)
-    console.print(table)
+    out.print(table)
     for title, lines in (("notes", p.notes), ("sources", p.sources)):
         if lines:
-            console.print(f"[bold]{title}[/bold]")
+            out.print(f"[bold]{title}[/bold]")
             for line in lines:
-                console.print(f"  - {line}", markup=False, highlight=False)
+                out.print(f"  - {line}", markup=False, highlight=False)
 
 
 def _as_mib(n: int) -> str:

@@ -8,6 +8,7 @@ import click
 
 from kvrig.cli.device import parse_tunnel, tunnel_option
 from kvrig.cli.options import backend_option, seconds_option, tokens_option
+from kvrig.cli.output import info
 from kvrig.cli.render import echo_json, human_bytes, json_option
 from kvrig.device.loop import run_async
 
@@ -92,7 +93,7 @@ def soak(
         plan = make_plan(max_tokens=max_tokens, step_tokens=step, decode_tokens=decode_tokens, scheme=scheme)
     if backend is not None:
         plan = plan.model_copy(update={"backend": backend})
-    echo = None if as_json else (lambda line: click.echo(line, err=True))
+    echo = None if as_json else info
     options = SoakOptions(
         hang_after_s=hang_after,
         timeout_s=timeout,

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from kvrig.cli.output import console
 from kvrig.cli.render import echo_json, human_bytes, json_option, read_each
 from kvrig.exceptions import ReportError
 
@@ -53,15 +54,14 @@ def telemetry(files: tuple[Path, ...], report_path: Path | None, process: str | 
 
 
 def _render(s: RunSummary, log: TelemetryLog, corr: Correlation | None) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=max(120, Console().width))
-    console.print(
+    out = console(min_width=120)
+    out.print(
         f"[bold]{s.file}[/bold] run {s.run_id}: {s.model or '?'} · {s.scheme or '?'} · "
         f"{s.product_type or '?'} · {s.os_version or '?'}"
     )
-    console.print(
+    out.print(
         f"  {s.steps} steps, max context {s.max_context_tokens}, "
         f"max footprint {human_bytes(s.max_footprint_bytes) if s.max_footprint_bytes else '?'}, "
         f"end: {s.end_reason or 'no end record (killed?)'}"
@@ -70,12 +70,12 @@ def _render(s: RunSummary, log: TelemetryLog, corr: Correlation | None) -> None:
         table = Table("context", "decode tok/s")
         for ctx, tps in s.tps_at_context:
             table.add_row(str(ctx), f"{tps:.1f}")
-        console.print(table)
+        out.print(table)
     if s.footprint_curve:
-        console.print("  footprint: " + ", ".join(f"{c}:{human_bytes(b)}" for c, b in s.footprint_curve))
+        out.print("  footprint: " + ", ".join(f"{c}:{human_bytes(b)}" for c, b in s.footprint_curve))
     if log.torn_line:
-        console.print(f"  torn last line {log.torn_line} (killed mid-write), ignored")
+        out.print(f"  torn last line {log.torn_line} (killed mid-write), ignored")
     for sk in log.skipped:
-        console.print(f"  [yellow]skipped line {sk.line}:[/yellow] {sk.reason}")
+        out.print(f"  [yellow]skipped line {sk.line}:[/yellow] {sk.reason}")
     if corr is not None:
-        console.print(f"  jetsam: {corr.summary}")
+        out.print(f"  jetsam: {corr.summary}")

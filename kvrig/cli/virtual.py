@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from kvrig.cli.options import ios_option
+from kvrig.cli.output import console
 from kvrig.cli.render import echo_json, human_bytes, json_option
 
 
@@ -158,7 +159,6 @@ def status(address: str, as_json: bool) -> None:
     if as_json:
         echo_json(result)
         return
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"virtual iPhones on {result['Address']} (pid {result['Pid']})")
@@ -178,4 +178,4 @@ def status(address: str, as_json: bool) -> None:
             running,
             d["state"],
         )
-    Console().print(table)
+    console().print(table)
