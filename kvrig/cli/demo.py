@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from kvrig.cli.options import ios_option, tokens_option
+from kvrig.cli.options import checked_specs, ios_option, tokens_option
 from kvrig.cli.output import console, info
 from kvrig.cli.render import echo_json, human_bytes, json_option
 
@@ -24,12 +24,17 @@ if TYPE_CHECKING:
 )
 @click.option("--device", default="iPhone16,1", show_default=True, help="ProductType or profile of the virtual iPhone.")
 @click.option(
-    "--weights", default="auto", show_default=True, help="Weight recipe as `kvrig package --weights` takes it."
+    "--weights",
+    default="auto",
+    show_default=True,
+    callback=checked_specs("weights", auto=True, several=False),
+    help="Weight recipe as `kvrig package --weights` takes it.",
 )
 @click.option(
     "--kv",
     default="auto",
     show_default=True,
+    callback=checked_specs("kv", auto=True, several=True),
     help="KV spec as `kvrig package --kv` takes it, or several: auto,fp16,k8v8,k4v4+rot.",
 )
 @click.option(
@@ -57,7 +62,7 @@ def demo(
     out: Path,
     device: str,
     weights: str,
-    kv: str,
+    kv: list[str],
     prefill_step: str,
     room_tokens: int,
     step_tokens: int,
@@ -71,7 +76,7 @@ def demo(
     With several schemes or prefill steps, one run each (own folder under OUT) and a table side by side."""
     from kvrig.demo import DemoOptions, run_demo
 
-    schemes = [k.strip() for k in kv.split(",") if k.strip()]
+    schemes = kv
     steps = _int_list(prefill_step, "--prefill-step")
     combos = [(k, p) for k in schemes for p in steps]
     results = []

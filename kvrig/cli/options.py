@@ -38,3 +38,44 @@ def seconds_option(
     return click.option(
         *decls, type=click.FloatRange(min=minimum), default=default, show_default=default is not None, help=help
     )
+
+
+def group_size_option(name: str, default: int | None, help: str) -> Decorator:
+    """A quantization group size: one MLX quantizes with, refused before any model is read."""
+    from kvrig.recipes import GROUP_SIZES
+
+    def check(ctx: click.Context, param: click.Parameter, value: int | None) -> int | None:
+        if value is not None and value not in GROUP_SIZES:
+            raise click.BadParameter(
+                f"{value} is not a group size MLX quantizes with ({', '.join(map(str, GROUP_SIZES))})"
+            )
+        return value
+
+    return click.option(
+        name, type=int, default=default, show_default=default is not None, callback=check, is_eager=True, help=help
+    )
+
+
+def checked_specs(kind: str, *, auto: bool, several: bool) -> Any:
+    """A callback that reads weight recipes (`kind` "weights") or KV specs ("kv") as the recipe grammar does, so a
+    misspelt one is refused with the option's name before any model loads (the error keeps its own exit code)."""
+    from kvrig.exceptions import KvrigError
+    from kvrig.recipes import AUTO, parse_kv, parse_weights
+
+    parse = parse_weights if kind == "weights" else parse_kv
+
+    def check(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
+        if value is None:
+            return None
+        items = [v.strip() for v in value.split(",") if v.strip()] if several else [value]
+        for item in items:
+            if auto and item.lower() == AUTO:
+                continue
+            try:
+                parse(item)
+            except KvrigError as exc:
+                exc.args = (f"{param.opts[0]}: {exc}",)
+                raise
+        return items if several else value
+
+    return check

@@ -6,8 +6,10 @@ from pathlib import Path
 
 import click
 
+from kvrig.cli.options import checked_specs, group_size_option
 from kvrig.cli.output import info, warn
 from kvrig.cli.render import echo_json, human_bytes, json_option
+from kvrig.recipes import DEFAULT_GROUP_SIZE
 
 
 @click.command("package", short_help="Quantize a model into a bundle for the phone (weights, kvcache.json, manifest).")
@@ -17,6 +19,7 @@ from kvrig.cli.render import echo_json, human_bytes, json_option
     "--weights",
     default="auto",
     show_default=True,
+    callback=checked_specs("weights", auto=True, several=False),
     help="Weight recipe: qN[gG], mixed_X_Y, fp16, awq-qN, gptq-qN, imx-qN, gpx-qN, imx-BPW, gpx-BPW, dq-BPW. "
     "auto: the smallest of gpx-q4, gpx-4.6, q5, q6, q8 whose bundle passes the quality gate, measured here.",
 )
@@ -26,7 +29,7 @@ from kvrig.cli.render import echo_json, human_bytes, json_option
     help="With --device: choose weights and KV spec that hold this many tokens there, best measured quality first "
     "(prints every pair considered and why the winner won; refuses naming the closest option).",
 )
-@click.option("--group-size", default=64, show_default=True, type=int, help="Weight quantization group size.")
+@group_size_option("--group-size", DEFAULT_GROUP_SIZE, "Weight quantization group size (recipes that name none).")
 @click.option(
     "--weights-layout",
     type=click.Choice(["loaded", "mapped"]),
@@ -39,6 +42,7 @@ from kvrig.cli.render import echo_json, human_bytes, json_option
     "--kv",
     default="auto",
     show_default=True,
+    callback=checked_specs("kv", auto=True, several=False),
     help="KV spec: fp16, kXvY[gZ] (k8v4, k6v4g32) with +kN@L1.L2 / +kN@topM (keys of some layers at N bits), "
     "+rot / +rotk (Hadamard rotation of keys and values / keys), +sN (sink tokens), +wN (recent window). auto: "
     "k8v4, rotated where the model allows it.",

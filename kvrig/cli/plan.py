@@ -6,9 +6,10 @@ from pathlib import Path
 
 import click
 
-from kvrig.cli.options import backend_option
+from kvrig.cli.options import backend_option, checked_specs, group_size_option
 from kvrig.cli.output import console
 from kvrig.cli.render import echo_json, human_bytes, json_option
+from kvrig.recipes import DEFAULT_GROUP_SIZE
 
 
 def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:
@@ -23,19 +24,29 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
     return items
 
 
-def _str_list(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str] | None:
-    return None if value is None else [v.strip() for v in value.split(",") if v.strip()]
-
-
 @click.command("plan", short_help="Plan memory for a model on a device: weights, KV cache per scheme, max context.")
 @click.argument("model", required=False, type=click.Path(path_type=Path))
 @click.option("--device", "-d", required=True, help="ProductType (iPhone16,1), profile name or profile file.")
-@click.option("--schemes", callback=_str_list, help="KV schemes, e.g. fp16,k8v4,k6v4g32 (default: all named).")
+@click.option(
+    "--schemes",
+    callback=checked_specs("kv", auto=False, several=True),
+    help="KV schemes, e.g. fp16,k8v4,k6v4g32 (default: all named).",
+)
 @click.option("--contexts", callback=_int_list, help="Contexts to list, e.g. 2048,8192.")
-@click.option("--weights", default="q4", show_default=True, help="Weight recipe the budget uses.")
-@click.option("--recipes", callback=_str_list, help="Weight recipes to list (default q4,q8,mixed_4_6).")
-@click.option("--group-size", default=64, show_default=True, type=int, help="Weight quantization group size.")
-@click.option("--kv-group-size", type=int, help="KV quantization group size (default: --group-size).")
+@click.option(
+    "--weights",
+    default="q4",
+    show_default=True,
+    callback=checked_specs("weights", auto=False, several=False),
+    help="Weight recipe the budget uses.",
+)
+@click.option(
+    "--recipes",
+    callback=checked_specs("weights", auto=False, several=True),
+    help="Weight recipes to list (default q4,q8,mixed_4_6).",
+)
+@group_size_option("--group-size", DEFAULT_GROUP_SIZE, "Weight quantization group size (recipes that name none).")
+@group_size_option("--kv-group-size", None, "KV quantization group size (default: --group-size).")
 @click.option("--dtype", default="float16", show_default=True, type=click.Choice(["float16", "bfloat16", "float32"]))
 @click.option("--prefill-step", default=512, show_default=True, type=click.IntRange(min=1))
 @click.option("--buffer-cache-mb", default=20.0, show_default=True, type=click.FloatRange(min=0))

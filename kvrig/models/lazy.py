@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import io
 import json
 import struct
@@ -111,6 +112,20 @@ def tie_decision(config: dict[str, Any], args_cls: Any, tensors: dict[str, Any] 
     return default if isinstance(default, bool) else HF_TIE_DEFAULT
 
 
+def required_fields(args_cls: Any, config: dict[str, Any]) -> list[str]:
+    """The fields mlx-lm's ModelArgs has no default for and the config does not give (in declaration order)."""
+    if not dataclasses.is_dataclass(args_cls):
+        return []
+    return [
+        f.name
+        for f in dataclasses.fields(args_cls)
+        if f.init
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+        and f.name not in config
+    ]
+
+
 _MX_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "U32": "uint32", "I32": "int32", "U8": "uint8"}
 
 
@@ -131,6 +146,12 @@ def build_lazy_model(
     try:
         model = model_cls(args_cls.from_dict(cfg))
     except (TypeError, ValueError, KeyError, AssertionError, AttributeError, IndexError, ZeroDivisionError) as exc:
+        # Fields ModelArgs has no default for, named from its own declaration (not from the TypeError's text).
+        if isinstance(exc, TypeError) and (missing := required_fields(args_cls, cfg)):
+            raise ModelConfigError(
+                f"missing {', '.join(missing)} (mlx-lm's {config.get('model_type')} model requires them)",
+                file=source or None,
+            ) from None
         raise ModelConfigError(
             f"mlx-lm cannot build a {config.get('model_type')} model from it: {type(exc).__name__}: {exc}",
             file=source or None,

@@ -149,6 +149,19 @@ def test_missing_config_field_names_it(tmp_path: Path) -> None:
     assert str(path) in str(err.value) and "num_hidden_layers" in str(err.value)
 
 
+def test_an_incomplete_config_names_every_missing_field_not_a_type_error(tmp_path: Path) -> None:
+    """The papercut: `{"model_type": "llama", "hidden_size": 64}` leaked mlx-lm's "TypeError ... missing 5 ...".
+    The five are the fields of mlx-lm's llama ModelArgs without a default."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    with pytest.raises(ModelConfigError) as err:
+        load_model_spec(path)
+    message = str(err.value)
+    assert message.startswith(f"{path}: missing ") and "TypeError" not in message
+    for field in ("num_hidden_layers", "intermediate_size", "num_attention_heads", "rms_norm_eps", "vocab_size"):
+        assert field in message
+
+
 def test_multimodal_layer_types_length_mismatch(tmp_path: Path) -> None:
     config = json.loads(json.dumps(TINY_CONFIGS["gemma3n"]))
     config["text_config"]["layer_types"] = config["text_config"]["layer_types"][:-1]

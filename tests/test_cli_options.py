@@ -1,0 +1,55 @@
+"""Options read with the recipe grammar are refused at the command line, naming the option, before any model is
+read or MLX imported (`--schemes k9v9` used to be refused after seconds of loading, and `--weights q3
+--group-size 100` blamed "KV spec 'k8v8'")."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvrig.exceptions import KVSchemeError, QuantizationError
+
+# Runs one command in a fresh interpreter and reports its exit code, stderr and whether MLX was imported.
+PROBE = """
+import contextlib, io, json, sys
+from kvrig.cli import main
+err = io.StringIO()
+with contextlib.redirect_stderr(err):
+    try:
+        main(sys.argv[1:])
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+print(json.dumps({"code": code, "err": err.getvalue(), "mlx": "mlx.core" in sys.modules}))
+"""
+
+
+def probe(*args: str, cwd: Path) -> dict:
+    done = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, check=True, cwd=cwd)
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "option", "needle"),
+    [
+        (["plan", "-d", "iPhone16,1", "--schemes", "k8v4,k9v9"], QuantizationError.exit_code, "--schemes", "k9v9"),
+        (["plan", "-d", "iPhone16,1", "--weights", "q3", "--group-size", "100"], 2, "--group-size", "100"),
+        (["plan", "-d", "iPhone16,1", "--recipes", "q4,gpx-q7"], QuantizationError.exit_code, "--recipes", "gpx"),
+        (["plan", "-d", "iPhone16,1", "--kv-group-size", "48"], 2, "--kv-group-size", "48"),
+        (["package", "--weights", "q9", "-o", "out"], QuantizationError.exit_code, "--weights", "q9"),
+        (["package", "--kv", "k8v4+zz", "-o", "out"], KVSchemeError.exit_code, "--kv", "+zz"),
+        (["demo", "--kv", "auto,k4v1", "-o", "out"], QuantizationError.exit_code, "--kv", "k4v1"),
+    ],
+)
+def test_a_bad_recipe_or_group_is_refused_at_the_command_line(
+    args: list[str], code: int, option: str, needle: str, tmp_path: Path
+) -> None:
+    seen = probe(*args, cwd=tmp_path)
+    assert seen["code"] == code, seen
+    assert option in seen["err"] and needle in seen["err"], seen
+    assert not seen["mlx"], "refused only after MLX was imported"
+    assert list(tmp_path.iterdir()) == [], "nothing written"
