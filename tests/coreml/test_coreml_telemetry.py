@@ -18,12 +18,12 @@ START = {"event": "start", "run_id": "r", "seq": 0, "t": 1.0, "model": "m", "sch
 
 
 def test_schema_2_names_the_backend() -> None:
-    assert TELEMETRY_SCHEMA_VERSION == 3
+    assert TELEMETRY_SCHEMA_VERSION == 4
     event = ADAPTER.validate_python({**START, "schema": 2, "backend": "coreml"})
     assert event.backend == "coreml"
     written = json.loads(StartEvent(run_id="r", seq=0, t=1.0, model="m", scheme="fp16", product_type="p",
                                     os_version="18").model_dump_json(by_alias=True))  # fmt: skip
-    assert written["schema"] == 3 and written["backend"] == "mlx"
+    assert written["schema"] == 4 and written["backend"] == "mlx"
 
 
 def test_schema_1_reads_as_mlx_and_cannot_carry_a_backend() -> None:
@@ -36,7 +36,7 @@ def test_unknown_backend_and_schema_are_rejected() -> None:
     with pytest.raises(ValidationError, match="backend"):
         ADAPTER.validate_python({**START, "schema": 2, "backend": "onnx"})
     with pytest.raises(ValidationError, match="schema"):
-        ADAPTER.validate_python({**START, "schema": 4})
+        ADAPTER.validate_python({**START, "schema": 5})
 
 
 def test_reader_keeps_the_backend_per_run(tmp_path: Path) -> None:
@@ -52,7 +52,7 @@ def test_exported_json_schema_lists_the_backends() -> None:
     schema = ADAPTER.json_schema(by_alias=True)
     start = schema["$defs"]["StartEvent"]["properties"]
     assert start["backend"]["enum"] == ["mlx", "coreml"]
-    assert start["schema"]["enum"] == [1, 2, 3]
+    assert start["schema"]["enum"] == [1, 2, 3, 4]
     assert schema["$defs"]["StepEvent"]["properties"]["backend"]["anyOf"][0]["enum"] == ["mlx", "coreml"]
 
 

@@ -30,7 +30,7 @@ def reference_plan(backend: str) -> int | None:
         profile,
         PlanRequest(
             schemes=("fp16",),
-            weights=opts.weights,
+            weights=opts.weights or "q4",  # an entry without a bundle is planned as q4
             margin=opts.margin,
             limit=opts.limit,
             prefill_step=opts.prefill_step,

@@ -36,9 +36,11 @@ def test_schema_2_reads_the_scheme_fields(tmp_path: Path) -> None:
     path = tmp_path / "kvcache.json"
     path.write_text(json.dumps(DOC))
     kv = load_model_file(KVCacheConfig, path)
-    assert KVCACHE_SCHEMA_VERSION == 2
+    assert KVCACHE_SCHEMA_VERSION == 3
     assert (kv.rotation, kv.sink_tokens, kv.recent_tokens) == ("hadamard_keys", 4, 64)
+    # a schema-2 file keeps its number when written back, and reads as a loaded (not mapped) layout
     assert json.loads(kv.model_dump_json(by_alias=True))["schema"] == 2
+    assert kv.weights_layout == "loaded"
 
 
 @pytest.mark.parametrize(
