@@ -288,9 +288,15 @@ class TunnelLostError(DeviceLostError):
 
 
 class LabShardError(InputError):
-    """`--shard`, `--devices` or `--usbmuxd` is not what was expected, or a folder to merge is not a lab's."""
+    """`--shard` or `--devices` is not what was expected, a host is named twice, or a folder to merge is not a lab's."""
 
     exit_code = 42
+
+
+class UsbmuxAddressError(InputError):
+    """`USBMUXD_SOCKET_ADDRESS` or `--usbmuxd` names no usbmuxd: neither `UNIX:/path`, a path nor HOST:PORT."""
+
+    exit_code = 51
 
 
 class MergeConflictError(KvrigError):

@@ -9,6 +9,7 @@ import click
 from kvrig.cli.options import ios_option
 from kvrig.cli.output import console
 from kvrig.cli.render import echo_json, human_bytes, json_option
+from kvrig.device.address import client_form, usbmux_address
 
 
 @click.group(short_help="Run a virtual USB iPhone that pymobiledevice3 drives (start, stop, status).")
@@ -24,7 +25,8 @@ def _socket_option(func):  # type: ignore[no-untyped-def]
         "address",
         default=DEFAULT_SOCKET,
         show_default=True,
-        help="usbmuxd socket: a unix path or HOST:PORT (give it to clients as USBMUXD_SOCKET_ADDRESS).",
+        help="usbmuxd socket: a unix path ([UNIX:]/path) or HOST:PORT (give it to clients as USBMUXD_SOCKET_ADDRESS).",
+        callback=lambda _ctx, _param, value: usbmux_address(value, field="--socket"),
     )(func)
 
 
@@ -103,8 +105,11 @@ def start(
         launch_errors=launch_errors,
     )
 
+    # the form libimobiledevice's tools need (UNIX:/path); kvrig reads it too
+    exported = address if ":" in address and not address.startswith(("/", ".")) else client_form(address)
+
     def ready() -> None:
-        click.echo(f"USBMUXD_SOCKET_ADDRESS={address}", err=False)
+        click.echo(f"USBMUXD_SOCKET_ADDRESS={exported}", err=False)
 
     result = control.start(
         address,
@@ -123,7 +128,7 @@ def start(
         if as_json:
             echo_json({"socket": address, **({"tcp": tcp_address} if tcp_address else {}), **result})
         else:
-            click.echo(f"USBMUXD_SOCKET_ADDRESS={address}")
+            click.echo(f"USBMUXD_SOCKET_ADDRESS={exported}")
             if tcp_address:
                 click.echo(f"USBMUXD_SOCKET_ADDRESS={tcp_address}")
             click.echo(

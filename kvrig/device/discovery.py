@@ -1,8 +1,8 @@
 """Finding phones through usbmuxd and opening a lockdown session to one.
 
-A real phone and the virtual iPhone look the same here: usbmuxd lists them (pymobiledevice3 honours
-`USBMUXD_SOCKET_ADDRESS`), lockdownd tells us ProductType and iOS version, and the ProductType maps to one of
-our device profiles.
+A real phone and the virtual iPhone look the same here: usbmuxd lists them (`USBMUXD_SOCKET_ADDRESS` in
+libimobiledevice's or pymobiledevice3's form, address.py), lockdownd tells us ProductType and iOS version, and
+the ProductType maps to one of our device profiles.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pymobiledevice3 import usbmux
 from pymobiledevice3.lockdown import LockdownClient, create_using_usbmux
 from pymobiledevice3.lockdown_service_provider import LockdownServiceProvider
 
+from kvrig.device.address import resolve
 from kvrig.device.errors import device_errors, translate
 from kvrig.device.tunnel import Tunnel
 from kvrig.exceptions import DeviceError, DeviceNotFoundError
@@ -71,6 +72,7 @@ def _info(udid: str, connection: str, values: dict[str, Any]) -> DeviceInfo:
 
 async def list_devices(*, usbmux_address: str | None = None) -> list[DeviceInfo]:
     """Every device usbmuxd knows, USB first, each described by lockdownd (or with the reason it could not be)."""
+    usbmux_address = resolve(usbmux_address)
     async with device_errors("listing devices"):
         mux_devices = await usbmux.list_devices(usbmux_address=usbmux_address)
     found: list[DeviceInfo] = []
@@ -174,6 +176,7 @@ class Device:
 
 async def connect(udid: str | None = None, *, usbmux_address: str | None = None) -> Device:
     """Opens a lockdown session to the selected device (pairing through usbmuxd's pair record)."""
+    usbmux_address = resolve(usbmux_address)
     info = await select_device(udid, usbmux_address=usbmux_address)
     # A phone lockdownd could not describe (locked, not trusted) is asked again: the typed error says why.
     async with device_errors("connecting", udid=info.udid, os_version=info.os_version):

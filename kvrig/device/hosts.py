@@ -9,6 +9,7 @@ import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvrig.device.address import usbmux_address
 from kvrig.device.discovery import DeviceInfo, list_devices
 from kvrig.device.preflight import check_all
 from kvrig.exceptions import DeviceError, LabShardError
@@ -29,20 +30,14 @@ def local_host() -> UsbmuxHost:
 
 
 def parse_host(text: str) -> UsbmuxHost:
-    """`[NAME=]HOST:PORT` or `[NAME=]/path/to/usbmuxd.sock`; without NAME the address names the host."""
+    """`[NAME=]HOST:PORT` or `[NAME=][UNIX:]/path/to/usbmuxd.sock`; without NAME the address names the host."""
     name, sep, address = text.partition("=")
     if not sep:
         name, address = text, text
     address, name = address.strip(), name.strip()
     if not address or not name:
         raise LabShardError(f"--usbmuxd {text!r}: expected [NAME=]HOST:PORT or [NAME=]/path/to/socket")
-    if not address.startswith("/") and ":" not in address:
-        raise LabShardError(f"--usbmuxd {text!r}: {address!r} is neither HOST:PORT nor a socket path")
-    if ":" in address and not address.startswith("/"):
-        port = address.rsplit(":", 1)[1]
-        if not port.isdigit() or not 0 < int(port) < 65536:
-            raise LabShardError(f"--usbmuxd {text!r}: the port {port!r} is not a TCP port")
-    return UsbmuxHost(name, address)
+    return UsbmuxHost(name, usbmux_address(address, field="--usbmuxd"))
 
 
 def parse_hosts(texts: list[str] | tuple[str, ...]) -> list[UsbmuxHost]:

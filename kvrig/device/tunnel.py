@@ -25,6 +25,7 @@ from pymobiledevice3 import exceptions as pmd3
 from pymobiledevice3.remote.remote_service_discovery import RemoteServiceDiscoveryService
 from pymobiledevice3.tunneld.api import TUNNELD_DEFAULT_ADDRESS, get_tunneld_device_by_udid, get_tunneld_tunnels
 
+from kvrig.device.address import resolve
 from kvrig.device.errors import translate
 from kvrig.exceptions import InputError, KvrigError, NoTunnelError, TunnelHandshakeTimeoutError
 
@@ -131,7 +132,9 @@ _userspace_holder: str | None = None
 
 @contextlib.contextmanager
 def _usbmux_env(address: str | None) -> Iterator[None]:
-    """pymobiledevice3's userspace tunnel finds usbmuxd only through USBMUXD_SOCKET_ADDRESS; point it at ours."""
+    """pymobiledevice3's userspace tunnel finds usbmuxd only through USBMUXD_SOCKET_ADDRESS; point it at ours
+    (or at the exported one, in the form pymobiledevice3 reads)."""
+    address = resolve(address)
     if address is None:
         yield
         return

@@ -13,7 +13,7 @@ import yaml
 
 from kvrig.device.discovery import DeviceInfo
 from kvrig.device.hosts import UsbmuxHost, parse_host, parse_hosts
-from kvrig.exceptions import LabShardError
+from kvrig.exceptions import LabShardError, UsbmuxAddressError
 from kvrig.lab.targets import Shard, select_targets, shard_of
 from kvrig.schemas.lab import Lab
 from tests.lab.conftest import ROOT
@@ -79,15 +79,18 @@ def test_usbmuxd_addresses_parse_with_optional_names() -> None:
     assert parse_host("/var/run/usbmuxd") == UsbmuxHost("/var/run/usbmuxd", "/var/run/usbmuxd")
     assert [h.name for h in parse_hosts(["a=h:1 b=h:2", "c=h:3"])] == ["a", "b", "c"]
     assert parse_hosts([])[0].address is None  # this machine's usbmuxd
-    for bad in ("a=", "nohostport", "a=h:99999", "a=h:x"):
-        with pytest.raises(LabShardError):
+    assert parse_host("UNIX:/var/run/usbmuxd").address == "/var/run/usbmuxd"  # libimobiledevice's form
+    with pytest.raises(LabShardError):
+        parse_host("a=")
+    for bad in ("nohostport", "a=h:99999", "a=h:x"):
+        with pytest.raises(UsbmuxAddressError):
             parse_host(bad)
     with pytest.raises(LabShardError):
         parse_hosts(["a=h:1", "a=h:2"])
 
 
-@pytest.mark.parametrize("args", [["--shard", "2/1"], ["--usbmuxd", "not-an-address"]])
-def test_cli_refuses_bad_shard_options_with_exit_42(args: list[str], tmp_path: Path) -> None:
+@pytest.mark.parametrize(("args", "code"), [(["--shard", "2/1"], 42), (["--usbmuxd", "not-an-address"], 51)])
+def test_cli_refuses_bad_shard_options(args: list[str], code: int, tmp_path: Path) -> None:
     lab_file = tmp_path / "lab.yaml"
     lab_file.write_text(yaml.safe_dump({"schema": 1, "matrix": [{"app_id": "a", "schemes": ["fp16"]}]}))
     proc = subprocess.run(
@@ -97,5 +100,5 @@ def test_cli_refuses_bad_shard_options_with_exit_42(args: list[str], tmp_path: P
         cwd=ROOT,
         timeout=60,
     )
-    assert proc.returncode == 42, proc.stderr
+    assert proc.returncode == code, proc.stderr
     assert "Traceback" not in proc.stderr and args[0] in proc.stderr

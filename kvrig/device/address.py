@@ -1,0 +1,47 @@
+"""Which usbmuxd to dial. libimobiledevice's tools read `USBMUXD_SOCKET_ADDRESS` as `UNIX:/path` or
+`HOST:PORT`; pymobiledevice3 reads it as a bare path or `HOST:PORT` and fails on the `UNIX:` form. kvrig takes
+all three, so one exported variable serves both clients, and hands pymobiledevice3 its own form."""
+
+from __future__ import annotations
+
+import os
+from typing import Final
+
+from kvrig.exceptions import UsbmuxAddressError
+
+ENV: Final = "USBMUXD_SOCKET_ADDRESS"
+UNIX_PREFIX: Final = "UNIX:"
+EXPECTED: Final = "UNIX:/path/to/socket, /path/to/socket or HOST:PORT"
+
+
+def client_form(path: str) -> str:
+    """What to export for a socket path so libimobiledevice's tools and kvrig both find it."""
+    return f"{UNIX_PREFIX}{path}"
+
+
+def usbmux_address(text: str, *, field: str = ENV) -> str:
+    """`UNIX:/path`, `/path` or `HOST:PORT` in pymobiledevice3's form (a path, or HOST:PORT); anything else is
+    UsbmuxAddressError naming `field` (the variable or option it came from)."""
+    value = text.strip()
+    if value.startswith(UNIX_PREFIX):
+        value = value[len(UNIX_PREFIX) :]
+        if not value:
+            raise UsbmuxAddressError(f"{text!r}: UNIX: names no socket path", field=field, expected=EXPECTED)
+        return value
+    if value.startswith(("/", ".")):
+        return value
+    host, sep, port = value.rpartition(":")
+    if not sep or not host:
+        raise UsbmuxAddressError(f"{text!r} is neither a socket path nor HOST:PORT", field=field, expected=EXPECTED)
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsbmuxAddressError(f"{text!r}: {port!r} is not a TCP port", field=field, expected=EXPECTED)
+    return value
+
+
+def resolve(address: str | None) -> str | None:
+    """`address` if given, else `USBMUXD_SOCKET_ADDRESS` if set, in pymobiledevice3's form; None: the system's
+    usbmuxd."""
+    if address is not None:
+        return usbmux_address(address, field="usbmuxd address")
+    env = os.environ.get(ENV)
+    return usbmux_address(env) if env else None
