@@ -406,3 +406,26 @@ def test_cli_table_and_exit_code_for_good_reports() -> None:
     proc = run_kvrig("jetsam", str(IOS14))
     assert proc.returncode == 0, proc.stderr
     assert "wifianalyticsd" in proc.stdout and "highwater" in proc.stdout
+
+
+def test_a_bundle_id_is_answered_with_the_processes_that_could_be_the_app() -> None:
+    """Reports name processes by executable, never by bundle id: `--process com.example.app` names the killed
+    and frontmost processes of the real reports (read from their JSON) instead of a bare 'not in this report'."""
+    _, killed_body = raw(IOS18_KILL)
+    v = verdict(read_report(IOS18_KILL), "dev.kvrig.demo")
+    assert not v.present and not v.killed
+    assert v.candidates == [p["name"] for p in killed_body["processes"] if "reason" in p] == ["fileproviderd"]
+    assert "bundle id" in v.summary and "fileproviderd" in v.summary
+    _, body = raw(IOS18)
+    v = verdict(read_report(IOS18), "dev.kvrig.demo")
+    assert v.candidates == [p["name"] for p in body["processes"] if "frontmost" in p["states"]]
+    # a plain name that is absent is told apart from a bundle id
+    assert "bundle id" not in verdict(read_report(IOS18), "SmolLM2Demo").summary
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvrig", "jetsam", str(IOS18_KILL), "--process", "dev.kvrig.demo", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)[0]["verdict"]["candidates"] == ["fileproviderd"]

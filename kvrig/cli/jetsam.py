@@ -20,7 +20,12 @@ if TYPE_CHECKING:
     short_help="Read JetsamEvent reports: memory, killed processes and why, the verdict for our app.",
 )
 @click.argument("reports", nargs=-1, required=True, type=click.Path(path_type=Path))
-@click.option("--process", "process", metavar="NAME", help="Give the verdict for this process (our app).")
+@click.option(
+    "--process",
+    "process",
+    metavar="NAME",
+    help="Give the verdict for this process: the app's executable name (reports do not name bundle ids).",
+)
 @json_option
 def jetsam(reports: tuple[Path, ...], process: str | None, as_json: bool) -> None:
     """Read JetsamEvent reports (.ips, .ips.synced): memory, largest process, killed processes and why."""

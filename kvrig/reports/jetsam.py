@@ -110,6 +110,11 @@ class Verdict(BaseModel):
     priority: int | None = None
     priority_band: str | None = None
     largest: bool = False
+    candidates: list[str] = Field(
+        default_factory=list,
+        description="when `process` is not in the report: the processes that could be the app (killed, then "
+        "frontmost), to pass instead",
+    )
     summary: str
 
 
@@ -463,13 +468,22 @@ def verdict(report: JetsamReport, process: str) -> Verdict:
     entries = report.process_named(process)
     largest = report.largest_process == process
     if not entries:
+        candidates = _candidates(report)
+        if _looks_like_bundle_id(process):
+            # JetsamEvent reports name each process by its executable (CFBundleExecutable), never by bundle id.
+            summary = f"{process} looks like a bundle id; JetsamEvent reports name processes by executable"
+        else:
+            summary = f"{process} is not in this report: it was not running (or not tracked) at the event"
+        if candidates:
+            summary += f"; the app may be one of: {', '.join(candidates)} (pass its executable name as --process)"
         return Verdict(
             file=report.file,
             process=process,
             present=False,
             killed=False,
             largest=largest,
-            summary=f"{process} is not in this report: it was not running (or not tracked) at the event",
+            candidates=candidates,
+            summary=summary,
         )
     killed = [p for p in entries if p.killed]
     entry = killed[0] if killed else max(entries, key=lambda p: p.rpages or 0)
@@ -490,6 +504,18 @@ def verdict(report: JetsamReport, process: str) -> Verdict:
         # what the report says of the process itself: every field the two models share
         **entry.model_dump(include=set(Verdict.model_fields) & set(JetsamProcess.model_fields)),
     )
+
+
+def _looks_like_bundle_id(name: str) -> bool:
+    """com.example.App: reverse-DNS, at least two dots' worth of parts, no spaces (executables rarely are)."""
+    parts = name.split(".")
+    return len(parts) >= 3 and all(parts) and " " not in name
+
+
+def _candidates(report: JetsamReport) -> list[str]:
+    """Processes that could be an app: the killed ones, then the frontmost ones (an app in the foreground)."""
+    names = [p.name for p in report.killed] + [p.name for p in report.processes if "frontmost" in p.states]
+    return list(dict.fromkeys(n for n in names if n))
 
 
 def _fmt_bytes(n: int | None) -> str:
