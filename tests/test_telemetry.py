@@ -85,6 +85,29 @@ def test_torn_last_line_is_tolerated_and_reported(tmp_path: Path) -> None:
     assert s.footprint_curve[0] == (256, 500 * MIB + 256 * 1024)
 
 
+def test_tok_s_is_labelled_with_the_context_its_step_measured(tmp_path: Path) -> None:
+    """Steps at 260, 520, ... tokens: no row claims 512 or 1024, each row is a step's own context and speed."""
+    contexts = [260 * (i + 1) for i in range(6)]
+    path = tmp_path / "telemetry.jsonl"
+    path.write_text("\n".join(run_records("r1", contexts, end=True)) + "\n")
+    (run,) = read_telemetry(path).runs
+    measured = {c: 100.0 - i for i, c in enumerate(contexts, start=1)}  # what run_records writes
+    rows = summarize_run(run).tps_at_context
+    assert rows and all(measured[c] == tps for c, tps in rows)
+    assert [c for c, _ in rows] == [260, 780, 1560]  # the last at or below 512, 1024 and 2048 (the last step)
+
+
+def test_report_without_process_and_without_results_is_a_usage_error(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(run_records("r1", [64, 128], end=False)) + "\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvrig", "telemetry", str(path), "--report", str(REPORT)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2 and "--process" in proc.stderr and str(path) in proc.stderr
+
+
 def test_bad_lines_in_the_middle_are_skipped_with_their_numbers(tmp_path: Path) -> None:
     lines = run_records("r1", [100, 200, 300], end=True)
     bad = json.loads(lines[2])

@@ -22,22 +22,32 @@ if TYPE_CHECKING:
 )
 @click.argument("files", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--report", "report_path", type=click.Path(path_type=Path), help="A JetsamEvent report to correlate.")
-@click.option("--process", metavar="NAME", help="The app's process name in the report (needed with --report).")
+@click.option(
+    "--process",
+    metavar="NAME",
+    help="The app's process name in the report; default: what the results.json beside the telemetry records.",
+)
 @json_option
 def telemetry(files: tuple[Path, ...], report_path: Path | None, process: str | None, as_json: bool) -> None:
     """Summarise telemetry runs: max context, tok/s at context points, footprint curve, jetsam correlation."""
     from kvrig.reports.jetsam import read_report
-    from kvrig.reports.telemetry import correlate, read_telemetry, summarize_run
+    from kvrig.reports.telemetry import correlate, read_telemetry, recorded_process, summarize_run
 
-    if report_path is not None and not process:
-        raise click.UsageError("--report needs --process NAME (the app's name in the jetsam report)")
     report = read_report(report_path) if report_path is not None else None
     results: list[dict[str, Any]] = []
     errors: list[ReportError] = []
-    for _, log in read_each(files, read_telemetry, as_json=as_json, results=results, errors=errors):
+    for path, log in read_each(files, read_telemetry, as_json=as_json, results=results, errors=errors):
         for run in log.runs:
             summary = summarize_run(run, file=log.file)
-            corr = correlate(run, report, process=process, file=log.file) if report and process else None
+            corr = None
+            if report is not None:
+                name = process or recorded_process(path, run.run_id)
+                if name is None:
+                    raise click.UsageError(
+                        f"--report needs --process NAME: no results.json beside {path} records run {run.run_id}'s "
+                        "process (the app's executable name in the jetsam report)"
+                    )
+                corr = correlate(run, report, process=name, file=log.file)
             entry = summary.model_dump(mode="json")
             entry["skipped_lines"] = [s.model_dump() for s in log.skipped]
             entry["torn_line"] = log.torn_line

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
-from kvrig.exceptions import ReportError
+from kvrig.exceptions import InputError, ReportError
 from kvrig.reports.jetsam import JetsamReport, report_time, verdict
 from kvrig.schemas import describe_validation_error
 from kvrig.schemas.telemetry import (
@@ -80,7 +80,8 @@ class RunSummary(BaseModel):
     last_context_tokens: int | None
     last_footprint_bytes: int | None
     tps_at_context: list[tuple[int, float]] = Field(
-        default_factory=list, description="(checkpoint tokens, decode tok/s of the last step at or below it)"
+        default_factory=list,
+        description="(context tokens, decode tok/s) of the step that last reached each power of two, and the last step",
     )
     footprint_curve: list[tuple[int, int]] = Field(
         default_factory=list, description="(context tokens, phys_footprint bytes), at most 24 points"
@@ -213,20 +214,21 @@ def summarize_run(run: TelemetryRun, *, file: str = "") -> RunSummary:
 
 
 def _tps_at_checkpoints(steps: list[StepEvent]) -> list[tuple[int, float]]:
+    """For each power of two, the last step at or below it, labelled with the context that step measured (a
+    260-token step is not "tok/s at 512"), and the last step."""
     timed = [(s.context_tokens, s.decode_tps) for s in steps if s.decode_tps is not None]
     if not timed:
         return []
     top = max(c for c, _ in timed)
-    out = []
+    chosen: dict[int, float] = {}
     for point in _CHECKPOINTS:
-        if point > top:
-            break
-        below = [tps for c, tps in timed if c <= point]
+        below = [(c, tps) for c, tps in timed if c <= point]
         if below:
-            out.append((point, below[-1]))
-    if not out or out[-1][0] != top:
-        out.append((top, timed[-1][1]))
-    return out
+            chosen.setdefault(*below[-1])
+        if point >= top:
+            break
+    chosen.setdefault(*timed[-1])
+    return sorted(chosen.items())
 
 
 def _downsample(points: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -237,6 +239,27 @@ def _downsample(points: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 # --- correlating with a jetsam report -------------------------------------------------------------------
+
+
+def recorded_process(telemetry_file: str | Path, run_id: str) -> str | None:
+    """The app's process name a soak or lab recorded for `run_id` in the results.json it wrote beside this
+    telemetry (the file's folder or one of the three above it: soak and lab layouts); None if none says."""
+    from kvrig.schemas import load_model_file
+    from kvrig.schemas.results import RESULTS_FILE, ResultsFile
+
+    here = Path(telemetry_file).resolve().parent
+    for folder in (here, *list(here.parents)[:3]):
+        path = folder / RESULTS_FILE
+        if not path.is_file():
+            continue
+        try:
+            results = load_model_file(ResultsFile, path)
+        except (InputError, OSError):  # someone else's results.json: it cannot say
+            continue
+        for result in results.runs:
+            if result.run_id == run_id and result.process:
+                return result.process
+    return None
 
 
 def correlate(run: TelemetryRun, report: JetsamReport, *, process: str, file: str = "") -> Correlation:

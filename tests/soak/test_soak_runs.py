@@ -78,6 +78,26 @@ def test_soak_until_jetsam(installed: Emulator, tmp_path: Path) -> None:
     assert [s["context_tokens"] for s in steps] == [512 * (i + 1) for i in range(len(steps))]
     assert json.loads((out / "soakplan.json").read_text())["run_id"] == plan.run_id
 
+    # `kvrig telemetry --report` finds the process in results.json: the report's victim, no --process needed
+    told = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvrig",
+            "telemetry",
+            str(out / "telemetry.jsonl"),
+            "--report",
+            str(report_path),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert told.returncode == 0, told.stderr
+    (corr,) = [r["correlation"] for r in json.loads(told.stdout)]
+    assert corr["process"] == victim["name"] and corr["killed"] and corr["report_footprint_bytes"] == at_kill
+
 
 def test_soak_that_completes_kills_the_finished_app(installed: Emulator, tmp_path: Path) -> None:
     # 512: the step to 768 peaks above the 160 MiB limit while the cache grows (old and new buffers at once)
