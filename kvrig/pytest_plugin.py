@@ -29,6 +29,7 @@ from kvrig.lab.schedule import Scheduler
 from kvrig.lab.targets import select_targets
 from kvrig.lab.worker import PhoneJob, prepare
 from kvrig.schemas.lab import load_lab
+from kvrig.schemas.results import short_udid
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class Phone:
         return self.info.profile  # type: ignore[no-any-return]
 
     def __str__(self) -> str:
-        return f"{self.udid[:8]}@{self.host}" if self.host else self.udid[:8]
+        return f"{short_udid(self.udid)}@{self.host}" if self.host else short_udid(self.udid)
 
 
 @dataclass(frozen=True)

@@ -123,7 +123,9 @@ def _exit_for(results, out_dir: Path, *, empty_shard_ok: bool = False) -> None: 
 
 
 def _where(r) -> str:  # type: ignore[no-untyped-def]
-    return f"{r.device.host}:{r.device.udid[:8]}" if r.device.host else r.device.udid[:8]
+    from kvrig.schemas.results import short_udid
+
+    return f"{r.device.host}:{short_udid(r.device.udid)}" if r.device.host else short_udid(r.device.udid)
 
 
 @lab.command("report")
@@ -145,6 +147,7 @@ def _render(results, *, title: str, out_dir: Path) -> None:  # type: ignore[no-u
     from rich.table import Table
 
     from kvrig.lab.gates import failures
+    from kvrig.schemas.results import short_udid
 
     table = Table(title=title)
     for col in ("host", "device", "entry", "scheme", "outcome", "max ctx", "safe ctx", "predicted", "result"):
@@ -160,7 +163,7 @@ def _render(results, *, title: str, out_dir: Path) -> None:  # type: ignore[no-u
         predicted = str(r.predicted.max_context) if r.predicted and r.predicted.max_context is not None else ""
         table.add_row(
             r.device.host or "",
-            r.device.udid[:8],
+            short_udid(r.device.udid),
             str(r.entry),
             r.scheme,
             str(r.outcome or ""),

@@ -9,7 +9,7 @@ from pathlib import Path
 from kvrig.device.discovery import DeviceInfo
 from kvrig.lab import gates as gate_checks
 from kvrig.schemas.lab import Lab, LabRecord, MatrixEntry, SchemeSpec, slug
-from kvrig.schemas.results import DeviceRef, Prediction, ResultsFile, SoakResult
+from kvrig.schemas.results import DeviceRef, Prediction, ResultsFile, SoakResult, short_udid
 from kvrig.version import __version__
 
 JUNIT_FILE = "junit.xml"
@@ -50,7 +50,7 @@ def new_run(
     """A run not made yet: its folder under runs/, its id, and a result with no outcome."""
     folder = f"{RUNS_DIR}/{slug(device.udid)}/{slug(entry.label)}/{slug(scheme.name)}"
     result = SoakResult(
-        run_id="-".join(slug(p) for p in (entry.label, scheme.name, device.udid[:8], stamp)),
+        run_id="-".join(slug(p) for p in (entry.label, scheme.name, short_udid(device.udid), stamp)),
         device=device,
         app_id=entry.app_id,
         bundle=entry.bundle_name,

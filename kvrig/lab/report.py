@@ -16,7 +16,7 @@ from typing import Any
 from kvrig.exceptions import ReportError
 from kvrig.lab.gates import failures, prediction_error
 from kvrig.schemas.lab import slug
-from kvrig.schemas.results import ResultsFile, SoakResult
+from kvrig.schemas.results import ResultsFile, SoakResult, short_udid
 
 REPORT_FILE = "report.html"
 IMAGES_DIR = "report"
@@ -31,7 +31,7 @@ def _mib(n: int | None) -> str:
 
 def run_name(r: SoakResult) -> str:
     host = f" @ {r.device.host}" if r.device.host else ""
-    return f"{r.device.udid[:12]}{host} {r.entry or r.app_id} [{r.scheme}]"
+    return f"{short_udid(r.device.udid)}{host} {r.entry or r.app_id} [{r.scheme}]"
 
 
 @contextlib.contextmanager
@@ -144,7 +144,7 @@ def _run_view(r: SoakResult, figures: list[dict[str, str]]) -> dict[str, object]
         "name": run_name(r),
         "failed": bool(found) or r.outcome is None,
         "host": r.device.host or "",
-        "device": r.device.udid[:12],
+        "device": short_udid(r.device.udid),
         "profile": r.device.profile or r.device.product_type or "",
         "entry": r.entry or r.app_id,
         "scheme": r.scheme,
@@ -178,7 +178,7 @@ def write_report(results: ResultsFile, out_dir: str | Path, *, title: str = "kvr
     views = []
     used: set[str] = set()
     for r in results.runs:
-        base = slug(f"{r.device.host or ''}-{r.device.udid[:12]}-{r.entry or r.app_id}-{r.scheme}".lstrip("-"))
+        base = slug(f"{r.device.host or ''}-{short_udid(r.device.udid)}-{r.entry or r.app_id}-{r.scheme}".lstrip("-"))
         while base in used:
             base += "-x"
         used.add(base)

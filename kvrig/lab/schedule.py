@@ -18,7 +18,7 @@ from kvrig.lab.save import save_results
 from kvrig.lab.targets import Shard, Target, select_targets
 from kvrig.lab.worker import PhoneJob, worker_main
 from kvrig.schemas.lab import Lab
-from kvrig.schemas.results import SoakResult
+from kvrig.schemas.results import SoakResult, short_udid
 
 POLL_S = 0.5
 
@@ -123,7 +123,7 @@ class Scheduler:
                     runs[udid][index].result = SoakResult.model_validate_json(data)
                     self.save()
                 elif kind == "crashed":
-                    self.say(f"{udid[:8]}: the worker failed:\n{payload}")
+                    self.say(f"{short_udid(udid)}: the worker failed:\n{payload}")
                     self._worker_died(runs[udid], payload.strip().splitlines()[-1])
                     open_.discard(udid)
                 elif kind == "done":

@@ -24,7 +24,7 @@ from kvrig.exceptions import DeviceLostError, DeviceNotFoundError, KvrigError
 from kvrig.lab.model import LabRun
 from kvrig.lab.threshold import Bench, measure
 from kvrig.schemas.lab import Lab, MatrixEntry
-from kvrig.schemas.results import SoakResult
+from kvrig.schemas.results import SoakResult, short_udid
 from kvrig.soaking.driver import tunnel_ref
 
 # (kind, udid, payload): ("event", udid, line), ("run", udid, (index, result JSON)), ("done", udid, None),
@@ -52,7 +52,7 @@ async def drive_phone(job: PhoneJob, emit: Emit) -> None:
     The phone is opened as a soak opens it (`open_session`): preflight first, whose blocking cause fails every
     run, then the tunnel (iOS 17+), held for all of them and recorded in each run's result."""
 
-    tag = job.udid[:8]
+    tag = short_udid(job.udid)
 
     def say(line: str) -> None:
         emit(("event", job.udid, line))

@@ -80,6 +80,13 @@ class Interruption(StrictModel):
     app_running: bool | None = Field(default=None, description="os_trace's process list after it came back")
 
 
+def short_udid(udid: str) -> str:
+    """What tells two phones apart at a glance: the ECID of a `0000XXXX-ECID` UDID (the chip id before the dash
+    is the same on every phone of a model), else the first 12 characters of an older 40-hex UDID."""
+    chip, sep, ecid = udid.partition("-")
+    return ecid if sep and len(chip) == 8 and ecid else udid[:12]
+
+
 class SoakFiles(StrictModel):
     """Files pulled into the output folder, relative to the results file's folder."""
 
