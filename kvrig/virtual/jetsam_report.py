@@ -18,8 +18,18 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvrig.virtual.state import Identity
 
-# Foreground app priority band, and the system daemons every report lists alongside the app.
+# Foreground app priority band (xnu's legacy numbers), and the system daemons every report lists alongside the
+# app. From iOS 16 reports carry the bands times ten (a real iOS 18.5 report: the frontmost app at 100).
 FOREGROUND_PRIORITY = 10
+X10_FROM_IOS = 16
+
+
+def priority_scale(product_version: str) -> int:
+    """1 before iOS 16, 10 from it."""
+    major = product_version.split(".")[0]
+    return 10 if major.isdigit() and int(major) >= X10_FROM_IOS else 1
+
+
 SYSTEM_PROCESSES = (
     ("SpringBoard", 34, 7168, 10),
     ("backboardd", 66, 2304, 12),
@@ -61,6 +71,7 @@ def build_report(
         "roots_installed": 0,
         "incident_id": incident,
     }
+    scale = priority_scale(phone.product_version)
     processes: list[dict[str, Any]] = []
     for name, pid, rpages, priority in SYSTEM_PROCESSES:
         processes.append(
@@ -75,7 +86,7 @@ def build_report(
                 "fds": 50,
                 "coalition": pid,
                 "rpages": rpages,
-                "priority": priority,
+                "priority": priority * scale,
                 "physicalPages": {"internal": [rpages, 0]},
                 "pid": pid,
                 "cpuTime": 12.5,
@@ -93,7 +104,7 @@ def build_report(
             "fds": 25,
             "coalition": victim.coalition,
             "rpages": victim.rpages,
-            "priority": FOREGROUND_PRIORITY,
+            "priority": FOREGROUND_PRIORITY * scale,
             "reason": reason,
             "physicalPages": {"internal": [victim.rpages, 0]},
             "pid": victim.pid,
