@@ -178,21 +178,37 @@ def tokens_of(tokenizer: object, text: str, n: int, *, what: str, source: str) -
 
 
 def kind_tokens(tokenizer: object, name: str, n: int, *, from_end: bool = False) -> list[int]:
-    """The first `n` tokens of one kind of text, or with `from_end` its last `n` (the gate's: the quality bench
-    reads the beginnings)."""
+    """The first `n` tokens of one kind of text, or with `from_end` its last `n`."""
     text, used = read_kind(name)
     source = ", ".join(used)
     if not from_end:
         return tokens_of(tokenizer, text, n, what=f"the {name} text", source=source)
+    return _tail_tokens(tokenizer, text, n, what=f"the {name} text", source=source)
+
+
+def kind_segments(tokenizer: object, name: str, segments: int, n: int) -> list[list[int]]:
+    """`segments` runs of `n` tokens spread over one kind of text: the last `n` tokens of each of `segments`
+    equal parts (the gate's: one short passage is a noisy sample of a kind, the quality bench reads beginnings)."""
+    text, used = read_kind(name)
+    source = ", ".join(used)
+    size = len(text) // segments
+    return [
+        _tail_tokens(tokenizer, text[: (i + 1) * size], n, what=f"part {i + 1} of the {name} text", source=source)
+        for i in range(segments)
+    ]
+
+
+def _tail_tokens(tokenizer: object, text: str, n: int, *, what: str, source: str) -> list[int]:
+    """The last `n` tokens of `text`, encoded from a line start."""
     chars = 8 * n
     while True:
         tail = text[-chars:]
-        ids = list(tokenizer.encode(tail[tail.find("\n") + 1 :]))  # type: ignore[attr-defined]  # from a line start
+        ids = list(tokenizer.encode(tail[tail.find("\n") + 1 :]))  # type: ignore[attr-defined]
         if len(ids) >= n or chars >= len(text):
             break
         chars *= 2
     if len(ids) < n:
         raise QualityInputError(
-            f"the {name} text has {len(ids)} tokens, fewer than the {n} asked for", file=source, expected=f">= {n}"
+            f"{what} has {len(ids)} tokens, fewer than the {n} asked for", file=source, expected=f">= {n}"
         )
     return ids[-n:]

@@ -23,8 +23,8 @@ from kvrig.texts import CALIBRATION_KINDS, kind_tokens, read_kind
 
 
 def calibration_tokens(tokenizer: Any, *, samples: int = 16, length: int = 256) -> Any:
-    """`samples` rows of `length` consecutive tokens, the calibration kinds taken in turn (legal text, quotations
-    and dialogue, C source; texts.py), each kind's rows in order: the same rows on every run, and no kind of text
+    """`samples` rows of `length` consecutive tokens, the calibration kinds taken in turn (Python's tutorial,
+    Python source, C headers; texts.py), each kind's rows in order: the same rows on every run, and no kind of text
     the quality bench evaluates on."""
     import mlx.core as mx
 

@@ -26,10 +26,10 @@ PROFILES = Path(__file__).resolve().parents[2] / "device_profiles"
 
 def _texts(model: object) -> GateTexts:
     ids = {
-        kind: [int(t) for t in mx.random.randint(0, 97, (80,), key=mx.random.key(i)).tolist()]
+        kind: [[int(t) for t in mx.random.randint(0, 97, (80,), key=mx.random.key(i)).tolist()]]
         for i, kind in enumerate(("a", "b"))
     }
-    return GateTexts(ids, {k: perplexity(model, i, make_prompt_cache(model)).ppl for k, i in ids.items()})
+    return GateTexts(ids, {k: perplexity(model, p[0], make_prompt_cache(model)).ppl for k, p in ids.items()})
 
 
 def test_kv_auto_measures_both_spellings_and_keeps_the_one_that_rises_least() -> None:
@@ -42,8 +42,8 @@ def test_kv_auto_measures_both_spellings_and_keeps_the_one_that_rises_least() ->
     for name in KV_AUTO:
         caches = host_config(spec, parse_kv(name))
         worst = max(
-            100 * (perplexity(model, i, make_caches(model, caches, "llama")).ppl / texts.source_ppl[k] - 1)
-            for k, i in texts.ids.items()
+            100 * (perplexity(model, p[0], make_caches(model, caches, "llama")).ppl / texts.source_ppl[k] - 1)
+            for k, p in texts.ids.items()
         )
         assert by_name[name].ppl_delta_pct == round(worst, 3)
     passing = [by_name[n] for n in KV_AUTO if (by_name[n].ppl_delta_pct or 0) <= KV_LIMIT_PCT]

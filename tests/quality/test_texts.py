@@ -60,3 +60,20 @@ def source_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> object:
     from tests.bundle_fixtures import converted_source
 
     return load_tokenizer(converted_source(tmp_path_factory))
+
+
+@pytest.mark.parametrize("kind", GATE_KINDS)
+def test_gate_passages_are_spread_over_the_kind(source_tokenizer: object, kind: str) -> None:
+    """Each passage is the tail of its own quarter of the text: four different places, each decoding to text
+    that is in the kind's files (read here directly), none of them the same passage twice."""
+    from kvrig.quality.gate import GATE_SEGMENTS, SEGMENT_TOKENS
+    from kvrig.texts import kind_segments
+
+    text, _ = read_kind(kind)
+    passages = kind_segments(source_tokenizer, kind, GATE_SEGMENTS, SEGMENT_TOKENS)
+    assert len(passages) == GATE_SEGMENTS and all(len(p) == SEGMENT_TOKENS for p in passages)
+    decoded = [source_tokenizer.decode(p[8:-8]) for p in passages]  # type: ignore[attr-defined]  # whole tokens
+    where = [text.find(d) for d in decoded]
+    assert all(w >= 0 for w in where), where
+    quarter = len(text) // GATE_SEGMENTS
+    assert [w // quarter for w in where] == list(range(GATE_SEGMENTS))
