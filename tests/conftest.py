@@ -27,6 +27,7 @@ HEAVY_FILES = (
     "tests/test_package.py",
     "tests/test_calibrate.py",
     "tests/plan/test_kv_exact.py",
+    "tests/plan/test_uncapped.py",
     "tests/plan/test_plan_every_architecture.py",
     "tests/test_runtime.py",
     "tests/lab/test_lab_runs.py",

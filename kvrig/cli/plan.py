@@ -24,6 +24,19 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
     return items
 
 
+def _buffer_cache(ctx: click.Context, param: click.Parameter, value: str) -> float | None:
+    """MiB, or None for 'uncapped'."""
+    if value.strip().lower() == "uncapped":
+        return None
+    try:
+        mib = float(value)
+    except ValueError:
+        raise click.BadParameter(f"expected MiB (a number >= 0) or 'uncapped', got '{value}'") from None
+    if mib < 0:
+        raise click.BadParameter(f"expected MiB (a number >= 0) or 'uncapped', got '{value}'")
+    return mib
+
+
 @click.command("plan", short_help="Plan memory for a model on a device: weights, KV cache per scheme, max context.")
 @click.argument("model", required=False, type=click.Path(path_type=Path))
 @click.option("--device", "-d", required=True, help="ProductType (iPhone16,1), profile name or profile file.")
@@ -49,7 +62,35 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @group_size_option("--kv-group-size", None, "KV quantization group size (default: --group-size).")
 @click.option("--dtype", default="float16", show_default=True, type=click.Choice(["float16", "bfloat16", "float32"]))
 @click.option("--prefill-step", default=512, show_default=True, type=click.IntRange(min=1))
-@click.option("--buffer-cache-mb", default=20.0, show_default=True, type=click.FloatRange(min=0))
+@click.option(
+    "--app",
+    type=click.Choice(["kvrig", "uncapped"]),
+    default="kvrig",
+    show_default=True,
+    help="The app's MLX buffer cache: kvrig (capped at --buffer-cache-mb, as kvrig's app does) or uncapped (an app "
+    "that never sets Memory.cacheLimit: MLX's allocator replayed over the run).",
+)
+@click.option(
+    "--buffer-cache-mb",
+    default="20",
+    show_default=True,
+    callback=_buffer_cache,
+    help="The app's MLX buffer-cache cap in MiB, or 'uncapped' (the same as --app uncapped).",
+)
+@click.option(
+    "--generations",
+    default=1,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Uncapped app: generations in a row (a chat's turns), the context growing evenly to each context.",
+)
+@click.option(
+    "--decode-tokens",
+    default=0,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Uncapped app: tokens each generation decodes one at a time (the rest of its context is prefilled).",
+)
 @click.option("--margin", default=0.10, show_default=True, type=click.FloatRange(0, 1, max_open=True))
 @click.option("--limit", type=click.Choice(["entitled", "default"]), default="entitled", show_default=True)
 @click.option("--target-context", type=click.IntRange(min=1), help="Recommend for this context.")
@@ -99,7 +140,10 @@ def plan(
     kv_group_size: int | None,
     dtype: str,
     prefill_step: int,
-    buffer_cache_mb: float,
+    app: str,
+    buffer_cache_mb: float | None,
+    generations: int,
+    decode_tokens: int,
     margin: float,
     limit: str,
     target_context: int | None,
@@ -144,7 +188,10 @@ def plan(
         dtype=dtype,
         contexts=tuple(contexts or DEFAULT_CONTEXTS),
         prefill_step=prefill_step,
-        buffer_cache_bytes=int(buffer_cache_mb * 1024 * 1024),
+        buffer_cache_bytes=int((buffer_cache_mb or 0) * 1024 * 1024),
+        app="uncapped" if buffer_cache_mb is None else app,  # type: ignore[arg-type]
+        generations=generations,
+        decode_tokens=decode_tokens,
         margin=margin,
         limit=limit,  # type: ignore[arg-type]
         target_context=target_context,
@@ -187,9 +234,15 @@ def render_plan(p) -> None:  # type: ignore[no-untyped-def]
         f"planning against {p.limit_kind} {human_bytes(p.limit_bytes)} − {p.margin:.0%} margin = "
         f"{human_bytes(p.budget_bytes)}"
     )
+    rt = p.runtime
+    cache = (
+        f"uncapped ({rt.generations} generation(s), {rt.decode_tokens} decoded each)"
+        if rt.app == "uncapped"
+        else human_bytes(rt.buffer_cache_bytes)
+    )
     out.print(
-        "Runtime: MLX buffer cache "
-        f"{human_bytes(p.runtime.buffer_cache_bytes)}, baseline {human_bytes(p.runtime.baseline_bytes)} "
+        f"Runtime: app {rt.app}, MLX buffer cache "
+        f"{cache}, baseline {human_bytes(p.runtime.baseline_bytes)} "
         + ("(calibrated), " if p.runtime.baseline_calibrated_from else "(estimate), ")
         + f"prefill step {p.runtime.prefill_step}, MLX on {p.runtime.backend}"
     )
@@ -232,6 +285,14 @@ def render_plan(p) -> None:  # type: ignore[no-untyped-def]
             f"{p.max_context_default_limit[name]:,}",
         )
     out.print(kv)
+    if p.buffer_cache_by_context:
+        held = Table(title="MLX buffer cache an uncapped app holds by context", title_justify="left")
+        held.add_column("scheme")
+        for c in contexts:
+            held.add_column(f"@{c}", justify="right")
+        for name, row in p.buffer_cache_by_context.items():
+            held.add_row(name, *[human_bytes(row[c]) for c in contexts])
+        out.print(held)
 
     tps = Table(
         title="Decode ceiling, tok/s (bandwidth / bytes read per token — a ceiling, not a forecast)",

@@ -289,6 +289,13 @@ class CacheProbe:
         """The largest single array in one slot's cache after `schedule` (one Metal buffer)."""
         return _replay(self, slot, tuple(schedule), make)[2]
 
+    def slot_growth(
+        self, slot: Slot, schedule: Sequence[int], make: Callable[[Slot], Any] | None = None
+    ) -> tuple[tuple[Growth, ...], ...]:
+        """Per update of `schedule`, the buffers one slot's cache replaced: each new buffer, the one it
+        replaced (freed once the copy is made) and the zeros it was grown with (a scratch buffer)."""
+        return _growth_replay(self, slot, tuple(schedule), make)
+
     def slot_of_layer(self, layer: int) -> Slot | None:
         return next((s for s in self.slots if s.layer == layer), None)
 
@@ -310,8 +317,6 @@ def _replay(
         return held, held, held
     key = _memo_key(slot, schedule, make)
     if key not in _MEMO:
-        import mlx.core as mx
-
         cache = next(c for s, c in probe.fresh(make) if s is slot)
         peak = 0
         for n in schedule:
@@ -321,9 +326,62 @@ def _replay(
                 cache.update_and_fetch(*update.arrays(n))
             peak = max(peak, cache.nbytes)
         # The buffers themselves (a cache's `state` may be a view trimmed to its offset).
-        arrays = [a for a in _flatten(list(vars(cache).values())) if isinstance(a, mx.array)]
-        _MEMO[key] = (cache.nbytes, peak, max((a.nbytes for a in arrays), default=0))
-    return _MEMO[key]
+        _MEMO[key] = (cache.nbytes, peak, max((a.nbytes for a in _buffers(cache)), default=0))
+    replayed: tuple[int, int, int] = _MEMO[key]
+    return replayed
+
+
+@dataclass(frozen=True)
+class Growth:
+    """One buffer a cache update replaced (bytes): MLX allocates the zeros and the new buffer, copies, then
+    frees the old buffer and the zeros."""
+
+    index: int
+    """the buffer's position among the cache's arrays"""
+    freed: int
+    allocated: int
+    scratch: int
+
+
+def _buffers(cache: Any) -> list[Any]:
+    import mlx.core as mx
+
+    return [a for a in _flatten(list(vars(cache).values())) if isinstance(a, mx.array)]
+
+
+def _growth_replay(
+    probe: CacheProbe, slot: Slot, schedule: tuple[int, ...], make: Callable[[Slot], Any] | None
+) -> tuple[tuple[Growth, ...], ...]:
+    if not slot.updates:
+        # Recurrent state is allocated once and then written in place.
+        return tuple((Growth(0, 0, slot.state_bytes, 0),) if i == 0 else () for i in range(len(schedule)))
+    key = ("growth", *_memo_key(slot, schedule, make))
+    if key not in _MEMO:
+        cache = next(c for s, c in probe.fresh(make) if s is slot)
+        steps: list[tuple[Growth, ...]] = []
+        for n in schedule:
+            before, offset = _buffers(cache), int(getattr(cache, "offset", 0) or 0)
+            for name in slot.before:
+                getattr(cache, name)()
+            for update in slot.updates:
+                cache.update_and_fetch(*update.arrays(n))
+            after = _buffers(cache)
+            changed: list[Growth] = []
+            for i, new in enumerate(after):
+                old = before[i] if len(before) == len(after) else None
+                if old is new:
+                    continue  # written in place: MLX donates the buffer to the slice update
+                if old is None or new.ndim < 2 or not new.shape[-2]:
+                    changed.append(Growth(i, 0 if old is None else old.nbytes, new.nbytes, 0))
+                    continue
+                # The old rows kept (a ragged tail past the offset is trimmed first); the rest are zeros.
+                kept = min(old.shape[-2], offset) if old.ndim >= 2 else 0
+                scratch = max(0, new.shape[-2] - kept) * (new.nbytes // new.shape[-2])
+                changed.append(Growth(i, old.nbytes, new.nbytes, scratch))
+            steps.append(tuple(changed))
+        _MEMO[key] = tuple(steps)
+    growth: tuple[tuple[Growth, ...], ...] = _MEMO[key]
+    return growth
 
 
 def _memo_key(slot: Slot, schedule: tuple[int, ...], make: Callable[[Slot], Any] | None) -> tuple[Any, ...]:
@@ -338,7 +396,7 @@ def _memo_key(slot: Slot, schedule: tuple[int, ...], make: Callable[[Slot], Any]
 
 
 # Replays keyed by what determines them (cache class, update shapes, schedule, scheme): layers alike share one.
-_MEMO: dict[Any, tuple[int, int, int]] = {}
+_MEMO: dict[Any, Any] = {}
 
 
 def quantized_step_runs(probe: CacheProbe, model_type: str) -> bool:

@@ -105,7 +105,7 @@ def _memo(spec: ModelSpec) -> dict[Any, Any]:
     return _MEMOS[key]
 
 
-def _factory(spec: ModelSpec, scheme: KVSpec) -> Callable[[Slot], Any] | None:
+def cache_factory(spec: ModelSpec, scheme: KVSpec) -> Callable[[Slot], Any] | None:
     """The caches kvrig makes for a scheme: the model's own, with its plain KVCaches quantized (mlx-lm's
     QuantizedKVCache, or kvrig's dequantize-on-read cache for mixed bits or attention that cannot read
     quantized KV). None: the model's own caches unchanged. Made once per spec and scheme."""
@@ -159,7 +159,7 @@ def kv_bytes(spec: ModelSpec, scheme: KVSpec, schedule: Sequence[int], kinds: tu
     if kinds is None:
         return kv_bytes_detail(spec, scheme, schedule).total
     probe = spec.probe(scheme.dtype)
-    make = _factory(spec, scheme)
+    make = cache_factory(spec, scheme)
     sched = tuple(schedule)
     extras = extra_bytes(spec, scheme) if sched and "full" in kinds else 0
     return extras + sum(n * probe.slot_bytes(slot, sched, make) for slot, n in probe.groups(make) if slot.kind in kinds)
@@ -192,7 +192,7 @@ class KVBytes:
 
 def kv_bytes_detail(spec: ModelSpec, scheme: KVSpec, schedule: Sequence[int]) -> KVBytes:
     probe = spec.probe(scheme.dtype)
-    make = _factory(spec, scheme)
+    make = cache_factory(spec, scheme)
     sched = tuple(int(n) for n in schedule)
     if any(n < 1 for n in sched):
         raise PlanInputError(f"update sizes must be positive token counts, got {min(sched)}", field="schedule")
@@ -208,7 +208,7 @@ def kv_bytes_detail(spec: ModelSpec, scheme: KVSpec, schedule: Sequence[int]) ->
 def bytes_per_token(spec: ModelSpec, scheme: KVSpec) -> int:
     """Steady-state bytes per additional context token: the growth MLX shows over one 256-token step."""
     probe = spec.probe(scheme.dtype)
-    make = _factory(spec, scheme)
+    make = cache_factory(spec, scheme)
     step = MLX_STEP
     total = 0
     for slot, n in probe.groups(make):
@@ -228,7 +228,7 @@ def row_bytes(spec: ModelSpec, scheme: KVSpec, layer: LayerSpec) -> int:
 
 def _row_bytes(spec: ModelSpec, scheme: KVSpec, layer: LayerSpec) -> int:
     probe = spec.probe(scheme.dtype)
-    make = _factory(spec, scheme)
+    make = cache_factory(spec, scheme)
     slot = probe.slot_of_layer(layer.index)
     if slot is None:
         return 0

@@ -9,6 +9,7 @@ from pydantic import ConfigDict, Field
 
 from kvrig.exceptions import PlanInputError, QuantizationError
 from kvrig.models.spec import ModelSpec
+from kvrig.planner.allocator import AllocatorPolicy, AppModel, chat_run, trace_run
 from kvrig.planner.kv import (
     ALL_NAMED_SCHEMES,
     MLX_STEP,
@@ -63,8 +64,18 @@ class DeviceSummary(StrictModel):
     baseline_bytes: int
 
 
+APP_MODELS: Final[dict[str, str]] = {
+    "kvrig": "kvrig's app: MLX's buffer cache capped at buffer_cache_bytes (Memory.cacheLimit), counted in full",
+    "uncapped": "an app that never caps MLX's buffer cache: freed buffers MLX cannot reuse stay cached (growth "
+    "copies, prefill chunks), replayed through MLX's allocator over the run (planner/allocator.py)",
+}
+
+
 class RuntimeTerms(StrictModel):
-    buffer_cache_bytes: int = Field(description="MLX buffer-cache cap (Memory.cacheLimit)")
+    app: AppModel = Field(
+        default="kvrig", description="the app model: " + "; ".join(f"{k}: {v}" for k, v in APP_MODELS.items())
+    )
+    buffer_cache_bytes: int = Field(description="MLX buffer-cache cap (Memory.cacheLimit); 0 for an uncapped app")
     baseline_bytes: int = Field(description="app + Metal/runtime baseline: the device profile's estimate or calibrated")
     baseline_calibrated_from: str | None = Field(
         default=None, description="calibration file the baseline comes from (None: the profile's estimate)"
@@ -78,6 +89,8 @@ class RuntimeTerms(StrictModel):
         description="live prefill activations at each listed context over unquantized caches (per scheme: "
         "budget_at_max_context); attention scores as MLX holds them on the backend, the rest an upper bound"
     )
+    generations: int = Field(default=1, description="uncapped app: generations in a row, the context growing evenly")
+    decode_tokens: int = Field(default=0, description="uncapped app: tokens each generation decodes one at a time")
 
 
 class SchemeBudget(StrictModel):
@@ -179,6 +192,11 @@ class MemoryPlan(StrictModel):
         "(kvrig package --weights-layout mapped) and count against `mapped` instead",
     )
     mapped: MappedCheck | None = Field(default=None, description="mapped residency only")
+    buffer_cache_by_context: dict[str, dict[str, int]] = Field(
+        default_factory=dict,
+        description="uncapped app: MLX's buffer cache when active + cached bytes peak over a run reaching each "
+        "listed context, per scheme",
+    )
 
 
 def _limits(profile: DeviceProfile, limit: str) -> tuple[Literal["entitled", "default"], int]:
@@ -411,6 +429,9 @@ class PlanRequest(StrictModel):
     baseline_source: str | None = None
     backend: Backend = DEFAULT_BACKEND
     weights_residency: Literal["loaded", "mapped"] = "loaded"
+    app: AppModel = "kvrig"
+    generations: int = 1
+    decode_tokens: int = 0
 
 
 def plan_memory(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest | None = None) -> MemoryPlan:
@@ -437,25 +458,28 @@ def plan_memory(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest | 
     mapped = request.weights_residency == "mapped"
     # Mapped weights are clean file pages: iOS does not charge them to the footprint the jetsam limit judges.
     footprint_weights = 0 if mapped else chosen.total_bytes
-    fixed = footprint_weights + request.buffer_cache_bytes + baseline
+    # An uncapped app's cache is replayed per context (_uncapped_budget), not a fixed term.
+    cache_cap = request.buffer_cache_bytes if request.app == "kvrig" else 0
+    fixed = footprint_weights + cache_cap + baseline
+    uncapped = _Uncapped(spec, profile, request, footprint_weights, baseline) if request.app == "uncapped" else None
 
-    max_context, limited_by = _solve(spec, parsed, request, limit_bytes, fixed, cap)
+    max_context, limited_by = _solve(spec, parsed, request, limit_bytes, fixed, cap, uncapped)
     ceiling = profile.mapped_ceiling(limit_kind)
     if mapped and chosen.total_bytes > ceiling:
         max_context = dict.fromkeys(max_context, 0)
         limited_by = dict.fromkeys(limited_by, "mapped_ceiling")
     max_default = (
-        _solve(spec, parsed, request, profile.limit_default, fixed, cap)[0] if limit_kind == "entitled" else max_context
+        _solve(spec, parsed, request, profile.limit_default, fixed, cap, uncapped)[0]
+        if limit_kind == "entitled"
+        else max_context
     )
     budgets = {
-        name: _peak_bytes(
+        name: uncapped.budget(scheme, max(max_context[name], 1))
+        if uncapped is not None
+        else _peak_bytes(
             spec, scheme, max(max_context[name], 1), fixed, request.prefill_step, request.dtype, request.backend
         ).model_copy(
-            update={
-                "weights_bytes": footprint_weights,
-                "buffer_cache_bytes": request.buffer_cache_bytes,
-                "baseline_bytes": baseline,
-            }
+            update={"weights_bytes": footprint_weights, "buffer_cache_bytes": cache_cap, "baseline_bytes": baseline}
         )
         for name, scheme in parsed.items()
     }
@@ -497,7 +521,10 @@ def plan_memory(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest | 
         weights_unavailable=unavailable,
         active_weights_bytes=chosen.active_bytes,
         runtime=RuntimeTerms(
-            buffer_cache_bytes=request.buffer_cache_bytes,
+            app=request.app,
+            generations=request.generations,
+            decode_tokens=request.decode_tokens,
+            buffer_cache_bytes=cache_cap,
             baseline_bytes=baseline,
             baseline_calibrated_from=request.baseline_source if request.baseline_bytes is not None else None,
             prefill_step=request.prefill_step,
@@ -531,7 +558,54 @@ def plan_memory(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest | 
         binding_limit=binding,  # type: ignore[arg-type]
         weights_residency=request.weights_residency,
         mapped=_mapped_check(profile, limit_kind, chosen.total_bytes, budgets) if mapped else None,
+        buffer_cache_by_context={
+            name: {str(c): uncapped.budget(s, c).buffer_cache_bytes for c in listed} for name, s in parsed.items()
+        }
+        if uncapped is not None
+        else {},
     )
+
+
+class _Uncapped:
+    """An uncapped app's budget at a context: MLX's allocator replayed over a run reaching it (allocator.py)."""
+
+    def __init__(
+        self, spec: ModelSpec, profile: DeviceProfile, request: PlanRequest, weights: int, baseline: int
+    ) -> None:
+        self.spec, self.request, self.weights, self.baseline = spec, request, weights, baseline
+        self.policy = (
+            AllocatorPolicy.phone(profile.page_size, profile.gpu_working_set, profile.ram)
+            if request.backend == "metal"
+            else AllocatorPolicy.host()
+        )
+        self._memo: dict[tuple[str, int], SchemeBudget] = {}
+
+    def budget(self, scheme: KVSpec, context: int) -> SchemeBudget:
+        key = (scheme.name, context)
+        if key not in self._memo:
+            r = self.request
+            run = chat_run(context, r.generations, r.decode_tokens, r.prefill_step)
+            last = trace_run(self.spec, scheme, run, dtype=r.dtype, policy=self.policy, base_bytes=self.weights)[-1]
+            kv = kv_bytes_detail(self.spec, scheme, run[-1].updates).peak
+            high, cache = last.high_bytes, last.high_cache_bytes
+            self._memo[key] = SchemeBudget(
+                context=context,
+                weights_bytes=self.weights,
+                kv_bytes=kv,
+                kv_growth_copy_bytes=0,
+                kv_dequantized_read_bytes=0,
+                prefill_activation_bytes=max(0, high - self.weights - kv - cache),
+                buffer_cache_bytes=cache,
+                baseline_bytes=self.baseline,
+                total_bytes=high + self.baseline,
+            )
+        return self._memo[key]
+
+    def max_context(self, scheme: KVSpec, budget: int, estimate: int, cap: int) -> tuple[int, str]:
+        best = largest_fitting(lambda c: self.budget(scheme, c).total_bytes <= budget, estimate, cap)
+        if best == 0:
+            return 0, "weights"
+        return best, "model" if best == cap else "memory"
 
 
 def _mapped_check(
@@ -574,10 +648,20 @@ def _check_request(request: PlanRequest) -> None:
         raise PlanInputError("prefill step must be at least 1", field="prefill_step")
     if request.backend not in BACKENDS:
         raise PlanInputError(f"backend {request.backend!r}: expected one of {', '.join(BACKENDS)}", field="backend")
+    if request.generations < 1:
+        raise PlanInputError(f"generations {request.generations} must be at least 1", field="generations")
+    if request.decode_tokens < 0:
+        raise PlanInputError(f"decode tokens {request.decode_tokens} must be at least 0", field="decode_tokens")
 
 
 def _solve(
-    spec: ModelSpec, parsed: dict[str, KVSpec], request: PlanRequest, limit: int, fixed: int, cap: int
+    spec: ModelSpec,
+    parsed: dict[str, KVSpec],
+    request: PlanRequest,
+    limit: int,
+    fixed: int,
+    cap: int,
+    uncapped: _Uncapped | None = None,
 ) -> tuple[dict[str, int], dict[str, str]]:
     """Max context and what limits it, per scheme, under `limit` less the margin."""
     budget = int(limit * (1 - request.margin))
@@ -587,6 +671,10 @@ def _solve(
         max_context[name], limited_by[name] = max_context_for(
             spec, scheme, budget, fixed, request.prefill_step, request.dtype, cap, request.backend
         )
+        if uncapped is not None:
+            # The capped answer bounds the search from above: the replayed cache only adds to it.
+            estimate = max(1, max_context[name])
+            max_context[name], limited_by[name] = uncapped.max_context(scheme, budget, estimate, cap)
     return max_context, limited_by
 
 
@@ -607,7 +695,8 @@ def _metal_limits(
     working_set, max_buffer = profile.gpu_working_set, profile.gpu_max_buffer
     step, dtype, backend = request.prefill_step, request.dtype, request.backend
     weights_array = chosen.largest_array
-    gpu_fixed = chosen.total_bytes + request.buffer_cache_bytes
+    # An uncapped cache never passes the working set on its own: Metal empties it first (allocator.py).
+    gpu_fixed = chosen.total_bytes + (request.buffer_cache_bytes if request.app == "kvrig" else 0)
     all_limits: dict[str, int] = {}
     binding: dict[str, str] = {}
     gpu_check: dict[str, GpuCheck] = {}
@@ -670,9 +759,26 @@ def _notes(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest, traine
             "(one public measurement, on an iPhone 13). `kvrig lab` runs a bundle loaded and mapped side by side "
             "and `kvrig calibrate` corrects the plan from it."
         )
+    if request.app == "uncapped":
+        notes.append(_UNCAPPED_NOTE.format(g=request.generations, d=request.decode_tokens, b=request.backend))
     if trained is None:
         notes.append("config has no max_position_embeddings; max context is bounded by memory only.")
     return notes
+
+
+_UNCAPPED_NOTE = (
+    "App model uncapped: an app that never sets Memory.cacheLimit keeps MLX's default cap, its memory limit. "
+    "MLX keeps every freed buffer and hands it out again only for a request of nearly its size, so what a "
+    "growing context frees stays cached: each KV growth step's old buffers, each prefill chunk's attention "
+    "buffers (their size grows with the context), the activations of each chunk length. The plan replays MLX's "
+    "allocator on {b} over {g} generation(s) in a row whose context grows evenly to each context, each decoding "
+    "{d} token(s) (--generations, --decode-tokens), and counts the highest active + cached bytes; on Metal the "
+    "cache is emptied, oldest first, once active + cached bytes would pass 0.95 x the recommended working set. "
+    "MLX Swift's released generation loop (mlx-swift-lm 3.31) never empties the cache (its main branch does "
+    "every 256 decoded tokens); mlx-lm's Python loop after every prefill chunk and every 256 tokens. "
+    "mlx-swift-examples' apps cap it at 20 MB "
+    "(LLMEval, MLXChatExample): plan such an app with --app kvrig --buffer-cache-mb 20."
+)
 
 
 def constant_kv_bytes(spec: ModelSpec, scheme: KVSpec, prefill_step: int) -> int:

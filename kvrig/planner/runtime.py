@@ -9,7 +9,7 @@ from __future__ import annotations
 from kvrig.models.layers import DTYPE_BYTES
 from kvrig.models.spec import ModelSpec
 from kvrig.planner.kv import dequantizes_on_read, layer_quantized, row_bytes
-from kvrig.planner.transient import DEFAULT_BACKEND, Backend, scores_bytes
+from kvrig.planner.transient import DEFAULT_BACKEND, Backend, scores_buffers
 from kvrig.recipes import KVSpec
 
 DEFAULT_BUFFER_CACHE_BYTES = 20 * 1024 * 1024  # what the MLX-Swift examples cap Memory.cacheLimit at
@@ -32,9 +32,24 @@ def prefill_activation_bytes(
     """Live activations while one prefill chunk of `prefill_step` tokens runs at `context`: residual stream and
     projections, the MLP's widest intermediate (estimates, upper bounds), and one layer's attention scores as
     MLX's attention on `backend` allocates them (plan/transient.py: measured, 0 where Metal's kernel is fused)."""
+    return sum(forward_buffers(spec, prefill_step, context, dtype, scheme=scheme, backend=backend))
+
+
+def forward_buffers(
+    spec: ModelSpec,
+    tokens: int,
+    context: int,
+    dtype: str = "float16",
+    *,
+    scheme: KVSpec | None = None,
+    backend: Backend = DEFAULT_BACKEND,
+) -> list[int]:
+    """`prefill_activation_bytes` as the buffers MLX allocates for them, one layer's worth (the next layer
+    takes them again from MLX's buffer cache): what a forward pass of `tokens` at `context` leaves in an
+    uncapped cache (planner/allocator.py)."""
     cfg = _cfg(spec)
     width = DTYPE_BYTES[dtype]
-    s = min(prefill_step, max(context, 1))
+    s = min(tokens, max(context, 1))
     hidden = spec.hidden_size
     heads = int(cfg.get("num_attention_heads") or 1)
     kv = max((layer.kv_heads for layer in spec.layers), default=0)
@@ -42,12 +57,12 @@ def prefill_activation_bytes(
     inter = int(cfg.get("intermediate_size") or 4 * hidden)
     if cfg.get("moe_intermediate_size") and cfg.get("num_experts_per_tok"):
         inter = max(inter, int(cfg["moe_intermediate_size"]) * int(cfg["num_experts_per_tok"]))
-    stream = 4 * s * hidden * width
-    projections = s * (heads + 2 * kv) * head_dim * width
-    mlp = 3 * s * inter * width
-    scores = prefill_scores_bytes(spec, prefill_step, context, dtype, scheme=scheme, backend=backend)
-    logits = spec.vocab_size * 4  # only the last position's logits are evaluated
-    return stream + projections + mlp + scores + logits
+    stream = [s * hidden * width] * 4
+    projections = [s * heads * head_dim * width, s * kv * head_dim * width, s * kv * head_dim * width]
+    mlp = [s * inter * width] * 3
+    scores = list(_scores_buffers(spec, tokens, context, dtype, scheme=scheme, backend=backend))
+    logits = [spec.vocab_size * 4]  # only the last position's logits are evaluated
+    return [b for b in (*stream, *projections, *mlp, *scores, *logits) if b > 0]
 
 
 def prefill_scores_bytes(
@@ -62,9 +77,22 @@ def prefill_scores_bytes(
     """The largest layer's attention scores for a prefill chunk at `context` (chunk × keys per head) as MLX's
     attention on `backend` holds them; one layer at a time, and a single buffer, so Metal's largest-buffer
     limit applies. Attention over a quantized cache (mlx-lm's) materializes them on every backend."""
+    return sum(_scores_buffers(spec, prefill_step, context, dtype, scheme=scheme, backend=backend))
+
+
+def _scores_buffers(
+    spec: ModelSpec,
+    prefill_step: int,
+    context: int,
+    dtype: str,
+    *,
+    scheme: KVSpec | None,
+    backend: Backend,
+) -> tuple[int, int, int]:
+    """The largest layer's attention buffers (transient.scores_buffers) for a chunk at `context`."""
     heads = int(_cfg(spec).get("num_attention_heads") or 1)
     queries = min(prefill_step, max(context, 1))
-    largest = 0
+    largest: tuple[int, int, int] = (0, 0, 0)
     for layer in spec.layers:
         if layer.kind in ("full", "latent", "shared") and layer.k_head_dim:
             keys = context
@@ -74,7 +102,7 @@ def prefill_scores_bytes(
             continue
         quantized = scheme is not None and layer_quantized(layer, scheme) and not dequantizes_on_read(scheme, spec)
         key_bits = scheme.key_bits if quantized and scheme is not None else None
-        size = scores_bytes(
+        parts = scores_buffers(
             backend=backend,
             heads=heads,
             kv_heads=layer.kv_heads,
@@ -84,7 +112,7 @@ def prefill_scores_bytes(
             width=DTYPE_BYTES[dtype],
             key_bits=key_bits,
         )
-        largest = max(largest, size)
+        largest = max(largest, parts, key=sum)
     return largest
 
 

@@ -3,7 +3,8 @@
 Two backends run kvrig's apps, and they differ in exactly this term:
 
 - `metal`, the phone: MLX's fused attention kernel (`sdpa_full`) takes chunks of more than 8 queries with head
-  dims 64, 80 and 128 and never materializes the scores. Other head dims fall back to MLX's unfused attention
+  dims 64, 80 and 128 and never materializes the scores (up to 8 queries, a decode step, the vector kernel
+  takes head dims 64, 96, 128 and 256). Other head dims fall back to MLX's unfused attention
   (matmul, mask, softmax, matmul), and so does attention over a quantized cache (mlx-lm's
   `quantized_scaled_dot_product_attention`) on every backend.
 - `cpu`, the host runtime and the virtual iPhone: MLX's CPU backend has no fused attention, so every prefill
@@ -29,13 +30,17 @@ BACKENDS: Final[dict[str, str]] = {
 DEFAULT_BACKEND: Final[Backend] = "metal"
 METAL_FUSED_HEAD_DIMS: Final = (64, 80, 128)  # mlx: sdpa_full_supported_head_dim
 METAL_FUSED_MIN_QUERIES: Final = 9  # mlx: supports_sdpa_full needs query_sequence_length > 8
+# Up to 8 queries (decoding) Metal runs the fused vector kernel instead (mlx: sdpa_vector_supported_head_dim).
+METAL_VECTOR_HEAD_DIMS: Final = (64, 96, 128, 256)
 
 
 def materializes_scores(backend: Backend, head_dim: int, queries: int, quantized_cache: bool) -> bool:
     """Whether MLX's attention materializes the scores for a chunk of `queries` on `backend`."""
     if backend == "cpu" or quantized_cache:
         return True
-    return head_dim not in METAL_FUSED_HEAD_DIMS or queries < METAL_FUSED_MIN_QUERIES
+    if queries < METAL_FUSED_MIN_QUERIES:
+        return head_dim not in METAL_VECTOR_HEAD_DIMS
+    return head_dim not in METAL_FUSED_HEAD_DIMS
 
 
 # The probe's shapes: about 1 MB of MLX memory and a few ms, still with a model's grouping (4 query heads
@@ -119,7 +124,7 @@ def _steady(elements: float) -> float:
     return round(elements * 1024) / 1024
 
 
-def scores_bytes(
+def scores_buffers(
     *,
     backend: Backend,
     heads: int,
@@ -129,13 +134,18 @@ def scores_bytes(
     keys: int,
     width: int,
     key_bits: int | None,
-) -> int:
+) -> tuple[int, int, int]:
     """Bytes MLX's attention holds for one layer's chunk at its peak beyond inputs and output (0 when Metal's
-    fused kernel runs). Metal's quantized matmul dequantizes tiles inside its kernel, so the per-key copy the
-    CPU makes is not counted there."""
+    fused kernel runs), in the three buffers MLX allocates for them: the scores (queries × keys), the keys the
+    CPU dequantizes (keys) and the per-query arrays (queries only, so a chunk of the same length can take them
+    again from MLX's buffer cache). Metal's quantized matmul dequantizes tiles inside its kernel, so the per-key
+    copy the CPU makes is not counted there."""
     if not materializes_scores(backend, head_dim, queries, key_bits is not None):
-        return 0
+        return 0, 0, 0
     peak = attention_peak(key_bits)
     per_key = peak.per_key if backend == "cpu" else 0.0
-    elements = (peak.per_score * heads * queries + per_key * kv_heads * head_dim) * keys
-    return int((elements + peak.per_query * heads * queries * head_dim) * width)
+    scores = peak.per_score * heads * queries * keys
+    dequantized = per_key * kv_heads * head_dim * keys
+    total = int((scores + dequantized + peak.per_query * heads * queries * head_dim) * width)
+    first, second = int(scores * width), int(dequantized * width)
+    return first, second, total - first - second

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -34,6 +35,27 @@ class GenerationStats:
         # The first generated token comes out of the prefill; decode speed counts the steps after it.
         steps = self.generated_tokens - 1
         return steps / self.decode_seconds if self.decode_seconds and steps > 0 else 0.0
+
+
+UNCAPPED_CACHE_LIMIT = 1 << 50
+"""An app that never caps MLX's buffer cache: Metal's default cap is MLX's memory limit, and on a host it must
+not bind before the phone's would."""
+
+
+@contextlib.contextmanager
+def uncapped_cache() -> Iterator[None]:
+    """MLX's buffer cache as an app kvrig did not write keeps it: uncapped, and never emptied by the generation
+    loop (mlx-swift-lm 3.31's never calls Memory.clearCache; mlx-lm's Python loop empties it after every prefill
+    chunk and every 256 tokens, so inside this block its clear_cache does nothing)."""
+    import mlx.core as mx
+
+    previous, clear = mx.set_cache_limit(UNCAPPED_CACHE_LIMIT), mx.clear_cache
+    mx.clear_cache = lambda: None
+    try:
+        yield
+    finally:
+        mx.clear_cache = clear
+        mx.set_cache_limit(previous)
 
 
 def generate_tokens(

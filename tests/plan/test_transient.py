@@ -99,7 +99,9 @@ def test_metal_counts_scores_only_where_attention_is_not_fused() -> None:
     assert prefill_scores_bytes(spec, CHUNK, CONTEXT, scheme=fp16, backend="cpu") > 0
     assert not materializes_scores("metal", 128, 512, quantized_cache=False)
     assert materializes_scores("metal", 96, 512, quantized_cache=False)
-    assert materializes_scores("metal", 64, 8, quantized_cache=False)  # 8 queries or fewer: the vector kernel
+    # 8 queries or fewer (decoding): MLX's fused vector kernel, for its own head dims (sdpa_vector).
+    assert not materializes_scores("metal", 64, 8, quantized_cache=False)
+    assert materializes_scores("metal", 80, 1, quantized_cache=False)
 
 
 def test_plan_names_its_backend_and_cpu_holds_less() -> None:
