@@ -31,6 +31,10 @@ _PACKAGE_DIR = Path(__file__).resolve().parent
 PROFILE_DIRS = (_PACKAGE_DIR / "_data" / "device_profiles", _PACKAGE_DIR.parent / "device_profiles")
 
 
+INCREASED_MEMORY_LIMIT = "com.apple.developer.kernel.increased-memory-limit"
+"""The entitlement an app declares for the entitled limit (kvrig app's projects declare it)."""
+
+
 class _Frozen(StrictModel):
     model_config = ConfigDict(frozen=True)
 

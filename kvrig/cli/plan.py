@@ -92,7 +92,14 @@ def _buffer_cache(ctx: click.Context, param: click.Parameter, value: str) -> flo
     help="Uncapped app: tokens each generation decodes one at a time (the rest of its context is prefilled).",
 )
 @click.option("--margin", default=0.10, show_default=True, type=click.FloatRange(0, 1, max_open=True))
-@click.option("--limit", type=click.Choice(["entitled", "default"]), default="entitled", show_default=True)
+@click.option(
+    "--limit",
+    type=click.Choice(["entitled", "default"]),
+    default="entitled",
+    show_default=True,
+    help="entitled: the limit of an app with the increased-memory-limit entitlement (kvrig app declares it); "
+    "default: without it.",
+)
 @click.option("--target-context", type=click.IntRange(min=1), help="Recommend for this context.")
 @click.option(
     "--cap",
@@ -234,6 +241,11 @@ def render_plan(p) -> None:  # type: ignore[no-untyped-def]
         f"planning against {p.limit_kind} {human_bytes(p.limit_bytes)} − {p.margin:.0%} margin = "
         f"{human_bytes(p.budget_bytes)}"
     )
+    if p.limit_requires:
+        out.print(
+            f"  the entitled limit needs the app to declare {p.limit_requires} (kvrig app's projects do); "
+            "--limit default plans without it"
+        )
     rt = p.runtime
     cache = (
         f"uncapped ({rt.generations} generation(s), {rt.decode_tokens} decoded each)"

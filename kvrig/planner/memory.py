@@ -31,7 +31,7 @@ from kvrig.planner.runtime import (
 )
 from kvrig.planner.transient import BACKENDS, DEFAULT_BACKEND, Backend
 from kvrig.planner.weights import DEFAULT_RECIPES, WeightsAccount, account_weights
-from kvrig.profiles import DeviceProfile
+from kvrig.profiles import INCREASED_MEMORY_LIMIT, DeviceProfile
 from kvrig.recipes import KVSpec, parse_kv, parse_weights
 from kvrig.schemas import StrictModel
 
@@ -156,6 +156,9 @@ class MemoryPlan(StrictModel):
     dtype: str
     limit_kind: Literal["entitled", "default"]
     limit_bytes: int
+    limit_requires: str | None = Field(
+        default=None, description="the entitlement the app must declare for this limit (null: none)"
+    )
     margin: float
     budget_bytes: int = Field(description="limit × (1 − margin): what the plan fills")
     weights_bytes: int = Field(description="bytes of the weights under `weights_recipe`")
@@ -513,6 +516,7 @@ def plan_memory(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest | 
         kv_group_size=kv_group,
         dtype=request.dtype,
         limit_kind=limit_kind,
+        limit_requires=INCREASED_MEMORY_LIMIT if limit_kind == "entitled" else None,
         limit_bytes=limit_bytes,
         margin=request.margin,
         budget_bytes=int(limit_bytes * (1 - request.margin)),

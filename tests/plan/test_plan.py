@@ -79,6 +79,10 @@ def test_plan_json_carries_the_contract_keys() -> None:
     profile = load_profile("iPhone16,1")
     assert data["limit_bytes"] == profile.limit_entitled
     assert data["recommendation"]["scheme"] in data["max_context"]
+    # the entitled limit names what the app must declare: the key kvrig app's entitlements template declares
+    template = Path(__file__).resolve().parents[2] / "templates" / "swift" / "App" / "App.entitlements.j2"
+    assert data["limit_kind"] == "entitled" and f"<key>{data['limit_requires']}</key>" in template.read_text()
+    assert data["limit_requires"].endswith("increased-memory-limit")
 
 
 def test_max_context_is_the_largest_that_fits() -> None:
