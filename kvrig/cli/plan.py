@@ -59,7 +59,9 @@ def _buffer_cache(ctx: click.Context, param: click.Parameter, value: str) -> flo
     help="Weight recipes to list (default q4,q8,mixed_4_6).",
 )
 @group_size_option("--group-size", DEFAULT_GROUP_SIZE, "Weight quantization group size (recipes that name none).")
-@group_size_option("--kv-group-size", None, "KV quantization group size (default: --group-size).")
+@group_size_option(
+    "--kv-group-size", None, "KV quantization group size for specs that name none (default 64, as kvrig package)."
+)
 @click.option("--dtype", default="float16", show_default=True, type=click.Choice(["float16", "bfloat16", "float32"]))
 @click.option("--prefill-step", default=512, show_default=True, type=click.IntRange(min=1))
 @click.option(

@@ -32,7 +32,7 @@ from kvrig.planner.runtime import (
 from kvrig.planner.transient import BACKENDS, DEFAULT_BACKEND, Backend
 from kvrig.planner.weights import DEFAULT_RECIPES, WeightsAccount, account_weights
 from kvrig.profiles import INCREASED_MEMORY_LIMIT, DeviceProfile
-from kvrig.recipes import KVSpec, parse_kv, parse_weights
+from kvrig.recipes import DEFAULT_GROUP_SIZE, KVSpec, parse_kv, parse_weights
 from kvrig.schemas import StrictModel
 
 PLAN_SCHEMA_VERSION: Final = 1
@@ -443,7 +443,8 @@ def plan_memory(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest | 
     prefill transient (plan/transient.py)."""
     request = request or PlanRequest()
     _check_request(request)
-    kv_group = request.kv_group_size or request.group_size
+    # a KV spec's group size is its own (k8v4g32) or 64, as kvrig package writes it; never the weights' group
+    kv_group = request.kv_group_size or DEFAULT_GROUP_SIZE
     parsed = {s.name: s for s in (parse_kv(n, group_size=kv_group, dtype=request.dtype) for n in request.schemes)}
     for scheme in parsed.values():
         check_dims(spec, scheme)

@@ -220,3 +220,17 @@ def test_prefill_scores_counted_only_without_fused_attention() -> None:
     assert prefill_activation_bytes(plain, 512, 8192) > prefill_activation_bytes(plain, 512, 1024)
     # a smaller prefill step lowers the peak either way
     assert prefill_activation_bytes(plain, 128, 8192) < prefill_activation_bytes(plain, 512, 8192)
+
+
+def test_the_weights_group_size_leaves_the_kv_group_alone() -> None:
+    """kvrig package quantizes KV in groups of 64 whatever the weights' group size; the plan counts the same."""
+
+    def planned(*args: str) -> dict:
+        cmd = [sys.executable, "-m", "kvrig", "plan", "-d", "iPhone16,1", "--schemes", "k8v4", "--json", *args]
+        return json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+
+    g32, default = planned("--group-size", "32"), planned()
+    assert g32["kv_group_size"] == default["kv_group_size"] == 64
+    assert g32["kv_bytes_per_token"] == default["kv_bytes_per_token"]
+    assert g32["weights_bytes"] != default["weights_bytes"]  # the weights did change
+    assert planned("--kv-group-size", "32")["kv_bytes_per_token"]["k8v4g32"] > default["kv_bytes_per_token"]["k8v4"]
