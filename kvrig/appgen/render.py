@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,8 +81,10 @@ def templates_root() -> Path:
 
 
 def product_name(name: str) -> str:
-    """A target/product name Xcode accepts from any display name: ASCII letters and digits, letter first."""
-    words = re.findall(r"[A-Za-z0-9]+", name)
+    """A target/product name Xcode accepts from any display name: ASCII letters and digits, letter first. Accented
+    letters keep their base letter (Ü → U: decomposed, the combining marks dropped) instead of vanishing."""
+    ascii_name = "".join(c for c in unicodedata.normalize("NFKD", name) if not unicodedata.combining(c))
+    words = re.findall(r"[A-Za-z0-9]+", ascii_name)
     candidate = "".join(w[:1].upper() + w[1:] for w in words)
     if not candidate or not candidate[0].isalpha():
         candidate = "App" + candidate
