@@ -40,12 +40,12 @@ from kvrig.models.source import source_dir
 from kvrig.planner import PlanRequest, plan_memory
 from kvrig.planner.kv import check_dims
 from kvrig.profiles import list_profiles, load_profile
-from kvrig.quality.choose import FIT_KV, WEIGHT_CANDIDATES, choose_kv, measure_kv, rank_fit
+from kvrig.quality.choose import FIT_KV, choose_kv, measure_kv, rank_fit
 from kvrig.quality.gate import GateTexts, check_model, enforce, measure_source
 from kvrig.quality.kv_sensitivity import resolve_for_source
 from kvrig.quantize.base import load_source_model
 from kvrig.quantize.recipes import apply_recipe, calibration_tokens
-from kvrig.recipes import AUTO, KVSpec, WeightRecipe, parse_kv, parse_weights
+from kvrig.recipes import AUTO, WEIGHT_CANDIDATES, KVSpec, WeightRecipe, parse_kv, parse_weights
 from kvrig.runtime.host import load_bundle_model, prepare_for_host
 from kvrig.schemas.bundle import (
     MANIFEST_NAME,

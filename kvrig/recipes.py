@@ -137,6 +137,9 @@ def _group(group_size: int, text: str) -> int:
 Rotation = Literal["none", "hadamard", "hadamard_keys"]
 KV_BITS: Final = (2, 3, 4, 5, 6, 8)
 AUTO: Final = "auto"
+WEIGHT_CANDIDATES: Final = ("gpx-q4", "gpx-4.6", "q5", "q6", "q8")
+"""What `--weights auto` tries, smallest first on every model: 4.5, ~4.6, 5.5, 6.5, 8.5 bits per weight. kvrig
+package keeps the first whose bundle passes the quality gate; a plan, which measures nothing, counts the first."""
 _BASE = re.compile(r"^k(\d+)v(\d+)(?:g(\d+))?$")
 _LAYER_KEYS = re.compile(r"^k(\d+)@(\d+(?:\.\d+)*)$")
 _TOP_KEYS = re.compile(r"^k(\d+)@top(\d+)$")

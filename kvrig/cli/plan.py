@@ -48,10 +48,11 @@ def _buffer_cache(ctx: click.Context, param: click.Parameter, value: str) -> flo
 @click.option("--contexts", callback=_int_list, help="Contexts to list, e.g. 2048,8192.")
 @click.option(
     "--weights",
-    default="q4",
+    default="auto",
     show_default=True,
-    callback=checked_specs("weights", auto=False, several=False),
-    help="Weight recipe the budget uses.",
+    callback=checked_specs("weights", auto=True, several=False),
+    help="Weight recipe the budget uses. auto (as kvrig package): a bundle's own recipe, else the first recipe "
+    "package's auto tries (gpx-q4), noted in the plan.",
 )
 @click.option(
     "--recipes",
@@ -177,7 +178,9 @@ def plan(
     if backend == "coreml":
         from kvrig.cli.export import show_coreml_plan
 
-        show_coreml_plan(model, device, weights, group_size, list(contexts or DEFAULT_CONTEXTS), as_json)
+        # Core ML has exact forms of q4, q8 and fp16 only: auto counts q4 there (gpx-q4's bytes)
+        coreml_weights = "q4" if weights == "auto" else weights
+        show_coreml_plan(model, device, coreml_weights, group_size, list(contexts or DEFAULT_CONTEXTS), as_json)
         return
     if cap == "trained":
         cap_value = None

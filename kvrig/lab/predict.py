@@ -11,7 +11,7 @@ from kvrig.exceptions import QuantizationError, SchemaError
 from kvrig.models import load_model_spec
 from kvrig.planner import PlanRequest, plan_memory
 from kvrig.profiles import AppMemoryLimit, SourcedInt, load_profile
-from kvrig.recipes import parse_kv
+from kvrig.recipes import AUTO, parse_kv
 from kvrig.schemas.bundle import MANIFEST_NAME
 from kvrig.schemas.lab import LabDevice, MatrixEntry, SchemeSpec
 from kvrig.schemas.results import Prediction
@@ -73,7 +73,7 @@ class Predictor:
                 profile,
                 PlanRequest(
                     schemes=(scheme,),
-                    weights=opts.weights or _bundle_recipe(entry) or "q4",
+                    weights=opts.weights or _bundle_recipe(entry) or AUTO,
                     margin=opts.margin,
                     limit=opts.limit,
                     prefill_step=opts.prefill_step,

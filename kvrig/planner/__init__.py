@@ -10,10 +10,11 @@ from kvrig.models import load_model_spec
 from kvrig.planner.kv import kv_bytes
 from kvrig.planner.memory import MemoryPlan, PlanRequest, plan_memory
 from kvrig.profiles import load_profile
+from kvrig.recipes import AUTO
 from kvrig.schemas import load_model_file, validate_data
 from kvrig.schemas.bundle import MANIFEST_NAME, Manifest
 
-__all__ = ["MemoryPlan", "PlanRequest", "bundle_residency", "kv_bytes", "plan", "plan_memory"]
+__all__ = ["MemoryPlan", "PlanRequest", "bundle_recipe", "bundle_residency", "kv_bytes", "plan", "plan_memory"]
 
 
 def plan(
@@ -25,7 +26,19 @@ def plan(
     if options:
         base = dict(request) if request is not None else {}
         request = validate_data(PlanRequest, {**base, **options}, error=PlanInputError)
+    request = request or PlanRequest()
+    recipe = bundle_recipe(model) if request.weights == AUTO else None
+    if recipe is not None:  # a bundle's weights are what it was packaged with
+        request = request.model_copy(update={"weights": recipe})
     return plan_memory(load_model_spec(model), load_profile(device), request)
+
+
+def bundle_recipe(model: str | Path | None) -> str | None:
+    """The weight recipe a bundle was packaged with (its manifest), None for anything else."""
+    manifest = Path(model) / MANIFEST_NAME if model is not None else None
+    if manifest is None or not manifest.is_file():
+        return None
+    return load_model_file(Manifest, manifest).recipe.weights
 
 
 def bundle_residency(model: str | Path | None) -> str:

@@ -32,7 +32,7 @@ from kvrig.planner.runtime import (
 from kvrig.planner.transient import BACKENDS, DEFAULT_BACKEND, Backend
 from kvrig.planner.weights import DEFAULT_RECIPES, WeightsAccount, account_weights
 from kvrig.profiles import INCREASED_MEMORY_LIMIT, DeviceProfile
-from kvrig.recipes import DEFAULT_GROUP_SIZE, KVSpec, parse_kv, parse_weights
+from kvrig.recipes import AUTO, DEFAULT_GROUP_SIZE, WEIGHT_CANDIDATES, KVSpec, parse_kv, parse_weights
 from kvrig.schemas import StrictModel
 
 PLAN_SCHEMA_VERSION: Final = 1
@@ -416,7 +416,7 @@ class PlanRequest(StrictModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     schemes: tuple[str, ...] = ALL_NAMED_SCHEMES
-    weights: str = "q4"
+    weights: str = AUTO
     recipes: tuple[str, ...] = DEFAULT_RECIPES
     group_size: int = 64
     kv_group_size: int | None = None
@@ -437,11 +437,23 @@ class PlanRequest(StrictModel):
     decode_tokens: int = 0
 
 
+AUTO_WEIGHTS_NOTE = (
+    f"Weights auto: planned as {WEIGHT_CANDIDATES[0]}, the first of {', '.join(WEIGHT_CANDIDATES)} that kvrig package "
+    "--weights auto tries; packaging keeps the first whose bundle passes the quality gate, and a larger recipe holds "
+    f"less context (--recipes {','.join(WEIGHT_CANDIDATES[1:])} lists their bytes)."
+)
+
+
 def plan_memory(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest | None = None) -> MemoryPlan:
     """The memory plan of `spec` on `profile` for `request` (None: the planner's defaults). `backend` is where
     MLX runs the app: `metal` (the phone) or `cpu` (the host runtime, the virtual iPhone); they differ in the
     prefill transient (plan/transient.py)."""
     request = request or PlanRequest()
+    auto_note = None
+    if request.weights == AUTO:
+        # the plan measures nothing: it counts the first recipe package's --weights auto tries, and says so
+        request = request.model_copy(update={"weights": WEIGHT_CANDIDATES[0]})
+        auto_note = AUTO_WEIGHTS_NOTE
     _check_request(request)
     # a KV spec's group size is its own (k8v4g32) or 64, as kvrig package writes it; never the weights' group
     kv_group = request.kv_group_size or DEFAULT_GROUP_SIZE
@@ -554,7 +566,7 @@ def plan_memory(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest | 
             for name, s in parsed.items()
         },
         recommendation=recommend(parsed, max_context, limited_by, chosen.parameters, request.target_context, spec),
-        notes=_notes(spec, profile, request, trained),
+        notes=[*([auto_note] if auto_note else []), *_notes(spec, profile, request, trained)],
         gpu_limits=GpuLimitsSummary(
             recommended_working_set_bytes=profile.gpu_working_set, max_buffer_bytes=profile.gpu_max_buffer
         ),

@@ -24,8 +24,6 @@ from kvrig.quality.gate import GateTexts, check_model
 from kvrig.recipes import KVSpec, parse_kv
 from kvrig.schemas.bundle import Candidate
 
-WEIGHT_CANDIDATES = ("gpx-q4", "gpx-4.6", "q5", "q6", "q8")
-"""Smallest first on every model: 4.5, ~4.6, 5.5, 6.5, 8.5 bits per weight."""
 KV_AUTO = ("k8v4", "k8v4+rot")
 KV_FALLBACK = ("k8v8", "fp16")
 KV_LIMIT_PCT = 2.0

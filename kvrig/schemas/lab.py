@@ -68,7 +68,8 @@ class PlanOptions(StrictModel):
 
     weights: str | None = Field(
         default=None,
-        description="the weight recipe to plan (recipes.py); default: the bundle's own (its manifest.json), else q4",
+        description="the weight recipe to plan (recipes.py); default: the bundle's own (its manifest.json), else "
+        "auto as kvrig plan counts it",
     )
     margin: float = Field(default=0.0, ge=0, lt=1, description="0: predict the context at the limit itself")
     limit: Literal["default", "entitled"] = "default"

@@ -30,7 +30,7 @@ def reference_plan(backend: str) -> int | None:
         profile,
         PlanRequest(
             schemes=("fp16",),
-            weights=opts.weights or "q4",  # an entry without a bundle is planned as q4
+            weights=opts.weights or "auto",  # an entry without a bundle is planned as kvrig plan does
             margin=opts.margin,
             limit=opts.limit,
             prefill_step=opts.prefill_step,
