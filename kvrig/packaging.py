@@ -370,7 +370,7 @@ def _package_auto_weights(job: _Job, kv: KVSpec, choice: Choice | None) -> Packa
             kv=kv.name,
             weights_bytes=plan.weights_bytes if plan else None,
             max_context=plan.max_context if plan else None,
-            bits_per_weight=_bits_per_weight(staged.path, job.spec),
+            bits_per_weight=_bits_per_weight(staged.path),
             ppl_delta_pct=check.ppl_delta_pct,
             verdict="passed" if check.passed else "failed gate",
         )
@@ -546,10 +546,12 @@ def _measure_weights(job: _Job, names: tuple[str, ...]) -> dict[str, float]:
     return out
 
 
-def _bits_per_weight(bundle: Path, spec: Any) -> float:
-    """Bits per parameter of the written weights (their safetensors bytes over the model's parameter count)."""
-    weights = sum(f.stat().st_size for f in bundle.glob("*.safetensors"))
-    return round(8 * weights / max(spec.parameter_count(), 1), 3)
+def _bits_per_weight(bundle: Path) -> float:
+    """Bits per weight of the written bundle as mlx-lm counts them (compute_bits_per_weight: every array's bytes
+    over the parameters), on the model mlx-lm loads from it lazily (nothing is read but the headers)."""
+    from mlx_lm.utils import compute_bits_per_weight, load_model
+
+    return round(compute_bits_per_weight(load_model(bundle, lazy=True)[0]), 3)
 
 
 def _check_output(out: Path, *, force: bool) -> None:

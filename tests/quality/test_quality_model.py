@@ -20,7 +20,7 @@ from kvrig.packaging import package
 from kvrig.quality.schemes import make_kv_caches
 from kvrig.quantize.base import load_source_model
 from kvrig.recipes import parse_kv
-from kvrig.runtime.host import load_bundle_model, prepare_for_host
+from kvrig.runtime.host import prepare_for_host
 from tests.bundle_fixtures import converted_source
 
 PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
@@ -64,7 +64,7 @@ def default_bundle(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 
 def test_defaults_choose_the_smallest_recipe_that_passes_the_gate(default_bundle: Path) -> None:
-    from mlx_lm.utils import compute_bits_per_weight
+    from mlx_lm.utils import compute_bits_per_weight, load_model
 
     from kvrig.bundle.manifest import load_manifest
     from kvrig.quality.choose import KV_AUTO, WEIGHT_CANDIDATES
@@ -83,8 +83,10 @@ def test_defaults_choose_the_smallest_recipe_that_passes_the_gate(default_bundle
         v == "not tried" for _, v in verdicts[chosen + 1 :]
     )
     assert manifest.recipe.weights == verdicts[chosen][0]
-    # <= 4.6 bits per weight, by mlx-lm's own count of the bundle's weights.
-    assert compute_bits_per_weight(load_bundle_model(default_bundle)[0]) <= 4.6
+    # <= 4.6 bits per weight, by mlx-lm's own count of the bundle as mlx-lm loads it (the host runtime widens
+    # some arrays for the CPU, which is not what the phone holds)
+    bpw = compute_bits_per_weight(load_model(default_bundle)[0])
+    assert bpw <= 4.6 and manifest.choice.weights[chosen].bits_per_weight == round(bpw, 3)
     # The KV spec: both k8v4 spellings measured; the one chosen rose least.
     measured = {c.kv: c for c in choice.kv if c.kv in KV_AUTO}
     assert set(measured) == set(KV_AUTO) and all(c.ppl_delta_pct is not None for c in measured.values())
