@@ -15,7 +15,7 @@ import os
 import shutil
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -263,7 +263,8 @@ def _stage(job: _Job, recipe: WeightRecipe, kv: KVSpec, plan: PlanView | None) -
         with _disk_errors(tmp):
             tmp.mkdir()
             job.say(f"quantizing the weights ({recipe}) ...")
-            q_config = _write_weights(job.src_dir, tmp, recipe)
+            # Calibrated recipes (imx, gpx) name each layer as it is done: minutes on a big model.
+            q_config = _write_weights(job.src_dir, tmp, recipe, lambda path: job.say(f"  quantized {path}"))
             if job.options.weights_layout == "mapped":
                 for weights in sorted(tmp.glob("*.safetensors")):
                     align_file(weights, PAGE_BYTES)
@@ -656,13 +657,15 @@ class _WeightsWriteFailed(Exception):
     """MLX's safetensors writer failed (MLX raises RuntimeError without an errno for it)."""
 
 
-def _write_weights(src_dir: Path, dst: Path, recipe: WeightRecipe) -> dict[str, Any]:
+def _write_weights(
+    src_dir: Path, dst: Path, recipe: WeightRecipe, progress: Callable[[str], None] | None = None
+) -> dict[str, Any]:
     import mlx.core as mx
     from mlx_lm.utils import load_tokenizer, save_config, save_model
 
     model, config = load_source_model(src_dir)
     calibration = calibration_tokens(load_tokenizer(src_dir)) if recipe.calibrated else None
-    model, config = apply_recipe(model, config, recipe, calibration)
+    model, config = apply_recipe(model, config, recipe, calibration, progress or (lambda _: None))
     mx.eval(model.parameters())  # computed here, so a RuntimeError from the save below is the write's
     try:
         save_model(dst, model, donate_model=True)

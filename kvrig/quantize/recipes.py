@@ -9,6 +9,7 @@ group size, fp16 scales), so the planner's bytes for `q4` stay exact; only the c
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -18,7 +19,7 @@ from kvrig.planner.layout import awq_unavailable_reason, quantize_layout, quanti
 from kvrig.quantize.base import quantize
 from kvrig.quantize.gpx import DAMPING, EMBEDDING_DAMPING, fit_feedback, input_hessians
 from kvrig.quantize.imx import activation_importance, fit_affine
-from kvrig.recipes import WeightRecipe, parse_weights
+from kvrig.recipes import TARGET_BITS, WeightRecipe, parse_weights
 from kvrig.texts import CALIBRATION_KINDS, kind_tokens, read_kind
 
 
@@ -43,10 +44,16 @@ def calibration_files() -> dict[str, list[str]]:
 
 
 def apply_recipe(
-    model: Any, config: dict[str, Any], recipe: WeightRecipe, calibration: Any = None
+    model: Any,
+    config: dict[str, Any],
+    recipe: WeightRecipe,
+    calibration: Any = None,
+    progress: Callable[[str], None] = lambda _: None,
 ) -> tuple[Any, dict[str, Any]]:
     """Quantizes `model` (float weights, loaded by `load_source_model`) as the recipe says; returns the model
-    and its config with an explicit `quantization` block. Calibrated methods need `calibration` tokens."""
+    and its config with an explicit `quantization` block. Calibrated methods need `calibration` tokens.
+    `progress` gets the path of each layer kvrig's own quantizers (imx, gpx) finish; mlx-lm's print their
+    own progress bars to stderr."""
 
     if not recipe.calibrated:
         return quantize(model, config, recipe)
@@ -70,7 +77,7 @@ def apply_recipe(
         elif recipe.method == "awq":
             model, config = _awq(model, config, recipe, calibration, dtype)
         elif recipe.method in ("imx", "gpx"):
-            model, config = _imx(model, config, recipe, calibration, dtype)
+            model, config = _imx(model, config, recipe, calibration, dtype, progress)
         else:
             model, config = _dynamic(model, config, recipe, calibration)
     model.set_dtype(dtype)  # floating parameters only: packed weights stay uint32
@@ -99,17 +106,18 @@ def _gptq(
 
 
 def _imx(
-    model: Any, config: dict[str, Any], recipe: WeightRecipe, calibration: Any, dtype: Any
+    model: Any,
+    config: dict[str, Any],
+    recipe: WeightRecipe,
+    calibration: Any,
+    dtype: Any,
+    progress: Callable[[str], None],
 ) -> tuple[Any, dict[str, Any]]:
-    feedback = recipe.method == "gpx"
+    shared = {"dtype": dtype, "feedback": recipe.method == "gpx", "progress": progress}
     if recipe.target_bpw is None:
         assert recipe.bits is not None
-        return quantize_weighted(
-            model, config, recipe.bits, calibration, group_size=recipe.group_size, dtype=dtype, feedback=feedback
-        )
-    return quantize_weighted(
-        model, config, 4, calibration, target_bpw=recipe.target_bpw, dtype=dtype, feedback=feedback
-    )
+        return quantize_weighted(model, config, recipe.bits, calibration, group_size=recipe.group_size, **shared)
+    return quantize_weighted(model, config, TARGET_BITS, calibration, target_bpw=recipe.target_bpw, **shared)
 
 
 def _awq(
@@ -248,9 +256,10 @@ def quantize_weighted(
     """Quantizes a float model with mlx-lm's `quantize_model` in the planner's layout (planner/layout.py: qN's
     at `group_size`, or MLP projections of the last layers at group 32 for `target_bpw`), then refits every
     layer's grid with `fit_affine` and the activation importance of the float model on `calibration`. With
-    `feedback`, every layer is quantized with GPTQ-style error feedback instead (`feedback.fit_feedback`, the
-    float model's input Hessians); a tied embedding with heavy damping (its rows are also looked up, where error
-    moved onto other columns hurts)."""
+    `feedback`, every layer is quantized with GPTQ-style error feedback instead (`gpx.fit_feedback`, the float
+    model's input Hessians); a tied embedding with heavy damping (its rows are also looked up, where error moved
+    onto other columns hurts). Layers that read the same input at the same grid (q/k/v) are fitted as one
+    stacked matrix; `progress` gets each layer's path as it is done."""
     import mlx.core as mx
     import mlx.nn as nn
 
@@ -264,15 +273,38 @@ def quantize_weighted(
     # The layout is the planner's (planner/layout.py): qN's, or qN's with MLP projections at group 32.
     recipe = WeightRecipe("gpx" if feedback else "imx", bits, group_size, target_bpw=target_bpw)
     model, config = quantize_layout(model, dict(config), recipe, mx.zeros((), dtype=dtype).itemsize)
-    for path, module in model.named_modules():
-        if isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding) and path in floats:
-            progress(path)
-            if feedback and hessians.get(path) is not None:
-                damping = EMBEDDING_DAMPING if isinstance(module, nn.QuantizedEmbedding) else DAMPING
-                q = fit_feedback(floats[path], hessians[path], module.group_size, module.bits, dtype, damping)
-            else:
-                q = fit_affine(floats[path], module.group_size, module.bits, importance.get(path), dtype)
-            module.weight, module.scales, module.biases = q
+    modules = {
+        p: m
+        for p, m in model.named_modules()
+        if isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding) and p in floats
+    }
+    # Layers that read the same input (their statistics are one array) at the same grid shape are one stack.
+    stats = hessians if feedback else importance
+    stacks: dict[tuple[int, ...], list[str]] = {}
+    for path in sorted(modules, key=_natural):
+        m, stat = modules[path], stats.get(path)
+        key = (id(m),) if stat is None else (id(stat), m.group_size, m.bits, isinstance(m, nn.QuantizedEmbedding))
+        stacks.setdefault(key, []).append(path)
+    for paths in stacks.values():
+        first = modules[paths[0]]
+        w = mx.concatenate([floats[p] for p in paths]) if len(paths) > 1 else floats[paths[0]]
+        if feedback and hessians.get(paths[0]) is not None:
+            damping = EMBEDDING_DAMPING if isinstance(first, nn.QuantizedEmbedding) else DAMPING
+            q = fit_feedback(w, hessians[paths[0]], first.group_size, first.bits, dtype, damping)
+        else:
+            q = fit_affine(w, first.group_size, first.bits, importance.get(paths[0]), dtype)
+        start = 0
+        for path in paths:
+            rows = floats[path].shape[0]
+            module = modules[path]
+            module.weight, module.scales, module.biases = (a[start : start + rows] for a in q)
             mx.eval(module.parameters())
+            start += rows
+            progress(path)
     config["quantization_config"] = config["quantization"]
     return model, config
+
+
+def _natural(path: str) -> list[Any]:
+    """Sort key: model.layers.2 before model.layers.10."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path)]

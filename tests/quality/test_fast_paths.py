@@ -1,0 +1,134 @@
+"""The fast grid search (imx) and the blocked error feedback (gpx) against their definitions, written out
+straightforwardly in tests/quality/reference_quant.py (one candidate grid, one column at a time, in MLX): the
+same grids and levels up to the order of float sums (which can flip a near-tie), and never a worse objective.
+Also: layers fed the same input share one statistics array, scales round as MLX casts, and every quantized
+layer is reported to `progress` once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from kvrig.quantize import gpx
+from kvrig.quantize.gpx import feedback, input_hessians, inverse_factor
+from kvrig.quantize.imx import activation_importance, dtype_name, fit_grid, round_scales
+from kvrig.quantize.recipes import apply_recipe
+from kvrig.recipes import parse_weights
+from tests.quality import reference_quant as ref
+from tests.quality.test_recipes_weighted import CONFIG, tiny
+
+
+def weights_and_importance(rows: int, cols: int, seed: int) -> tuple[Any, Any]:
+    mx.random.seed(seed)
+    w = 0.05 * mx.random.normal((rows, cols))
+    w[:, :8] = w[:, :8] * 6  # a few outlier channels, as real layers have
+    return w, mx.random.uniform(0.1, 1.0, (cols,)) ** 4
+
+
+@pytest.mark.parametrize(
+    ("bits", "group", "dtype"),
+    [(4, 64, mx.float16), (3, 32, mx.bfloat16), (2, 64, mx.float16), (8, 32, mx.float32), (5, 64, mx.bfloat16)],
+)
+def test_grid_search_is_the_reference_search(bits: int, group: int, dtype: Any) -> None:
+    w, imp = weights_and_importance(96, 256, bits)
+    x = w.reshape(96, -1, group)
+    wt = mx.broadcast_to(imp.reshape(-1, group), x.shape)
+    s, b = fit_grid(x, wt, bits, dtype)
+    rs, rb = ref.fit_grid(x, wt, bits, dtype)
+    top = 2**bits - 1
+    e, re = ref.error(x, wt, s, b, top), ref.error(x, wt, rs, rb, top)
+    close = mx.abs(e - re) <= 1e-4 * re
+    assert mx.mean(close).item() >= 0.97
+    # Where a near-tie went the other way, the search may end elsewhere; in total it is as good.
+    assert abs(e.sum().item() - re.sum().item()) <= 1e-4 * re.sum().item()
+    if dtype != mx.float32:
+        assert mx.mean((s == rs) & (b == rb)).item() >= 0.97
+    # The grids are representable in the scales' dtype.
+    assert mx.array_equal(s.astype(dtype).astype(mx.float32), s)
+
+
+@pytest.mark.parametrize(("out", "n", "group", "bits"), [(48, 256, 64, 4), (40, 192, 32, 3), (24, 256, 128, 2)])
+def test_blocked_feedback_is_the_column_by_column_update(out: int, n: int, group: int, bits: int) -> None:
+    """Correlated inputs (so every column's error moves the later ones): the blocked update picks the reference's
+    levels and grids, and the layer's output error tr((W - Ŵ) H (W - Ŵ)ᵀ) is the reference's."""
+    mx.random.seed(out)
+    mixing = mx.eye(n) + 0.1 * mx.random.normal((n, n))
+    x = (mx.random.normal((512, n)) @ mixing) * mx.random.uniform(0.2, 2.0, (n,))
+    w = 0.05 * mx.random.normal((out, n))
+    h = x.T @ x / x.shape[0]
+    u, importance = inverse_factor(h, gpx.DAMPING)
+    q, s, b = feedback(np.array(w), u, importance, group, bits, "float16")
+    rq, rs, rb = ref.fit_feedback(w, h, group, bits, mx.float16, gpx.DAMPING)
+
+    def output_error(q: Any, s: Any, b: Any) -> float:
+        deq = (mx.array(q).reshape(out, -1, group) * mx.array(s)[..., None] + mx.array(b)[..., None]).reshape(out, n)
+        d = w - deq
+        return float(mx.trace(d @ h @ d.T).item())
+
+    # A near-tie rounded the other way moves the later columns a little (a dropped block update moves a quarter
+    # of the levels and half of the grids).
+    assert np.mean(np.array(rq) == q) >= 0.98
+    assert np.mean(np.array(rs) == s) >= 0.95
+    fast, slow = output_error(q, s, b), output_error(rq, rs, rb)
+    assert abs(fast - slow) <= 0.01 * slow
+
+
+def test_feedback_block_size_changes_only_the_order_of_sums(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One column at a time (BLOCK 1: every error goes on as a matrix product) and a whole group at a time give
+    the levels of the default blocking."""
+    mx.random.seed(5)
+    n = 128
+    x = mx.random.normal((256, n)) @ (mx.eye(n) + 0.2 * mx.random.normal((n, n)))
+    w = np.array(0.05 * mx.random.normal((32, n)))
+    u, importance = inverse_factor(x.T @ x / 256, gpx.DAMPING)
+    default = feedback(w, u, importance, 64, 4, "float16")[0]
+    for block in (1, 64):
+        monkeypatch.setattr(gpx, "BLOCK", block)
+        assert np.mean(feedback(w, u, importance, 64, 4, "float16")[0] == default) >= 0.99
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_scales_round_as_mlx_casts(dtype: Any) -> None:
+    mx.random.seed(6)
+    v = mx.concatenate([mx.random.normal((4096,)) * 0.01, mx.random.uniform(-3, 3, (4096,))])
+    # halfway cases of bfloat16 (the low 16 bits exactly 0x8000) and of float16
+    ties = mx.array(np.array([0x3F808000, 0x3F818000, 0xBF808000], np.uint32).view(np.float32))
+    v = mx.concatenate([v, ties, mx.array([1 + 2**-11, 1 + 3 * 2**-11], mx.float32)])
+    expected = np.array(v.astype(dtype).astype(mx.float32))
+    assert np.array_equal(round_scales(np.array(v), dtype_name(dtype)), expected)
+
+
+def test_layers_reading_one_input_share_one_array() -> None:
+    """q/k/v read the normed hidden state, gate/up the other: one array each (computed once), equal to the
+    statistic of that input computed here; o_proj and down_proj have their own."""
+    model = tiny()
+    tokens = mx.random.randint(0, CONFIG["vocab_size"], (2, 16))
+    hess = input_hessians(model, tokens, batch_size=1)
+    imp = activation_importance(model, tokens, batch_size=1)
+    p = "model.layers.1."
+    for stats in (hess, imp):
+        attn = stats[p + "self_attn.q_proj"]
+        assert stats[p + "self_attn.k_proj"] is attn and stats[p + "self_attn.v_proj"] is attn
+        assert stats[p + "mlp.up_proj"] is stats[p + "mlp.gate_proj"]
+        assert stats[p + "self_attn.o_proj"] is not attn and stats[p + "mlp.down_proj"] is not attn
+    layer = model.model.layers[1]
+    h = model.model.layers[0](model.model.embed_tokens(tokens), mask="causal")
+    mid = h + layer.self_attn(layer.input_layernorm(h), mask="causal")
+    x = layer.post_attention_layernorm(mid).reshape(-1, CONFIG["hidden_size"])
+    assert mx.allclose(hess[p + "mlp.up_proj"], x.T @ x / x.shape[0], rtol=1e-4, atol=1e-5)
+    assert mx.allclose(imp[p + "mlp.up_proj"], (x * x).mean(0), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("recipe", ["gpx-q4", "imx-4.6"])
+def test_progress_names_every_quantized_layer_once(recipe: str) -> None:
+    seen: list[str] = []
+    model, _ = apply_recipe(
+        tiny(), dict(CONFIG), parse_weights(recipe), mx.random.randint(0, 256, (4, 16)), progress=seen.append
+    )
+    quantized = [p for p, m in model.named_modules() if isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding)]
+    assert sorted(seen) == sorted(quantized)
+    assert seen.index("model.layers.0.mlp.down_proj") < seen.index("model.layers.3.mlp.down_proj")
