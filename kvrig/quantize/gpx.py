@@ -64,7 +64,10 @@ def inverse_factor(hessian: Any, damping: float) -> tuple[np.ndarray, np.ndarray
     diag = mx.diagonal(h)
     dead = diag <= 0
     h = h + mx.diag(mx.where(dead, 1.0, 0.0) + damping * mx.mean(diag))
-    u = mx.linalg.cholesky(mx.linalg.inv(h, stream=mx.cpu), upper=True, stream=mx.cpu)
+    # H = R·Rᵀ with R upper (the Cholesky factor of H with its order reversed) gives H⁻¹ = R⁻ᵀR⁻¹, so U = R⁻¹:
+    # a third of the work of inverting H and factoring the inverse.
+    r = mx.linalg.cholesky(h[::-1, ::-1], stream=mx.cpu)[::-1, ::-1]
+    u = mx.linalg.tri_inv(r, upper=True, stream=mx.cpu)
     return np.array(u), np.array(mx.where(dead, 0.0, diag))
 
 
@@ -72,10 +75,12 @@ def feedback(
     w: np.ndarray, u: np.ndarray, weights: np.ndarray, group_size: int, bits: int, dtype: str
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(levels (out, in), scales, biases (out, groups)) of float32 `w` (out, in) by GPTQ's error feedback with
-    the factor `u` (`inverse_factor`), blocked as GPTQ's lazy batch updates: a column's error reaches only the
-    few columns left in its block (BLOCK) at once; a finished block's errors reach the rest of its group, and a
-    finished group's the columns after it, as one matrix product each. The result is the column-by-column
-    update's; only the order of the sums differs."""
+    the factor `u` (`inverse_factor`), in blocks as GPTQ's lazy batch updates: a column's error reaches at once
+    only the few columns left in its block (BLOCK); a finished block's errors reach the rest of its group as
+    one matrix product, and a group, when it starts, gets the errors of every earlier group as one product.
+    Each column sees the same updates as column by column; only the order of the sums differs."""
+    import mlx.core as mx
+
     top = 2**bits - 1
     cur = np.ascontiguousarray(w.T)  # column i of w is row i here, contiguous
     n, out = cur.shape
@@ -83,8 +88,11 @@ def feedback(
     errors = np.empty((group_size, out), np.float32)
     scales = np.empty((n // group_size, out), np.float32)
     biases = np.empty_like(scales)
+    factor, earlier = mx.array(u), None
     for g, g0 in enumerate(range(0, n, group_size)):
         g1 = g0 + group_size
+        if earlier is not None:  # MLX's product: its BLAS (OpenBLAS) is several times numpy's wheel's here
+            cur[g0:g1] -= np.array(factor[:g0, g0:g1].T @ earlier)
         s, b = grid_search(
             np.ascontiguousarray(cur[g0:g1].T), np.broadcast_to(weights[g0:g1], (out, group_size)), bits, dtype
         )
@@ -96,7 +104,9 @@ def feedback(
                 e = (cur[i] - (s * level + b)) / u[i, i]
                 cur[i + 1 : k1] -= u[i, i + 1 : k1, None] * e
                 q[i], errors[i - g0] = level, e
-            cur[k1:g1] -= u[k0:k1, k1:g1].T @ errors[k0 - g0 : k1 - g0]
-        cur[g1:] -= u[g0:g1, g1:].T @ errors
+            # einsum: numpy's matmul would start its wheel's BLAS threads for this small product, 16x slower
+            cur[k1:g1] -= np.einsum("ki,ko->io", u[k0:k1, k1:g1], errors[k0 - g0 : k1 - g0])
+        done = mx.array(errors)
+        earlier = done if earlier is None else mx.concatenate([earlier, done])
         scales[g], biases[g] = s, b
     return np.ascontiguousarray(q.T), np.ascontiguousarray(scales.T), np.ascontiguousarray(biases.T)

@@ -89,11 +89,17 @@ def grid_search(x: np.ndarray, wt: np.ndarray, bits: int, dtype: str) -> tuple[n
         for start in starts[first::threads]:
             part = slice(start, start + step * candidates)
             xs, ws = x[part], wt[part]
-            sums = np.stack([ws, ws * xs], axis=-1)  # weighted sums over a group: batched products with these
+            sums = np.stack([ws, ws * xs])  # [wt, wt·x]: weighted sums over a group are products with these
             grid_s, grid_b = rtn_s[part], rtn_b[part]
             best = [
                 _candidates(
-                    xs[i : i + step], sums[i : i + step], grid_s[i : i + step], grid_b[i : i + step], top, dtype, work
+                    xs[i : i + step],
+                    sums[:, i : i + step],
+                    grid_s[i : i + step],
+                    grid_b[i : i + step],
+                    top,
+                    dtype,
+                    work,
                 )
                 for i in range(0, len(xs), step)
             ]
@@ -172,8 +178,8 @@ def _steps(top: int) -> np.ndarray:
 
 
 def _error(x: np.ndarray, sums: np.ndarray, s: np.ndarray, b: np.ndarray, top: int, work: np.ndarray) -> np.ndarray:
-    """sum(wt * (x - s·levels(x, s, b) - b)²) over each group (x: (groups, group size), sums[..., 0] the
-    weights wt) for every candidate scale and bias (s, b: (groups, candidates)), as s² · sum(wt * (t -
+    """sum(wt * (x - s·levels(x, s, b) - b)²) over each group (x: (groups, group size), sums[0] the weights
+    wt) for every candidate scale and bias (s, b: (groups, candidates)), as s² · sum(wt * (t -
     levels)²) with t = (x - b) / s; `work` holds two buffers of (groups, candidates, group size)."""
     t, r = work[0, :, : s.shape[1]], work[1, :, : s.shape[1]]
     np.subtract(x[:, None, :], b[..., None], out=t)
@@ -181,19 +187,20 @@ def _error(x: np.ndarray, sums: np.ndarray, s: np.ndarray, b: np.ndarray, top: i
     np.clip(np.rint(t, out=r), 0, top, out=r)
     np.subtract(t, r, out=r)
     np.multiply(r, r, out=r)
-    e = np.matmul(r, sums[..., :1])[..., 0] * (s * s)
+    e = np.einsum("nck,nk->nc", r, sums[0]) * (s * s)
     if (s == 0).any():  # a zero scale puts every value on the bias: the error is that of x - b itself
         np.subtract(x[:, None, :], b[..., None], out=t)
-        e = np.where(s == 0, np.einsum("nck,nck,nk->nc", t, t, sums[..., 0]), e)
+        e = np.where(s == 0, np.einsum("nck,nck,nk->nc", t, t, sums[0]), e)
     return e
 
 
 def _refit(q: np.ndarray, sums: np.ndarray, work: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Weighted least squares x ≈ s·q + b per group and candidate: q (groups, candidates, group size); sums
-    (groups, group size, 2) the columns [wt, wt·x]; `work` q's shape."""
-    sw, sx = sums.sum(1).T[..., None]
-    sq, sqx = np.moveaxis(np.matmul(q, sums), -1, 0)
-    sqq = np.matmul(np.multiply(q, q, out=work), sums[..., :1])[..., 0]
+    (2, groups, group size): wt and wt·x; `work` q's shape."""
+    # einsum, not matmul: numpy's matmul calls its wheel's BLAS, whose thread start-up costs more than these sums.
+    sw, sx = sums.sum(-1)[..., None]
+    sq, sqx = np.einsum("nck,nk->nc", q, sums[0]), np.einsum("nck,nk->nc", q, sums[1])
+    sqq = np.einsum("nck,nk->nc", np.multiply(q, q, out=work), sums[0])
     det = sw * sqq - sq * sq
     ok = det > 1e-20
     s = np.where(ok, (sw * sqx - sq * sx) / np.where(ok, det, 1), 0).astype(np.float32)

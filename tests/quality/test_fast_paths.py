@@ -91,6 +91,19 @@ def test_feedback_block_size_changes_only_the_order_of_sums(monkeypatch: pytest.
         assert np.mean(feedback(w, u, importance, 64, 4, "float16")[0] == default) >= 0.99
 
 
+def test_inverse_factor_is_the_cholesky_factor_of_the_inverse() -> None:
+    """U upper triangular with UᵀU = (H + damping)⁻¹, as the definition computes it (invert, then factor)."""
+    mx.random.seed(7)
+    x = mx.random.normal((300, 96)) @ (mx.eye(96) + 0.3 * mx.random.normal((96, 96)))
+    h = x.T @ x / 300
+    h[5, :], h[:, 5] = 0.0, 0.0  # a channel the calibration never drives
+    u, importance = inverse_factor(h, gpx.DAMPING)
+    damped = h + mx.diag(mx.where(mx.diagonal(h) <= 0, 1.0, 0.0) + gpx.DAMPING * mx.mean(mx.diagonal(h)))
+    expected = mx.linalg.cholesky(mx.linalg.inv(damped, stream=mx.cpu), upper=True, stream=mx.cpu)
+    assert np.allclose(u, np.array(expected), rtol=1e-3, atol=1e-5 * np.abs(u).max())
+    assert importance[5] == 0 and np.array_equal(np.delete(importance, 5), np.delete(np.diag(np.array(h)), 5))
+
+
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
 def test_scales_round_as_mlx_casts(dtype: Any) -> None:
     mx.random.seed(6)
