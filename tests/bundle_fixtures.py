@@ -1,4 +1,5 @@
-"""SmolLM2 bundles packaged once per test session and shared by test modules (packaging takes seconds).
+"""SmolLM2 bundles packaged once per test session and shared by test modules (packaging takes seconds), and
+tiny models of any mlx-lm family saved as source folders.
 
 Under pytest-xdist each worker is its own process; the bundles live in the folder all workers share (the parent
 of each worker's base temp) and a file lock makes the first worker that needs one package it for the others.
@@ -6,13 +7,18 @@ of each worker's base temp) and a file lock makes the first worker that needs on
 
 from __future__ import annotations
 
+import importlib
+import json
 import os
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
+import mlx.core as mx
 import pytest
 from filelock import FileLock
+from mlx.utils import tree_flatten
 
 from kvrig.bundle.options import PackageOptions
 from kvrig.models.gguf import embedded_default_model
@@ -47,3 +53,32 @@ def converted_source(factory: pytest.TempPathFactory) -> Path:
 
 
 Q4_K8V8 = PackageOptions(weights="q4", group_size=64, kv="k8v8")
+
+
+def tiny_source(root: Path, tokenizer: Path, model_type: str, **extra: Any) -> Path:
+    """A random fp16 model of `model_type` saved as a Hugging Face folder (config.json + safetensors)."""
+    cfg: dict[str, Any] = {
+        "model_type": model_type,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "num_hidden_layers": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": 256,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float16",
+        **extra,
+    }
+    module = importlib.import_module(f"mlx_lm.models.{model_type}")
+    model = module.Model(module.ModelArgs.from_dict(cfg))
+    mx.random.seed(len(model_type))
+    params = {k: (mx.random.normal(v.shape) * 0.05).astype(mx.float16) for k, v in tree_flatten(model.parameters())}
+    root.mkdir(parents=True)
+    mx.save_safetensors(str(root / "model.safetensors"), params)
+    (root / "config.json").write_text(json.dumps(cfg))
+    (root / "tokenizer.json").write_bytes(tokenizer.read_bytes())
+    return root

@@ -24,6 +24,7 @@ HEAVY_FILES = (
     "tests/soak/test_llm_soak.py",
     "tests/outcomes/test_planned_vs_killed.py",
     "tests/quality/test_quality_model.py",
+    "tests/quality/test_quantize_bench.py",
     "tests/test_package.py",
     "tests/test_calibrate.py",
     "tests/plan/test_kv_exact.py",

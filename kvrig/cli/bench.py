@@ -226,6 +226,44 @@ def _print_quality(report: object, paths: list[Path]) -> None:
     click.echo("\nwrote " + ", ".join(str(p) for p in paths))
 
 
+@bench.command("quantize")
+@click.argument("model", required=False, type=click.Path(path_type=Path, exists=True))
+@click.option(
+    "--recipes",
+    default="imx-q4,imx-4.6,gpx-q4,gpx-4.6,gptq-q4,awq-q4,dwq-q4",
+    show_default=True,
+    help="Weight recipes (as kvrig package takes them) and dwq-qN (mlx-lm's DWQ from the qN layout).",
+)
+@click.option("--tokens", default=512, show_default=True, type=int, help="Evaluation tokens.")
+@click.option(
+    "--budget", default=600.0, show_default=True, type=float, help="Seconds a recipe may take; longer: skipped."
+)
+@click.option("--scaling/--no-scaling", default=True, show_default=True, help="Time kvrig's on two tiny models.")
+@json_option
+def quantize(model: Path | None, recipes: str, tokens: int, budget: float, scaling: bool, as_json: bool) -> None:
+    """Wall time, bits per weight and perplexity of each recipe on MODEL (default: the embedded SmolLM2),
+    kvrig's beside mlx-lm's GPTQ, AWQ and DWQ, each in its own process; calibrated on the licence texts,
+    measured on Python source. Minutes on a 2-core CPU; not part of the test suite."""
+    from kvrig.runtime.blas import ensure_openblas
+
+    ensure_openblas()
+    from kvrig.quality.quantize_bench import run_quantize_bench
+
+    report = run_quantize_bench(
+        model,
+        recipes=_csv(recipes),
+        tokens=tokens,
+        budget=budget,
+        scaling=scaling,
+        progress=lambda line: click.echo(line, err=True),
+    )
+    if as_json:
+        echo_json(report.to_json())
+        return
+    for line in report.lines():
+        click.echo(line)
+
+
 # `kvrig bench plan` lives beside the plan command it measures.
 bench.add_command(plan_bench, "plan")
 

@@ -85,14 +85,17 @@ def feedback(
     cur = np.ascontiguousarray(w.T)  # column i of w is row i here, contiguous
     n, out = cur.shape
     q = np.empty_like(cur)
-    errors = np.empty((group_size, out), np.float32)
     scales = np.empty((n // group_size, out), np.float32)
     biases = np.empty_like(scales)
-    factor, earlier = mx.array(u), None
+    # The errors live in an MLX array written through a numpy view (MLX's documented zero-copy view): the group
+    # products read them where they are. They are MLX's: its BLAS (OpenBLAS) is several times numpy's wheel's.
+    factor, shared = mx.array(u), mx.zeros((n, out), mx.float32)
+    mx.eval(shared)
+    errors = np.array(shared, copy=False)
     for g, g0 in enumerate(range(0, n, group_size)):
         g1 = g0 + group_size
-        if earlier is not None:  # MLX's product: its BLAS (OpenBLAS) is several times numpy's wheel's here
-            cur[g0:g1] -= np.array(factor[:g0, g0:g1].T @ earlier)
+        if g0:
+            cur[g0:g1] -= np.array(factor[:g0, g0:g1].T @ shared[:g0])
         s, b = grid_search(
             np.ascontiguousarray(cur[g0:g1].T), np.broadcast_to(weights[g0:g1], (out, group_size)), bits, dtype
         )
@@ -103,10 +106,8 @@ def feedback(
                 level = np.clip(np.rint((cur[i] - b) / safe), 0, top)
                 e = (cur[i] - (s * level + b)) / u[i, i]
                 cur[i + 1 : k1] -= u[i, i + 1 : k1, None] * e
-                q[i], errors[i - g0] = level, e
+                q[i], errors[i] = level, e
             # einsum: numpy's matmul would start its wheel's BLAS threads for this small product, 16x slower
-            cur[k1:g1] -= np.einsum("ki,ko->io", u[k0:k1, k1:g1], errors[k0 - g0 : k1 - g0])
-        done = mx.array(errors)
-        earlier = done if earlier is None else mx.concatenate([earlier, done])
+            cur[k1:g1] -= np.einsum("ki,ko->io", u[k0:k1, k1:g1], errors[k0:k1])
         scales[g], biases[g] = s, b
     return np.ascontiguousarray(q.T), np.ascontiguousarray(scales.T), np.ascontiguousarray(biases.T)

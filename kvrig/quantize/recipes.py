@@ -308,3 +308,64 @@ def quantize_weighted(
 def _natural(path: str) -> list[Any]:
     """Sort key: model.layers.2 before model.layers.10."""
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path)]
+
+
+def distill_dwq(
+    model: Any,
+    config: dict[str, Any],
+    layout: WeightRecipe,
+    train: Any,
+    valid: Any,
+    *,
+    learning_rate: float = 1e-6,
+    batch_size: int = 4,
+    progress: Callable[[str], None] = lambda _: None,
+) -> tuple[Any, dict[str, Any], int]:
+    """mlx-lm's DWQ (`mlx_lm.quant.dwq`): `layout` (a round-to-nearest qN[gG]) quantized by mlx-lm, then its
+    scales and biases trained to match the float model's next-token distributions on the rows of `train`
+    (tokens, one epoch), with mlx-lm's Adam, learning rate and KL loss; `valid` rows for its validation loss.
+    Returns the quantized model (float16 scales), its config and the number of steps taken; `progress` hears
+    of each batch as it starts. Distills in float32, like the other calibrated recipes (float16 and bfloat16
+    arithmetic are emulated on x86 CPUs)."""
+    import copy
+
+    import mlx.core as mx
+    import mlx.optimizers as optim
+    from mlx_lm.quant.dwq import dwq_quantize
+    from mlx_lm.utils import quantize_model
+
+    if layout.method != "rtn" or layout.mixed is not None or layout.bits is None:
+        raise QuantizationError(f"DWQ starts from a round-to-nearest qN[gG] layout, not {layout.name}")
+    if train.shape[0] < batch_size or valid.shape[0] < batch_size:
+        raise QuantizationError(f"DWQ needs at least {batch_size} training and {batch_size} validation rows")
+    model, config = quantize(model, config, parse_weights("fp16"))
+    dtype = getattr(mx, str(config.get("torch_dtype") or "float16"), mx.float16)
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    student = copy.deepcopy(model)
+    steps, started = train.shape[0] // batch_size, {"train": 0, "valid": 0}
+
+    def target(batch: Any, _index: int, split: str) -> Any:
+        started[split] += 1
+        progress(f"DWQ {split} batch {started[split]} ({steps} training steps)")
+        return model(batch)
+
+    with contextlib.redirect_stdout(sys.stderr):
+        student, config = quantize_model(student, dict(config), layout.group_size, layout.bits)
+        rows = [(list(r), 0) for r in train.tolist()], [(list(r), 0) for r in valid.tolist()]
+        dwq_quantize(
+            student,
+            target,
+            optim.Adam(learning_rate=learning_rate, bias_correction=True),
+            *rows,
+            batch_size=batch_size,
+            max_seq_length=train.shape[1] + 1,
+            seed=0,
+            dtype=mx.float32,
+        )
+    student.eval()
+    student.set_dtype(dtype)
+    mx.eval(student.parameters())
+    config["quantization"]["bits"], config["quantization"]["group_size"] = layout.bits, layout.group_size
+    config["quantization_config"] = config["quantization"]
+    return student, config, steps

@@ -4,54 +4,21 @@ families the exporter takes, built from arguments with mlx-lm and packaged with 
 from __future__ import annotations
 
 import functools
-import importlib
-import json
 import logging
 import os
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
 import pytest
-from mlx.utils import tree_flatten
 
 from kvrig.bundle.options import PackageOptions
 from kvrig.coreml.export import ExportResult, export_coreml
 from kvrig.packaging import package
-from tests.bundle_fixtures import Q4_K8V8, packaged
+from tests.bundle_fixtures import Q4_K8V8, packaged, tiny_source
 
 logging.getLogger("coremltools").setLevel(logging.ERROR)
 
 SMOL_CONTEXT = 256
-
-
-def tiny_source(root: Path, tokenizer: Path, model_type: str, **extra: Any) -> Path:
-    """A random fp16 model of `model_type` saved as a Hugging Face folder (config.json + safetensors)."""
-    cfg: dict[str, Any] = {
-        "model_type": model_type,
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
-        "num_hidden_layers": 2,
-        "rms_norm_eps": 1e-5,
-        "vocab_size": 256,
-        "rope_theta": 10000.0,
-        "max_position_embeddings": 512,
-        "tie_word_embeddings": True,
-        "torch_dtype": "float16",
-        **extra,
-    }
-    module = importlib.import_module(f"mlx_lm.models.{model_type}")
-    model = module.Model(module.ModelArgs.from_dict(cfg))
-    mx.random.seed(len(model_type))
-    params = {k: (mx.random.normal(v.shape) * 0.05).astype(mx.float16) for k, v in tree_flatten(model.parameters())}
-    root.mkdir(parents=True)
-    mx.save_safetensors(str(root / "model.safetensors"), params)
-    (root / "config.json").write_text(json.dumps(cfg))
-    (root / "tokenizer.json").write_bytes(tokenizer.read_bytes())
-    return root
 
 
 @pytest.fixture(scope="session")

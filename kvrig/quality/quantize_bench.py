@@ -1,0 +1,356 @@
+"""`kvrig bench quantize`: how long each weight recipe takes to quantize a model and what it costs in perplexity,
+kvrig's own (imx, gpx) beside mlx-lm's (GPTQ, AWQ, DWQ: `mlx_lm.quant`) in one run, plus a scaling check of
+kvrig's quantizers on two tiny models.
+
+Every recipe runs in a child process of its own (`python -m kvrig.quality.quantize_bench`, the job on stdin,
+the result as one JSON line on stdout), so the times are not shared with another recipe's caches and one that
+runs out of time, memory or support is named as skipped, with why, while the others still run. Its per-layer
+progress goes to stderr. The time is the quantization's alone (calibration included; loading the model and
+measuring it are not).
+
+Calibration is the licence texts (`kvrig.texts.CALIBRATION_FILES`, what `kvrig package` calibrates on);
+evaluation is a kind of text calibration never sees: Python source of the standard library Debian ships.
+Nothing downloads."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import resource
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvrig.exceptions import KvrigError, QualityInputError
+from kvrig.models import load_model_spec
+from kvrig.quality.bench import bench_source, load_weights
+from kvrig.quality.perplexity import perplexity
+from kvrig.quality.schemes import make_kv_caches
+from kvrig.recipes import parse_kv, parse_weights
+from kvrig.runtime.blas import preload_env
+from kvrig.texts import CALIBRATION_FILES, LICENSES, read_texts, tokens_of
+
+DEFAULT_RECIPES = ("imx-q4", "imx-4.6", "gpx-q4", "gpx-4.6", "gptq-q4", "awq-q4", "dwq-q4")
+DEFAULT_BUDGET = 600.0
+"""Seconds a recipe's quantization may take before it is stopped and named as skipped."""
+EVAL_FILES = ("textwrap.py", "difflib.py")
+EVAL_KIND = "Python source (standard library modules)"
+STDLIB = "/usr/lib/python3.*"
+"""Debian's Python standard library (libpython3.x-minimal): the evaluation text, never calibrated on."""
+DWQ_DEFAULT_STEPS = 2048 // 4
+"""Steps of mlx-lm's DWQ command at its defaults (2048 samples, batch 4; 1025-token rows, 4x ours)."""
+SCALING_HIDDEN = (256, 512)
+"""Hidden sizes of the two tiny models of the scaling check (intermediate 3x, 4 layers, 4096-token vocabulary)."""
+SCALING_RECIPES = ("imx-q4", "gpx-q4")
+SCALING_VOCAB = 4096
+
+
+@dataclass
+class RecipeRun:
+    recipe: str
+    by: str
+    """kvrig (imx, gpx) or mlx-lm (round-to-nearest, gptq, awq, dq, dwq); - for an unquantized recipe."""
+    seconds: float | None = None
+    """Wall time of the quantization, calibration included (loading and evaluation not)."""
+    cpu_seconds: float | None = None
+    bits_per_weight: float | None = None
+    """As mlx-lm's compute_bits_per_weight counts them."""
+    ppl: float | None = None
+    ppl_delta_pct: float | None = None
+    layers: int = 0
+    """Layers kvrig's quantizers reported done (progress lines)."""
+    peak_rss_bytes: int | None = None
+    note: str = ""
+    skipped: str | None = None
+    """Why the recipe has no result (it did not finish in the budget, cannot apply here, ...)."""
+
+
+@dataclass
+class ScalingPoint:
+    hidden: int
+    params: int
+    seconds: dict[str, float]
+
+
+@dataclass
+class QuantizeReport:
+    model: str
+    calibration: list[str]
+    evaluation: list[str]
+    evaluation_kind: str
+    tokens: int
+    source_ppl: float
+    budget_seconds: float
+    runs: list[RecipeRun]
+    scaling: list[ScalingPoint] = field(default_factory=list)
+    cpus: int = 0
+    load_average: list[float] = field(default_factory=list)
+    """The machine's 1-minute load average at the start and at the end of the run."""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def lines(self) -> list[str]:
+        """The report as text: one row per recipe, then the scaling check."""
+        out = [
+            f"model {self.model}; {self.cpus} CPUs, load average {' -> '.join(f'{v:.1f}' for v in self.load_average)}",
+            f"calibration: {', '.join(self.calibration)}",
+            f"evaluation ({self.evaluation_kind}, first {self.tokens} tokens): {', '.join(self.evaluation)}",
+            f"source perplexity {self.source_ppl:.3f}",
+            "",
+            f"{'recipe':12}{'by':8}{'seconds':>9}{'cpu s':>8}{'bits/w':>8}{'PPL':>9}{'change':>9}{'peak RSS':>10}",
+        ]
+        for r in self.runs:
+            if r.skipped is not None:
+                out.append(f"{r.recipe:12}{r.by:8}  skipped: {r.skipped}")
+                continue
+            out.append(
+                f"{r.recipe:12}{r.by:8}{r.seconds or 0:9.1f}{r.cpu_seconds or 0:8.1f}{r.bits_per_weight or 0:8.3f}"
+                f"{r.ppl or 0:9.3f}{r.ppl_delta_pct or 0:+8.2f}%{(r.peak_rss_bytes or 0) / 2**30:9.2f}G"
+                + (f"  ({r.note})" if r.note else "")
+            )
+        if len(self.scaling) == 2:
+            a, b = self.scaling
+            growth = b.params * b.hidden / (a.params * a.hidden)
+            out += [
+                "",
+                f"scaling: hidden {a.hidden} -> {b.hidden}: params x{b.params / a.params:.2f}, "
+                f"params x hidden x{growth:.2f}",
+            ]
+            for name in a.seconds:
+                ratio = b.seconds[name] / a.seconds[name]
+                verdict = "no faster than params x hidden" if ratio <= growth else "FASTER than params x hidden"
+                out.append(f"  {name:10} {a.seconds[name]:6.2f} s -> {b.seconds[name]:6.2f} s: x{ratio:.2f}, {verdict}")
+        return out
+
+
+def run_quantize_bench(
+    model: str | Path | None,
+    *,
+    recipes: tuple[str, ...] = DEFAULT_RECIPES,
+    tokens: int = 512,
+    budget: float = DEFAULT_BUDGET,
+    scaling: bool = True,
+    progress: Callable[[str], None] = lambda _: None,
+) -> QuantizeReport:
+    """Quantizes MODEL (a model folder, GGUF or bundle; None: the embedded SmolLM2) with each recipe in its
+    own process and measures it against the unquantized source on the evaluation text; then, with `scaling`,
+    times kvrig's quantizers on two tiny models."""
+    from mlx_lm.utils import load_tokenizer
+
+    load = [os.getloadavg()[0]]
+    with bench_source(model) as (src, name, _):
+        tokenizer = load_tokenizer(src)
+        text, used = evaluation_text()
+        ids = tokens_of(tokenizer, text, tokens + 1, what="the evaluation text", source=", ".join(used))
+        progress(f"source: perplexity on {tokens} tokens of {EVAL_KIND}")
+        source, _ = load_weights(src, "source", None)
+        spec = load_model_spec(src / "config.json")
+        base = perplexity(source, ids, make_kv_caches(source, spec, parse_kv("fp16"))).ppl
+        del source
+        runs = []
+        for recipe in recipes:
+            progress(f"{recipe}: quantizing (budget {budget:g} s)")
+            run = _in_child(src, recipe, ids, budget)
+            if run.ppl is not None:
+                run.ppl_delta_pct = 100 * (run.ppl / base - 1)
+            progress(
+                f"{recipe}: "
+                + (f"skipped: {run.skipped}" if run.skipped else f"{run.seconds:.1f} s, PPL {run.ppl:.3f}")
+            )
+            runs.append(run)
+    points = scaling_check(progress) if scaling else []
+    load.append(os.getloadavg()[0])
+    return QuantizeReport(
+        name,
+        [str(LICENSES / f) for f in CALIBRATION_FILES],
+        used,
+        EVAL_KIND,
+        tokens,
+        base,
+        budget,
+        runs,
+        points,
+        os.cpu_count() or 0,
+        load,
+    )
+
+
+def evaluation_text() -> tuple[str, list[str]]:
+    """The evaluation text (Python source) and the files read."""
+    roots = sorted(p for p in glob.glob(STDLIB) if all(os.path.isfile(os.path.join(p, f)) for f in EVAL_FILES))
+    if not roots:
+        raise QualityInputError(
+            f"no Python standard library with {', '.join(EVAL_FILES)} under {STDLIB}",
+            expected="Debian's libpython3 standard library (python3-minimal)",
+        )
+    return read_texts(EVAL_FILES, root=Path(roots[-1]))
+
+
+def method_of(recipe: str) -> str:
+    """Who quantizes with `recipe`: kvrig or mlx-lm (dwq-qN is mlx-lm's DWQ from the qN layout)."""
+    if recipe.startswith("dwq-"):
+        return "mlx-lm"
+    return {"imx": "kvrig", "gpx": "kvrig", "none": "-"}.get(parse_weights(recipe).method, "mlx-lm")
+
+
+def _in_child(src: Path, recipe: str, ids: list[int], budget: float) -> RecipeRun:
+    """One recipe in a child process; its result, or why there is none."""
+    try:
+        by = method_of(recipe)
+    except KvrigError as exc:
+        return RecipeRun(recipe, "?", skipped=str(exc))
+    job = json.dumps({"source": str(src), "recipe": recipe, "ids": ids, "budget": budget})
+    try:
+        # The child stops itself at the budget; this limit only catches a child that cannot.
+        done = subprocess.run(
+            [sys.executable, "-m", "kvrig.quality.quantize_bench"],
+            input=job,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=preload_env(),
+            timeout=budget + 600,
+        )
+    except subprocess.TimeoutExpired:
+        return RecipeRun(recipe, by, skipped=f"did not finish within {budget:g} s (the process was killed)")
+    lines = done.stdout.strip().splitlines()
+    if done.returncode < 0:
+        return RecipeRun(recipe, by, skipped=f"the process died of signal {-done.returncode} (out of memory?)")
+    if not lines:
+        return RecipeRun(recipe, by, skipped=f"the process failed (exit {done.returncode}) without a result")
+    return RecipeRun(**json.loads(lines[-1]))
+
+
+def scaling_check(progress: Callable[[str], None] = lambda _: None) -> list[ScalingPoint]:
+    """kvrig's quantizers (SCALING_RECIPES) timed on two tiny llama models built from their arguments, hidden
+    sizes SCALING_HIDDEN: the time should grow no faster than parameters x hidden size."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.llama import Model, ModelArgs
+
+    from kvrig.quantize.recipes import apply_recipe
+
+    points = []
+    for hidden in SCALING_HIDDEN:
+        config: dict[str, Any] = {
+            "model_type": "llama",
+            "hidden_size": hidden,
+            "intermediate_size": 3 * hidden,
+            "num_attention_heads": max(1, hidden // 64),
+            "num_key_value_heads": max(1, hidden // 128),
+            "num_hidden_layers": 4,
+            "rms_norm_eps": 1e-5,
+            "vocab_size": SCALING_VOCAB,
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": True,
+            "torch_dtype": "float16",
+        }
+        mx.random.seed(0)
+        calibration = mx.random.randint(0, SCALING_VOCAB, (16, 256))
+        seconds = {}
+        for recipe in SCALING_RECIPES:
+            model = Model(ModelArgs.from_dict(config))
+            mx.eval(model.parameters())
+            flat: list[tuple[str, Any]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+            params = sum(v.size for _, v in flat)
+            progress(f"scaling: {recipe} on a {params / 1e6:.1f} M-parameter model (hidden {hidden})")
+            start = time.perf_counter()
+            apply_recipe(model, dict(config), parse_weights(recipe), calibration)
+            seconds[recipe] = time.perf_counter() - start
+        points.append(ScalingPoint(hidden, params, seconds))
+    return points
+
+
+# --- the child process -------------------------------------------------------------------------------------
+
+
+def _measure(job: dict[str, Any]) -> RecipeRun:
+    """Quantizes the source with the job's recipe within its budget and measures perplexity on its tokens."""
+    import mlx.core as mx
+    from mlx_lm.utils import compute_bits_per_weight, load_tokenizer
+
+    from kvrig.quantize.base import load_source_model
+    from kvrig.quantize.recipes import apply_recipe, calibration_tokens, distill_dwq
+    from kvrig.runtime.host import prepare_for_host
+
+    src, recipe, budget = Path(job["source"]), job["recipe"], float(job["budget"])
+    run = RecipeRun(recipe, method_of(recipe))
+    tokenizer = load_tokenizer(src)
+    model, config = load_source_model(src)
+    done: list[str] = []
+    last = [""]  # what the quantizer said last, for a recipe stopped at its budget
+
+    def progress(path: str) -> None:
+        done.append(path)
+        last[0] = f"last: {path} at {time.perf_counter() - wall:.0f} s"
+        print(f"  {recipe}: quantized {path}", file=sys.stderr, flush=True)
+
+    def dwq_progress(line: str) -> None:
+        last[0] = f"last: {line} started at {time.perf_counter() - wall:.0f} s"
+        print(f"  {recipe}: {line}", file=sys.stderr, flush=True)
+
+    wall, cpu = time.perf_counter(), time.process_time()
+    with _budget(run, budget, last):
+        if recipe.startswith("dwq-"):
+            rows = calibration_tokens(tokenizer, samples=20)
+            model, config, steps = distill_dwq(
+                model, config, parse_weights(recipe[4:]), rows[:16], rows[16:], progress=dwq_progress
+            )
+        else:
+            calibration = calibration_tokens(tokenizer) if parse_weights(recipe).calibrated else None
+            model, config = apply_recipe(model, config, parse_weights(recipe), calibration, progress)
+        mx.eval(model.parameters())
+        run.seconds, run.cpu_seconds = time.perf_counter() - wall, time.process_time() - cpu
+    if recipe.startswith("dwq-"):
+        hours = run.seconds / steps * DWQ_DEFAULT_STEPS * 4 / 3600
+        run.note = f"{steps} steps over the calibration rows; mlx-lm's defaults would take ~{hours:.0f} h here"
+    run.layers = len(done)
+    run.bits_per_weight = float(compute_bits_per_weight(model))
+    host = prepare_for_host(model)
+    spec = load_model_spec(src / "config.json")
+    run.ppl = perplexity(host, job["ids"], make_kv_caches(host, spec, parse_kv("fp16"))).ppl
+    run.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return run
+
+
+@contextlib.contextmanager
+def _budget(run: RecipeRun, seconds: float, status: list[str]) -> Iterator[None]:
+    """Ends the process with `run` marked skipped when the block takes longer than `seconds` (and status[0],
+    what the quantizer reported last)."""
+
+    def stop() -> None:
+        run.skipped = f"did not finish within the {seconds:g} s budget" + (f" ({status[0]})" if status[0] else "")
+        print(json.dumps(asdict(run)), file=sys.__stdout__, flush=True)  # the result line, past the redirect
+        os._exit(0)
+
+    timer = threading.Timer(seconds, stop)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def _child() -> None:
+    job = json.loads(sys.stdin.read())
+    try:
+        # Everything but the result goes to stderr (mlx-lm prints its bits per weight to stdout).
+        with contextlib.redirect_stdout(sys.stderr):
+            run = _measure(job)
+    except KvrigError as exc:
+        run = RecipeRun(job["recipe"], method_of(job["recipe"]), skipped=str(exc))
+    except Exception as exc:  # mlx-lm's own refusals (ValueError, ...): named in the report, not a crash of it
+        run = RecipeRun(job["recipe"], method_of(job["recipe"]), skipped=f"failed: {type(exc).__name__}: {exc}")
+    print(json.dumps(asdict(run)), flush=True)
+
+
+if __name__ == "__main__":
+    _child()

@@ -1,0 +1,100 @@
+"""`kvrig bench quantize` on a tiny model (a random llama with SmolLM2's tokenizer): every requested recipe has
+a row, measured or named as skipped with why, in the requested order; kvrig's quantizers report every layer;
+a recipe over its time budget is stopped and named; the JSON carries the texts, the load and the scaling check.
+No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from kvrig.cli import cli
+from kvrig.quality import quantize_bench
+from tests.bundle_fixtures import converted_source, tiny_source
+
+LAYERS = 2
+"""The tiny model's transformer layers: 7 quantized linears each, and the tied embedding."""
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tokenizer = converted_source(tmp_path_factory) / "tokenizer.json"
+    # SmolLM2's vocabulary, so the tokenizer's ids index the embedding
+    return tiny_source(tmp_path_factory.mktemp("bench") / "tiny", tokenizer, "llama", vocab_size=49152)
+
+
+def bench(*args: str) -> dict[str, Any]:
+    result = CliRunner().invoke(cli, ["bench", "quantize", *args, "--json"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_every_recipe_is_measured_or_named_as_skipped(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(quantize_bench, "SCALING_HIDDEN", (64, 128))
+    recipes = ["q4", "imx-q4", "gpx-4.6", "gptq-q4", "gptq-q3", "nonsense"]
+    report = bench(str(tiny), "--recipes", ",".join(recipes), "--tokens", "64", "--budget", "600")
+    assert [r["recipe"] for r in report["runs"]] == recipes
+    runs = {r["recipe"]: r for r in report["runs"]}
+    for name in ("q4", "imx-q4", "gpx-4.6", "gptq-q4"):
+        r = runs[name]
+        assert r["skipped"] is None, r
+        assert r["seconds"] > 0 and r["ppl"] > 0 and 4 < r["bits_per_weight"] < 6
+        assert r["ppl_delta_pct"] == pytest.approx(100 * (r["ppl"] / report["source_ppl"] - 1))
+    assert runs["imx-q4"]["by"] == runs["gpx-4.6"]["by"] == "kvrig"
+    assert runs["gptq-q4"]["by"] == runs["q4"]["by"] == "mlx-lm"
+    assert runs["imx-q4"]["layers"] == runs["gpx-4.6"]["layers"] == 7 * LAYERS + 1
+    assert "gptq packs 2, 4, 8 bits" in runs["gptq-q3"]["skipped"]  # the recipe grammar's own refusal
+    assert "unknown weight recipe" in runs["nonsense"]["skipped"]
+    assert report["calibration"] and report["evaluation"]
+    assert not set(report["calibration"]) & set(report["evaluation"])
+    assert all(p.endswith(".py") for p in report["evaluation"])
+    assert len(report["load_average"]) == 2 and report["cpus"] >= 1
+    assert [p["hidden"] for p in report["scaling"]] == [64, 128]
+    assert all(set(p["seconds"]) == set(quantize_bench.SCALING_RECIPES) for p in report["scaling"])
+
+
+def test_a_recipe_over_its_budget_is_stopped_and_named(tiny: Path) -> None:
+    """mlx-lm's DWQ (backpropagation through quantized matmuls: minutes per step on this CPU) and gpx."""
+    report = bench(str(tiny), "--recipes", "dwq-q4,gpx-q4", "--tokens", "16", "--budget", "0.05", "--no-scaling")
+    assert [r["recipe"] for r in report["runs"]] == ["dwq-q4", "gpx-q4"]
+    for run in report["runs"]:
+        assert run["ppl"] is None and run["seconds"] is None
+        assert run["skipped"].startswith("did not finish within the 0.05 s budget")
+    assert report["runs"][0]["by"] == "mlx-lm"
+    assert report["scaling"] == []
+
+
+def test_dwq_trains_the_q4_layouts_scales() -> None:
+    """mlx-lm's DWQ from the q4 layout on a tiny model (small vocabulary: its steps take seconds): the bytes of
+    the planner's q4, and scales and biases moved off mlx-lm's round-to-nearest ones by the distillation."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import quantize_model
+
+    from kvrig.models import spec_from_config
+    from kvrig.planner.weights import account_weights
+    from kvrig.quantize.recipes import distill_dwq
+    from kvrig.recipes import parse_weights
+    from tests.quality.test_recipes_weighted import CONFIG
+    from tests.quality.test_recipes_weighted import tiny as tiny_model
+
+    mx.random.seed(9)
+    rows = mx.random.randint(0, CONFIG["vocab_size"], (8, 32))
+    model, config, steps = distill_dwq(
+        tiny_model(), dict(CONFIG), parse_weights("q4"), rows[:4], rows[4:], learning_rate=1e-3
+    )
+    assert steps == 1 and config["quantization"]["bits"] == 4 and config["quantization"]["group_size"] == 64
+    planned = account_weights(spec_from_config(CONFIG), parse_weights("q4"), "float16").total_bytes
+    assert sum(v.nbytes for _, v in tree_flatten(model.parameters())) == planned
+    rtn = tiny_model()
+    rtn.set_dtype(mx.float16)
+    quantize_model(rtn, dict(CONFIG), 64, 4)
+    ours = model.model.layers[0].mlp.down_proj
+    theirs = rtn.model.layers[0].mlp.down_proj
+    assert isinstance(ours, nn.QuantizedLinear) and mx.array_equal(ours.weight, theirs.weight)
+    assert not mx.array_equal(ours.scales, theirs.scales)
