@@ -79,15 +79,18 @@ def grid_search(x: np.ndarray, wt: np.ndarray, bits: int, dtype: str) -> tuple[n
     # The candidates are tried `step` groups at a time, the assign/refit steps (one candidate) on `step *
     # candidates` groups: the same buffers, and few numpy calls per group either way.
     step = max(1, CHUNK_ELEMENTS // (candidates * x.shape[1]))
-    starts = range(0, len(x), step * candidates)
-    threads = max(1, min(len(starts), os.cpu_count() or 1))
+    cpus = os.cpu_count() or 1
+    # Big chunks, but at least one per core when there is enough to share.
+    size = min(step * candidates, max(step, -(-len(x) // cpus)))
+    starts = range(0, len(x), size)
+    threads = max(1, min(len(starts), cpus))
     top = 2**bits - 1
 
     def run(first: int) -> None:
         # Every temporary is one of two buffers per thread: fresh large arrays would cost page faults each time.
         work = np.empty((2, step * candidates, x.shape[1]), np.float32)
         for start in starts[first::threads]:
-            part = slice(start, start + step * candidates)
+            part = slice(start, start + size)
             xs, ws = x[part], wt[part]
             sums = np.stack([ws, ws * xs])  # [wt, wt·x]: weighted sums over a group are products with these
             grid_s, grid_b = rtn_s[part], rtn_b[part]

@@ -98,3 +98,13 @@ def test_dwq_trains_the_q4_layouts_scales() -> None:
     theirs = rtn.model.layers[0].mlp.down_proj
     assert isinstance(ours, nn.QuantizedLinear) and mx.array_equal(ours.weight, theirs.weight)
     assert not mx.array_equal(ours.scales, theirs.scales)
+
+
+def test_package_names_each_layer_on_stderr_and_keeps_json_clean(tiny: Path, tmp_path: Path) -> None:
+    args = ["package", str(tiny), "--weights", "gpx-q4", "--kv", "fp16", "--no-quality-gate", "-o", str(tmp_path / "b")]
+    result = CliRunner().invoke(cli, [*args, "--json"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["manifest"]["recipe"]["weights"] == "gpx-q4"
+    lines = [line for line in result.stderr.splitlines() if line.startswith("quantized ")]
+    assert len(lines) == len(set(lines)) == 7 * LAYERS + 1
+    assert "quantized model.layers.1.mlp.down_proj" in lines
