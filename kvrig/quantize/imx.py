@@ -43,12 +43,6 @@ def pack(q: Any, bits: int) -> Any:
     return mx.stack(words, axis=-1).reshape(*q.shape[:-2], -1)
 
 
-def levels(x: Any, s: Any, b: Any, top: int) -> Any:
-    import mlx.core as mx
-
-    return mx.clip(mx.round((x - b[..., None]) / mx.where(s == 0, 1, s)[..., None]), 0, top)
-
-
 def fit_grid(x: Any, wt: Any, bits: int, dtype: Any) -> tuple[Any, Any]:
     """(scale, bias) per group of `x` (..., groups, group_size), rounded to `dtype`, returned as float32,
     minimising sum(wt * (x - s·q - b)²): candidates are MLX's own round-to-nearest grid, the min/max grid and
@@ -118,7 +112,8 @@ def grid_search(x: np.ndarray, wt: np.ndarray, bits: int, dtype: str) -> tuple[n
 
 
 def grid_levels(x: np.ndarray, s: np.ndarray, b: np.ndarray, top: int) -> np.ndarray:
-    """`levels` in numpy: x (groups, group size) on the grids s, b (groups,)."""
+    """The level of each value of x (groups, group size) on its group's grid s, b (groups,): the nearest, in
+    0 .. top."""
     return np.clip(np.rint((x - b[:, None]) / np.where(s == 0, np.float32(1), s)[:, None]), 0, top)
 
 
