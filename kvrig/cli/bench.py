@@ -242,8 +242,8 @@ def _print_quality(report: object, paths: list[Path]) -> None:
 @json_option
 def quantize(model: Path | None, recipes: str, tokens: int, budget: float, scaling: bool, as_json: bool) -> None:
     """Wall time, bits per weight and perplexity of each recipe on MODEL (default: the embedded SmolLM2),
-    kvrig's beside mlx-lm's GPTQ, AWQ and DWQ, each in its own process; calibrated on the licence texts,
-    measured on Python source. Minutes on a 2-core CPU; not part of the test suite."""
+    kvrig's beside mlx-lm's GPTQ, AWQ and DWQ, each in its own process; calibrated as kvrig package calibrates,
+    measured on each kind of text calibration never reads. Minutes on a 2-core CPU; not part of the test suite."""
     from kvrig.runtime.blas import ensure_openblas
 
     ensure_openblas()

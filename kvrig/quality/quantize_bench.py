@@ -8,14 +8,13 @@ runs out of time, memory or support is named as skipped, with why, while the oth
 progress goes to stderr. The time is the quantization's alone (calibration included; loading the model and
 measuring it are not).
 
-Calibration is the licence texts (`kvrig.texts.CALIBRATION_FILES`, what `kvrig package` calibrates on);
-evaluation is a kind of text calibration never sees: Python source of the standard library Debian ships.
-Nothing downloads."""
+Calibration is what `kvrig package` calibrates on (`quantize.recipes.calibration_tokens`: the calibration kinds
+of kvrig/texts.py); evaluation is each kind of text calibration never reads (`texts.EVALUATION_KINDS`, as `kvrig
+bench quality` judges), perplexity per kind. Nothing downloads."""
 
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import os
 import resource
@@ -28,22 +27,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvrig.exceptions import KvrigError, QualityInputError
+from kvrig.exceptions import KvrigError
 from kvrig.models import load_model_spec
 from kvrig.quality.bench import bench_source, load_weights
 from kvrig.quality.perplexity import perplexity
 from kvrig.quality.schemes import make_kv_caches
+from kvrig.quantize.recipes import calibration_files
 from kvrig.recipes import parse_kv, parse_weights
 from kvrig.runtime.blas import preload_env
-from kvrig.texts import CALIBRATION_FILES, LICENSES, read_texts, tokens_of
+from kvrig.texts import EVALUATION_KINDS, kind_tokens, read_kind
 
 DEFAULT_RECIPES = ("imx-q4", "imx-4.6", "gpx-q4", "gpx-4.6", "gptq-q4", "awq-q4", "dwq-q4")
 DEFAULT_BUDGET = 600.0
 """Seconds a recipe's quantization may take before it is stopped and named as skipped."""
-EVAL_FILES = ("textwrap.py", "difflib.py")
-EVAL_KIND = "Python source (standard library modules)"
-STDLIB = "/usr/lib/python3.*"
-"""Debian's Python standard library (libpython3.x-minimal): the evaluation text, never calibrated on."""
 DWQ_DEFAULT_STEPS = 2048 // 4
 """Steps of mlx-lm's DWQ command at its defaults (2048 samples, batch 4; 1025-token rows, 4x ours)."""
 SCALING_HIDDEN = (256, 512)
@@ -62,8 +58,9 @@ class RecipeRun:
     cpu_seconds: float | None = None
     bits_per_weight: float | None = None
     """As mlx-lm's compute_bits_per_weight counts them."""
-    ppl: float | None = None
-    ppl_delta_pct: float | None = None
+    ppl: dict[str, float] | None = None
+    """Perplexity by evaluation kind."""
+    ppl_delta_pct: dict[str, float] | None = None
     layers: int = 0
     """Layers kvrig's quantizers reported done (progress lines)."""
     peak_rss_bytes: int | None = None
@@ -82,11 +79,12 @@ class ScalingPoint:
 @dataclass
 class QuantizeReport:
     model: str
-    calibration: list[str]
-    evaluation: list[str]
-    evaluation_kind: str
+    calibration: dict[str, list[str]]
+    """Calibration kind -> the files read."""
+    evaluation: dict[str, list[str]]
+    """Evaluation kind (never calibrated on) -> the files read."""
     tokens: int
-    source_ppl: float
+    source_ppl: dict[str, float]
     budget_seconds: float
     runs: list[RecipeRun]
     scaling: list[ScalingPoint] = field(default_factory=list)
@@ -98,22 +96,31 @@ class QuantizeReport:
         return asdict(self)
 
     def lines(self) -> list[str]:
-        """The report as text: one row per recipe, then the scaling check."""
+        """The report as text: one row per recipe (perplexity and its change per evaluation kind), then the
+        scaling check."""
+        kinds = list(self.source_ppl)
         out = [
             f"model {self.model}; {self.cpus} CPUs, load average {' -> '.join(f'{v:.1f}' for v in self.load_average)}",
-            f"calibration: {', '.join(self.calibration)}",
-            f"evaluation ({self.evaluation_kind}, first {self.tokens} tokens): {', '.join(self.evaluation)}",
-            f"source perplexity {self.source_ppl:.3f}",
+            *(f"calibration {k}: {', '.join(files)}" for k, files in self.calibration.items()),
+            *(
+                f"evaluation {k} (first {self.tokens} tokens): {', '.join(files)}"
+                for k, files in self.evaluation.items()
+            ),
+            "source perplexity " + ", ".join(f"{k} {v:.3f}" for k, v in self.source_ppl.items()),
             "",
-            f"{'recipe':12}{'by':8}{'seconds':>9}{'cpu s':>8}{'bits/w':>8}{'PPL':>9}{'change':>9}{'peak RSS':>10}",
+            f"{'recipe':12}{'by':8}{'seconds':>9}{'cpu s':>8}{'bits/w':>8}"
+            + "".join(f"{'PPL ' + k:>14}{'change':>9}" for k in kinds)
+            + f"{'peak RSS':>10}",
         ]
         for r in self.runs:
-            if r.skipped is not None:
+            if r.skipped is not None or r.ppl is None:
                 out.append(f"{r.recipe:12}{r.by:8}  skipped: {r.skipped}")
                 continue
+            delta = r.ppl_delta_pct or {}
             out.append(
                 f"{r.recipe:12}{r.by:8}{r.seconds or 0:9.1f}{r.cpu_seconds or 0:8.1f}{r.bits_per_weight or 0:8.3f}"
-                f"{r.ppl or 0:9.3f}{r.ppl_delta_pct or 0:+8.2f}%{(r.peak_rss_bytes or 0) / 2**30:9.2f}G"
+                + "".join(f"{r.ppl.get(k, 0):14.3f}{delta.get(k, 0):+8.2f}%" for k in kinds)
+                + f"{(r.peak_rss_bytes or 0) / 2**30:9.2f}G"
                 + (f"  ({r.note})" if r.note else "")
             )
         if len(self.scaling) == 2:
@@ -148,31 +155,29 @@ def run_quantize_bench(
     load = [os.getloadavg()[0]]
     with bench_source(model) as (src, name, _):
         tokenizer = load_tokenizer(src)
-        text, used = evaluation_text()
-        ids = tokens_of(tokenizer, text, tokens + 1, what="the evaluation text", source=", ".join(used))
-        progress(f"source: perplexity on {tokens} tokens of {EVAL_KIND}")
+        ids = {k: kind_tokens(tokenizer, k, tokens + 1) for k in EVALUATION_KINDS}
+        progress(f"source: perplexity on {tokens} tokens of each of {', '.join(EVALUATION_KINDS)}")
         source, _ = load_weights(src, "source", None)
         spec = load_model_spec(src / "config.json")
-        base = perplexity(source, ids, make_kv_caches(source, spec, parse_kv("fp16"))).ppl
+        base = {k: perplexity(source, v, make_kv_caches(source, spec, parse_kv("fp16"))).ppl for k, v in ids.items()}
         del source
         runs = []
         for recipe in recipes:
             progress(f"{recipe}: quantizing (budget {budget:g} s)")
             run = _in_child(src, recipe, ids, budget)
             if run.ppl is not None:
-                run.ppl_delta_pct = 100 * (run.ppl / base - 1)
+                run.ppl_delta_pct = {k: 100 * (v / base[k] - 1) for k, v in run.ppl.items()}
+            measured = ", ".join(f"{k} {v:.3f}" for k, v in (run.ppl or {}).items())
             progress(
-                f"{recipe}: "
-                + (f"skipped: {run.skipped}" if run.skipped else f"{run.seconds:.1f} s, PPL {run.ppl:.3f}")
+                f"{recipe}: " + (f"skipped: {run.skipped}" if run.skipped else f"{run.seconds:.1f} s, PPL {measured}")
             )
             runs.append(run)
     points = scaling_check(progress) if scaling else []
     load.append(os.getloadavg()[0])
     return QuantizeReport(
         name,
-        [str(LICENSES / f) for f in CALIBRATION_FILES],
-        used,
-        EVAL_KIND,
+        calibration_files(),
+        {k: read_kind(k)[1] for k in EVALUATION_KINDS},
         tokens,
         base,
         budget,
@@ -183,17 +188,6 @@ def run_quantize_bench(
     )
 
 
-def evaluation_text() -> tuple[str, list[str]]:
-    """The evaluation text (Python source) and the files read."""
-    roots = sorted(p for p in glob.glob(STDLIB) if all(os.path.isfile(os.path.join(p, f)) for f in EVAL_FILES))
-    if not roots:
-        raise QualityInputError(
-            f"no Python standard library with {', '.join(EVAL_FILES)} under {STDLIB}",
-            expected="Debian's libpython3 standard library (python3-minimal)",
-        )
-    return read_texts(EVAL_FILES, root=Path(roots[-1]))
-
-
 def method_of(recipe: str) -> str:
     """Who quantizes with `recipe`: kvrig or mlx-lm (dwq-qN is mlx-lm's DWQ from the qN layout)."""
     if recipe.startswith("dwq-"):
@@ -201,7 +195,7 @@ def method_of(recipe: str) -> str:
     return {"imx": "kvrig", "gpx": "kvrig", "none": "-"}.get(parse_weights(recipe).method, "mlx-lm")
 
 
-def _in_child(src: Path, recipe: str, ids: list[int], budget: float) -> RecipeRun:
+def _in_child(src: Path, recipe: str, ids: dict[str, list[int]], budget: float) -> RecipeRun:
     """One recipe in a child process; its result, or why there is none."""
     try:
         by = method_of(recipe)
@@ -315,7 +309,7 @@ def _measure(job: dict[str, Any]) -> RecipeRun:
     run.bits_per_weight = float(compute_bits_per_weight(model))
     host = prepare_for_host(model)
     spec = load_model_spec(src / "config.json")
-    run.ppl = perplexity(host, job["ids"], make_kv_caches(host, spec, parse_kv("fp16"))).ppl
+    run.ppl = {k: perplexity(host, v, make_kv_caches(host, spec, parse_kv("fp16"))).ppl for k, v in job["ids"].items()}
     run.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return run
 

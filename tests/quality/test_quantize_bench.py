@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 from kvrig.cli import cli
 from kvrig.quality import quantize_bench
+from kvrig.texts import CALIBRATION_KINDS, EVALUATION_KINDS
 from tests.bundle_fixtures import converted_source, tiny_source
 
 LAYERS = 2
@@ -42,16 +43,21 @@ def test_every_recipe_is_measured_or_named_as_skipped(tiny: Path, monkeypatch: p
     for name in ("q4", "imx-q4", "gpx-4.6", "gptq-q4"):
         r = runs[name]
         assert r["skipped"] is None, r
-        assert r["seconds"] > 0 and r["ppl"] > 0 and 4 < r["bits_per_weight"] < 6
-        assert r["ppl_delta_pct"] == pytest.approx(100 * (r["ppl"] / report["source_ppl"] - 1))
+        assert r["seconds"] > 0 and 4 < r["bits_per_weight"] < 6
+        for text, ppl in r["ppl"].items():
+            assert ppl > 0
+            assert r["ppl_delta_pct"][text] == pytest.approx(100 * (ppl / report["source_ppl"][text] - 1))
     assert runs["imx-q4"]["by"] == runs["gpx-4.6"]["by"] == "kvrig"
     assert runs["gptq-q4"]["by"] == runs["q4"]["by"] == "mlx-lm"
     assert runs["imx-q4"]["layers"] == runs["gpx-4.6"]["layers"] == 7 * LAYERS + 1
     assert "gptq packs 2, 4, 8 bits" in runs["gptq-q3"]["skipped"]  # the recipe grammar's own refusal
     assert "unknown weight recipe" in runs["nonsense"]["skipped"]
-    assert report["calibration"] and report["evaluation"]
-    assert not set(report["calibration"]) & set(report["evaluation"])
-    assert all(p.endswith(".py") for p in report["evaluation"])
+    # Judged on every kind calibration never reads, as the quality bench judges; no file read by both.
+    assert set(report["calibration"]) == set(CALIBRATION_KINDS)
+    assert set(report["evaluation"]) == set(report["source_ppl"]) == set(EVALUATION_KINDS)
+    assert set(runs["imx-q4"]["ppl"]) == set(EVALUATION_KINDS)
+    calibrated = {f for files in report["calibration"].values() for f in files}
+    assert not calibrated & {f for files in report["evaluation"].values() for f in files}
     assert len(report["load_average"]) == 2 and report["cpus"] >= 1
     assert [p["hidden"] for p in report["scaling"]] == [64, 128]
     assert all(set(p["seconds"]) == set(quantize_bench.SCALING_RECIPES) for p in report["scaling"])
@@ -105,6 +111,6 @@ def test_package_names_each_layer_on_stderr_and_keeps_json_clean(tiny: Path, tmp
     result = CliRunner().invoke(cli, [*args, "--json"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["manifest"]["recipe"]["weights"] == "gpx-q4"
-    lines = [line for line in result.stderr.splitlines() if line.startswith("quantized ")]
+    lines = [line.strip() for line in result.stderr.splitlines() if line.strip().startswith("quantized ")]
     assert len(lines) == len(set(lines)) == 7 * LAYERS + 1
     assert "quantized model.layers.1.mlp.down_proj" in lines
