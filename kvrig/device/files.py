@@ -10,6 +10,12 @@ shapes). A small file the manifest does not list (manifest.json itself, configs)
 a large unlisted one is judged by size alone. manifest.json is sent last, so a bundle folder with a
 manifest on the phone is complete.
 
+What is sent: with a manifest, exactly the files it lists and the manifest itself, each a regular file inside
+the folder reached through no symbolic link, and each checked against its sha256 as it is streamed (a file
+that does not match is never renamed into place); anything else in the folder (an unlisted file, a link) is
+refused as `kvrig verify` refuses it (VerifyError). Without a manifest (a folder kvrig did not package), its
+regular files; links are never followed.
+
 Reading from the phone is bounded: every file is streamed in CHUNK_BYTES reads until its end, never taken whole,
 and refused (DeviceFileError) when it is not a regular file, is gone, claims or yields more than its `Bounds`
 allow, or is not read within their deadline. pymobiledevice3's `get_file_contents` trusts the size the phone
@@ -25,6 +31,7 @@ import io
 import json
 import os
 import posixpath
+import stat
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -163,25 +170,37 @@ class Container:
         async with self.device.errors(f"stat {path}"):
             return bool(await self._afc.isdir(path))
 
-    async def send_file(self, local: Path, remote: str, on_chunk: Callable[[int], None] | None = None) -> str:
-        """Streams a local file to `remote` (via a temporary name); returns its sha256."""
+    async def send_file(
+        self,
+        local: Path,
+        remote: str,
+        on_chunk: Callable[[int], None] | None = None,
+        *,
+        sha256: str | None = None,
+    ) -> str:
+        """Streams a local regular file (never through a link) to `remote` via a temporary name; returns its
+        sha256. With `sha256`, a file whose bytes do not hash to it stays under the temporary name and is
+        removed (VerifyError): the final name only ever holds what the manifest promised."""
         afc = self._afc
         digest = hashlib.sha256()
         partial = remote + PARTIAL_SUFFIX
-        async with self.device.errors(f"sending {local.name}"):
-            await afc.makedirs(posixpath.dirname(remote))
-            handle = await afc.fopen(partial, "w")
-            try:
-                with local.open("rb") as f:
+        with open_regular(local) as f:
+            async with self.device.errors(f"sending {local.name}"):
+                await afc.makedirs(posixpath.dirname(remote))
+                handle = await afc.fopen(partial, "w")
+                try:
                     while chunk := f.read(CHUNK_BYTES):
                         await afc.fwrite(handle, chunk)
                         digest.update(chunk)
                         if on_chunk is not None:
                             on_chunk(len(chunk))
-            finally:
-                await afc.fclose(handle)
-            await afc.rm_single(remote, force=True)
-            await afc.rename(partial, remote)
+                finally:
+                    await afc.fclose(handle)
+                if sha256 is not None and digest.hexdigest() != sha256:
+                    await afc.rm_single(partial, force=True)
+                    raise VerifyError(f"{local}: sha256 {digest.hexdigest()} does not match the manifest ({sha256})")
+                await afc.rm_single(remote, force=True)
+                await afc.rename(partial, remote)
         return digest.hexdigest()
 
 
@@ -288,25 +307,77 @@ def read_manifest(bundle: Path) -> dict[str, tuple[int | None, str | None]]:
 
 
 def bundle_files(bundle: Path) -> list[LocalFile]:
-    """Every file of the bundle folder, manifest.json last; checks sizes against the manifest."""
+    """What a push sends, manifest.json last: the manifest's files (and nothing else may be in the folder), or
+    without a manifest the folder's regular files; sizes checked against the manifest."""
     if not bundle.is_dir():
         raise BundleError(f"{bundle}: not a bundle folder")
+    if (bundle / MANIFEST).is_symlink():
+        raise VerifyError(f"{bundle / MANIFEST}: a symbolic link, not a regular file; a bundle holds only files")
     manifest = read_manifest(bundle)
+    entries = _entries(bundle)
+    if manifest:
+        unexpected = sorted(set(entries) - set(manifest) - {MANIFEST})
+        if unexpected:
+            shown = ", ".join(f"{name} ({entries[name]})" for name in unexpected[:5])
+            raise VerifyError(f"{bundle}: not listed in {MANIFEST}, so never pushed: {shown}")
+        names = [*manifest, MANIFEST]
+    else:
+        names = [name for name, kind in entries.items() if kind == "file"]
     files: list[LocalFile] = []
-    for path in sorted(p for p in bundle.rglob("*") if p.is_file()):
-        relative = path.relative_to(bundle).as_posix()
-        size = path.stat().st_size
+    for relative in names:
+        kind = entries.get(relative)
+        if kind is None:
+            raise VerifyError(f"{bundle}: {relative} is in {MANIFEST} but missing from the folder")
+        if kind != "file":
+            raise VerifyError(f"{bundle / relative}: a {kind}, not a regular file; a bundle holds only files")
+        path = bundle / relative
+        size = path.lstat().st_size
         listed_size, sha = manifest.get(relative, (None, None))
         if listed_size is not None and listed_size != size:
             raise VerifyError(f"{path}: {size} bytes, the manifest says {listed_size}")
         if sha is None and relative not in manifest and size < HASH_UNLISTED_BELOW:
-            sha = hashlib.sha256(path.read_bytes()).hexdigest()
+            with open_regular(path) as f:
+                sha = hashlib.sha256(f.read()).hexdigest()
         files.append(LocalFile(relative, path, size, sha))
-    missing = sorted(set(manifest) - {f.relative for f in files})
-    if missing:
-        raise VerifyError(f"{bundle}: files in manifest.json are missing: {', '.join(missing[:5])}")
     files.sort(key=lambda f: (f.relative == MANIFEST, f.relative))
     return files
+
+
+def deployable(bundle: Path) -> list[LocalFile]:
+    """`bundle_files` of a bundle `kvrig package` wrote: one without its manifest is refused (deploy and the lab
+    send only what a manifest lists)."""
+    if not (bundle / MANIFEST).is_file():
+        raise VerifyError(f"{bundle}: no {MANIFEST}; kvrig deploys a bundle `kvrig package` wrote, as it lists")
+    return bundle_files(bundle)
+
+
+def _entries(bundle: Path) -> dict[str, str]:
+    """Every entry below `bundle` that is not a directory, by posix path, with its kind; links are listed,
+    never followed (a linked directory is one entry, a link)."""
+    found: dict[str, str] = {}
+    for folder, dirs, names in os.walk(bundle, followlinks=False):
+        here = Path(folder)
+        for name in [*names, *(d for d in dirs if (here / d).is_symlink())]:
+            path = here / name
+            mode = path.lstat().st_mode
+            kind = "file" if stat.S_ISREG(mode) else "symbolic link" if stat.S_ISLNK(mode) else "special file"
+            found[path.relative_to(bundle).as_posix()] = kind
+    return found
+
+
+@contextlib.contextmanager
+def open_regular(path: Path) -> Iterator[BinaryIO]:
+    """`path` opened for reading only if it is a regular file reached through no link (checked on the open file,
+    so a file swapped for a link after it was listed is refused too)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        raise VerifyError(f"{path}: cannot open it as a regular file ({exc.strerror or exc})") from None
+    f = os.fdopen(fd, "rb")
+    with f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise VerifyError(f"{path}: not a regular file")
+        yield f
 
 
 # --- push and pull -----------------------------------------------------------------------------------------
@@ -347,9 +418,8 @@ async def push_bundle(
                 if progress is not None:
                     progress(Progress(f.relative, result.bytes_sent - base, f.size, result.bytes_sent, to_send))
 
-            sha = await container.send_file(f.path, f"{remote_dir}/{f.relative}", on_chunk)
-            if f.sha256 is not None and sha != f.sha256:
-                raise VerifyError(f"{f.path}: sha256 {sha} does not match the manifest ({f.sha256})")
+            listed = f.sha256 if f.relative != MANIFEST else None
+            sha = await container.send_file(f.path, f"{remote_dir}/{f.relative}", on_chunk, sha256=listed)
             if f.size == 0 and progress is not None:
                 progress(Progress(f.relative, 0, 0, result.bytes_sent, to_send))
             journal[f.relative] = sha

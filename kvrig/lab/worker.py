@@ -104,6 +104,8 @@ async def drive_phone(job: PhoneJob, emit: Emit) -> None:
 async def prepare(device: Any, entry: MatrixEntry) -> None:
     """Installs the entry's app and pushes its bundle (once per device)."""
 
+    if entry.bundle_path is not None:
+        files.deployable(entry.bundle_path)  # before the app is installed: a bundle that cannot go, stops here
     if entry.ipa is not None:
         await apps.install(device, entry.ipa)
     if entry.bundle_path is not None:
