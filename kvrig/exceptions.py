@@ -15,6 +15,13 @@ class KvrigError(Exception):
     exit_code = 1
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM asked kvrig to stop: what was in progress was cancelled and cleaned up (apps stopped, partial files
+    removed). Like Ctrl-C, not an error: no `except Exception` (nor `except KvrigError`) swallows it. Exit 143."""
+
+    exit_code = 143
+
+
 # --- input files: configs, profiles, schemas (exit 3) ---------------------------------------------------
 
 
