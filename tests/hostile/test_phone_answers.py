@@ -6,6 +6,7 @@ listed and used as if nothing happened."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -62,3 +63,27 @@ def test_using_the_malformed_phone_is_its_own_error(malformed: Emulator, tmp_pat
     assert f"the device {udid} answered something that is not lockdownd's protocol" in ran.stderr
     assert "Traceback" not in ran.stderr
     assert ran.seconds < 60
+
+
+@hostile(4, "kvrig virtual start --lockdown-value ProductType=7 (the lie from the command line)", "devices: exit 0")
+def test_the_virtual_phone_lies_from_its_command_line(tmp_path: Path) -> None:
+    socket = f"/tmp/kvrig-lie-{os.getpid()}.sock"
+    env = {"USBMUXD_SOCKET_ADDRESS": socket}
+    started = kvrig(
+        "virtual", "start", "--socket", socket, "--state", str(tmp_path / "s"), "--detach",
+        "--lockdown-value", "ProductType=7", "--claim-size", "telemetry.jsonl=1125899906842624",
+        "--phantom-entry", "JetsamEvent-gone.ips", "--json", env=env, timeout=120,
+    )  # fmt: skip
+    try:
+        assert started.code == 0, started.stderr
+        faults = json.loads(started.stdout)["faults"]
+        assert faults["lockdown_values"] == {"ProductType": 7}
+        assert faults["claim_sizes"] == {"telemetry.jsonl": 2**50} and faults["phantom_entries"] == [
+            "JetsamEvent-gone.ips"
+        ]
+        ran = kvrig("devices", "--json", env=env, timeout=120)
+        assert ran.code == 0, ran.stderr
+        (phone,) = json.loads(ran.stdout)
+        assert [p["cause"] for p in phone["problems"]] == ["DeviceAnswerError"] and "ProductType is 7" in phone["error"]
+    finally:
+        kvrig("virtual", "stop", "--socket", socket, env=env, timeout=120)

@@ -5,6 +5,7 @@ read from the phone keeps its size cap and its deadline; a bad report entry cost
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -16,13 +17,15 @@ from kvrig.device import crash
 from kvrig.reports.jetsam import MAX_REPORT_BYTES
 from kvrig.schemas import load_model_file
 from kvrig.schemas.results import ResultsFile
-from kvrig.soaking.driver import TELEMETRY, SoakOptions, run_soak
+from kvrig.soaking.driver import SoakOptions, run_soak
 from kvrig.soaking.plan import make_plan
 from kvrig.virtual.faults import FaultPlan
-from tests.hostile.conftest import BUNDLE_ID, Emulator, kvrig, lying, on_device, run
+from tests.hostile.conftest import BUNDLE_ID, ROOT, Emulator, kvrig, lying, on_device, run
 from tests.hostile_suite import hostile
+from tests.raw_telemetry import raw_steps
 
 __all__ = ["lying"]
+TELEMETRY_CAP = 16 * 1024 * 1024  # the soak's cap on a telemetry file, as the README gives it
 SOAK = ["soak", "--app-id", BUNDLE_ID, "--step", "256", "--decode-tokens", "1", "--battery-interval", "60"]
 
 
@@ -43,14 +46,14 @@ def test_a_telemetry_file_claimed_huge_ends_the_soak_in_time(lying: Emulator, tm
     assert lying.device.apps.pid_for_bundle(BUNDLE_ID) == 0  # the soak stopped the app it launched
 
 
-@hostile(1, "telemetry whose reads never end", f"exit 19 after {TELEMETRY.max_bytes >> 20} MiB, within 60 s")
+@hostile(1, "telemetry whose reads never end", "exit 19 after 16 MiB, within 60 s")
 def test_endless_telemetry_reads_stop_at_the_cap(lying: Emulator, tmp_path: Path) -> None:
     lying.device.faults = FaultPlan(endless_reads=["telemetry.jsonl"])
     code, stderr, seconds, _ = _soak(lying, tmp_path / "out", "--timeout", "45", "--hang-after", "10")
     assert code == 19, stderr
     assert seconds < 60
-    assert f"more than {TELEMETRY.max_bytes} bytes" in stderr
-    assert (tmp_path / "out" / "telemetry.jsonl").stat().st_size <= TELEMETRY.max_bytes
+    assert f"more than {TELEMETRY_CAP} bytes" in stderr
+    assert (tmp_path / "out" / "telemetry.jsonl").stat().st_size <= TELEMETRY_CAP
     assert lying.device.apps.pid_for_bundle(BUNDLE_ID) == 0
 
 
@@ -170,3 +173,31 @@ def test_long_and_case_only_names_stay_distinct_reports(lying: Emulator, tmp_pat
     assert all(p.name.endswith(".ips") and len(p.name.encode()) <= 255 for p in pulled)
     assert len({p.name.casefold() for p in pulled}) == len(names)  # distinct on a case-insensitive disk too
     assert sorted(p.read_text() for p in pulled) == [str(i) for i in range(len(names))]
+
+
+@hostile(5, "kvrig soak SIGTERMed while its app hangs", "exit 143 within 20 s; the app stopped; results say so")
+def test_a_terminated_soak_stops_its_app(lying: Emulator, tmp_path: Path) -> None:
+    lying.device.faults = FaultPlan(hang_at_tokens=512)
+    out = tmp_path / "out"
+    env = {**os.environ, "USBMUXD_SOCKET_ADDRESS": lying.address}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvrig", *SOAK, "--udid", lying.udid, "--hang-after", "600", "-o", str(out)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not (out / "telemetry.jsonl").exists() or not raw_steps(out / "telemetry.jsonl"):  # mid-soak
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    assert lying.device.apps.pid_for_bundle(BUNDLE_ID) != 0
+    start = time.monotonic()
+    proc.terminate()
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143, stderr
+    assert time.monotonic() - start < 20 and "Traceback" not in stderr
+    assert lying.device.apps.pid_for_bundle(BUNDLE_ID) == 0
+    (run_result,) = load_model_file(ResultsFile, out / "results.json").runs
+    assert run_result.error is not None and "interrupted" in run_result.error
