@@ -248,14 +248,14 @@ def _current_step(result: SoakResult) -> str:
 
 async def _stop_app(device: Device, bundle_id: str, pid: int) -> None:
     """Kills the app this run launched, within STOP_APP_S; best effort (the phone may be what failed)."""
+
+    async def stop() -> None:
+        async with Processes(device) as processes:
+            if await processes.pid_for(bundle_id) == pid:
+                await processes.kill(pid)
+
     with contextlib.suppress(KvrigError, TimeoutError, OSError):
-
-        async def stop() -> None:
-            async with Processes(device) as processes:
-                if await processes.pid_for(bundle_id) == pid:
-                    await processes.kill(pid)
-
-        await asyncio.wait_for(asyncio.shield(stop()), STOP_APP_S)
+        await asyncio.wait_for(stop(), STOP_APP_S)
 
 
 def check_backend(plan: SoakPlan, app: AppInfo, udid: str) -> None:
