@@ -182,11 +182,15 @@ async def run_soak(
                 result.files.telemetry = TELEMETRY_OUT
             rec.done("watch", f"run ended: {watch.describe()}")
     except BaseException as exc:
-        if isinstance(exc, asyncio.CancelledError | KeyboardInterrupt):
-            result.error = result.error or f"interrupted during {_current_step(result)}; the app was stopped"
+        interrupted = isinstance(exc, asyncio.CancelledError | KeyboardInterrupt)
+        if interrupted:
+            result.error = result.error or f"interrupted during {_current_step(result)}"
             result.finished = time.time()
         if watch.pid and not watch.lost:
-            await _stop_app(device, app_bundle_id, watch.pid)
+            failed = await _stop_app(device, app_bundle_id, watch.pid)
+            if interrupted and result.error is not None:
+                # Said only once it is so: an app left running is what the next run on this phone meets.
+                result.error += "; the app was stopped" if failed is None else f"; the app may still run: {failed}"
         raise
     finally:
         await battery.stop()
@@ -246,16 +250,29 @@ def _current_step(result: SoakResult) -> str:
     return "launch" if "launch" not in done else "watch"
 
 
-async def _stop_app(device: Device, bundle_id: str, pid: int) -> None:
-    """Kills the app this run launched, within STOP_APP_S; best effort (the phone may be what failed)."""
+async def _stop_app(device: Device, bundle_id: str, pid: int) -> str | None:
+    """Kills the app this run launched, within STOP_APP_S, trying again once if the first try fails; best
+    effort (the phone may be what failed). None when it is stopped, else why not."""
 
     async def stop() -> None:
         async with Processes(device) as processes:
             if await processes.pid_for(bundle_id) == pid:
                 await processes.kill(pid)
 
-    with contextlib.suppress(KvrigError, TimeoutError, OSError):
-        await asyncio.wait_for(stop(), STOP_APP_S)
+    deadline = time.monotonic() + STOP_APP_S
+    why = "not tried"
+    for _ in range(2):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            await asyncio.wait_for(stop(), left)
+            return None
+        except TimeoutError:
+            return f"no answer within {STOP_APP_S:g} s"
+        except Exception as exc:  # whatever the phone did, the error being unwound is the one to raise
+            why = f"{type(exc).__name__}: {exc}"
+    return why
 
 
 def check_backend(plan: SoakPlan, app: AppInfo, udid: str) -> None:

@@ -84,6 +84,11 @@ def _apps(phones: Phones) -> list[int]:
     return [device.apps.pid_for_bundle(BUNDLE_ID) for device in (phones.pro15, phones.pro13)]
 
 
+def _errors(out: Path) -> list[str | None]:
+    """What each run's own results.json says happened (a worker writes it as it stops)."""
+    return [r.error for f in (out / RUNS_DIR).rglob("results.json") for r in load_model_file(ResultsFile, f).runs]
+
+
 def _wait(condition, seconds: float) -> bool:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -124,7 +129,8 @@ def test_workers_die_with_their_parent_and_stop_their_apps(hung: Phones, tmp_pat
     proc.kill()
     proc.communicate()
     assert _wait(lambda: not _alive(workers), STOPPED_WITHIN_S), f"orphans: {_alive(workers)}"
-    assert _wait(lambda: not any(_apps(hung)), 5), f"apps still running: {_apps(hung)}"
+    assert _wait(lambda: not any(_apps(hung)), 5), f"apps still running: {_apps(hung)}; the runs say {_errors(out)}"
+    assert all(e is not None and "the app was stopped" in e for e in _errors(out)), _errors(out)
     written = {p: p.stat().st_mtime_ns for p in (out / RUNS_DIR).rglob("*") if p.is_file()}
     time.sleep(2)
     assert {p: p.stat().st_mtime_ns for p in (out / RUNS_DIR).rglob("*") if p.is_file()} == written

@@ -201,3 +201,4 @@ def test_a_terminated_soak_stops_its_app(lying: Emulator, tmp_path: Path) -> Non
     assert lying.device.apps.pid_for_bundle(BUNDLE_ID) == 0
     (run_result,) = load_model_file(ResultsFile, out / "results.json").runs
     assert run_result.error is not None and "interrupted" in run_result.error
+    assert "the app was stopped" in run_result.error  # said only once the phone no longer runs it
