@@ -15,6 +15,13 @@ class KvrigError(Exception):
     exit_code = 1
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM asked kvrig to stop: what was in progress was cancelled and cleaned up (apps stopped, partial files
+    removed). Like Ctrl-C, not an error: no `except Exception` (nor `except KvrigError`) swallows it. Exit 143."""
+
+    exit_code = 143
+
+
 # --- input files: configs, profiles, schemas (exit 3) ---------------------------------------------------
 
 
@@ -142,6 +149,13 @@ class AppGenError(KvrigError):
     exit_code = 15
 
 
+class AppExistsError(AppGenError):
+    """The output folder holds files and is not a project kvrig generated (no marker file): `--force` replaces
+    only what `kvrig app` made."""
+
+    exit_code = 35
+
+
 class SwiftDepsNotFoundError(AppGenError):
     """The Linux build of the engine needs MLX Swift's sources (KVRIG_SWIFT_DEPS) and a Swift toolchain."""
 
@@ -191,6 +205,20 @@ class AppError(DeviceError):
     exit_code = 14
 
 
+class DeviceFileError(DeviceError):
+    """A file on the phone cannot be pulled as it is: not a regular file, gone, larger than kvrig pulls, or not
+    read within its deadline (a phone that claims a 2^50-byte file, or whose reads never end)."""
+
+    exit_code = 19
+
+
+class DeviceAnswerError(DeviceError):
+    """The phone answered something that is not the protocol: a value of the wrong type or size (a ProductType
+    that is a number, a 5000-digit iOS version), a plist cut off or not a dictionary."""
+
+    exit_code = 33
+
+
 # --- soak (exit 16) ----------------------------------------------------------------------------------------
 
 
@@ -214,6 +242,20 @@ class LabError(KvrigError):
     """The lab could not run: no device matched, or no run could start (partial results were written)."""
 
     exit_code = 18
+
+
+class LabOutputExistsError(LabError):
+    """`kvrig lab run -o OUT` into a folder that already holds a lab's results (or one running there now):
+    a second run never overwrites the first."""
+
+    exit_code = 34
+
+
+class OutputWriteError(KvrigError):
+    """An output file (results, JUnit, report) could not be written: the disk is full or not writable. What was
+    written before stays as it was; nothing half-written is left."""
+
+    exit_code = 38
 
 
 # --- reports and telemetry (exit 20-21) --------------------------------------------------------------------

@@ -13,8 +13,6 @@ import errno
 import json
 import os
 import shutil
-import sys
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,12 +29,14 @@ from kvrig.exceptions import (
     DoesNotFitError,
     InputError,
     ModelConfigError,
+    OutputWriteError,
     QualityGateError,
     QuantizationError,
 )
+from kvrig.fileio import scratch_dir, swap_in, sweep_scratch
 from kvrig.models import load_model_spec, spec_from_config
 from kvrig.models.gguf import embedded_default_model
-from kvrig.models.source import source_dir
+from kvrig.models.source import CONVERT_PREFIX, source_dir
 from kvrig.planner import PlanRequest, plan_memory
 from kvrig.planner.kv import check_dims
 from kvrig.profiles import list_profiles, load_profile
@@ -145,11 +145,13 @@ class _Job:
     """One `package` call's source and what it measures once: the model spec, the tokenizer, the unquantized
     model prepared for the host and the gate's texts with its perplexity on them."""
 
-    def __init__(self, src_dir: Path, source_info: SourceModel, out: Path, options: PackageOptions) -> None:
+    def __init__(self, src_dir: Path, source_info: SourceModel, out: Path, options: PackageOptions, work: Path) -> None:
         self.src_dir, self.source_info, self.out, self.options = src_dir, source_info, out, options
+        self.work = work  # the run's scratch folder beside `out`, where candidates are staged
+        self._staged = 0
         self.config_path = src_dir / "config.json"
+        self.spec = load_model_spec(self.config_path)  # first: it holds the file to its depth and size claims
         self.config: dict[str, Any] = json.loads(self.config_path.read_text())
-        self.spec = load_model_spec(self.config_path)
         self._source: Any = None
         self._texts: GateTexts | None = None
         self.say = options.progress
@@ -170,18 +172,28 @@ class _Job:
     def drop_source(self) -> None:
         self._source = None  # its memory goes back before quantized candidates load
 
+    def stage_dir(self) -> Path:
+        """A new folder in the scratch folder for one candidate bundle (renamed to `out` when it is kept)."""
+        self._staged += 1
+        return self.work / f"candidate-{self._staged}"
+
 
 def package(model: str | Path | None, out: str | Path, options: PackageOptions) -> PackageResult:
     """Quantizes `model` (HF directory, GGUF file, None: the embedded SmolLM2) into a bundle at `out`. `auto`
     weights or KV, and `fit`, choose by measuring on the model (quality/choose.py); the manifest records what
     was tried."""
     out = Path(out)
+    _sweep_leftovers(out)
     _check_options(options)
     source = _check_paths(model, out, force=options.force)
     with contextlib.ExitStack() as stack:
         with _disk_errors(out.parent):
             src_dir, source_info = stack.enter_context(source_dir(source, scratch_parent=out.parent))
-        job = _Job(src_dir, source_info, out, options)
+        # Every staged candidate lives in one hidden folder, locked for this run: removed on every way out
+        # (SIGTERM too), and swept by the next run beside it when a SIGKILL left it.
+        with _disk_errors(out.parent / f".{out.name}.partial-"):
+            work = stack.enter_context(scratch_dir(out.parent, f".{out.name}.partial-"))
+        job = _Job(src_dir, source_info, out, options, work)
         if options.fit is not None:
             return _package_fit(job, options.fit)
         kv, choice = _choose_kv(job)
@@ -192,6 +204,12 @@ def package(model: str | Path | None, out: str | Path, options: PackageOptions) 
         staged = _stage(job, recipe, kv, plan)
         quality = _gate(job, staged, recipe, kv, enforce_it=True)
         return _finish(job, staged, recipe, kv, plan, quality, choice, warnings)
+
+
+def _sweep_leftovers(out: Path) -> None:
+    """What a SIGKILLed `kvrig package` beside `out` left (its hidden bundle, its GGUF conversion) goes first."""
+    sweep_scratch(out.parent, f".{out.name}.partial-")
+    sweep_scratch(out.parent, CONVERT_PREFIX)
 
 
 def _check_options(options: PackageOptions) -> None:
@@ -257,8 +275,8 @@ class _Staged:
 
 
 def _stage(job: _Job, recipe: WeightRecipe, kv: KVSpec, plan: PlanView | None) -> _Staged:
-    """Weights, tokenizer and kvcache.json into a hidden folder beside the output; removed on any error."""
-    tmp = job.out.parent / f".{job.out.name}.partial-{uuid.uuid4().hex[:8]}"
+    """Weights, tokenizer and kvcache.json into a folder of the run's scratch folder; removed on any error."""
+    tmp = job.stage_dir()
     try:
         with _disk_errors(tmp):
             tmp.mkdir()
@@ -569,38 +587,9 @@ def _check_output(out: Path, *, force: bool) -> None:
 
 def _install(tmp: Path, out: Path, *, force: bool) -> None:
     """Renames the finished bundle into place; with `force` an existing one is swapped out, then removed."""
-    if not out.exists():
-        os.rename(tmp, out)
-        return
-    _check_output(out, force=force)  # again: it may have appeared while we quantized
-    if _exchange(tmp, out):
-        shutil.rmtree(tmp, ignore_errors=True)  # now the old bundle
-        return
-    # No atomic exchange on this system: the old bundle moves aside for the moment between two renames.
-    old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-    os.rename(out, old)
-    os.rename(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swaps two paths atomically (Linux renameat2 with RENAME_EXCHANGE); False where that is unavailable."""
-    import ctypes
-    import ctypes.util
-
-    if not sys.platform.startswith("linux"):
-        return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    renameat2 = getattr(libc, "renameat2", None)
-    if renameat2 is None:
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
-        return True
-    code = ctypes.get_errno()
-    if code in (errno.ENOSYS, errno.EINVAL):  # kernel or filesystem without RENAME_EXCHANGE
-        return False
-    raise OSError(code, os.strerror(code), str(b))
+    if out.exists() or out.is_symlink():
+        _check_output(out, force=force)  # again: it may have appeared while we quantized
+    swap_in(tmp, out)
 
 
 def _prediction(plan: PlanView | None, *, forced: bool) -> Prediction | None:
@@ -647,6 +636,8 @@ def _disk_errors(where: Path) -> Iterator[None]:
         if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise BundleWriteError(f"{where}: cannot write: {exc.strerror}") from None
         raise
+    except OutputWriteError as exc:  # a GGUF conversion that could not write its scratch folder
+        raise BundleWriteError(f"{exc}; nothing was kept") from None
     except _WeightsWriteFailed as exc:
         free = shutil.disk_usage(where.parent).free
         reason = "disk full" if free < 64 * 2**20 else "write failed"

@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from typing import Final, Literal, cast
 
 from kvrig.exceptions import KVSchemeError, QuantizationError
+from kvrig.schemas.kvcache import KV_BITS  # what kvcache.json may carry
 
 DEFAULT_GROUP_SIZE: Final = 64
 GROUP_SIZES: Final = (32, 64, 128)
@@ -135,7 +136,6 @@ def _group(group_size: int, text: str) -> int:
 # --- KV specs ----------------------------------------------------------------------------------------------
 
 Rotation = Literal["none", "hadamard", "hadamard_keys"]
-KV_BITS: Final = (2, 3, 4, 5, 6, 8)
 AUTO: Final = "auto"
 WEIGHT_CANDIDATES: Final = ("gpx-q4", "gpx-4.6", "q5", "q6", "q8")
 """What `--weights auto` tries, smallest first on every model: 4.5, ~4.6, 5.5, 6.5, 8.5 bits per weight. kvrig

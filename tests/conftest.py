@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 
 from kvrig.runtime.blas import load_openblas
+from tests.hostile_suite import Table
 
 load_openblas()
 
@@ -41,3 +42,25 @@ HEAVY_FILES = (
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(HEAVY_FILES)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(HEAVY_FILES)))
+
+
+# `pytest -m hostile`: the reliability suite's table (tests/hostile_suite.py).
+HOSTILE = Table()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    if call.when == "setup":
+        HOSTILE.add_properties(item)
+    return (yield)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    HOSTILE.record(report)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if HOSTILE.rows:
+        terminalreporter.section("reliability suite (issue 24): case, bound, verdict")
+        for line in HOSTILE.lines():
+            terminalreporter.write_line(line)

@@ -158,7 +158,8 @@ def render_engine_project(project: Path | None = None) -> Path:
     bundle = staging / "bundle" / "kvrig-engine"
     bundle.mkdir(parents=True, exist_ok=True)
     (bundle / "kvcache.json").write_text(_engine_kvcache().model_dump_json(by_alias=True, indent=2))
-    render_app(bundle, staging / "app", ENGINE_OPTIONS, force=True)
+    shutil.rmtree(staging / "app", ignore_errors=True)  # kvrig's own staging, whatever rendered it before
+    render_app(bundle, staging / "app", ENGINE_OPTIONS)
     project.mkdir(parents=True, exist_ok=True)
     # SwiftPM's own state in the project (mirrors set with `swift package config set-mirror`, the resolved pins).
     sync_tree(staging / "app", project, keep=(".swiftpm", "Package.resolved"))

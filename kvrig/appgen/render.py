@@ -3,6 +3,10 @@
 Files ending in `.j2` are Jinja templates (StrictUndefined, autoescape off: every value goes through an
 escaper from escape.py); other files are copied as they are. `_meta/` holds data about the templates (the MLX
 symbol list) and is not rendered.
+
+A project is written whole or not at all: into a hidden folder beside `out`, which is renamed into place at the
+end (swapped with the old project in one rename), and removed on any failure. Each project carries a marker file
+(MARKER); `force` replaces only a folder that has it (or an empty one), never a folder kvrig did not make.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ import json
 import re
 import shutil
 import unicodedata
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,8 +25,8 @@ import jinja2
 from pydantic import TypeAdapter
 
 from kvrig.appgen.escape import FILTERS
-from kvrig.exceptions import AppGenError, InputError
-from kvrig.fileio import read_data
+from kvrig.exceptions import AppExistsError, AppGenError, InputError
+from kvrig.fileio import read_data, scratch_dir, swap_in
 from kvrig.schemas import json_schema, load_model_file
 from kvrig.schemas.keys import COREML_MODEL_KEY
 from kvrig.schemas.kvcache import KVCacheConfig
@@ -49,6 +55,7 @@ SOAK_EXAMPLE_TEXT = (
 COREML_RESOURCE = "KvrigModel.mlpackage"
 COREML_SOURCES = ("App", "CoreML")
 
+MARKER = ".kvrig-app.json"  # in every generated project: what `--force` may replace
 _BUNDLE_ID = re.compile(r"^[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)+$")
 _TEAM_ID = re.compile(r"^[A-Z0-9]{10}$")
 
@@ -94,6 +101,12 @@ def product_name(name: str) -> str:
 def validate_options(options: AppOptions) -> None:
     if not options.name.strip():
         raise InputError("the app name is empty", field="--name", expected="a display name")
+    try:
+        options.name.encode("utf-8")
+    except UnicodeEncodeError as exc:  # bytes that were not UTF-8 on the command line arrive as lone surrogates
+        raise InputError(
+            f"the app name is not valid UTF-8 (byte {exc.start} of the name)", field="--name", expected="UTF-8 text"
+        ) from None
     if not _BUNDLE_ID.match(options.bundle_id):
         raise InputError(
             f"invalid bundle id {options.bundle_id!r}",
@@ -178,29 +191,64 @@ def _dump(data: Any) -> str:
     return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
 
 
-def render_app(bundle: str | Path, out: str | Path, options: AppOptions, *, force: bool = False) -> RenderResult:
-    """Writes the Xcode project for `bundle` into `out`.
+def check_output(out: Path, *, force: bool) -> None:
+    """`out` may take a project: absent, empty, or (with `force`) a project kvrig generated."""
+    if not out.exists() and not out.is_symlink():
+        return
+    if out.is_symlink() or not out.is_dir():
+        raise AppExistsError(f"{out}: exists and is not a folder; not replacing it")
+    if not any(out.iterdir()):
+        return
+    if not force:
+        raise AppExistsError(f"{out}: folder is not empty (use --force to replace a project kvrig generated)")
+    marker = out / MARKER
+    if marker.is_symlink() or not marker.is_file():
+        raise AppExistsError(
+            f"{out}: not a project kvrig generated (no {MARKER}); --force replaces only those, so nothing was touched"
+        )
 
-    Raises InputError for bad options or a bad bundle, AppGenError when `out` holds files and not `force`.
-    """
+
+def render_app(bundle: str | Path, out: str | Path, options: AppOptions, *, force: bool = False) -> RenderResult:
+    """Writes the Xcode project for `bundle` into `out`, whole or not at all.
+
+    Raises InputError for bad options or a bad bundle, AppExistsError when `out` holds files and is not (or,
+    without `force`, may not be replaced as) a project kvrig generated."""
     bundle, out = Path(bundle), Path(out)
     validate_options(options)
     kv, model_config = read_bundle(bundle)
-    if out.exists() and not out.is_dir():
-        raise AppGenError(f"{out}: exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()):
-        if not force:
-            raise AppGenError(f"{out}: folder is not empty (use --force to overwrite)")
-        shutil.rmtree(out)
-
+    check_output(out, force=force)
     if options.coreml_model is not None and not (options.coreml_model / "Manifest.json").is_file():
         raise InputError(
             "not a Core ML package", file=options.coreml_model, expected="a .mlpackage written by `kvrig export coreml`"
         )
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise AppGenError(f"{out.parent}: cannot create the output folder: {exc.strerror or exc}") from None
+    with _writes(out), scratch_dir(out.parent, f".{out.name}.partial-") as tmp:
+        written = _render_into(tmp, bundle, options, kv, model_config)
+        check_output(out, force=force)  # again: it may have appeared while rendering
+        swap_in(tmp, out)
+    return RenderResult(project=out, files=[out / p.relative_to(tmp) for p in written], kvcache=kv)
+
+
+@contextmanager
+def _writes(out: Path) -> Iterator[None]:
+    """Writing the project: a full disk (or a folder that cannot be written) is AppGenError naming `out`."""
+    try:
+        yield
+    except OSError as exc:
+        raise AppGenError(f"{out}: cannot write the project ({exc.strerror or exc}); nothing was changed") from None
+
+
+def _render_into(
+    root_out: Path, bundle: Path, options: AppOptions, kv: KVCacheConfig, model_config: dict[str, Any]
+) -> list[Path]:
+    """Every file of the project, written below `root_out`; returns them, the marker last."""
     root = templates_root()
     env = _environment(root)
     context = template_context(options, kv, model_config, bundle)
-    result = RenderResult(project=out, kvcache=kv)
+    written: list[Path] = []
     for source in sorted(root.rglob("*")):
         rel = source.relative_to(root)
         if source.is_dir() or rel.parts[0] == "_meta" or "__pycache__" in rel.parts:
@@ -212,25 +260,23 @@ def render_app(bundle: str | Path, out: str | Path, options: AppOptions, *, forc
                 text = env.get_template(rel.as_posix()).render(context)
             except jinja2.TemplateError as exc:
                 raise AppGenError(f"template {rel}: {exc}") from exc
-            _write(out / rel.with_suffix(""), text, result.files)
+            _write(root_out / rel.with_suffix(""), text, written)
         else:
-            _write(out / rel, source.read_text(), result.files)
+            _write(root_out / rel, source.read_text(), written)
 
     if options.coreml_model is not None:
-        shutil.copytree(options.coreml_model, out / "App" / "Resources" / COREML_RESOURCE)
-        result.files.append(out / "App" / "Resources" / COREML_RESOURCE)
+        shutil.copytree(options.coreml_model, root_out / "App" / "Resources" / COREML_RESOURCE)
+        written.append(root_out / "App" / "Resources" / COREML_RESOURCE)
 
     # Contract files: the Core tests decode exactly what Python wrote; the schemas document them for Swift.
     plan = example_soak_plan(kv)
-    _write(out / CORE_FIXTURES / "kvcache.json", _dump(kv.model_dump(mode="json", by_alias=True)), result.files)
-    _write(out / CORE_FIXTURES / SOAKPLAN_FILE, _dump(plan.model_dump(mode="json", by_alias=True)), result.files)
-    _write(out / "Schemas" / "kvcache.schema.json", _dump(json_schema(KVCacheConfig)), result.files)
-    _write(out / "Schemas" / "soakplan.schema.json", _dump(json_schema(SoakPlan)), result.files)
+    _write(root_out / CORE_FIXTURES / "kvcache.json", _dump(kv.model_dump(mode="json", by_alias=True)), written)
+    _write(root_out / CORE_FIXTURES / SOAKPLAN_FILE, _dump(plan.model_dump(mode="json", by_alias=True)), written)
+    _write(root_out / "Schemas" / "kvcache.schema.json", _dump(json_schema(KVCacheConfig)), written)
+    _write(root_out / "Schemas" / "soakplan.schema.json", _dump(json_schema(SoakPlan)), written)
     telemetry_schema = TypeAdapter(TelemetryEvent).json_schema(by_alias=True)
-    _write(out / "Schemas" / "telemetry.schema.json", _dump(telemetry_schema), result.files)
-    _write(
-        out / "Schemas" / "soakplan.example.json",
-        _dump(plan.model_dump(mode="json", by_alias=True)),
-        result.files,
-    )
-    return result
+    _write(root_out / "Schemas" / "telemetry.schema.json", _dump(telemetry_schema), written)
+    _write(root_out / "Schemas" / "soakplan.example.json", _dump(plan.model_dump(mode="json", by_alias=True)), written)
+    marker = {"generator": f"kvrig {__version__}", "app": options.name, "bundle": bundle.resolve().name}
+    _write(root_out / MARKER, _dump(marker), written)
+    return written

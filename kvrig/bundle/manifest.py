@@ -12,6 +12,7 @@ from kvrig.exceptions import BundleError, SchemaError, VerifyError
 from kvrig.fileio import sha256_file
 from kvrig.schemas import load_model_file
 from kvrig.schemas.bundle import MANIFEST_NAME, Manifest, ManifestFile
+from kvrig.schemas.kvcache import KVCACHE_NAME, KVCacheConfig
 
 
 def hash_files(root: Path) -> Iterator[ManifestFile]:
@@ -70,6 +71,8 @@ def check_bundle(bundle: str | Path, *, progress: Callable[[str], None] | None =
         if rel != MANIFEST_NAME and rel not in listed:
             problems.append(FileProblem(rel, "not listed in the manifest"))
     problems += _alignment_problems(bundle, manifest, {p.path for p in problems})
+    if not problems and KVCACHE_NAME in listed:
+        load_model_file(KVCacheConfig, bundle / KVCACHE_NAME)  # what the app decodes: SchemaError naming the field
     return VerifyResult(bundle, manifest, len(manifest.files), problems)
 
 

@@ -5,13 +5,14 @@ commands never import it. Errors from the library are mapped to messages and exi
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
 import traceback
 
 import click
 
 from kvrig.cli.output import OUTPUT
-from kvrig.exceptions import KvrigError
+from kvrig.exceptions import KvrigError, Terminated
 from kvrig.version import __version__
 
 # command name -> "module:attribute"; the module is imported only when the command runs.
@@ -101,11 +102,20 @@ def cli(verbose: bool, quiet: bool, no_color: bool) -> None:
         logging.basicConfig(level=logging.DEBUG, format="%(name)s: %(message)s")
 
 
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated("stopped by SIGTERM")
+
+
 def main(argv: list[str] | None = None) -> None:
     OUTPUT.verbosity, OUTPUT.color = 0, True  # a fresh invocation (tests call main() many times in one process)
+    # SIGTERM unwinds like Ctrl-C, so every `finally` runs: a package's hidden folders go, a soak stops its app.
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         cli.main(args=argv, prog_name="kvrig", standalone_mode=False)
-    except click.exceptions.Abort:
+    except click.exceptions.Abort as exc:
+        if isinstance(exc.__cause__, Terminated):  # click turns every KeyboardInterrupt into Abort
+            click.echo("kvrig: stopped by SIGTERM", err=True)
+            sys.exit(Terminated.exit_code)
         click.echo("Aborted.", err=True)
         sys.exit(130)
     except click.ClickException as exc:
@@ -118,6 +128,9 @@ def main(argv: list[str] | None = None) -> None:
             traceback.print_exc()
         click.echo(f"kvrig: error: {exc}", err=True)
         sys.exit(exc.exit_code)
+    except Terminated:
+        click.echo("kvrig: stopped by SIGTERM", err=True)
+        sys.exit(Terminated.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)
     except Exception as exc:

@@ -56,8 +56,10 @@ def run(
 
     Exit codes: 0 every run passed its gates; 17 a gate failed or a run ended badly (crash, hang, device
     lost, could not run); 18 the lab could not run at all (no device matched, no run could start);
-    3 the lab file is wrong; 42 --shard, --devices or --usbmuxd is wrong. A phone whose preflight fails
-    (Developer Mode off, no image, no tunnel) fails its runs with that cause."""
+    3 the lab file is wrong; 42 --shard, --devices or --usbmuxd is wrong; 34 the output folder holds a lab's
+    results already (never overwritten); 38 results could not be written (disk full); 130 Ctrl-C and 143 SIGTERM
+    (each phone's app stopped first). A phone whose preflight fails (Developer Mode off, no image, no tunnel)
+    fails its runs with that cause."""
     from kvrig.device.hosts import parse_hosts
     from kvrig.device.loop import run_async
     from kvrig.lab.schedule import run_lab
@@ -139,8 +141,7 @@ def report(results_file: Path, out_dir: Path, title: str) -> None:
     from kvrig.schemas.results import ResultsFile
 
     results = load_model_file(ResultsFile, results_file)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    click.echo(str(write_report(results, out_dir, title=title)))
+    click.echo(str(write_report(results, out_dir, title=title)))  # it makes out_dir; a failed write is exit 38
 
 
 def _render(results, *, title: str, out_dir: Path) -> None:  # type: ignore[no-untyped-def]

@@ -50,6 +50,7 @@ def telemetry(files: tuple[Path, ...], report_path: Path | None, process: str | 
                 corr = correlate(run, report, process=name, file=log.file)
             entry = summary.model_dump(mode="json")
             entry["skipped_lines"] = [s.model_dump() for s in log.skipped]
+            entry["skipped_count"] = log.skipped_lines
             entry["torn_line"] = log.torn_line
             entry["partial"] = log.partial
             if corr is not None:
@@ -87,5 +88,7 @@ def _render(s: RunSummary, log: TelemetryLog, corr: Correlation | None) -> None:
         out.print(f"  torn last line {log.torn_line} (killed mid-write), ignored")
     for sk in log.skipped:
         out.print(f"  [yellow]skipped line {sk.line}:[/yellow] {sk.reason}")
+    if log.skipped_lines > len(log.skipped):
+        out.print(f"  [yellow]... and {log.skipped_lines - len(log.skipped)} more bad lines skipped[/yellow]")
     if corr is not None:
         out.print(f"  jetsam: {corr.summary}")

@@ -66,6 +66,36 @@ def _socket_option(func):  # type: ignore[no-untyped-def]
 )
 @click.option("--handshake-timeout", is_flag=True, help="Fault: the CDTunnel handshake is never answered.")
 @click.option("--launch-errors", type=int, default=0, help="Fault: the next N launches fail (transient NSError).")
+@click.option(
+    "--claim-size",
+    multiple=True,
+    metavar="PATTERN=BYTES",
+    help="Fault: stat says files named PATTERN (fnmatch) are BYTES long; their content stays (repeatable).",
+)
+@click.option(
+    "--endless-reads", multiple=True, metavar="PATTERN", help="Fault: reads of files named PATTERN never end."
+)
+@click.option(
+    "--slow-reads",
+    multiple=True,
+    metavar="PATTERN=SECONDS",
+    help="Fault: every read of a file named PATTERN waits SECONDS before its answer (repeatable).",
+)
+@click.option(
+    "--phantom-entry", multiple=True, metavar="NAME", help="Fault: directory listings show NAME, which is not there."
+)
+@click.option(
+    "--lockdown-value",
+    multiple=True,
+    metavar="KEY=JSON",
+    help="Fault: lockdownd answers this device value instead (ProductType=7, ProductVersion='\"9999\"').",
+)
+@click.option(
+    "--lockdown-garbage",
+    type=click.Choice(["truncated", "array"]),
+    default=None,
+    help="Fault: the device values come cut off mid-plist, or as a plist array.",
+)
 @json_option
 def start(
     profile: str,
@@ -86,11 +116,31 @@ def start(
     tunnel_drop_after_bytes: int | None,
     handshake_timeout: bool,
     launch_errors: int,
+    claim_size: tuple[str, ...],
+    endless_reads: tuple[str, ...],
+    slow_reads: tuple[str, ...],
+    phantom_entry: tuple[str, ...],
+    lockdown_value: tuple[str, ...],
+    lockdown_garbage: str | None,
     as_json: bool,
 ) -> None:
     """Start a virtual iPhone and print its socket address."""
+    import json
+
     from kvrig.virtual import control
     from kvrig.virtual.faults import FaultPlan
+
+    def pairs(texts: tuple[str, ...], option: str, parse):  # type: ignore[no-untyped-def]
+        out = {}
+        for text in texts:
+            key, sep, value = text.partition("=")
+            try:
+                if not sep or not key:
+                    raise ValueError("no KEY=VALUE")
+                out[key] = parse(value)
+            except ValueError as exc:
+                raise click.BadParameter(f"{text!r}: {exc}", param_hint=option) from None
+        return out
 
     faults = FaultPlan(
         unplug_after_afc_bytes,
@@ -103,6 +153,12 @@ def start(
         tunnel_drop_after_bytes=tunnel_drop_after_bytes,
         handshake_timeout=handshake_timeout,
         launch_errors=launch_errors,
+        claim_sizes=pairs(claim_size, "--claim-size", int),
+        endless_reads=list(endless_reads),
+        slow_reads=pairs(slow_reads, "--slow-reads", float),
+        phantom_entries=list(phantom_entry),
+        lockdown_values=pairs(lockdown_value, "--lockdown-value", json.loads),
+        lockdown_garbage=lockdown_garbage,  # type: ignore[arg-type]
     )
 
     # the form libimobiledevice's tools need (UNIX:/path); kvrig reads it too

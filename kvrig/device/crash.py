@@ -2,21 +2,38 @@
 them, pull JetsamEvent and crash reports into a local folder.
 
 Report names come from the phone; they are flattened to one clean file name each and never written outside
-the output folder (see `paths`).
+the output folder (see `paths`). Each report is pulled within its bounds (`files.Bounds`: real reports are
+0.1-0.5 MB; the reader refuses more than 64 MiB anyway) and the whole pull within its deadline; an entry that
+cannot be pulled (a directory named like a report, a report rotated away between listing and pulling, one too
+large or too slow) is skipped with the reason, and the others are still pulled. Only a lost link ends a pull.
 """
 
 from __future__ import annotations
 
 import posixpath
 import re
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pymobiledevice3.services.crash_reports import CrashReportsManager
 
 from kvrig.device.discovery import Device
-from kvrig.device.paths import flat_name, safe_join, unique, write_new_file
+from kvrig.device.files import Bounds, pull_to_file
+from kvrig.device.paths import flat_name, safe_join, taken_names, unique
+from kvrig.exceptions import DeviceFileError
+from kvrig.reports.jetsam import MAX_REPORT_BYTES
 
 JETSAM_PATTERN = re.compile(r"^JetsamEvent-.*\.ips$")
+REPORT = Bounds(MAX_REPORT_BYTES, 30.0)  # one report
+MAX_LISTED = 10_000  # entries read from one listing of the store (a phone keeps a few hundred at most)
+MAX_PULLED = 64  # reports pulled in one go; newest names first (they carry the date)
+
+
+@dataclass
+class ReportPull:
+    pulled: list[Path] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # "<device path>: why", for each report not pulled
 
 
 async def flush(device: Device) -> None:
@@ -29,13 +46,13 @@ async def list_reports(device: Device, pattern: str | re.Pattern[str] | None = N
     """Paths of the reports at the top of the store ("/JetsamEvent-....ips"), optionally by name pattern."""
     match = re.compile(pattern) if isinstance(pattern, str) else pattern
     async with device.errors("listing crash reports"), CrashReportsManager(device.lockdown) as crashes:
-        entries = await crashes.ls("/", depth=1)
+        entries = (await crashes.afc.listdir("/"))[:MAX_LISTED]
     names = []
     for entry in entries:
         if posixpath.basename(entry) in ("", ".", ".."):
             continue
         if match is None or match.search(posixpath.basename(entry)):
-            names.append(entry)
+            names.append("/" + entry.lstrip("/"))
     return sorted(names)
 
 
@@ -43,22 +60,38 @@ async def list_jetsam_reports(device: Device) -> list[str]:
     return await list_reports(device, JETSAM_PATTERN)
 
 
-async def pull_reports(device: Device, paths: list[str], out_dir: str | Path) -> list[Path]:
-    """Copies the given reports into `out_dir` under cleaned, unique names; returns the local paths."""
+async def pull_reports(
+    device: Device, paths: list[str], out_dir: str | Path, *, bounds: Bounds = REPORT, timeout_s: float = 120.0
+) -> ReportPull:
+    """Copies the given reports into `out_dir` under cleaned, unique names, each within `bounds` and all within
+    `timeout_s`; what could not be pulled is listed with why."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    pulled: list[Path] = []
-    taken: set[Path] = set()
+    result = ReportPull()
+    taken = taken_names(out_dir)
+    newest_first = sorted(paths, reverse=True)
+    chosen, rest = newest_first[:MAX_PULLED], newest_first[MAX_PULLED:]
+    result.skipped += [f"{p}: more than {MAX_PULLED} reports to pull; the newest were pulled" for p in rest]
+    deadline = time.monotonic() + timeout_s
     async with device.errors("pulling crash reports"), CrashReportsManager(device.lockdown) as crashes:
-        for path in paths:
-            data = await crashes.afc.get_file_contents(path)
+        for path in sorted(chosen):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                result.skipped.append(f"{path}: not pulled, the pull's {timeout_s:g} s were spent")
+                continue
             target = unique(safe_join(out_dir, flat_name(path)), taken)
-            write_new_file(target, data)
-            pulled.append(target)
-    return pulled
+            try:
+                await pull_to_file(
+                    device, crashes.afc, path, target, Bounds(bounds.max_bytes, min(bounds.timeout_s, left))
+                )
+            except DeviceFileError as exc:
+                result.skipped.append(f"{path}: {exc}")
+                continue
+            result.pulled.append(target)
+    return result
 
 
-async def pull_new_jetsam_reports(device: Device, before: set[str], out_dir: str | Path) -> list[Path]:
+async def pull_new_jetsam_reports(device: Device, before: set[str], out_dir: str | Path) -> ReportPull:
     """Flushes, then pulls the JetsamEvent reports that were not in `before` (a listing taken earlier)."""
     await flush(device)
     new = [p for p in await list_jetsam_reports(device) if p not in before]

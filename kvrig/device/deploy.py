@@ -1,4 +1,5 @@
-"""Deploy = install the app (if given) + push the model bundle into its Documents, resumable."""
+"""Deploy = install the app (if given) + push the model bundle into its Documents, resumable. Only a bundle with
+its manifest is deployed, and only the files the manifest lists (see `files.bundle_files`)."""
 
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ async def deploy(
     """Installs `ipa` (when given) and pushes `bundle` into the app's Documents on the selected device."""
     if ipa is None and app_id is None:
         raise InputError("nothing to deploy into", expected="an .ipa (--app) or an installed app's id (--app-id)")
-    files.bundle_files(bundle)  # refuse a broken bundle before touching the phone
+    files.deployable(bundle)  # refuse a broken bundle before touching the phone
     target = ipa_bundle_id(ipa) if ipa is not None else str(app_id)
     device = await connect(udid, usbmux_address=usbmux_address)
     async with device:

@@ -8,6 +8,8 @@ the ProductType maps to one of our device profiles.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -16,9 +18,9 @@ from pymobiledevice3.lockdown import LockdownClient, create_using_usbmux
 from pymobiledevice3.lockdown_service_provider import LockdownServiceProvider
 
 from kvrig.device.address import resolve
-from kvrig.device.errors import device_errors, translate
+from kvrig.device.errors import answer_errors, device_errors, translate
 from kvrig.device.tunnel import Tunnel
-from kvrig.exceptions import DeviceError, DeviceNotFoundError
+from kvrig.exceptions import DeviceAnswerError, DeviceError, DeviceNotFoundError
 from kvrig.profiles import find_profile_by_product_type
 from kvrig.schemas.keys import VIRTUAL_KEY
 
@@ -56,18 +58,46 @@ def profile_for(product_type: str | None) -> str | None:
     return profile.name if profile is not None else None
 
 
+# The shape of each device value kvrig uses; a phone that answers anything else is described without it and
+# with the reason (DeviceAnswerError), never trusted further.
+_VALUES: dict[str, tuple[re.Pattern[str], str]] = {
+    "ProductType": (re.compile(r"[A-Za-z]{2,16}\d{1,4},\d{1,4}"), "a model identifier like iPhone16,1"),
+    "ProductVersion": (re.compile(r"\d{1,4}(\.\d{1,4}){0,3}"), "an iOS version like 17.4"),
+    "BuildVersion": (re.compile(r"[0-9A-Za-z]{1,16}"), "a build like 21E219"),
+    "DeviceName": (re.compile(r"[^\x00-\x1f\x7f]{0,255}"), "a name of at most 255 printable characters"),
+}
+
+
+def _value(udid: str, values: dict[str, Any], key: str, problems: list[str]) -> str | None:
+    value = values.get(key)
+    if value is None:
+        return None
+    pattern, expected = _VALUES[key]
+    if isinstance(value, str) and pattern.fullmatch(value):
+        return value
+    shown = repr(value) if len(repr(value)) <= 40 else f"{type(value).__name__} of {len(repr(value))} characters"
+    problems.append(f"{key} is {shown} (expected {expected})")
+    return None
+
+
 def _info(udid: str, connection: str, values: dict[str, Any]) -> DeviceInfo:
-    product_type = values.get("ProductType")
-    return DeviceInfo(
+    """What lockdownd says of a phone; values of the wrong type or shape are left out and named in `error`."""
+    problems: list[str] = []
+    product_type = _value(udid, values, "ProductType", problems)
+    info = DeviceInfo(
         udid=udid,
         connection=connection,
         product_type=product_type,
-        os_version=values.get("ProductVersion"),
-        build_version=values.get("BuildVersion"),
-        name=values.get("DeviceName"),
+        os_version=_value(udid, values, "ProductVersion", problems),
+        build_version=_value(udid, values, "BuildVersion", problems),
+        name=_value(udid, values, "DeviceName", problems),
         profile=profile_for(product_type),
         virtual=values.get(VIRTUAL_KEY) is True,
     )
+    if not problems:
+        return info
+    problem = DeviceAnswerError(f"reading device values: the device {udid} answered: {'; '.join(problems)}")
+    return dataclasses.replace(info, error=str(problem), problem=problem)
 
 
 async def list_devices(*, usbmux_address: str | None = None) -> list[DeviceInfo]:
@@ -82,7 +112,7 @@ async def list_devices(*, usbmux_address: str | None = None) -> list[DeviceInfo]
             continue
         seen.add(mux.serial)
         try:
-            async with device_errors("reading device values", udid=mux.serial):
+            async with answer_errors("reading device values", udid=mux.serial):
                 lockdown = await create_using_usbmux(
                     serial=mux.serial,
                     autopair=False,
@@ -151,7 +181,7 @@ class Device:
     async def reconnect(self) -> None:
         """A fresh lockdown session and tunnel (after the phone was unplugged and came back)."""
         await self.close()
-        async with self.errors("reconnecting"):
+        async with answer_errors("reconnecting", udid=self.udid):
             self.lockdown = await create_using_usbmux(serial=self.udid, usbmux_address=self.usbmux_address)
         if self.tunnel is not None:
             await self.tunnel.open()
@@ -178,8 +208,10 @@ async def connect(udid: str | None = None, *, usbmux_address: str | None = None)
     """Opens a lockdown session to the selected device (pairing through usbmuxd's pair record)."""
     usbmux_address = resolve(usbmux_address)
     info = await select_device(udid, usbmux_address=usbmux_address)
+    if isinstance(info.problem, DeviceAnswerError):
+        raise info.problem  # a phone whose answers break the protocol is not trusted with a session
     # A phone lockdownd could not describe (locked, not trusted) is asked again: the typed error says why.
-    async with device_errors("connecting", udid=info.udid, os_version=info.os_version):
+    async with answer_errors("connecting", udid=info.udid):
         lockdown = await create_using_usbmux(serial=info.udid, usbmux_address=usbmux_address)
     if info.error:
         with contextlib.suppress(Exception):

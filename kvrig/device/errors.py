@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from xml.parsers.expat import ExpatError
 
 from pymobiledevice3 import exceptions as pmd3
 from pymobiledevice3.dtx.exceptions import DTXNsError, DTXProtocolError
@@ -13,6 +14,7 @@ from pymobiledevice3.dtx.exceptions import DTXNsError, DTXProtocolError
 from kvrig.exceptions import (
     AppError,
     DeveloperModeOffError,
+    DeviceAnswerError,
     DeviceError,
     DeviceLockedError,
     DeviceLostError,
@@ -50,6 +52,12 @@ _LOST = (
     EOFError,
     DTXProtocolError,
 )
+
+
+# What pymobiledevice3 raises while it reads a lockdownd answer that is not the protocol: it takes the plist's
+# values as they come (a version of bytes, a reply that is a list, XML cut off), so a malformed phone surfaces
+# as these. Caught only around reading a phone's values, where the phone is the only source of them.
+_MALFORMED = (ValueError, TypeError, AttributeError, KeyError, IndexError, ExpatError)
 
 
 def translate(exc: BaseException, what: str, *, udid: str | None = None, os_version: str | None = None) -> KvrigError:
@@ -99,6 +107,19 @@ async def device_errors(what: str, *, udid: str | None = None, os_version: str |
         raise
     except Exception as exc:
         raise translate(exc, what, udid=udid, os_version=os_version) from exc
+
+
+@asynccontextmanager
+async def answer_errors(what: str, *, udid: str) -> AsyncIterator[None]:
+    """`device_errors`, and a phone whose lockdownd answers break the protocol raises DeviceAnswerError."""
+    try:
+        async with device_errors(what, udid=udid):
+            yield
+    except _MALFORMED as exc:
+        raise DeviceAnswerError(
+            f"{what}: the device {udid} answered something that is not lockdownd's protocol "
+            f"({type(exc).__name__}: {_text(exc)[:200]})"
+        ) from exc
 
 
 def problem_json(exc: KvrigError) -> dict[str, object]:

@@ -70,6 +70,7 @@ def _moved(r: SoakResult, prefix: str) -> SoakResult:
         telemetry=f"{prefix}/{f.telemetry}" if f.telemetry else None,
         jetsam_reports=[f"{prefix}/{p}" for p in f.jetsam_reports],
         crash_reports=[f"{prefix}/{p}" for p in f.crash_reports],
+        skipped_reports=f.skipped_reports,
     )
     confirmations = [
         Confirmation(**{**c.model_dump(), "folder": f"{prefix}/{c.folder}" if c.folder else None})

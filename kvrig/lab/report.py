@@ -13,7 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kvrig.exceptions import ReportError
+from kvrig.exceptions import OutputWriteError, ReportError
+from kvrig.fileio import atomic_output, atomic_write
 from kvrig.lab.gates import failures, prediction_error
 from kvrig.schemas.lab import slug
 from kvrig.schemas.results import ResultsFile, SoakResult, short_udid
@@ -48,7 +49,8 @@ def _figure(path: Path, title: str) -> Iterator[Any]:
         ax.set_title(title, fontsize=9)
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        fig.savefig(path)
+        with atomic_output(path) as tmp:
+            fig.savefig(tmp, format="png")
     finally:
         plt.close(fig)
 
@@ -174,7 +176,7 @@ def write_report(results: ResultsFile, out_dir: str | Path, *, title: str = "kvr
     try:
         images.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise ReportError(f"cannot create the report folder: {exc}", file=images) from None
+        raise OutputWriteError(f"{images}: cannot create the report folder: {exc.strerror or exc}") from None
     views = []
     used: set[str] = set()
     for r in results.runs:
@@ -202,5 +204,5 @@ def write_report(results: ResultsFile, out_dir: str | Path, *, title: str = "kvr
         runs=views,
     )
     path = out / REPORT_FILE
-    path.write_text(html)
+    atomic_write(path, html)
     return path

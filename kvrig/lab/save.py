@@ -49,4 +49,5 @@ def relocate(result: SoakResult, folder: str) -> None:
         telemetry=f"{folder}/{f.telemetry}" if f.telemetry else None,
         jetsam_reports=[f"{folder}/{p}" for p in f.jetsam_reports],
         crash_reports=[f"{folder}/{p}" for p in f.crash_reports],
+        skipped_reports=f.skipped_reports,
     )

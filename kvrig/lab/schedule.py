@@ -1,26 +1,53 @@
 """Scheduling: the runs laid out per phone (with predictions), one worker process per phone started in
-parallel, and every result a worker reports saved as it arrives."""
+parallel, and every result a worker reports saved as it arrives.
+
+A lab writes only into a folder no lab has written (LabOutputExistsError otherwise), so a second run never
+overwrites the first's results or its runs/. When the lab stops early (Ctrl-C, SIGTERM, a results file it cannot
+write), every worker is told to stop (SIGTERM: each stops its app and reports its run) and given STOP_S in all,
+then ended by force; the runs that did not finish say so, and what was learned is saved."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
+import os
 import queue as queue_module
 import time
 from pathlib import Path
+from typing import Any
 
 from kvrig.device.hosts import UsbmuxHost, list_devices_on, local_host
-from kvrig.exceptions import LabError
-from kvrig.lab.model import Event, LabResults, LabRun, device_ref, new_run
+from kvrig.exceptions import LabError, LabOutputExistsError, OutputWriteError
+from kvrig.lab.model import JUNIT_FILE, RUNS_DIR, Event, LabResults, LabRun, device_ref, new_run
 from kvrig.lab.predict import Predictor
-from kvrig.lab.report import write_report
+from kvrig.lab.report import IMAGES_DIR, REPORT_FILE, write_report
 from kvrig.lab.save import save_results
 from kvrig.lab.targets import Shard, Target, select_targets
-from kvrig.lab.worker import PhoneJob, worker_main
+from kvrig.lab.worker import STOP_S, PhoneJob, worker_main
 from kvrig.schemas.lab import Lab
-from kvrig.schemas.results import SoakResult, short_udid
+from kvrig.schemas.results import RESULTS_FILE, SoakResult, short_udid
 
 POLL_S = 0.5
+LAB_OUTPUTS = (RESULTS_FILE, JUNIT_FILE, REPORT_FILE, IMAGES_DIR, RUNS_DIR)
+
+
+def claim_output(out: Path) -> None:
+    """Makes `out` this lab's: refused when a lab has written there (or is starting there now)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        found = [name for name in LAB_OUTPUTS if (out / name).exists() or (out / name).is_symlink()]
+        if not found:
+            (out / RUNS_DIR).mkdir()  # the claim itself: of two labs starting at once, one makes it
+    except FileExistsError:
+        found = [RUNS_DIR]
+    except OSError as exc:
+        raise OutputWriteError(f"{out}: cannot create the lab's output folder: {exc.strerror or exc}") from None
+    if found:
+        raise LabOutputExistsError(
+            f"{out}: holds a lab's results already ({', '.join(found)}); a lab never overwrites another's: "
+            "give another -o, or remove that folder first"
+        )
 
 
 class Scheduler:
@@ -31,6 +58,7 @@ class Scheduler:
         self.tunnel = tunnel  # each worker opens its phone's own tunnel (`--tunnel`)
         self.results = LabResults(lab, out, [], hosts=[h.name for h in hosts])
         self.stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.runs_of: dict[str, list[LabRun]] = {}  # udid -> its runs, while workers drive them
 
     def say(self, line: str) -> None:
         if self.on_event is not None:
@@ -102,39 +130,73 @@ class Scheduler:
         # spawn, not fork: the parent may hold threads (an embedded virtual iPhone, asyncio's executor).
         ctx = multiprocessing.get_context("spawn")
         messages = ctx.Queue()
-        workers = {job.udid: ctx.Process(target=worker_main, args=(job, messages), daemon=True) for job in jobs}
-        runs = {job.udid: job.runs for job in jobs}
+        parent = os.getpid()
+        workers = {job.udid: ctx.Process(target=worker_main, args=(job, messages, parent), daemon=True) for job in jobs}
+        self.runs_of = {job.udid: job.runs for job in jobs}
         for worker in workers.values():
             worker.start()
         open_ = set(workers)
+        finished = False
         try:
             while open_:
                 try:
-                    kind, udid, payload = await asyncio.to_thread(messages.get, True, POLL_S)
+                    message = await asyncio.to_thread(messages.get, True, POLL_S)
                 except queue_module.Empty:
                     for udid in [u for u in open_ if not workers[u].is_alive()]:
-                        self._worker_died(runs[udid], f"exit code {workers[udid].exitcode}")
+                        self._worker_died(self.runs_of[udid], f"exit code {workers[udid].exitcode}")
                         open_.discard(udid)
                     continue
-                if kind == "event":
-                    self.say(payload)
-                elif kind == "run":
-                    index, data = payload
-                    runs[udid][index].result = SoakResult.model_validate_json(data)
-                    self.save()
-                elif kind == "crashed":
-                    self.say(f"{short_udid(udid)}: the worker failed:\n{payload}")
-                    self._worker_died(runs[udid], payload.strip().splitlines()[-1])
-                    open_.discard(udid)
-                elif kind == "done":
-                    open_.discard(udid)
+                if self._apply(message):
+                    open_.discard(message[1])
+            finished = True
         finally:
+            if not finished:
+                self._stop(workers, messages)
             for worker in workers.values():
                 worker.join(timeout=10)
                 if worker.is_alive():
-                    worker.terminate()
+                    worker.kill()
                     worker.join()
             messages.close()
+
+    def _apply(self, message: tuple[str, str, Any]) -> bool:
+        """Applies one worker message; True when that worker is finished."""
+        kind, udid, payload = message
+        if kind == "event":
+            self.say(payload)
+        elif kind == "run":
+            index, data = payload
+            self.runs_of[udid][index].result = SoakResult.model_validate_json(data)
+            self.save()
+        elif kind == "crashed":
+            self.say(f"{short_udid(udid)}: the worker failed:\n{payload}")
+            self._worker_died(self.runs_of[udid], payload.strip().splitlines()[-1])
+        return kind in ("crashed", "done", "stopped")
+
+    def _stop(self, workers: dict[str, Any], messages: Any) -> None:
+        """The lab is stopping early: SIGTERM to every worker (each stops its app and reports its run), STOP_S
+        for all of them, then SIGKILL; what they reported is kept and the runs left unfinished say so."""
+        self.say(f"stopping: each phone's app, then its worker (at most {STOP_S:g} s)")
+        for worker in workers.values():
+            if worker.is_alive():
+                worker.terminate()
+        deadline = time.monotonic() + STOP_S
+        for worker in workers.values():
+            worker.join(timeout=max(0.0, deadline - time.monotonic()))
+        for worker in workers.values():
+            if worker.is_alive():
+                worker.kill()
+        with contextlib.suppress(queue_module.Empty, OSError, ValueError, EOFError):
+            while True:
+                kind, udid, payload = messages.get(timeout=0.2)
+                if kind == "run":
+                    index, data = payload
+                    self.runs_of[udid][index].result = SoakResult.model_validate_json(data)
+        for run in self.results.runs:
+            if run.result.outcome is None and run.result.error is None:
+                run.result.error = "interrupted: the lab was stopped before this run finished"
+        with contextlib.suppress(OutputWriteError):  # the stop may be because nothing can be written
+            self.save()
 
     def _worker_died(self, runs: list[LabRun], why: str) -> None:
         for run in runs:
@@ -156,7 +218,7 @@ async def run_lab(
     """Runs the lab (or this runner's share of it) on the phones of `hosts`, each through the tunnel `tunnel`
     asks for (auto, userspace, tunneld[=HOST:PORT], none); writes results.json, junit.xml and report.html."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    claim_output(out)
     scheduler = Scheduler(lab, out, on_event, hosts or [local_host()], tunnel)
     scheduler.results.shard = str(shard) if shard else None
     results = await scheduler.run(shard, devices)

@@ -4,12 +4,23 @@ Each phone gets one worker process because some device state is process-wide (py
 tunnel for iOS 17+, `USBMUXD_SOCKET_ADDRESS`): phones on different hosts or needing their own tunnel cannot
 share one. `drive_phone` is the one function a worker calls; it reports back through `emit`, which the parent
 (`schedule`) turns into saved results and progress lines.
+
+A worker dies with its parent: the kernel sends it SIGTERM when the parent dies (Linux PR_SET_PDEATHSIG; a
+thread watching the parent's pid elsewhere). SIGTERM, from the dying parent or from a parent that is stopping
+the lab (Ctrl-C, SIGTERM, a results file it cannot write), cancels the run in progress, which stops the app it
+launched; the worker then reports the run and exits, or is ended by force after STOP_S. Ctrl-C itself is the
+parent's to handle: the terminal sends it to every process of the group, and a worker ignores it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import ctypes
 import os
+import signal
+import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -20,7 +31,7 @@ from typing import Any
 from kvrig.device import apps, files
 from kvrig.device.loop import run_async
 from kvrig.device.session import open_session
-from kvrig.exceptions import DeviceLostError, DeviceNotFoundError, KvrigError
+from kvrig.exceptions import DeviceLostError, DeviceNotFoundError, KvrigError, Terminated
 from kvrig.lab.model import LabRun
 from kvrig.lab.threshold import Bench, measure
 from kvrig.schemas.lab import Lab, MatrixEntry
@@ -28,8 +39,11 @@ from kvrig.schemas.results import SoakResult, short_udid
 from kvrig.soaking.driver import tunnel_ref
 
 # (kind, udid, payload): ("event", udid, line), ("run", udid, (index, result JSON)), ("done", udid, None),
-# ("crashed", udid, traceback text)
+# ("crashed", udid, traceback text), ("stopped", udid, None): told to stop, its runs reported
 Message = tuple[str, str, Any]
+STOP_S = 15.0  # from SIGTERM to the worker's end: the app stopped (STOP_APP_S), the run reported, the link closed
+PARENT_POLL_S = 0.5
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 Emit = Callable[[Message], None]
 
 
@@ -89,6 +103,11 @@ async def drive_phone(job: PhoneJob, emit: Emit) -> None:
                     await prepare(device, run.entry)
                     prepared.add(run.entry.label)
                 await measure(bench, device, run, tag)
+            except asyncio.CancelledError:
+                run.result.error = run.result.error or "interrupted: the lab was stopped during this run"
+                run.result.finished = run.result.finished or time.time()
+                saved(run)
+                raise
             except (DeviceLostError, DeviceNotFoundError) as exc:
                 lost = exc
                 not_run(run, exc)
@@ -104,6 +123,8 @@ async def drive_phone(job: PhoneJob, emit: Emit) -> None:
 async def prepare(device: Any, entry: MatrixEntry) -> None:
     """Installs the entry's app and pushes its bundle (once per device)."""
 
+    if entry.bundle_path is not None:
+        files.deployable(entry.bundle_path)  # before the app is installed: a bundle that cannot go, stops here
     if entry.ipa is not None:
         await apps.install(device, entry.ipa)
     if entry.bundle_path is not None:
@@ -135,13 +156,38 @@ def summary(r: SoakResult) -> str:
     return f"{r.entry} / {r.scheme}: {outcome}, max safe context {r.max_safe_context}{confirmed}"
 
 
-def worker_main(job: PhoneJob, queue: Any) -> None:
-    """The worker process: this phone's usbmuxd for everything in the process, then `drive_phone`."""
+def worker_main(job: PhoneJob, queue: Any, parent: int) -> None:
+    """The worker process: bound to its parent's life, this phone's usbmuxd for everything in the process, then
+    `drive_phone`."""
+    die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if job.usbmux_address is not None:
         os.environ["USBMUXD_SOCKET_ADDRESS"] = job.usbmux_address
     try:
         run_async(drive_phone(job, queue.put))
+    except Terminated:
+        queue.put(("stopped", job.udid, None))
+        return
     except BaseException:  # reported to the parent, which fails this phone's unfinished runs
         queue.put(("crashed", job.udid, traceback.format_exc()))
         raise
     queue.put(("done", job.udid, None))
+
+
+def die_with_parent(parent: int) -> None:
+    """SIGTERM to this process when `parent` dies, and its end by force STOP_S later."""
+    kernel = sys.platform.startswith("linux")
+    if kernel:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:  # it died before the kernel was asked to tell
+        os.kill(os.getpid(), signal.SIGTERM)
+    threading.Thread(target=_watch_parent, args=(parent, kernel), name="kvrig-parent", daemon=True).start()
+
+
+def _watch_parent(parent: int, kernel_signals: bool) -> None:
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_S)
+    if not kernel_signals:
+        os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(STOP_S)
+    os._exit(Terminated.exit_code)

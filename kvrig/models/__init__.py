@@ -8,6 +8,7 @@ from typing import Any
 
 from kvrig.exceptions import ModelConfigError
 from kvrig.fileio import read_data
+from kvrig.models.claims import check_claims
 from kvrig.models.gguf import read_gguf_config
 from kvrig.models.layers import DTYPE_BYTES, LayerSpec
 from kvrig.models.lazy import mlx_classes, safetensors_tensors
@@ -49,9 +50,13 @@ def read_config(ref: str | Path) -> tuple[dict[str, Any], Path]:
             raise ModelConfigError("no config.json in model directory", file=path.parent)
     if not path.exists():
         raise ModelConfigError("no such file or directory", file=path)
-    if path.suffix.lower() == ".gguf":
-        return read_gguf_config(path), path
-    return read_data(path, error=ModelConfigError, mapping="a Hugging Face config.json"), path
+    config = (
+        read_gguf_config(path)
+        if path.suffix.lower() == ".gguf"
+        else read_data(path, error=ModelConfigError, mapping="a Hugging Face config.json")
+    )
+    check_claims(config, path)
+    return config, path
 
 
 def _int_field(text: dict[str, Any], config: dict[str, Any], key: str) -> int:
@@ -70,6 +75,7 @@ def spec_from_config(
     source = str(source)
     if not isinstance(config.get("model_type"), str):
         raise ModelConfigError("missing", file=source, field="model_type", expected="a model type string")
+    check_claims(config, source)  # before a model of the claimed size is built
     model_cls, _ = mlx_classes(config, source)
     text = config["text_config"] if isinstance(config.get("text_config"), dict) else config
     dtype = str(text.get("torch_dtype") or config.get("torch_dtype") or "float16")

@@ -15,7 +15,7 @@ from typing import Any
 
 from gguf import MODEL_TENSOR, TENSOR_NAMES
 
-from kvrig.exceptions import ModelConfigError, QuantizationError, UnsupportedArchitectureError
+from kvrig.exceptions import ModelConfigError, OutputWriteError, QuantizationError, UnsupportedArchitectureError
 from kvrig.models.gguf import GGUFHeader, gguf_config_from_header, read_gguf_header
 
 # llama.cpp's tensor kinds (gguf-py names them; `TENSOR_NAMES` gives each its GGUF name) -> the Hugging Face
@@ -131,7 +131,11 @@ def convert_gguf(path: str | Path, out_dir: str | Path) -> dict[str, Any]:
         weights.pop("lm_head.weight", None)
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
+    mx.eval(weights)  # computed here, so a RuntimeError from the save below is the write's
+    try:
+        mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
+    except RuntimeError as exc:  # MLX reports a failed write (disk full) without an errno
+        raise OutputWriteError(f"{out_dir / 'model.safetensors'}: cannot write the converted model: {exc}") from None
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     write_tokenizer(header, out_dir)
     return config

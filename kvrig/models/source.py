@@ -1,19 +1,21 @@
 """A model source in the Hugging Face layout, whatever it was given as: a folder is used as it is, a GGUF file is
-converted into a scratch folder for as long as it is needed."""
+converted into a scratch folder for as long as it is needed (removed on every way out; one a SIGKILLed run left
+is removed by the next conversion beside it, see `fileio.scratch_dir`)."""
 
 from __future__ import annotations
 
 import contextlib
-import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 from kvrig.exceptions import ModelConfigError
-from kvrig.fileio import read_data, sha256_file
+from kvrig.fileio import check_json_files, read_data, scratch_dir, sha256_file
 from kvrig.models.gguf import read_gguf_config
 from kvrig.models.gguf_convert import convert_gguf
 from kvrig.schemas.bundle import SourceModel
+
+CONVERT_PREFIX = ".kvrig-convert-"
 
 
 @contextlib.contextmanager
@@ -21,6 +23,7 @@ def source_dir(source: Path, *, scratch_parent: Path | None = None) -> Iterator[
     """A Hugging Face-layout directory for `source` and what it was (a GGUF is converted into a scratch folder
     in `scratch_parent`, default the system's temporary folder, removed afterwards)."""
     if source.is_dir():
+        check_json_files(source, error=ModelConfigError)  # the tokenizer's files are read by recursive parsers
         config = read_data(source / "config.json", error=ModelConfigError, mapping="a JSON object")
         yield (
             source,
@@ -33,8 +36,7 @@ def source_dir(source: Path, *, scratch_parent: Path | None = None) -> Iterator[
         )
         return
     config = read_gguf_config(source)  # fails fast on a non-GGUF file or an unknown architecture
-    scratch = Path(tempfile.mkdtemp(prefix=".kvrig-convert-", dir=scratch_parent))
-    try:
+    with scratch_dir(scratch_parent or Path(tempfile.gettempdir()), CONVERT_PREFIX) as scratch:
         convert_gguf(source, scratch)
         yield (
             scratch,
@@ -46,5 +48,3 @@ def source_dir(source: Path, *, scratch_parent: Path | None = None) -> Iterator[
                 architecture=config["model_type"],
             ),
         )
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)

@@ -2,14 +2,18 @@
 the JetsamEvent report that ended it.
 
 The app can be killed mid-write, so a last line without its newline that does not parse is expected: it is
-kept aside as `torn_line`, not an error. Bad lines elsewhere are skipped and listed with their line number.
+kept aside as `torn_line`, not an error. Bad lines elsewhere are skipped and counted; the first
+MAX_SKIPPED_LISTED are listed with their line number and why. The file is read line by line, and a line that
+cannot be a JSON object is skipped without parsing it, so memory and time follow the records, not the garbage.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
@@ -26,6 +30,7 @@ from kvrig.schemas.telemetry import (
 )
 
 MAX_TELEMETRY_BYTES = 512 * 1024 * 1024
+MAX_SKIPPED_LISTED = 20  # bad lines described one by one; the rest are only counted
 _EVENT = TypeAdapter(TelemetryEvent)
 _CHECKPOINTS = [2**k for k in range(8, 21)]  # 256 .. 1M tokens: where tok/s is reported
 _CURVE_POINTS = 24
@@ -57,12 +62,15 @@ class TelemetryLog(BaseModel):
     file: str
     runs: list[TelemetryRun]
     lines: int
-    skipped: list[SkippedLine] = Field(default_factory=list)
+    skipped: list[SkippedLine] = Field(
+        default_factory=list, description=f"the first {MAX_SKIPPED_LISTED} bad lines, with why"
+    )
+    skipped_lines: int = Field(0, description="how many lines were skipped in all")
     torn_line: int | None = Field(None, description="number of the torn last line (killed mid-write)")
 
     @property
     def partial(self) -> bool:
-        return bool(self.skipped)
+        return bool(self.skipped_lines)
 
 
 class RunSummary(BaseModel):
@@ -114,63 +122,83 @@ class Correlation(BaseModel):
 def read_telemetry(path: str | Path) -> TelemetryLog:
     """All runs in a telemetry file. Raises ReportError only when nothing in it is usable."""
     path = Path(path)
-    data = _read_bytes(path)
-    raw_lines = data.split(b"\n")
-    ends_with_newline = data.endswith(b"\n")
-    if ends_with_newline:
-        raw_lines.pop()
     runs: dict[str, list[Any]] = {}
     skipped: list[SkippedLine] = []
+    skipped_lines = 0
     torn: int | None = None
-    for number, raw in enumerate(raw_lines, start=1):
-        if not raw.strip():
-            continue
-        is_last = number == len(raw_lines)
-        try:
-            obj = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-            if is_last and not ends_with_newline:
+    number = 0
+    with _open(path) as lines:
+        for number, raw in enumerate(lines, start=1):
+            if not raw.strip():
+                continue
+            torn_candidate = not raw.endswith(b"\n")  # only the last line can lack its newline
+            reason, event = _parse_line(raw)
+            if event is not None:
+                runs.setdefault(event.run_id, []).append(event)
+            elif torn_candidate and reason.startswith("not JSON"):
                 torn = number
             else:
-                skipped.append(SkippedLine(line=number, reason=f"not JSON: {_short(exc)}"))
-            continue
-        try:
-            event = _EVENT.validate_python(obj)
-        except ValidationError as exc:
-            field, message, expected = describe_validation_error(exc)
-            why = f"field '{field}': {message}" + (f" (expected {expected})" if expected else "")
-            skipped.append(SkippedLine(line=number, reason=why))
-            continue
-        runs.setdefault(event.run_id, []).append(event)
+                skipped_lines += 1
+                if len(skipped) < MAX_SKIPPED_LISTED:
+                    skipped.append(SkippedLine(line=number, reason=reason))
     if not runs:
         first = skipped[0] if skipped else None
         detail = f"; line {first.line}: {first.reason}" if first else ""
+        if skipped_lines > 1:
+            detail += f" ({skipped_lines} bad lines in all)"
         if torn is not None and not skipped:
             detail = f"; only a torn line {torn}"
         raise ReportError(f"no telemetry records{detail}", file=path, expected="JSON Lines telemetry events")
     return TelemetryLog(
         file=str(path),
         runs=[TelemetryRun(run_id=rid, events=sorted(ev, key=lambda e: e.seq)) for rid, ev in runs.items()],
-        lines=len(raw_lines),
+        lines=number,
         skipped=skipped,
+        skipped_lines=skipped_lines,
         torn_line=torn,
     )
 
 
-def _read_bytes(path: Path) -> bytes:
+def _parse_line(raw: bytes) -> tuple[str, Any]:
+    """(why it was skipped, None) or ("", the event) for one line."""
+    if not raw.lstrip().startswith(b"{"):  # no JSON object can start otherwise: skipped without parsing
+        return "not JSON: not an object", None
     try:
-        size = path.stat().st_size
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        return f"not JSON: {_short(exc)}", None
+    try:
+        return "", _EVENT.validate_python(obj)
+    except ValidationError as exc:
+        field, message, expected = describe_validation_error(exc)
+        return f"field '{field}': {message}" + (f" (expected {expected})" if expected else ""), None
+
+
+def end_record(raw: bytes, run_id: str) -> EndEvent | None:
+    """The end record of run `run_id` if this one line is it (a cheap test first: most lines are steps)."""
+    if b'"end"' not in raw:
+        return None
+    _, event = _parse_line(raw)
+    return event if isinstance(event, EndEvent) and event.run_id == run_id else None
+
+
+@contextlib.contextmanager
+def _open(path: Path) -> Iterator[BinaryIO]:
+    try:
         if path.is_dir():
             raise ReportError("is a directory, not a telemetry file", file=path)
+        size = path.stat().st_size
         if size > MAX_TELEMETRY_BYTES:
             raise ReportError(
                 f"file is {size} bytes, too large", file=path, expected=f"at most {MAX_TELEMETRY_BYTES} bytes"
             )
-        return path.read_bytes()
+        f = path.open("rb")
     except FileNotFoundError:
         raise ReportError("file not found", file=path) from None
     except OSError as exc:
         raise ReportError(f"cannot read: {exc.strerror or exc}", file=path) from None
+    with f:
+        yield f
 
 
 def _short(exc: Exception) -> str:

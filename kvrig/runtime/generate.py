@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvrig.exceptions import ModelConfigError
+from kvrig.fileio import check_json_files
 from kvrig.kvcache.caches import make_caches, maybe_quantize
 from kvrig.runtime.host import load_bundle_model
 from kvrig.schemas import load_model_file
@@ -142,6 +144,7 @@ class LoadedBundle:
 def load_bundle(path: str | Path) -> LoadedBundle:
     path = Path(path)
     kv = load_model_file(KVCacheConfig, path / KVCACHE_NAME)
+    check_json_files(path, error=ModelConfigError)  # mlx-lm's loaders recurse into whatever nesting they get
     model, tokenizer, config = load_bundle_model(path)
     return LoadedBundle(path, model, tokenizer, config, kv)
 

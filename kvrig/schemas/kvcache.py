@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Final, Literal
+from typing import Annotated, Any, Final, Literal
 
-from pydantic import Field, model_validator
+from pydantic import AfterValidator, Field, model_validator
 
 from kvrig.schemas import StrictModel
 
@@ -16,6 +16,18 @@ app maps the weights from the file (`mapped`: every tensor starts on `weights_al
 
 WeightsLayout = Literal["loaded", "mapped"]
 
+KV_BITS: Final = (2, 3, 4, 5, 6, 8)
+"""The bits MLX quantizes a KV cache to (mx.quantize); anything else is refused where kvcache.json is read."""
+
+
+def _mlx_bits(bits: int) -> int:
+    if bits not in KV_BITS:
+        raise ValueError(f"{bits} bits: MLX quantizes to {', '.join(map(str, KV_BITS))} bits")
+    return bits
+
+
+KVBits = Annotated[int, AfterValidator(_mlx_bits), Field(json_schema_extra={"enum": list(KV_BITS)})]
+
 CacheKind = Literal["full", "sliding", "shared", "linear", "latent"]
 """full: grows with context; sliding: ring of `window` tokens; shared: reuses `source_layer`'s cache;
 linear: constant recurrent state; latent: MLA compressed latent (+ rope part) that grows with context."""
@@ -26,8 +38,8 @@ class LayerCache(StrictModel):
     kind: CacheKind
     window: int | None = Field(default=None, ge=1, description="ring size in tokens, sliding layers only")
     source_layer: int | None = Field(default=None, ge=0, description="shared layers only")
-    key_bits: int | None = Field(default=None, description="null: stored in the activation dtype")
-    value_bits: int | None = None
+    key_bits: KVBits | None = Field(default=None, description="null: stored in the activation dtype")
+    value_bits: KVBits | None = None
 
     @model_validator(mode="after")
     def _kind_fields(self) -> LayerCache:
@@ -48,8 +60,8 @@ class KVCacheConfig(StrictModel):
     schema_version: Literal[2, 3] = Field(default=KVCACHE_SCHEMA_VERSION, alias="schema")
     scheme: str = Field(description="name such as k8v4, fp16")
     dtype: Literal["float16", "bfloat16", "float32"] = "float16"
-    key_bits: int | None = Field(description="null: keys unquantized")
-    value_bits: int | None
+    key_bits: KVBits | None = Field(description="null: keys unquantized")
+    value_bits: KVBits | None
     group_size: int = Field(ge=1)
     quantized_kv_start: int = Field(ge=0, description="context length at which quantization begins")
     rotation: Literal["none", "hadamard_keys", "hadamard"] = Field(

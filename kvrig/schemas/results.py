@@ -93,6 +93,10 @@ class SoakFiles(StrictModel):
     telemetry: str | None = None
     jetsam_reports: list[str] = Field(default_factory=list)
     crash_reports: list[str] = Field(default_factory=list)
+    skipped_reports: list[str] = Field(
+        default_factory=list,
+        description="reports the phone listed that were not pulled, each with why (not a file, gone, too large)",
+    )
 
 
 class Confirmation(StrictModel):

@@ -9,6 +9,12 @@ is alive but stops writing has hung.
 results.json in the output folder is rewritten after every step, so a run that fails half-way leaves what
 it learned (`error` names the step).
 
+Every read from the phone is bounded (`files.Bounds`): the telemetry is pulled as it grows, only the new bytes,
+and only the new lines are looked at for the end record, up to TELEMETRY.max_bytes in all; each poll within
+the run's own times (CALL_TIMEOUT_S, never longer than `hang_after_s`); reports within `report_wait_s` plus
+CALL_TIMEOUT_S, one bad entry skipped with why. A run that fails or is interrupted (Ctrl-C, SIGTERM, its lab
+worker told to stop) stops the app it launched before it ends, within STOP_APP_S.
+
 On iOS 17+ the run goes through one tunnel (see `kvrig.device.session`), held for the whole run. When
 process control stops answering, os_trace's process list (over lockdown, no tunnel) tells a dropped tunnel
 from a vanished phone; either may come back within `reconnect_s` and the run resumes, else it ends as
@@ -31,7 +37,7 @@ from kvrig.device import crash, ostrace
 from kvrig.device.apps import AppInfo, get_app
 from kvrig.device.battery import BatteryReader
 from kvrig.device.discovery import Device
-from kvrig.device.files import DOCUMENTS, Container
+from kvrig.device.files import DOCUMENTS, Bounds, Container
 from kvrig.device.processes import Processes
 from kvrig.device.session import open_session
 from kvrig.device.tunnel import HANDSHAKE_TIMEOUT_S, TunnelMode
@@ -44,6 +50,7 @@ from kvrig.exceptions import (
     NoTunnelError,
 )
 from kvrig.fileio import atomic_write
+from kvrig.reports.telemetry import end_record
 from kvrig.schemas.keys import COREML_MODEL_KEY
 from kvrig.schemas.results import (
     RESULTS_FILE,
@@ -64,6 +71,10 @@ TELEMETRY_OUT = "telemetry.jsonl"
 REPORTS_OUT = "reports"
 KILL_WAIT_S = 10.0
 CALL_TIMEOUT_S = 30.0  # one poll of the phone; a tunnel whose transport died may never answer
+MIN_READ_S = 5.0  # a telemetry read gets at least this long, however short `hang_after_s` is
+STOP_APP_S = 10.0  # stopping the app when a run fails or is interrupted
+# A soak's telemetry is about 1 MiB at most (a step record every few hundred tokens); 16 MiB is an app gone wrong.
+TELEMETRY = Bounds(16 * 1024 * 1024, CALL_TIMEOUT_S)
 
 
 @dataclass
@@ -170,21 +181,35 @@ async def run_soak(
             if watch.pulled:
                 result.files.telemetry = TELEMETRY_OUT
             rec.done("watch", f"run ended: {watch.describe()}")
+    except BaseException as exc:
+        interrupted = isinstance(exc, asyncio.CancelledError | KeyboardInterrupt)
+        if interrupted:
+            result.error = result.error or f"interrupted during {_current_step(result)}"
+            result.finished = time.time()
+        if watch.pid and not watch.lost:
+            failed = await _stop_app(device, app_bundle_id, watch.pid)
+            if interrupted and result.error is not None:
+                # Said only once it is so: an app left running is what the next run on this phone meets.
+                result.error += "; the app was stopped" if failed is None else f"; the app may still run: {failed}"
+        raise
     finally:
         await battery.stop()
         result.interruptions = watch.interruptions
         result.tunnel = tunnel_ref(device)
+        if watch.pulled:
+            result.files.telemetry = TELEMETRY_OUT
         rec.save()
 
     jetsam_paths: list[Path] = []
     crash_paths: list[Path] = []
     if not watch.lost:
         with rec.step("pull reports"):
-            jetsam_paths, crash_paths = await _pull_new_reports(
+            jetsam_paths, crash_paths, skipped = await _pull_new_reports(
                 device, before, out / REPORTS_OUT, app.executable, wait_s=opts.report_wait_s if watch.died else 0
             )
             result.files.jetsam_reports = [p.relative_to(out).as_posix() for p in jetsam_paths]
             result.files.crash_reports = [p.relative_to(out).as_posix() for p in crash_paths]
+            result.files.skipped_reports = skipped
             rec.done("pull reports")
 
     run = telemetry_run(out / TELEMETRY_OUT, plan.run_id)
@@ -218,6 +243,36 @@ async def run_soak(
     result.finished = time.time()
     rec.done("classify", f"outcome: {result.outcome} ({detail})")
     return result
+
+
+def _current_step(result: SoakResult) -> str:
+    done = result.steps_done
+    return "launch" if "launch" not in done else "watch"
+
+
+async def _stop_app(device: Device, bundle_id: str, pid: int) -> str | None:
+    """Kills the app this run launched, within STOP_APP_S, trying again once if the first try fails; best
+    effort (the phone may be what failed). None when it is stopped, else why not."""
+
+    async def stop() -> None:
+        async with Processes(device) as processes:
+            if await processes.pid_for(bundle_id) == pid:
+                await processes.kill(pid)
+
+    deadline = time.monotonic() + STOP_APP_S
+    why = "not tried"
+    for _ in range(2):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            await asyncio.wait_for(stop(), left)
+            return None
+        except TimeoutError:
+            return f"no answer within {STOP_APP_S:g} s"
+        except Exception as exc:  # whatever the phone did, the error being unwound is the one to raise
+            why = f"{type(exc).__name__}: {exc}"
+    return why
 
 
 def check_backend(plan: SoakPlan, app: AppInfo, udid: str) -> None:
@@ -309,10 +364,14 @@ class _Watch:
         self.end_seen = self.hung = self.timed_out = self.lost = self.pulled = False
         self.end_reason: str | None = None
         self.last_size: int | None = None
+        self.offset = 0  # bytes of the remote telemetry file held in `local`
+        self.scanned = 0  # where the first line not yet looked at for the end record starts in `local`
         timeout = opts.timeout_s
         if timeout is None and plan.stop.max_seconds is not None:
             timeout = plan.stop.max_seconds + opts.hang_after_s
         self.timeout_s = timeout
+        # No read outlasts what the run itself would wait for: a read that long is no progress (a hang).
+        self.read_bounds = Bounds(TELEMETRY.max_bytes, max(MIN_READ_S, min(TELEMETRY.timeout_s, opts.hang_after_s)))
 
     def describe(self) -> str:
         for flag, text in (
@@ -341,14 +400,14 @@ class _Watch:
                         await asyncio.sleep(self.opts.poll_interval_s)
                         now = time.monotonic()
                         alive = await _call(processes.pid_for(self.bundle_id), "looking up the app")
-                        if await self._poll_telemetry(container):
+                        if await self._pull_telemetry(container):
                             last_change = now
                         if self.end_seen:
                             await self._kill(processes, alive)  # a finished app stays in the foreground
                             return
                         if alive != self.pid:
                             # Gone; a last look for records written just before it died.
-                            await self._poll_telemetry(container)
+                            await self._pull_telemetry(container)
                             return
                         if now - last_change > self.opts.hang_after_s:
                             self.hung = True
@@ -370,21 +429,38 @@ class _Watch:
         """Only the tunnel is gone: lockdown still reaches the app's files, so pull what it wrote last."""
         with contextlib.suppress(KvrigError):
             async with Container(self.device, self.bundle_id) as container:
-                await _call(self._poll_telemetry(container), "pulling telemetry")
+                await self._pull_telemetry(container)
+
+    async def _pull_telemetry(self, container: Container) -> bool:
+        # The read keeps its own deadline (DeviceFileError); the stat before it gets the usual one.
+        return await _call(
+            self._poll_telemetry(container), "pulling telemetry", CALL_TIMEOUT_S + self.read_bounds.timeout_s
+        )
 
     async def _poll_telemetry(self, container: Container) -> bool:
-        """Pulls the telemetry file when it grew; True if it changed."""
+        """Pulls what the telemetry file gained since the last poll; True if it changed."""
         size = await container.size(self.remote)
         if size is None or size == self.last_size:
             return False
         self.last_size = size
-        data = await container.read(self.remote)
-        self.local.write_bytes(data)
+        if size < self.offset:  # written again from the start: nothing held so far is that file
+            self.offset = self.scanned = 0
+        self.offset += await container.append_new(self.remote, self.local, self.offset, self.read_bounds)
         self.pulled = True
-        run = telemetry_run(self.local, self.plan.run_id)
-        if run is not None and run.end is not None:
-            self.end_seen, self.end_reason = True, run.end.reason
+        self._look_for_the_end()
         return True
+
+    def _look_for_the_end(self) -> None:
+        """Reads the whole lines pulled since the last look (a torn last line waits for the next poll)."""
+        with self.local.open("rb") as f:
+            f.seek(self.scanned)
+            for line in f:
+                if not line.endswith(b"\n"):
+                    break
+                self.scanned += len(line)
+                end = end_record(line, self.plan.run_id)
+                if end is not None:
+                    self.end_seen, self.end_reason = True, end.reason
 
     async def _kill(self, processes: Processes, pid: int) -> None:
         """Kills the app and waits (briefly) until the phone no longer lists it."""
@@ -433,31 +509,35 @@ class _Watch:
             return True
 
 
-async def _call(awaitable: Awaitable[T], what: str) -> T:
+async def _call(awaitable: Awaitable[T], what: str, timeout_s: float = CALL_TIMEOUT_S) -> T:
     """One call to the phone, bounded: a tunnel whose transport died may leave a reply pending forever."""
     try:
-        return await asyncio.wait_for(awaitable, CALL_TIMEOUT_S)
+        return await asyncio.wait_for(awaitable, timeout_s)
     except TimeoutError:
-        raise DeviceLostError(f"{what}: the phone did not answer within {CALL_TIMEOUT_S:g} s") from None
+        raise DeviceLostError(f"{what}: the phone did not answer within {timeout_s:g} s") from None
 
 
 async def _pull_new_reports(
     device: Device, before: set[str], out_dir: Path, process: str, *, wait_s: float
-) -> tuple[list[Path], list[Path]]:
-    """JetsamEvent reports and the app's own crash reports filed since `before`, pulled into out_dir.
+) -> tuple[list[Path], list[Path], list[str]]:
+    """JetsamEvent reports and the app's own crash reports filed since `before`, pulled into out_dir, and the
+    ones that could not be pulled with why.
 
     The kernel files the report shortly after the kill, so an app that died without an end record gets
-    `wait_s` seconds for its report to appear."""
+    `wait_s` seconds for its report to appear; the pulls then get CALL_TIMEOUT_S between them."""
     deadline = time.monotonic() + wait_s
     while True:
-        await crash.flush(device)
-        new = [p for p in await crash.list_reports(device) if p not in before]
+        await _call(crash.flush(device), "flushing crash reports")
+        new = [p for p in await _call(crash.list_reports(device), "listing crash reports") if p not in before]
         jetsam = [p for p in new if crash.JETSAM_PATTERN.match(os.path.basename(p))]
         own = [p for p in new if os.path.basename(p).startswith(f"{process}-")]
         if jetsam or own or time.monotonic() >= deadline:
             break
         await asyncio.sleep(0.5)
-    return await crash.pull_reports(device, jetsam, out_dir), await crash.pull_reports(device, own, out_dir)
+    pulls_end = time.monotonic() + CALL_TIMEOUT_S
+    kills = await crash.pull_reports(device, jetsam, out_dir, timeout_s=CALL_TIMEOUT_S)
+    crashes = await crash.pull_reports(device, own, out_dir, timeout_s=max(1.0, pulls_end - time.monotonic()))
+    return kills.pulled, crashes.pulled, kills.skipped + crashes.skipped
 
 
 async def soak(

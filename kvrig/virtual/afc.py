@@ -5,14 +5,17 @@ Packets: 40-byte little-endian header ("CFA6LPAA", entire length, this length, p
 the operation's payload. Replies echo the packet number and carry a STATUS (u64 error code), DATA, or a
 FILE_OPEN_RES / FILE_TELL_RES. Paths are confined to the served folder the way the phone's sandbox confines
 them: ".." cannot climb above "/", a path outside the vended part is refused with PERM_DENIED, and a link
-that points outside is not followed.
+that points outside is not followed. A phone that lies (faults.py: claimed sizes, endless or stalling reads,
+listed entries that are not there) lies here, to every AFC client.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import posixpath
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -32,6 +35,7 @@ from pymobiledevice3.services.afc import (
     AfcOpcode,
 )
 
+from kvrig.virtual.faults import FaultPlan
 from kvrig.virtual.phone import Link
 from kvrig.virtual.wire import ProtocolViolation
 
@@ -96,10 +100,19 @@ def _kv(pairs: dict[str, object]) -> bytes:
 
 
 class AfcSession:
-    def __init__(self, root: AfcRoot) -> None:
+    def __init__(self, root: AfcRoot, faults: Callable[[], FaultPlan] = FaultPlan) -> None:
         self.root = root
+        self.faults = faults  # read at every operation: a test changes a running phone's faults
         self.handles: dict[int, IO[bytes]] = {}
+        self.handle_paths: dict[int, str] = {}  # handle -> device path, for the faults that lie about a file
         self._next_handle = 1
+
+    def read_delay_s(self, op: AfcOpcode, payload: bytes) -> float:
+        """How long this phone stalls before answering a READ of a file a `slow_reads` fault names."""
+        if op != AfcOpcode.READ or len(payload) < U64_LE.size:
+            return 0.0
+        path = self.handle_paths.get(ByteReader(payload).unpack_one(U64_LE))
+        return self.faults().read_delay_s(path) if path is not None else 0.0
 
     def close(self) -> None:
         for f in self.handles.values():
@@ -144,10 +157,11 @@ class AfcSession:
                 raise AfcFailure(AfcError.OBJECT_NOT_FOUND)
             if not folder.is_dir():
                 raise AfcFailure(AfcError.READ_ERROR)  # what a phone answers for listing a regular file
-            names = [".", "..", *sorted(p.name for p in folder.iterdir())]
+            names = [".", "..", *sorted(p.name for p in folder.iterdir()), *self.faults().phantom_entries]
             return AfcOpcode.DATA, b"".join(CSTRING.build(n) for n in names)
         if op == AfcOpcode.GET_FILE_INFO:
-            path = root.host(_paths(payload)[0], follow=False)
+            device_path = _paths(payload)[0]
+            path = root.host(device_path, follow=False)
             if not path.exists() and not path.is_symlink():
                 raise AfcFailure(AfcError.OBJECT_NOT_FOUND)
             st = path.lstat()
@@ -156,6 +170,8 @@ class AfcSession:
             if kind == "S_IFDIR":
                 # APFS sizes a directory by its entries (64 bytes empty), not in 4 KiB blocks as ext4 does.
                 size = 64 + 32 * sum(1 for _ in path.iterdir())
+            claimed = self.faults().claimed_size(device_path) if kind == "S_IFREG" else None
+            size = size if claimed is None else claimed
             info: dict[str, object] = {
                 "st_size": size,
                 "st_blocks": st.st_blocks,
@@ -212,6 +228,7 @@ class AfcSession:
             handle = self._next_handle
             self._next_handle += 1
             self.handles[handle] = opened
+            self.handle_paths[handle] = root.device_path(request.filename)
             return AfcOpcode.FILE_OPEN_RES, AfcFopenResponse(handle=handle).build()
         if op in (
             AfcOpcode.READ,
@@ -229,7 +246,10 @@ class AfcSession:
             if f is None:
                 raise AfcFailure(AfcError.INVALID_ARG)
             if op == AfcOpcode.READ:
-                return AfcOpcode.DATA, f.read(AfcFreadRequest.parse(payload).size)
+                size = AfcFreadRequest.parse(payload).size
+                if self.faults().endless(self.handle_paths[handle]):
+                    return AfcOpcode.DATA, (b"x\n" * (size // 2 + 1))[:size]
+                return AfcOpcode.DATA, f.read(size)
             if op == AfcOpcode.WRITE:
                 f.write(reader.read_all())
                 return _status(AfcError.SUCCESS)
@@ -244,6 +264,7 @@ class AfcSession:
                 return _status(AfcError.SUCCESS)
             if op == AfcOpcode.FILE_CLOSE:
                 self.handles.pop(handle).close()
+                self.handle_paths.pop(handle, None)
             return _status(AfcError.SUCCESS)
         if op == AfcOpcode.SET_FILE_TIME:
             return _status(AfcError.SUCCESS)
@@ -251,7 +272,7 @@ class AfcSession:
 
 
 async def serve_afc(link: Link, root: AfcRoot) -> None:
-    session = AfcSession(root)
+    session = AfcSession(root, lambda: link.device.faults)
     try:
         while True:
             try:
@@ -262,6 +283,8 @@ async def serve_afc(link: Link, root: AfcRoot) -> None:
             if entire < AFC_HEADER_SIZE or entire > MAX_PACKET:
                 raise ProtocolViolation(f"bad AFC header length {entire}")
             payload = await link.recv_exactly(entire - AFC_HEADER_SIZE) if entire > AFC_HEADER_SIZE else b""
+            if delay := session.read_delay_s(header.operation, payload):
+                await asyncio.sleep(delay)
             reply_op, reply = session.handle(header.operation, payload)
             length = AFC_HEADER_SIZE + len(reply)
             reply_header = AfcHeader(

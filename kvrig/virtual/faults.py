@@ -10,12 +10,20 @@
   set every new tunnel drops too, a tunnel that does not come back; clear it and the next tunnel works)
 - handshake timeout (CoreDeviceProxy accepts the connection but never answers the CDTunnel handshake)
 - transient launch errors (the next N launches fail with an NSError of com.apple.dt.deviceprocesscontrolservice)
+- a phone that lies (every AFC root: crash store, app containers, media; files matched by name, `fnmatch`):
+  a size it claims for a file (`stat` answers it, the content stays what it is), reads that never reach the end
+  (every READ returns a full chunk of `x` lines), reads that stall (each READ waits N seconds before its reply),
+  directory entries that are listed but not there (a report rotated away between listing and pulling)
+- lockdownd values of the wrong type or size (a ProductType that is a number, a ProductVersion of 5000 digits)
+  and device values that are not a plist dictionary (cut off mid-plist, or a plist array)
 """
 
 from __future__ import annotations
 
+import fnmatch
+import posixpath
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from kvrig.exceptions import VirtualFaultError
 
@@ -32,6 +40,21 @@ class FaultPlan:
     tunnel_drop_after_bytes: int | None = None
     handshake_timeout: bool = False
     launch_errors: int = 0
+    claim_sizes: dict[str, int] = field(default_factory=dict)  # file-name pattern -> the st_size stat answers
+    endless_reads: list[str] = field(default_factory=list)  # file-name patterns whose reads never reach the end
+    slow_reads: dict[str, float] = field(default_factory=dict)  # file-name pattern -> seconds each READ waits
+    phantom_entries: list[str] = field(default_factory=list)  # names every directory listing shows, not there
+    lockdown_values: dict[str, Any] = field(default_factory=dict)  # device values lockdownd answers instead
+    lockdown_garbage: Literal["truncated", "array"] | None = None  # the device values as a broken plist
+
+    def claimed_size(self, device_path: str) -> int | None:
+        return next((size for pattern, size in self.claim_sizes.items() if _named(device_path, pattern)), None)
+
+    def endless(self, device_path: str) -> bool:
+        return any(_named(device_path, pattern) for pattern in self.endless_reads)
+
+    def read_delay_s(self, device_path: str) -> float:
+        return max((s for pattern, s in self.slow_reads.items() if _named(device_path, pattern)), default=0.0)
 
     def check(self, ios: str) -> None:
         """Refuses faults a phone of this iOS version cannot have."""
@@ -48,7 +71,7 @@ class FaultPlan:
 
     def to_json(self) -> dict[str, Any]:
         """Only the faults that are set (plists have no null)."""
-        data = {k: v for k, v in asdict(self).items() if v is not None and v is not False}
+        data = {k: v for k, v in asdict(self).items() if v is not None and v is not False and v != {} and v != []}
         if not self.launch_errors:
             data.pop("launch_errors")
         data["refuse_services"] = sorted(self.refuse_services)
@@ -60,3 +83,7 @@ class FaultPlan:
         if "refuse_services" in known:
             known["refuse_services"] = set(known["refuse_services"])
         return cls(**known)
+
+
+def _named(device_path: str, pattern: str) -> bool:
+    return fnmatch.fnmatchcase(posixpath.basename(device_path), pattern)

@@ -4,11 +4,14 @@ Requests and replies are length-prefixed plists. A session starts only for the H
 then the connection switches to TLS with the device certificate. StartService opens a one-shot port that
 the client then reaches through usbmuxd `Connect`; errors use lockdownd's own error strings
 (InvalidHostID, InvalidService, MissingValue, SessionInactive, ...), which pymobiledevice3 maps to its
-exception classes.
+exception classes. A malformed phone (faults.py) answers its own device values instead, or device values that
+are not a plist dictionary.
 """
 
 from __future__ import annotations
 
+import plistlib
+import struct
 import time
 import uuid
 from typing import Any
@@ -20,7 +23,7 @@ LOCKDOWN_TYPE = "com.apple.mobile.lockdown"
 
 
 def device_values(device: Phone) -> dict[str, Any]:
-    """The root domain of GetValue, as a paired host sees it."""
+    """The root domain of GetValue, as a paired host sees it (with the values a malformed-phone fault sets)."""
     ident = device.identity
     return {
         "ActivationState": "Activated",
@@ -53,7 +56,18 @@ def device_values(device: Phone) -> dict[str, Any]:
         "UniqueChipID": ident.ecid,
         "UniqueDeviceID": ident.udid,
         "WiFiAddress": ident.wifi_mac,
-    }
+    } | device.faults.lockdown_values
+
+
+def garbage_values(device: Phone, reply: dict[str, Any]) -> bytes | None:
+    """The framed reply a malformed phone sends for all its values: cut off mid-plist, or a plist array."""
+    kind = device.faults.lockdown_garbage
+    if kind is None:
+        return None
+    payload = plistlib.dumps([reply] if kind == "array" else reply)
+    if kind == "truncated":
+        payload = payload[: len(payload) // 2]
+    return struct.pack(">I", len(payload)) + payload
 
 
 def domain_values(device: Phone, domain: str) -> dict[str, Any] | None:
@@ -101,6 +115,9 @@ async def serve_lockdownd(link: Link) -> None:
                 reply["Error"] = "MissingValue"
             if domain is not None:
                 reply["Domain"] = domain
+            elif key is None and (garbage := garbage_values(device, reply)) is not None:
+                await link.send(garbage)
+                continue
         elif name in ("SetValue", "RemoveValue"):
             reply["Error"] = "SetProhibited" if name == "SetValue" else "RemoveProhibited"
         elif name == "ValidatePair" or name == "Pair":

@@ -15,7 +15,7 @@ import yaml
 
 from kvrig.appgen.escape import swift_string
 from kvrig.appgen.render import AppOptions, product_name, render_app, templates_root
-from kvrig.exceptions import AppGenError, InputError
+from kvrig.exceptions import AppExistsError, InputError
 
 PARSER = tree_sitter.Parser(tree_sitter.Language(tree_sitter_swift.language()))
 
@@ -176,11 +176,16 @@ def test_output_folder_not_overwritten_without_force(tmp_path: Path, reference_b
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     options = AppOptions(name="X", bundle_id="com.example.x")
-    with pytest.raises(AppGenError):
+    with pytest.raises(AppExistsError):
         render_app(reference_bundle, out, options)
+    with pytest.raises(AppExistsError, match="not a project kvrig generated"):
+        render_app(reference_bundle, out, options, force=True)  # --force replaces only what kvrig made
     assert (out / "keep.txt").read_text() == "mine"
-    render_app(reference_bundle, out, options, force=True)
-    assert not (out / "keep.txt").exists()
+    (out / "keep.txt").unlink()
+    render_app(reference_bundle, out, options)  # an empty folder takes a project
+    (out / "App" / "stale.swift").write_text("// from an older render")
+    render_app(reference_bundle, out, AppOptions(name="Y", bundle_id="com.example.y"), force=True)
+    assert not (out / "App" / "stale.swift").exists() and "Y" in (out / "App" / "Info.plist").read_text()
 
 
 def test_product_name() -> None:
@@ -199,7 +204,7 @@ def test_cli_app_and_build_refusal(tmp_path: Path, reference_bundle: Path) -> No
     assert proc.returncode == 0, proc.stderr
     assert (out / "project.yml").is_file()
     again = run_cli("app", str(reference_bundle), "--name", "MyLLM", "--bundle-id", "com.example.myllm", "-o", str(out))
-    assert again.returncode == 15 and "not empty" in again.stderr
+    assert again.returncode == 35 and "not empty" in again.stderr
     bad = run_cli("app", str(reference_bundle), "--name", "X", "--bundle-id", "x y", "-o", str(tmp_path / "z"))
     assert bad.returncode == 3 and "--bundle-id" in bad.stderr and "Traceback" not in bad.stderr
     if sys.platform != "darwin":

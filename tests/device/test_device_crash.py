@@ -40,7 +40,7 @@ def test_flush_list_and_pull_hostile_names(emulator: Emulator, tmp_path: Path) -
         await crash.flush(device)
         listed = await crash.list_reports(device)
         jetsam = await crash.list_jetsam_reports(device)
-        pulled = await crash.pull_reports(device, listed, out)
+        pulled = (await crash.pull_reports(device, listed, out)).pulled
         return before, listed, jetsam, pulled
 
     before, listed, jetsam, pulled = run(on_device(emulator.udid, job))
@@ -66,7 +66,7 @@ def test_device_paths_that_climb_stay_inside(emulator: Emulator, tmp_path: Path)
     (store / "evil.ips").write_text("payload")
     out = tmp_path / "a" / "b" / "out"
     climbing = ["/../../evil.ips", "../../../evil.ips", "/./../evil.ips"]
-    pulled = run(on_device(emulator.udid, lambda d: crash.pull_reports(d, climbing, out)))
+    pulled = run(on_device(emulator.udid, lambda d: crash.pull_reports(d, climbing, out))).pulled
     assert [p.parent for p in pulled] == [out] * 3
     assert [p.read_text() for p in pulled] == ["payload"] * 3
     assert _tree(tmp_path) == {"a", "a/b", "a/b/out"} | {f"a/b/out/{p.name}" for p in pulled}
