@@ -1,7 +1,7 @@
 """`kvrig package`: the pipeline that writes a bundle. Source (converted from GGUF when needed) → plan for the
 device → quantized weights, tokenizer, kvcache.json → quality gate → manifest.json, all in a hidden folder that
-is renamed into place at the end, so a folder with the output's name is always complete; with `force` an
-existing bundle there is swapped for the new one in one rename (Linux `renameat2(RENAME_EXCHANGE)`).
+is renamed into place at the end, so a folder with the output's name is always complete; with `replace`
+an existing bundle there is swapped for the new one in one rename (Linux `renameat2(RENAME_EXCHANGE)`).
 The format itself (options, kvcache.json, manifest and verify) is `kvrig.bundle`.
 """
 
@@ -109,7 +109,7 @@ def plan_for_bundle(config_path: Path, device: str, recipe: WeightRecipe, scheme
     )
 
 
-def check_fits(plan: PlanView, *, min_context: int, force: bool) -> list[str]:
+def check_fits(plan: PlanView, *, min_context: int, ignore: bool) -> list[str]:
     """Refuses (DoesNotFitError) when the plan's max context is below `min_context`, saying by how much."""
     if plan.max_context >= min_context:
         return []
@@ -129,9 +129,9 @@ def check_fits(plan: PlanView, *, min_context: int, force: bool) -> list[str]:
             f"({short_bytes} over the {_mib(plan.limit_bytes)} limit)"
         )
     message = f"does not fit on {plan.device}: {how}"
-    if not force:
-        raise DoesNotFitError(message + "; use --force to package anyway")
-    return [message + " (packaged anyway: --force)"]
+    if not ignore:
+        raise DoesNotFitError(message + "; use --ignore-fit to package anyway")
+    return [message + " (packaged anyway: --ignore-fit)"]
 
 
 def _mib(n: int) -> str:
@@ -185,7 +185,7 @@ def package(model: str | Path | None, out: str | Path, options: PackageOptions) 
     out = Path(out)
     _sweep_leftovers(out)
     _check_options(options)
-    source = _check_paths(model, out, force=options.force)
+    source = _check_paths(model, out, replace=options.replace)
     with contextlib.ExitStack() as stack:
         with _disk_errors(out.parent):
             src_dir, source_info = stack.enter_context(source_dir(source, scratch_parent=out.parent))
@@ -225,9 +225,9 @@ def _check_options(options: PackageOptions) -> None:
             raise InputError(f"--fit {options.fit}", field="--fit", expected="a context of at least 1 token")
 
 
-def _check_paths(model: str | Path | None, out: Path, *, force: bool) -> Path:
+def _check_paths(model: str | Path | None, out: Path, *, replace: bool) -> Path:
     """The source to read (refused when unreadable), after making sure `out` may be written."""
-    _check_output(out, force=force)
+    _check_output(out, replace=replace)
     source = Path(model) if model is not None else embedded_default_model()
     _check_readable_source(source)
     try:
@@ -262,7 +262,7 @@ def _plan(job: _Job, recipe: WeightRecipe, kv: KVSpec) -> tuple[PlanView | None,
     if job.options.device is None:
         return None, []
     plan = plan_for_bundle(job.config_path, job.options.device, recipe, kv)
-    return plan, check_fits(plan, min_context=MLX_CACHE_STEP, force=job.options.force)
+    return plan, check_fits(plan, min_context=MLX_CACHE_STEP, ignore=job.options.ignore_fit)
 
 
 @dataclass
@@ -314,7 +314,7 @@ def _gate(job: _Job, staged: _Staged, recipe: WeightRecipe, kv: KVSpec, *, enfor
         job.say(
             f"  quality gate: {check.ppl_delta_pct:+.2f} % on the worst text ({'passed' if check.passed else 'failed'})"
         )
-        return enforce(check, force=job.options.force, recipe=recipe.name, kv=kv.name) if enforce_it else check
+        return enforce(check, force=job.options.ignore_gate, recipe=recipe.name, kv=kv.name) if enforce_it else check
     except BaseException:
         shutil.rmtree(staged.path, ignore_errors=True)
         raise
@@ -354,7 +354,7 @@ def _finish(
                 files=list(hash_files(staged.path)),
             )
             (staged.path / MANIFEST_NAME).write_text(manifest.model_dump_json(by_alias=True, indent=2) + "\n")
-            _install(staged.path, job.out, force=job.options.force)
+            _install(staged.path, job.out, replace=job.options.replace)
     except BaseException:
         shutil.rmtree(staged.path, ignore_errors=True)
         raise
@@ -414,7 +414,7 @@ def _package_auto_weights(job: _Job, kv: KVSpec, choice: Choice | None) -> Packa
     )
     raise QualityGateError(
         f"--weights auto: no candidate passes the quality gate ({summary}); raise --max-ppl-increase, or give "
-        "--weights R (with --force to package it anyway)"
+        "--weights R (with --ignore-gate to package it anyway)"
     )
 
 
@@ -573,22 +573,22 @@ def _bits_per_weight(bundle: Path) -> float:
     return round(compute_bits_per_weight(load_model(bundle, lazy=True)[0]), 3)
 
 
-def _check_output(out: Path, *, force: bool) -> None:
-    """An existing output folder is replaced only with `force`, and only if it is a bundle (or empty)."""
+def _check_output(out: Path, *, replace: bool) -> None:
+    """An existing output folder is replaced only with `replace`, and only if it is a bundle (or empty)."""
     if not out.exists() and not out.is_symlink():
         return
-    if not force:
-        raise BundleExistsError(f"{out}: output folder already exists; use --force to replace it, or another -o")
+    if not replace:
+        raise BundleExistsError(f"{out}: output folder already exists; use --replace to replace it, or another -o")
     if out.is_symlink() or not out.is_dir():
         raise BundleExistsError(f"{out}: exists and is not a folder; not replacing it")
     if not (out / MANIFEST_NAME).is_file() and any(out.iterdir()):
         raise BundleExistsError(f"{out}: exists and is not a kvrig bundle (no {MANIFEST_NAME}); not replacing it")
 
 
-def _install(tmp: Path, out: Path, *, force: bool) -> None:
-    """Renames the finished bundle into place; with `force` an existing one is swapped out, then removed."""
+def _install(tmp: Path, out: Path, *, replace: bool) -> None:
+    """Renames the finished bundle into place; with `replace` an existing one is swapped out, then removed."""
     if out.exists() or out.is_symlink():
-        _check_output(out, force=force)  # again: it may have appeared while we quantized
+        _check_output(out, replace=replace)  # again: it may have appeared while we quantized
     swap_in(tmp, out)
 
 

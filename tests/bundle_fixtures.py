@@ -44,7 +44,7 @@ def packaged(factory: pytest.TempPathFactory, name: str, options: PackageOptions
     return _shared(
         factory,
         name,
-        lambda out: package(embedded_default_model(), out, replace(options, force=True, quality_gate=False)),
+        lambda out: package(embedded_default_model(), out, replace(options, replace=True, quality_gate=False)),
     )
 
 

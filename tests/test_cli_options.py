@@ -43,6 +43,8 @@ def probe(*args: str, cwd: Path) -> dict:
         (["package", "--weights", "q9", "-o", "out"], QuantizationError.exit_code, "--weights", "q9"),
         (["package", "--kv", "k8v4+zz", "-o", "out"], KVSchemeError.exit_code, "--kv", "+zz"),
         (["demo", "--kv", "auto,k4v1", "-o", "out"], QuantizationError.exit_code, "--kv", "k4v1"),
+        # --force meant three things: now refused, naming the flag for each
+        (["package", "--force", "-o", "out"], 2, "--ignore-gate", "--replace"),
     ],
 )
 def test_a_bad_recipe_or_group_is_refused_at_the_command_line(

@@ -149,32 +149,32 @@ def test_verify_ok_and_catches_truncated_and_edited_files(q4_bundle: Path, tmp_p
 
 
 def test_existing_output_folder(q4_bundle: Path) -> None:
-    with pytest.raises(BundleExistsError, match="already exists; use --force to replace it"):
+    with pytest.raises(BundleExistsError, match="already exists; use --replace to replace it"):
         package(None, q4_bundle, PackageOptions(weights="q8", quality_gate=False, kv="k8v8"))
 
 
 def test_force_replaces_a_bundle_but_nothing_else(q4_bundle: Path, source_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "bundle"
     shutil.copytree(q4_bundle, out)
-    result = package(source_dir, out, PackageOptions(weights="q8", quality_gate=False, kv="k8v4", force=True))
+    result = package(source_dir, out, PackageOptions(weights="q8", quality_gate=False, kv="k8v4", replace=True))
     assert result.path == out
     # The new bundle is in place, whole; the old one and the temporary folder are gone.
     assert load_model_file(KVCacheConfig, out / "kvcache.json").scheme == "k8v4"
     assert verify_bundle(out).ok
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle"]
 
-    # A folder that is not a bundle is never replaced, even with --force; an empty one is.
+    # A folder that is not a bundle is never replaced, even with --replace; an empty one is.
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("keep me")
     with pytest.raises(BundleExistsError, match="not a kvrig bundle"):
-        package(source_dir, mine, PackageOptions(weights="q8", quality_gate=False, kv="k8v4", force=True))
+        package(source_dir, mine, PackageOptions(weights="q8", quality_gate=False, kv="k8v4", replace=True))
     assert (mine / "notes.txt").read_text() == "keep me" and len(list(mine.iterdir())) == 1
     empty = tmp_path / "empty"
     empty.mkdir()
     assert (
         package(
-            source_dir, empty, PackageOptions(weights="q8", quality_gate=False, kv="k8v4", force=True)
+            source_dir, empty, PackageOptions(weights="q8", quality_gate=False, kv="k8v4", replace=True)
         ).kvcache.scheme
         == "k8v4"
     )
@@ -218,13 +218,13 @@ def test_does_not_fit_refuses_and_force_packages(
     result = package(
         source_dir,
         tmp_path / "out",
-        PackageOptions(weights="q8", quality_gate=False, device="iPhone-test", kv="k8v8", force=True),
+        PackageOptions(weights="q8", quality_gate=False, device="iPhone-test", kv="k8v8", ignore_fit=True),
     )
     assert result.manifest.prediction is not None
     assert result.manifest.prediction.forced and not result.manifest.prediction.fits
     assert result.kvcache.max_context == 100
     assert result.kvcache.memory_limit_bytes == 90 * 2**20
-    assert result.warnings and "--force" in result.warnings[0]
+    assert result.warnings and "--ignore-fit" in result.warnings[0]
 
 
 @pytest.fixture
@@ -287,7 +287,7 @@ def test_cli_errors_are_clear(q4_bundle: Path, tmp_path: Path) -> None:
     not_gguf = tmp_path / "weights.bin"
     not_gguf.write_bytes(b"\x00" * 64)
     cases = [
-        (["package", "-o", str(q4_bundle)], BundleExistsError.exit_code, "already exists; use --force"),
+        (["package", "-o", str(q4_bundle)], BundleExistsError.exit_code, "already exists; use --replace"),
         (["package", str(not_gguf), "-o", str(tmp_path / "o1")], 3, "not a GGUF file"),
         (["package", str(tmp_path / "missing"), "-o", str(tmp_path / "o2")], 3, "model not found"),
         (["package", "--kv", "k7v4", "-o", str(tmp_path / "o3")], 5, "k7v4"),

@@ -34,8 +34,12 @@ class PackageOptions:
     """A KV spec (`k8v4`, `k4v4+k8@top2+rot+s4`; recipes.py) or `auto`: k8v4 with the Hadamard rotation where it
     applies to the model (see `resolve_kv`)."""
     device: str | None = None
-    force: bool = False
-    """Package even if the plan says it does not fit, and replace an existing bundle at the output."""
+    replace: bool = False
+    """Replace an existing bundle at the output (swapped in at once; never a folder that is not a bundle)."""
+    ignore_fit: bool = False
+    """Package even if the plan says it does not fit on `device` (recorded as forced in the manifest)."""
+    ignore_gate: bool = False
+    """Keep a bundle over the quality gate (the failed check recorded as forced in the manifest)."""
     quantized_kv_start: int = 0
     page_tokens: int = MLX_CACHE_STEP
     keep_tokens: int = 4
@@ -44,7 +48,7 @@ class PackageOptions:
     max_context: int | None = None
     """Without a device: the context written to kvcache.json (default: the model's own maximum)."""
     quality_gate: bool = True
-    """Measure the bundle's perplexity against the source and refuse it over `max_ppl_increase_pct` (`force`
+    """Measure the bundle's perplexity against the source and refuse it over `max_ppl_increase_pct` (`ignore_gate`
     packages anyway and records the failed check). `auto` and `fit` choose by it."""
     max_ppl_increase_pct: float = 10.0
     weights_layout: WeightsLayout = "loaded"

@@ -12,6 +12,15 @@ from kvrig.cli.render import echo_json, human_bytes, json_option
 from kvrig.recipes import DEFAULT_GROUP_SIZE
 
 
+def _split_force(_ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    """--force meant three things; each is its own flag now, so a script that used it says which it meant."""
+    if value:
+        raise click.UsageError(
+            "--force is split: --replace (an existing bundle at -o), --ignore-fit (the plan's fit check), "
+            "--ignore-gate (the quality gate); give the ones you mean"
+        )
+
+
 @click.command("package", short_help="Quantize a model into a bundle for the phone (weights, kvcache.json, manifest).")
 @click.argument("model", required=False, type=click.Path(path_type=Path))
 @click.option("--device", "-d", help="Device profile to plan for (refuses a bundle that does not fit).")
@@ -59,17 +68,23 @@ from kvrig.recipes import DEFAULT_GROUP_SIZE
     default=True,
     show_default=True,
     help="Measure the bundle's perplexity against the source on a short built-in text (seconds for small "
-    "models; skip for huge ones) and refuse it over --max-ppl-increase unless --force.",
+    "models; skip for huge ones) and refuse it over --max-ppl-increase unless --ignore-gate.",
 )
 @click.option("--max-ppl-increase", default=10.0, show_default=True, type=float, help="Gate limit in percent.")
 @click.option("--page-tokens", default=256, show_default=True, type=int, help="Eviction granularity in tokens.")
 @click.option("--keep-tokens", default=4, show_default=True, type=int, help="Tokens kept at the start when evicting.")
 @click.option("--prefill-step", default=512, show_default=True, type=int)
 @click.option("--max-context", type=int, help="Without --device: the context written to kvcache.json.")
+@click.option("--replace", is_flag=True, help="Replace an existing bundle at -o (swapped in at once).")
+@click.option("--ignore-fit", is_flag=True, help="Package even if the plan says it does not fit on --device.")
+@click.option("--ignore-gate", is_flag=True, help="Keep a bundle over the quality gate (recorded as forced).")
 @click.option(
     "--force",
     is_flag=True,
-    help="Package even if the plan says it does not fit; replace an existing bundle at -o (swapped in at once).",
+    hidden=True,
+    expose_value=False,
+    callback=_split_force,
+    help="Split into --replace, --ignore-fit and --ignore-gate.",
 )
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Bundle folder to create.")
 @json_option
@@ -88,7 +103,9 @@ def package(
     keep_tokens: int,
     prefill_step: int,
     max_context: int | None,
-    force: bool,
+    replace: bool,
+    ignore_fit: bool,
+    ignore_gate: bool,
     output: Path,
     as_json: bool,
 ) -> None:
@@ -107,7 +124,9 @@ def package(
         kv=kv,
         fit=fit,
         device=device,
-        force=force,
+        replace=replace,
+        ignore_fit=ignore_fit,
+        ignore_gate=ignore_gate,
         quantized_kv_start=quantized_kv_start,
         quality_gate=quality_gate,
         max_ppl_increase_pct=max_ppl_increase,
@@ -134,7 +153,7 @@ def package(
     )
     if m.quality is not None:
         q = m.quality
-        verdict = "passed" if q.passed else "FAILED (packaged anyway: --force)"
+        verdict = "passed" if q.passed else "FAILED (packaged anyway: --ignore-gate)"
         per_kind = ", ".join(f"{k.kind} {k.ppl_delta_pct:+.1f} %" for k in q.kinds)
         click.echo(
             f"  quality  perplexity vs the unquantized source: {per_kind or f'{q.ppl_delta_pct:+.1f} %'} (limit "

@@ -137,6 +137,6 @@ def enforce(check: QualityCheck, *, force: bool, recipe: str, kv: str) -> Qualit
     if not force:
         raise QualityGateError(
             message + "; choose a recipe with more bits (`--weights auto` finds the smallest that passes, `kvrig "
-            "bench quality` compares them), raise --max-ppl-increase, or use --force"
+            "bench quality` compares them), raise --max-ppl-increase, or use --ignore-gate"
         )
     return check.model_copy(update={"forced": True})

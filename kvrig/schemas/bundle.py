@@ -51,7 +51,9 @@ class Prediction(StrictModel):
     kv_bytes_per_token: int
     max_context: int
     fits: bool
-    forced: bool = Field(description="packaged with --force although the plan said it does not fit")
+    forced: bool = Field(
+        description="packaged with --ignore-fit (--force before) although the plan said it does not fit"
+    )
 
 
 class KindCheck(StrictModel):
@@ -75,7 +77,7 @@ class QualityCheck(StrictModel):
     ppl_delta_pct: float
     max_increase_pct: float
     passed: bool
-    forced: bool = Field(description="packaged with --force although the gate failed")
+    forced: bool = Field(description="packaged with --ignore-gate (--force before) although the gate failed")
     seconds: float
     kinds: list[KindCheck] = Field(default_factory=list, description="per kind of text (schema 2)")
 

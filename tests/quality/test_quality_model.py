@@ -134,6 +134,6 @@ def test_gate_refuses_a_broken_bundle(source: Path, tmp_path: Path) -> None:
     assert "quality gate" in proc.stderr and "Traceback" not in proc.stderr
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".q2")]
 
-    forced = package(source, out, PackageOptions(weights="q2", quality_gate=True, force=True))
+    forced = package(source, out, PackageOptions(weights="q2", quality_gate=True, ignore_gate=True))
     q = forced.manifest.quality
     assert q is not None and not q.passed and q.forced and q.ppl_delta_pct > 10
