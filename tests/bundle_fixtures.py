@@ -24,6 +24,7 @@ from kvrig.bundle.options import PackageOptions
 from kvrig.models.gguf import embedded_default_model
 from kvrig.models.gguf_convert import convert_gguf
 from kvrig.packaging import package
+from kvrig.schemas.kvcache import PressurePolicy
 
 
 def _shared(factory: pytest.TempPathFactory, name: str, make: Callable[[Path], None]) -> Path:
@@ -82,3 +83,16 @@ def tiny_source(root: Path, tokenizer: Path, model_type: str, **extra: Any) -> P
     (root / "config.json").write_text(json.dumps(cfg))
     (root / "tokenizer.json").write_bytes(tokenizer.read_bytes())
     return root
+
+
+# The mapped-weights soaks (tests/outcomes/test_mapped_residency.py, tests/lab/test_lab_residency.py): SmolLM2 laid
+# out for mapping, fp16 KV (the weights' bytes are a few thousand tokens of it), no eviction (where jetsam strikes
+# is the point).
+Q4_FP16_MAPPED_NAME = "smollm2-q4-fp16-mapped-noevict"
+Q4_FP16_MAPPED = PackageOptions(
+    weights="q4",
+    group_size=64,
+    kv="fp16",
+    weights_layout="mapped",
+    pressure=PressurePolicy(warning="none", critical="none"),
+)

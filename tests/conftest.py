@@ -24,6 +24,8 @@ HEAVY_FILES = (
     "tests/plan/test_plan.py",
     "tests/soak/test_llm_soak.py",
     "tests/outcomes/test_planned_vs_killed.py",
+    "tests/outcomes/test_mapped_residency.py",
+    "tests/lab/test_lab_residency.py",
     "tests/quality/test_quality_model.py",
     "tests/quality/test_quantize_bench.py",
     "tests/test_package.py",

@@ -30,6 +30,13 @@ from kvrig.device.loop import run_async
     "Runtime the app soaks: MLX (default) or the Core ML program `kvrig app --coreml` shipped; overrides the plan "
     "file's.",
 )
+@click.option(
+    "--weights-residency",
+    type=click.Choice(["loaded", "mapped"]),
+    default=None,
+    help="How the app holds the weights: loaded into MLX's memory, or mapped from the bundle's file (a bundle packaged "
+    "with --weights-layout mapped); default: as the bundle says. Overrides the plan file's.",
+)
 @click.option("--bundle", "bundle_name", default=None, help="Name of the model bundle the app runs (recorded).")
 @click.option("--scheme", default="default", show_default=True, help="KV scheme name recorded with the run.")
 @seconds_option(
@@ -67,6 +74,7 @@ def soak(
     step: int,
     decode_tokens: int,
     backend: str | None,
+    weights_residency: str | None,
     bundle_name: str | None,
     scheme: str,
     hang_after: float,
@@ -93,6 +101,11 @@ def soak(
         plan = make_plan(max_tokens=max_tokens, step_tokens=step, decode_tokens=decode_tokens, scheme=scheme)
     if backend is not None:
         plan = plan.model_copy(update={"backend": backend})
+    if weights_residency is not None:
+        # A schema-3 field: a plan file written as schema 2 is carried forward with it.
+        plan = SoakPlan.model_validate(
+            {**plan.model_dump(by_alias=True), "schema": 3, "weights_residency": weights_residency}
+        )
     echo = None if as_json else info
     options = SoakOptions(
         hang_after_s=hang_after,
@@ -127,6 +140,10 @@ def _render(result, out_dir: Path) -> None:  # type: ignore[no-untyped-def]
             f"  footprint at kill {size(result.footprint_at_kill_bytes)}, "
             f"limit implied by the report {size(result.limit_bytes)}, app believed {size(result.app_limit_bytes)}"
         )
+    if result.weights_residency is not None:
+        mapped = f", {size(result.mapped_weight_bytes)} mapped" if result.weights_residency == "mapped" else ""
+        why = f" ({result.residency_note})" if result.residency_note else ""
+        click.echo(f"  weights {result.weights_residency}{mapped}{why}")
     points = [p for p in result.tps_curve if p.decode_tps is not None]
     if points:
         shown = points[:: max(1, len(points) // 8)]

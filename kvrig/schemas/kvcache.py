@@ -15,6 +15,8 @@ KVCACHE_SCHEMA_VERSION: Final = 3
 app maps the weights from the file (`mapped`: every tensor starts on `weights_alignment_bytes`)."""
 
 WeightsLayout = Literal["loaded", "mapped"]
+WeightsResidency = Literal["loaded", "mapped"]
+"""How an app holds the weights in a run (telemetry, soak plans, results): the layout is what the bundle allows."""
 
 KV_BITS: Final = (2, 3, 4, 5, 6, 8)
 """The bits MLX quantizes a KV cache to (mx.quantize); anything else is refused where kvcache.json is read."""

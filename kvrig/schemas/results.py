@@ -9,13 +9,21 @@ from __future__ import annotations
 
 from typing import Final, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from kvrig.schemas import StrictModel
+from kvrig.schemas.kvcache import WeightsResidency
 from kvrig.schemas.lab import LabRecord
 
 # 2: the tunnel a run used, battery samples, interruptions (tunnel drops) and what was lost.
-RESULTS_SCHEMA_VERSION: Final = 2
+# 3: how each run held the weights (loaded, or mapped from the bundle's file) and how many bytes it mapped.
+RESULTS_SCHEMA_VERSION: Final = 3
+RESIDENCY_FIELDS: Final = (
+    "weights_residency_requested",
+    "weights_residency",
+    "mapped_weight_bytes",
+    "residency_note",
+)
 RESULTS_FILE = "results.json"
 
 Outcome = Literal["completed", "jetsam", "crash", "hang", "device_lost", "error", "allocation_failed"]
@@ -129,6 +137,22 @@ class SoakResult(StrictModel):
     backend: Literal["mlx", "coreml"] = Field(
         default="mlx", description="the runtime soaked: the plan's, then what the app's start record says ran"
     )
+    weights_residency_requested: WeightsResidency | None = Field(
+        default=None,
+        description="the residency the soak plan asked for (schema 3; the lab entry's `residencies`); None: as the "
+        "bundle says",
+    )
+    weights_residency: WeightsResidency | None = Field(
+        default=None,
+        description="how the app held the weights, from its start record (schema 3; None: not said: an app that "
+        "predates it, or one that died before its start record)",
+    )
+    mapped_weight_bytes: int | None = Field(
+        default=None, ge=0, description="weight bytes the app mapped from the bundle's file (its start record)"
+    )
+    residency_note: str | None = Field(
+        default=None, description="why the app loaded the weights although mapping was asked for (its start record)"
+    )
     entry: str | None = Field(default=None, description="the lab matrix entry this run belongs to")
     outcome: Outcome | None = Field(default=None, description="None while running or when a step failed")
     outcome_detail: str | None = None
@@ -161,9 +185,24 @@ class SoakResult(StrictModel):
     steps_done: list[str] = Field(default_factory=list, description="driver steps that completed, in order")
     error: str | None = Field(default=None, description="the step that failed and why (partial results)")
 
+    @property
+    def variant(self) -> str:
+        """The scheme, with the residency the run asked for when it asked: what tells one entry's runs apart."""
+        asked = self.weights_residency_requested
+        return f"{self.scheme}/{asked}" if asked else self.scheme
+
 
 class ResultsFile(StrictModel):
-    schema_version: Literal[1, 2] = Field(default=RESULTS_SCHEMA_VERSION, alias="schema")  # 1 still reads
+    schema_version: Literal[1, 2, 3] = Field(default=RESULTS_SCHEMA_VERSION, alias="schema")  # 1 and 2 still read
     tool_version: str
     runs: list[SoakResult]
     lab: LabRecord | None = Field(default=None, description="the lab (and shard) these runs belong to")
+
+    @model_validator(mode="after")
+    def _residency_needs_schema_3(self) -> ResultsFile:
+        if self.schema_version < 3:
+            for i, run in enumerate(self.runs):
+                found = [name for name in RESIDENCY_FIELDS if getattr(run, name) is not None]
+                if found:
+                    raise ValueError(f"runs[{i}]: {found} are schema-3 fields; an older file cannot carry them")
+        return self

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from typing import Final, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from kvrig.schemas import StrictModel
+from kvrig.schemas.kvcache import WeightsResidency
 
 # 2: `backend` says which runtime the app soaks (mlx, or the Core ML program `kvrig app --coreml` ships).
-SOAKPLAN_SCHEMA_VERSION: Final = 2
+# 3: `weights_residency` overrides how the app holds the weights (the lab runs one bundle both ways). Apps read
+# 2 and 3; an app that knows only 2 refuses a 3 by its schema number instead of the unknown key.
+SOAKPLAN_SCHEMA_VERSION: Final = 3
 SOAKPLAN_FILE = "soakplan.json"
 SOAKPLAN_LAUNCH_ARGUMENT = "--kvrig-soak-plan"
 
@@ -28,7 +31,7 @@ class StopConditions(StrictModel):
 
 
 class SoakPlan(StrictModel):
-    schema_version: Literal[2] = Field(default=SOAKPLAN_SCHEMA_VERSION, alias="schema")
+    schema_version: Literal[2, 3] = Field(default=SOAKPLAN_SCHEMA_VERSION, alias="schema")
     run_id: str = Field(min_length=1)
     scheme: str
     schedule: GrowthSchedule
@@ -39,3 +42,15 @@ class SoakPlan(StrictModel):
     backend: Literal["mlx", "coreml"] = Field(
         default="mlx", description="the runtime the app soaks: MLX, or KvrigModel.mlpackage (`kvrig app --coreml`)"
     )
+    weights_residency: WeightsResidency | None = Field(
+        default=None,
+        description="how the app holds the weights for this run (schema 3): loaded into MLX's memory, or mapped from "
+        "the bundle's file (the app falls back to loading, and says so, where it cannot map); null: as the "
+        "bundle's kvcache.json says",
+    )
+
+    @model_validator(mode="after")
+    def _residency_needs_schema_3(self) -> SoakPlan:
+        if self.schema_version < 3 and self.weights_residency is not None:
+            raise ValueError("'weights_residency' is a schema-3 field; a schema-2 plan cannot carry it")
+        return self

@@ -39,6 +39,10 @@ def apply_telemetry(result: SoakResult, run: TelemetryRun) -> None:
     result.app_limit_bytes = summary.limit_bytes
     if run.start is not None:
         result.backend = run.start.backend  # what ran, in the app's own words
+        if run.start.weights_residency is not None:  # an app that predates it says nothing
+            result.weights_residency = run.start.weights_residency
+            result.mapped_weight_bytes = run.start.mapped_weight_bytes
+            result.residency_note = run.start.residency_note
     result.tps_curve = [
         TpsPoint(
             context_tokens=s.context_tokens,

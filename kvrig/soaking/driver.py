@@ -142,6 +142,7 @@ async def run_soak(
         bundle=opts.bundle,
         scheme=plan.scheme,
         backend=plan.backend,
+        weights_residency_requested=plan.weights_residency,
         predicted=opts.predicted,
         started=time.time(),
         tunnel=tunnel_ref(device),

@@ -6,6 +6,7 @@ import time
 import uuid
 from typing import Literal
 
+from kvrig.schemas.kvcache import WeightsResidency
 from kvrig.schemas.soakplan import GrowthSchedule, SoakPlan, StopConditions
 
 # Fed repeatedly to grow the context: plain prose, so tokenizers see ordinary text.
@@ -26,6 +27,7 @@ def make_plan(
     text: str = DEFAULT_TEXT,
     max_seconds: float | None = None,
     backend: Literal["mlx", "coreml"] = "mlx",
+    weights_residency: WeightsResidency | None = None,
 ) -> SoakPlan:
     return SoakPlan(
         run_id=run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}",
@@ -39,4 +41,5 @@ def make_plan(
         stop=StopConditions(max_seconds=max_seconds),
         text=text,
         backend=backend,
+        weights_residency=weights_residency,
     )

@@ -6,7 +6,8 @@ otherwise (it grows memory the way the LLM app does, without a model). It speaks
 stdin/stdout:
 
     app -> emulator   {"measure": {mlx_active_bytes, mlx_cache_bytes, mlx_peak_bytes, kv_bytes, weight_bytes,
-                                   context_tokens, phone_format_delta_bytes, phone_format_peak_delta_bytes}}
+                                   context_tokens, phone_format_delta_bytes, phone_format_peak_delta_bytes,
+                                   mapped_weight_bytes}}
                       {"log": "text"}                      (goes to the device log under the app's name)
     emulator -> app   {"footprint": n, "available": n, "pressure": "normal|warning|critical"}
 
@@ -15,7 +16,9 @@ memory since the previous measurement (`mx.get_peak_memory()`, then `mx.reset_pe
 `Memory.peakMemory`, then `Memory.peakMemory = 0`), so the kernel charges the peak within each step, as iOS
 charges every page when it is touched. The two `phone_format_*` deltas (default 0) are what an app running
 in another format than the phone's adds to its active and peak bytes to get the phone's (see
-`kvrig.virtual.llm_memory`); the Swift engine runs in the phone's format and sends neither. All fields
+`kvrig.virtual.llm_memory`); the Swift engine runs in the phone's format and sends neither.
+`mapped_weight_bytes` (default 0) are the weights the app maps read-only from the bundle's file, as the phone
+holds them: counted in its MLX numbers, charged to no footprint (see `kvrig.virtual.footprint`). All fields
 are optional integers; unknown ones are ignored. `footprint` in the reply is the footprint at the
 measurement (what the app's own phys_footprint query would return); see `kvrig.virtual.footprint`.
 

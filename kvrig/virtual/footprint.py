@@ -1,19 +1,27 @@
 """Footprint accounting for a launched app: what jetsam would compare against the limit.
 
 The app process reports measured quantities after each step (MLX allocator active, cache and peak bytes,
-KV-cache nbytes, weight bytes); the emulator plays the kernel and computes the footprint at the measurement
+KV-cache nbytes, weight bytes, the weight bytes it maps from the bundle's file); the emulator plays the kernel
+and computes the footprint at the measurement
 
-    footprint = baseline + max(mlx_active + phone_format_delta, weights + kv) + mlx_cache
+    footprint = baseline + max(mlx_active + phone_format_delta, weights + kv) - mapped_weights + mlx_cache
 
 and the peak within the step, which is what iOS charges (every page when it is touched, so a transient
 inside a forward pass counts):
 
-    peak = baseline + max(mlx_peak + phone_format_peak_delta, <the footprint's resident part>) + mlx_cache
+    peak = baseline + max(mlx_peak + phone_format_peak_delta - mapped_weights, <the footprint's resident part>)
+           + mlx_cache
 
 `max` because weights and KV caches are MLX arrays and so already inside `mlx_active` on the phone, but a
 host runtime may map weights outside the allocator; the two deltas are what the app says the phone's format
 would add or save for the same shapes (fp32 host activations vs fp16 on the phone). MLX reports the peak of
 active memory only, so its buffer cache at the measurement stands in for the cache at the peak.
+
+Mapped weights: an app that maps the bundle's weights read-only hands MLX the file's pages without a copy.
+MLX still counts them as active memory (Metal's allocator adds a no-copy buffer's length to its active bytes),
+but they are clean, file-backed pages the kernel can drop and read back, so iOS leaves them out of the
+footprint: the kernel subtracts `mapped_weight_bytes` (at most the weights the app reports) from what MLX
+holds, at the measurement and at the peak.
 
 When the peak crosses the limit the process dies at the page that crossed it: the kill's footprint is the
 first whole page above the limit, not the step's peak (the allocation that would have reached it never
@@ -46,6 +54,14 @@ class Measurement:
     mlx_peak_bytes: int = 0
     """MLX's peak active memory since the previous measurement (the app resets it after each)."""
     phone_format_peak_delta_bytes: int = 0
+    mapped_weight_bytes: int = 0
+    """Weight bytes the app maps from the bundle's file: inside `mlx_active_bytes` and `weight_bytes`, outside
+    the footprint (clean, file-backed pages)."""
+
+    @property
+    def file_backed_bytes(self) -> int:
+        """What the kernel leaves out of the footprint: the mapped weights, never more than the weights."""
+        return min(max(0, self.mapped_weight_bytes), max(0, self.weight_bytes))
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Measurement:
@@ -53,7 +69,7 @@ class Measurement:
 
 
 def _resident(m: Measurement) -> int:
-    return max(m.mlx_active_bytes + m.phone_format_delta_bytes, m.weight_bytes + m.kv_bytes)
+    return max(m.mlx_active_bytes + m.phone_format_delta_bytes, m.weight_bytes + m.kv_bytes) - m.file_backed_bytes
 
 
 def footprint_bytes(m: Measurement, baseline_bytes: int = BASELINE_BYTES) -> int:
@@ -63,7 +79,7 @@ def footprint_bytes(m: Measurement, baseline_bytes: int = BASELINE_BYTES) -> int
 
 def peak_footprint_bytes(m: Measurement, baseline_bytes: int = BASELINE_BYTES) -> int:
     """The highest footprint within the step that ended at this measurement."""
-    peak = m.mlx_peak_bytes + m.phone_format_peak_delta_bytes if m.mlx_peak_bytes else 0
+    peak = m.mlx_peak_bytes + m.phone_format_peak_delta_bytes - m.file_backed_bytes if m.mlx_peak_bytes else 0
     return max(0, baseline_bytes + max(_resident(m), peak) + m.mlx_cache_bytes)
 
 

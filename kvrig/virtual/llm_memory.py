@@ -8,6 +8,12 @@ host's real arrays and re-counted at the phone's element size for the same shape
 - KV: each cache buffer's shape at the phone's activation dtype when the host holds it in float32;
 - everything else MLX holds at the measurement (logits, hidden states) is float32 activations: half on the phone.
 
+Residency is the phone's too: when the bundle is laid out for mapping (and the soak plan does not ask for
+loaded), the phone's app maps the weights from the file and iOS leaves those clean pages out of the footprint.
+The host cannot (MLX's CPU allocator has no no-copy path: it copies whatever buffer it is handed), so the host
+loads as always and reports the phone's residency: `mapped_weight_bytes` in every measurement, which the kernel
+(kvrig.virtual.footprint) leaves out of what it charges, and in the start event, listed as converted.
+
 Eviction and the pressure decision mirror the generated app (CacheSet.evictFront, KvrigCore.PressureDecider).
 """
 
@@ -19,8 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from kvrig.bundle.mapped import PAGE_BYTES, misaligned
+from kvrig.exceptions import BundleError
 from kvrig.kvcache.kv_cache import DequantizingKVCache, SchemeKVCache
-from kvrig.schemas.kvcache import KVCacheConfig
+from kvrig.schemas.kvcache import KVCacheConfig, WeightsResidency
 
 HOST_ACTIVATION_BYTES = 4  # kvrig.runtime.host computes in float32
 PHONE_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -28,6 +36,8 @@ _SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "U64": 
 _SAFETENSORS_BYTES.update({"I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1})
 # What the accounting converts (StartEvent.converted): numbers that are the phone's format, not the host's.
 CONVERTED_FIELDS = ("kv_bytes", "mlx_active_bytes", "phys_footprint_bytes")
+# ... and, when the phone maps the weights, the residency the host could not reproduce.
+RESIDENCY_FIELDS = ("weights_residency", "mapped_weight_bytes")
 
 
 def stored_weight_bytes(bundle: Path) -> int:
@@ -43,6 +53,46 @@ def stored_weight_bytes(bundle: Path) -> int:
             start, end = entry["data_offsets"]
             total += int(end) - int(start)
     return total
+
+
+@dataclass(frozen=True)
+class Residency:
+    """How the phone's app holds the weights of this run, decided as the Swift engine decides it."""
+
+    residency: WeightsResidency
+    mapped_weight_bytes: int = 0
+    note: str | None = None
+    """Why the weights are loaded although mapping was asked for."""
+
+
+def phone_residency(bundle: Path, kv: KVCacheConfig, requested: WeightsResidency | None) -> Residency:
+    """The soak plan's residency (else kvcache.json's layout); mapped only when the bundle is laid out for it
+    and every tensor of every safetensors file starts on the phone's 16 KiB page, else loaded with the reason
+    (as the app falls back). Mapped: every tensor's bytes, as stored (what the app maps)."""
+    wanted = requested or kv.weights_layout
+    if wanted == "loaded":
+        return Residency("loaded")
+    if kv.weights_layout != "mapped":
+        return Residency(
+            "loaded",
+            note="the bundle's weights are not laid out for mapping (kvcache.json weights_layout: loaded); "
+            "repackage with `kvrig package --weights-layout mapped`",
+        )
+    files = sorted(bundle.glob("*.safetensors"))
+    if not files:
+        return Residency("loaded", note="the bundle has no safetensors file to map")
+    for path in files:
+        try:
+            off = misaligned(path, PAGE_BYTES)
+        except BundleError as exc:
+            return Residency("loaded", note=f"cannot map {path.name}: {exc}")
+        if off:
+            return Residency(
+                "loaded",
+                note=f"{path.name}: tensor {off[0].name!r} starts at byte {off[0].offset}, not on a "
+                f"{PAGE_BYTES}-byte page",
+            )
+    return Residency("mapped", mapped_weight_bytes=stored_weight_bytes(bundle))
 
 
 def _arrays(tree: Any) -> list[Any]:
@@ -83,6 +133,8 @@ class PhoneAccount:
     host_weight_bytes: int
     phone_weight_bytes: int
     phone_dtype: str = "float16"
+    mapped_weight_bytes: int = 0
+    """Of the phone's weight bytes, those it maps from the file (Residency.mapped_weight_bytes)."""
 
     def measure(self, caches: list[Any], context_tokens: int) -> dict[str, int]:
         """The measurement the emulator accounts (see kvrig.virtual.footprint): phone-format weights and
@@ -104,6 +156,7 @@ class PhoneAccount:
             "context_tokens": context_tokens,
             "phone_format_delta_bytes": self._delta(active, host_kv, phone_kv),
             "phone_format_peak_delta_bytes": self._delta(peak, host_kv, phone_kv),
+            "mapped_weight_bytes": self.mapped_weight_bytes,
         }
 
     def _delta(self, host_bytes: int, host_kv: int, phone_kv: int) -> int:

@@ -7,6 +7,9 @@ up to each context target in prefill steps, decodes `decode_tokens` greedily, an
 After every forward pass it reports its memory to the emulator over the channel of `kvrig.virtual.apprun`
 (which may kill it there: jetsam) and reacts to the pressure level in the reply as kvcache.json's policy says.
 Numbers are reported in the phone's format (see llm_memory); the start event lists which were converted.
+That includes the weights' residency: when the phone's app would map them (kvcache.json's layout, or the soak
+plan's `weights_residency`), this runtime still loads them (the host cannot map without a copy) and reports
+`mapped` with the bytes the phone maps, which the kernel leaves out of the footprint.
 
 Run with `python -m kvrig.virtual.llmapp [--kvrig-soak-plan FILE] [--kvrig-bundle FOLDER]`; it re-executes
 itself once with OpenBLAS preloaded (before MLX is imported), as `kvrig run` does.
@@ -41,10 +44,13 @@ from kvrig.schemas.telemetry import (
 )
 from kvrig.virtual.llm_memory import (
     CONVERTED_FIELDS,
+    RESIDENCY_FIELDS,
     PhoneAccount,
+    Residency,
     evict_oldest,
     kv_bytes,
     phone_active_bytes,
+    phone_residency,
     respond,
     stored_weight_bytes,
 )
@@ -118,18 +124,28 @@ class Stop(Exception):
 class Engine:
     """The loaded bundle, its caches, and the loop that grows them while reporting to the emulator."""
 
-    def __init__(self, bundle: Path, kv: KVCacheConfig, channel: Channel, telemetry: Telemetry) -> None:
+    def __init__(
+        self,
+        bundle: Path,
+        kv: KVCacheConfig,
+        channel: Channel,
+        telemetry: Telemetry,
+        residency: Residency | None = None,
+    ) -> None:
         import mlx.core as mx
         from mlx.utils import tree_flatten
 
         self.kv, self.channel, self.telemetry = kv, channel, telemetry
+        self.residency = residency or Residency("loaded")
         mx.set_cache_limit(kv.buffer_cache_limit_bytes)
         self.model, self.tokenizer, config = load_bundle_model(bundle)
         self.model_type = str(config.get("model_type", ""))
         self.caches = make_caches(self.model, kv, self.model_type)
         params: list[tuple[str, Any]] = tree_flatten(self.model.parameters())  # type: ignore[assignment]
         host_weights = sum(int(v.nbytes) for _, v in params if isinstance(v, mx.array))
-        self.account = PhoneAccount(host_weights, stored_weight_bytes(bundle), kv.dtype)
+        self.account = PhoneAccount(
+            host_weights, stored_weight_bytes(bundle), kv.dtype, self.residency.mapped_weight_bytes
+        )
         self.on_critical: str = "stop_and_save"
         self.pressure = "normal"
         self.stop_requested = False
@@ -295,10 +311,21 @@ def main(argv: list[str] | None = None) -> int:
             raise AppError("the virtual iPhone runs MLX on Linux and has no Core ML: this soak needs a real iPhone")
         bundle = find_bundle(documents, args.bundle)
         kv = load_model_file(KVCacheConfig, bundle / "kvcache.json")
-        channel.send({"log": f"loading {bundle.name} (KV {kv.scheme})"})
-        engine = Engine(bundle, kv, channel, telemetry)
+        residency = phone_residency(bundle, kv, plan.weights_residency if plan is not None else None)
+        channel.send({"log": f"loading {bundle.name} (KV {kv.scheme}, weights {residency.residency})"})
+        if residency.note:
+            channel.send({"log": f"weights loaded, not mapped: {residency.note}"})
+        elif residency.residency == "mapped":
+            channel.send(
+                {
+                    "log": f"weights mapped on the phone ({residency.mapped_weight_bytes} B, outside the footprint); "
+                    "this host loads them (MLX's CPU allocator copies any buffer it is handed)"
+                }
+            )
+        engine = Engine(bundle, kv, channel, telemetry, residency)
 
         first = engine.measure(react=False)  # the loaded weights: jetsam can strike before any token
+        mapped = residency.residency == "mapped"
         telemetry.write(
             StartEvent,
             model=bundle.name,
@@ -306,7 +333,10 @@ def main(argv: list[str] | None = None) -> int:
             product_type=os.environ.get("KVRIG_PRODUCT_TYPE", "host"),
             os_version=os.environ.get("KVRIG_OS_VERSION", "host"),
             limit_bytes=int(first["footprint"]) + int(first["available"]),
-            converted=list(CONVERTED_FIELDS),
+            converted=[*CONVERTED_FIELDS, *(RESIDENCY_FIELDS if mapped else ())],
+            weights_residency=residency.residency,
+            mapped_weight_bytes=residency.mapped_weight_bytes,
+            residency_note=residency.note,
         )
         channel.send(
             {

@@ -42,6 +42,7 @@ def swift_run(
         telemetry_file="runs/telemetry-7.jsonl",
         on_critical="continue",
         backend="coreml",
+        weights_residency="mapped",
     )
     (inputs / "soakplan.json").write_text(plan.model_dump_json(by_alias=True, indent=2))
 
@@ -56,9 +57,10 @@ def test_core_tests_pass_and_round_trip_python_files(swift_run: dict[str, Path])
         original = json.loads((swift_run["in"] / name).read_text())
         again = json.loads((swift_run["out"] / f"roundtrip-{name}").read_text())
         assert again == original, name
-    # Soak plan schema 2 carries the backend across (the default, mlx, would pass unnoticed).
+    # Soak plan schema 2 carries the backend across (the default, mlx, would pass unnoticed), schema 3 the
+    # weights' residency (the default, null, likewise).
     again = json.loads((swift_run["out"] / "roundtrip-soakplan.json").read_text())
-    assert (again["schema"], again["backend"]) == (2, "coreml")
+    assert (again["schema"], again["backend"], again["weights_residency"]) == (3, "coreml", "mapped")
 
 
 def test_every_python_field_reaches_swift(swift_run: dict[str, Path], reference_kvcache) -> None:  # type: ignore[no-untyped-def]

@@ -85,3 +85,20 @@ def test_a_freed_transient_kills_the_app_at_the_limit(installed: Emulator) -> No
     victim, page = _raw_victim(report)
     assert victim["pid"] == pid and victim["reason"] == "per-process-limit"
     assert LIMIT_BYTES < victim["rpages"] * page <= LIMIT_BYTES + page
+
+
+def test_mapped_weights_are_not_charged() -> None:
+    """What iOS leaves out: the weights an app maps from its file are in MLX's numbers, not in the footprint."""
+    base = {"mlx_active_bytes": 70 * MIB, "mlx_peak_bytes": 95 * MIB, "weight_bytes": 30 * MIB, "kv_bytes": 20 * MIB}
+    loaded, mapped = Measurement(**base), Measurement(**base, mapped_weight_bytes=30 * MIB)
+    assert footprint_bytes(loaded, 10 * MIB) - footprint_bytes(mapped, 10 * MIB) == 30 * MIB
+    assert peak_footprint_bytes(loaded, 10 * MIB) - peak_footprint_bytes(mapped, 10 * MIB) == 30 * MIB
+    # The same step kills the loaded app and leaves the mapped one 5 MiB under a 100 MiB limit.
+    killed, kept = (FootprintAccount(limit_bytes=100 * MIB, page_size=PAGE, baseline_bytes=10 * MIB) for _ in "ab")
+    killed.update(loaded)
+    kept.update(mapped)
+    assert killed.over_limit and not kept.over_limit and kept.peak_bytes == 75 * MIB
+    # An app cannot claim more file-backed bytes than the weights it reports (the rest is still charged).
+    greedy = Measurement(**base, mapped_weight_bytes=500 * MIB)
+    assert footprint_bytes(greedy, 10 * MIB) == footprint_bytes(mapped, 10 * MIB)
+    assert Measurement.from_json({"mapped_weight_bytes": 9}).mapped_weight_bytes == 9

@@ -11,27 +11,16 @@ One scheme runs by default (both prefill steps); the other three are `slow`.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from kvrig.demo import DemoOptions, run_demo
+from tests.raw_telemetry import raw_kill_footprint
 
 SOAK_STEP = 512
 PREFILL_STEPS = (256, 512)  # a soak step is fed in two chunks, or in one (MLX's default prefill step)
 ROOM_TOKENS = 768  # the kill comes in the second step: a minute or two per case on a loaded 2-core machine
-
-
-def _raw_kill_footprint(soak_dir: Path) -> tuple[int, int]:
-    """(footprint at the kill, page size) from the JetsamEvent report as pulled, parsed here."""
-    (report,) = (soak_dir / "reports").glob("JetsamEvent-*.ips")
-    header, body = report.read_text().split("\n", 1)
-    assert json.loads(header)["bug_type"] == "298"
-    data = json.loads(body)
-    (victim,) = [p for p in data["processes"] if p.get("reason") == "per-process-limit"]
-    page = int(data["memoryStatus"]["pageSize"])
-    return int(victim["rpages"]) * page, page
 
 
 def _check(scheme: str, prefill: int, out: Path) -> None:
@@ -52,7 +41,7 @@ def _check(scheme: str, prefill: int, out: Path) -> None:
     soak = result.soak
     assert soak.outcome == "jetsam", soak.outcome_detail
     assert result.kv == scheme and result.prefill_step == prefill
-    at_kill, page = _raw_kill_footprint(result.soak_dir)
+    at_kill, page = raw_kill_footprint(result.soak_dir)
     assert result.limit_bytes < at_kill <= result.limit_bytes + page
     assert soak.footprint_at_kill_bytes == at_kill
     killed = result.killed_in_step

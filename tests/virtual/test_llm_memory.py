@@ -11,7 +11,7 @@ from mlx_lm.models.cache import KVCache
 
 from kvrig.kvcache.kv_cache import DequantizingKVCache
 from kvrig.schemas.kvcache import KVCacheConfig, LayerCache, PressurePolicy, host_kvcache
-from kvrig.virtual.llm_memory import evict_front, kv_bytes, respond, stored_weight_bytes
+from kvrig.virtual.llm_memory import Residency, evict_front, kv_bytes, phone_residency, respond, stored_weight_bytes
 from kvrig.virtual.llmapp import AppError, find_bundle
 
 HEADS, DIM = 3, 64
@@ -128,3 +128,39 @@ def test_find_bundle(tmp_path: Path) -> None:
         find_bundle(docs, "../elsewhere")
     with pytest.raises(AppError, match="no bundle at Documents/not-a-bundle"):
         find_bundle(docs, "not-a-bundle")
+
+
+def _mapped_bundle(path: Path, *, align: bool = True) -> tuple[Path, KVCacheConfig]:
+    """A bundle folder with two safetensors files (aligned to the phone's page, or as MLX packs them) and a
+    kvcache.json laid out for mapping."""
+    from kvrig.bundle.mapped import PAGE_BYTES, align_file
+
+    path.mkdir(parents=True)
+    mx.random.seed(3)
+    for i, shapes in enumerate([((97, 64), (64,)), ((33, 8),)]):
+        arrays = {f"t{i}.{j}": mx.random.normal(shape).astype(mx.float16) for j, shape in enumerate(shapes)}
+        mx.save_safetensors(str(path / f"model-{i}.safetensors"), arrays)
+        if align:
+            align_file(path / f"model-{i}.safetensors")
+    kv = _kv(schema_version=3, weights_layout="mapped", weights_alignment_bytes=PAGE_BYTES)
+    return path, kv
+
+
+def test_the_phone_maps_an_aligned_bundle_unless_the_plan_says_loaded(tmp_path: Path) -> None:
+    bundle, kv = _mapped_bundle(tmp_path / "b")
+    # Expected bytes from MLX itself: every tensor as loaded.
+    nbytes = sum(a.nbytes for f in sorted(bundle.glob("*.safetensors")) for a in mx.load(str(f)).values())
+    assert phone_residency(bundle, kv, None) == Residency("mapped", nbytes)
+    assert phone_residency(bundle, kv, "mapped") == Residency("mapped", nbytes)
+    assert phone_residency(bundle, kv, "loaded") == Residency("loaded", 0)
+
+
+def test_the_phone_falls_back_to_loading_and_says_why(tmp_path: Path) -> None:
+    bundle, kv = _mapped_bundle(tmp_path / "packed", align=False)
+    fallback = phone_residency(bundle, kv, "mapped")
+    assert (fallback.residency, fallback.mapped_weight_bytes) == ("loaded", 0)
+    assert fallback.note is not None and "model-0.safetensors" in fallback.note and "16384-byte page" in fallback.note
+    plain = _kv()  # a bundle packaged for loading: the plan cannot make it mappable
+    fallback = phone_residency(_mapped_bundle(tmp_path / "plain")[0], plain, "mapped")
+    assert fallback.residency == "loaded" and "--weights-layout mapped" in (fallback.note or "")
+    assert phone_residency(tmp_path / "plain", plain, None) == Residency("loaded")

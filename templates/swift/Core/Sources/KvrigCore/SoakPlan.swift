@@ -1,7 +1,8 @@
 import Foundation
 
-/// Soak plan, schema 2: mirrors kvrig/schemas/soakplan.py. Handed to the app with a launch argument.
-/// Schema 2 added `backend`: which runtime the soak runs on (MLX, or the shipped Core ML program).
+/// Soak plan, schema 3: mirrors kvrig/schemas/soakplan.py. Handed to the app with a launch argument.
+/// Schema 2 added `backend`: which runtime the soak runs on (MLX, or the shipped Core ML program); schema 3
+/// `weights_residency`: how this run holds the weights (nil: as kvcache.json says). Schema-2 plans still read.
 
 public struct GrowthSchedule: Codable, Equatable, Sendable {
     public var startTokens: Int
@@ -96,7 +97,8 @@ public enum CriticalBehaviour: String, Codable, Sendable {
 }
 
 public struct SoakPlan: Codable, Equatable, Sendable {
-    public static let schemaVersion = 2
+    public static let schemaVersion = 3
+    public static let readableSchemas = 2...3
     public static let launchArgument = "--kvrig-soak-plan"
     public static let defaultFile = "soakplan.json"
 
@@ -109,6 +111,8 @@ public struct SoakPlan: Codable, Equatable, Sendable {
     public var telemetryFile: String
     public var onCritical: CriticalBehaviour
     public var backend: TelemetryBackend
+    /// Overrides kvcache.json's `weights_layout` for this run (the lab soaks one bundle loaded and mapped).
+    public var weightsResidency: WeightsResidency?
 
     enum CodingKeys: String, CodingKey, CaseIterable {
         case schema
@@ -117,12 +121,13 @@ public struct SoakPlan: Codable, Equatable, Sendable {
         case telemetryFile = "telemetry_file"
         case onCritical = "on_critical"
         case backend
+        case weightsResidency = "weights_residency"
     }
 
     public init(
         runId: String, scheme: String, schedule: GrowthSchedule, stop: StopConditions = StopConditions(),
         text: String, telemetryFile: String = "telemetry.jsonl", onCritical: CriticalBehaviour = .stopAndSave,
-        backend: TelemetryBackend = .mlx
+        backend: TelemetryBackend = .mlx, weightsResidency: WeightsResidency? = nil
     ) {
         self.schema = Self.schemaVersion
         self.runId = runId
@@ -133,6 +138,7 @@ public struct SoakPlan: Codable, Equatable, Sendable {
         self.telemetryFile = telemetryFile
         self.onCritical = onCritical
         self.backend = backend
+        self.weightsResidency = weightsResidency
     }
 
     public init(from decoder: Decoder) throws {
@@ -147,8 +153,25 @@ public struct SoakPlan: Codable, Equatable, Sendable {
         telemetryFile = try c.decodeIfPresent(String.self, forKey: .telemetryFile) ?? "telemetry.jsonl"
         onCritical = try c.decodeIfPresent(CriticalBehaviour.self, forKey: .onCritical) ?? .stopAndSave
         backend = try c.decodeIfPresent(TelemetryBackend.self, forKey: .backend) ?? .mlx
-        try require(schema == Self.schemaVersion, "schema", "expected \(Self.schemaVersion), got \(schema)")
+        weightsResidency = try c.decodeIfPresent(WeightsResidency.self, forKey: .weightsResidency)
+        try require(Self.readableSchemas.contains(schema), "schema", "expected 2 or 3, got \(schema)")
+        try require(schema >= 3 || weightsResidency == nil, "weights_residency", "a schema-3 field")
         try require(!runId.isEmpty, "run_id", "must not be empty")
+    }
+
+    /// Every key, nil as null (as Python writes the plan), so a plan round-trips unchanged.
+    public func encode(to encoder: Encoder) throws {
+        var c = encoder.container(keyedBy: CodingKeys.self)
+        try c.encode(schema, forKey: .schema)
+        try c.encode(runId, forKey: .runId)
+        try c.encode(scheme, forKey: .scheme)
+        try c.encode(schedule, forKey: .schedule)
+        try c.encode(stop, forKey: .stop)
+        try c.encode(text, forKey: .text)
+        try c.encode(telemetryFile, forKey: .telemetryFile)
+        try c.encode(onCritical, forKey: .onCritical)
+        try c.encode(backend, forKey: .backend)
+        try c.encode(weightsResidency, forKey: .weightsResidency)
     }
 
     /// The plan file named by `--kvrig-soak-plan PATH` in the launch arguments; a relative path is taken

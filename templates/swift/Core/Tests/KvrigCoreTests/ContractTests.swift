@@ -63,6 +63,25 @@ final class ContractTests: XCTestCase {
         let defaulted = try ContractJSON.decoder().decode(
             SoakPlan.self, from: JSONSerialization.data(withJSONObject: object))
         XCTAssertEqual(defaulted.backend, .mlx)
+        // Schema 3: the plan may name the weights' residency. A schema-2 plan still reads (as the bundle says),
+        // but cannot carry the field; an unknown residency and a later schema are refused.
+        var two = object
+        two["schema"] = 2
+        two.removeValue(forKey: "weights_residency")
+        let older = try ContractJSON.decoder().decode(SoakPlan.self, from: JSONSerialization.data(withJSONObject: two))
+        XCTAssertEqual(older.schema, 2)
+        XCTAssertNil(older.weightsResidency)
+        two["weights_residency"] = "mapped"
+        XCTAssertThrowsError(
+            try ContractJSON.decoder().decode(SoakPlan.self, from: JSONSerialization.data(withJSONObject: two)))
+        var odd = object
+        odd["weights_residency"] = "wired"
+        XCTAssertThrowsError(
+            try ContractJSON.decoder().decode(SoakPlan.self, from: JSONSerialization.data(withJSONObject: odd)))
+        var later = object
+        later["schema"] = 4
+        XCTAssertThrowsError(
+            try ContractJSON.decoder().decode(SoakPlan.self, from: JSONSerialization.data(withJSONObject: later)))
     }
 
     func testBrokenFilesAreRejected() throws {
