@@ -4,7 +4,9 @@ For every telemetry point of a soak (context, phys_footprint), the planner gives
 the exact KV allocated at that context; what is left, less the MLX buffer cache at that point (measured in
 the app's telemetry; the bundle's cap when the telemetry is not at hand), is the app's baseline. The median
 over all points of a device profile is its calibrated baseline; `kvrig plan --calibration` uses it in place
-of the profile's estimate.
+of the profile's estimate. A run whose app mapped its weights from the bundle's file (its start record says
+how many bytes) was not charged for them: those bytes are left out of the weights its footprint is reduced by,
+so loaded and mapped soaks of one phone fit the same baseline.
 """
 
 from __future__ import annotations
@@ -113,12 +115,13 @@ def points_for_run(
         ),
     )
     caches = measured_buffer_caches(run, results_path)
+    mapped = (run.mapped_weight_bytes or 0) if run.weights_residency == "mapped" else 0
     points = []
     for p in measured:
         footprint = p.phys_footprint_bytes
         assert footprint is not None
         kv = plan.kv_bytes[run.scheme][str(p.context_tokens)]
-        overhead = footprint - plan.weights_bytes - kv
+        overhead = footprint - (plan.weights_bytes - mapped) - kv
         cache = caches.get(p.t, ref.buffer_cache_bytes) if p.t is not None else ref.buffer_cache_bytes
         points.append(
             CalibrationPoint(
@@ -128,6 +131,7 @@ def points_for_run(
                 context_tokens=p.context_tokens,
                 footprint_bytes=footprint,
                 weights_bytes=plan.weights_bytes,
+                mapped_weight_bytes=mapped,
                 kv_bytes=kv,
                 buffer_cache_bytes=cache,
                 overhead_bytes=overhead,

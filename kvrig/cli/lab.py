@@ -120,7 +120,7 @@ def _exit_for(results, out_dir: Path, *, empty_shard_ok: bool = False) -> None: 
         raise LabError(f"no run could be made; see {out_dir / 'results.json'}")
     failed = [r for r in results.runs if fails(r)]
     if failed:
-        names = ", ".join(f"{_where(r)}/{r.entry}[{r.scheme}]" for r in failed)
+        names = ", ".join(f"{_where(r)}/{r.entry}[{r.variant}]" for r in failed)
         raise GateFailedError(f"{len(failed)} of {len(results.runs)} runs failed: {names}")
 
 
@@ -166,7 +166,7 @@ def _render(results, *, title: str, out_dir: Path) -> None:  # type: ignore[no-u
             r.device.host or "",
             short_udid(r.device.udid),
             str(r.entry),
-            r.scheme,
+            r.variant,
             str(r.outcome or ""),
             str(r.max_context_reached or ""),
             safe,

@@ -31,6 +31,8 @@ def _numbers(r: SoakResult) -> dict[str, object]:
         "app_id": r.app_id,
         "bundle": r.bundle,
         "scheme": r.scheme,
+        "weights_residency": r.weights_residency,
+        "mapped_weight_bytes": r.mapped_weight_bytes,
         "outcome": r.outcome,
         "max_context_reached": r.max_context_reached,
         "max_safe_context": r.max_safe_context,
@@ -62,7 +64,7 @@ def _numbers(r: SoakResult) -> dict[str, object]:
 def case_name(r: SoakResult) -> str:
     """`entry[scheme] on UDID @ host`: unique per run across the hosts of a merged lab."""
     host = f" @ {r.device.host}" if r.device.host else ""
-    return f"{r.entry or r.app_id}[{r.scheme}] on {r.device.udid}{host}"
+    return f"{r.entry or r.app_id}[{r.variant}] on {r.device.udid}{host}"
 
 
 def _elapsed(r: SoakResult) -> float:

@@ -1,10 +1,10 @@
 """Merging the output folders of a lab's shards (or of labs run on several hosts) into one folder.
 
-Each run is keyed by phone × entry × scheme. The same run found twice (the same folder given twice, a
-re-uploaded artifact) is kept once and reported as a duplicate; the same key with different results is a
-conflict: both are kept and reported. The gates each folder recorded are evaluated again on the merged runs,
-and the shards named by the folders (`K/N`) must all be there. The files of each folder's runs are copied
-under OUT/shards/<n>-<folder>/ so every path in the merged results.json resolves.
+Each run is keyed by phone × entry × scheme (and the weights' residency it asked for). The same run found
+twice (the same folder given twice, a re-uploaded artifact) is kept once and reported as a duplicate; the same
+key with different results is a conflict: both are kept and reported. The gates each folder recorded are
+evaluated again on the merged runs, and the shards named by the folders (`K/N`) must all be there. The files of
+each folder's runs are copied under OUT/shards/<n>-<folder>/ so every path in the merged results.json resolves.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class Merged:
             if fails(r):
                 bad = r.outcome if r.outcome not in (None, "completed", "jetsam") else None
                 why = bad or (f"error: {r.error}" if r.error else "gate failed")
-                found.setdefault(r.device.host or "?", []).append(f"{r.device.udid} {r.entry}[{r.scheme}]: {why}")
+                found.setdefault(r.device.host or "?", []).append(f"{r.device.udid} {r.entry}[{r.variant}]: {why}")
         return found
 
     def merge_problems(self) -> list[str]:
@@ -56,7 +56,7 @@ class Merged:
 
 
 def _key(r: SoakResult) -> tuple[str, str, str]:
-    return (r.device.udid.replace("-", "").upper(), r.entry or r.app_id, r.scheme)
+    return (r.device.udid.replace("-", "").upper(), r.entry or r.app_id, r.variant)
 
 
 def _same(a: SoakResult, b: SoakResult) -> bool:

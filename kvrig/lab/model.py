@@ -1,4 +1,5 @@
-"""What a lab run is made of: one run per phone × entry × scheme, and the lab's results."""
+"""What a lab run is made of: one run per phone × entry × scheme (× weights residency, when the entry lists
+them), and the lab's results."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 from kvrig.device.discovery import DeviceInfo
 from kvrig.lab import gates as gate_checks
+from kvrig.schemas.kvcache import WeightsResidency
 from kvrig.schemas.lab import Lab, LabRecord, MatrixEntry, SchemeSpec, slug
 from kvrig.schemas.results import DeviceRef, Prediction, ResultsFile, SoakResult, short_udid
 from kvrig.version import __version__
@@ -25,12 +27,19 @@ def fails(result: SoakResult) -> bool:
 
 @dataclass
 class LabRun:
-    """One device × entry × scheme: its final result (the main run, narrowed by the threshold search)."""
+    """One device × entry × scheme × residency: its final result (the main run, narrowed by the threshold
+    search)."""
 
     entry: MatrixEntry
     scheme: SchemeSpec
     folder: str  # relative to the output folder
     result: SoakResult
+    residency: WeightsResidency | None = None
+    """What the soak plan asks of the app (None: as the bundle says)."""
+
+    @property
+    def label(self) -> str:
+        return f"{self.entry.label} / {self.scheme.name}" + (f" / {self.residency}" if self.residency else "")
 
 
 def device_ref(udid: str, info: DeviceInfo | None, host: str | None) -> DeviceRef:
@@ -45,20 +54,31 @@ def device_ref(udid: str, info: DeviceInfo | None, host: str | None) -> DeviceRe
 
 
 def new_run(
-    entry: MatrixEntry, scheme: SchemeSpec, device: DeviceRef, stamp: str, predicted: Prediction | None = None
+    entry: MatrixEntry,
+    scheme: SchemeSpec,
+    device: DeviceRef,
+    stamp: str,
+    predicted: Prediction | None = None,
+    residency: WeightsResidency | None = None,
 ) -> LabRun:
-    """A run not made yet: its folder under runs/, its id, and a result with no outcome."""
+    """A run not made yet: its folder under runs/, its id, and a result with no outcome. A residency the entry
+    lists gets a folder (and a part of the id) of its own below the scheme's."""
     folder = f"{RUNS_DIR}/{slug(device.udid)}/{slug(entry.label)}/{slug(scheme.name)}"
+    parts = [entry.label, scheme.name, short_udid(device.udid), stamp]
+    if residency is not None:
+        folder += f"/{residency}"
+        parts.insert(2, residency)
     result = SoakResult(
-        run_id="-".join(slug(p) for p in (entry.label, scheme.name, short_udid(device.udid), stamp)),
+        run_id="-".join(slug(p) for p in parts),
         device=device,
         app_id=entry.app_id,
         bundle=entry.bundle_name,
         scheme=scheme.name,
+        weights_residency_requested=residency,
         entry=entry.label,
         predicted=predicted,
     )
-    return LabRun(entry, scheme, folder, result)
+    return LabRun(entry, scheme, folder, result, residency)
 
 
 @dataclass

@@ -12,7 +12,9 @@ from kvrig.models import load_model_spec
 from kvrig.planner import PlanRequest, plan_memory
 from kvrig.profiles import AppMemoryLimit, SourcedInt, load_profile
 from kvrig.recipes import AUTO, parse_kv
+from kvrig.schemas import load_model_file
 from kvrig.schemas.bundle import MANIFEST_NAME
+from kvrig.schemas.kvcache import KVCACHE_NAME, KVCacheConfig, WeightsResidency
 from kvrig.schemas.lab import LabDevice, MatrixEntry, SchemeSpec
 from kvrig.schemas.results import Prediction
 
@@ -27,12 +29,27 @@ class Predictor:
         self._cache: dict[tuple[str, ...], Prediction | None] = {}
 
     def predict(
-        self, entry: MatrixEntry, scheme: SchemeSpec, profile: str | None, device: LabDevice, *, virtual: bool = False
+        self,
+        entry: MatrixEntry,
+        scheme: SchemeSpec,
+        profile: str | None,
+        device: LabDevice,
+        *,
+        virtual: bool = False,
+        residency: WeightsResidency | None = None,
     ) -> Prediction | None:
         """`virtual`: kvrig's virtual iPhone, whose app runs MLX on the host's CPU; it is planned on the `cpu`
-        backend (no fused attention, so prefill materializes the scores), a real phone on `metal`."""
+        backend (no fused attention, so prefill materializes the scores), a real phone on `metal`.
+        `residency`: the run's (None: the bundle's layout)."""
         source = entry.model_source
         if source is None or profile is None or self.unavailable:
+            return None
+        if (residency or _bundle_layout(entry)) == "mapped":
+            # TODO(planner-mapped): plan mapped weights with PlanRequest's residency once `kvrig plan
+            # --weights-residency` lands (branch `mapped`); the loaded plan would charge them to the footprint.
+            note = f"{entry.label}/{scheme.name}: no prediction for mapped weights (the planner plans loaded ones)"
+            if note not in self.notes:
+                self.notes.append(note)
             return None
 
         try:
@@ -90,6 +107,13 @@ class Predictor:
             limit_bytes=plan.limit_bytes,
             footprint_at_max_context_bytes=plan.budget_at_max_context[scheme].total_bytes,
         )
+
+
+def _bundle_layout(entry: MatrixEntry) -> str | None:
+    """How the entry's bundle lays out its weights (kvcache.json), when the lab pushes one."""
+    if entry.bundle_path is None or not (entry.bundle_path / KVCACHE_NAME).is_file():
+        return None
+    return load_model_file(KVCacheConfig, entry.bundle_path / KVCACHE_NAME).weights_layout
 
 
 def _bundle_recipe(entry: MatrixEntry) -> str | None:

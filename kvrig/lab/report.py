@@ -1,7 +1,9 @@
 """The HTML report of a results file: a summary table and, per run, footprint vs context, decode tok/s vs
 context and, where the soak read the battery, its temperature beside tok/s over time (PNG, matplotlib), with
-the limit from the jetsam report and the planner's prediction as lines. The page is the jinja2 template
-templates/report/report.html.j2 (autoescaped); this module plots and formats.
+the limit from the jetsam report and the planner's prediction as lines. Where a phone ran the same entry and
+scheme with the weights loaded and with them mapped (the lab entry's `residencies`), a table sets the two
+footprints side by side at the largest context both reached, per device, with both curves in one plot. The
+page is the jinja2 template templates/report/report.html.j2 (autoescaped); this module plots and formats.
 
 Everything it shows comes from results.json, so `kvrig lab report` can render it again anywhere.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +35,51 @@ def _mib(n: int | None) -> str:
 
 def run_name(r: SoakResult) -> str:
     host = f" @ {r.device.host}" if r.device.host else ""
-    return f"{short_udid(r.device.udid)}{host} {r.entry or r.app_id} [{r.scheme}]"
+    return f"{short_udid(r.device.udid)}{host} {r.entry or r.app_id} [{r.variant}]"
+
+
+def _footprints(r: SoakResult) -> dict[int, int]:
+    """Footprint by context from the app's step records (the last record at a context, after an eviction)."""
+    return {p.context_tokens: p.phys_footprint_bytes for p in r.tps_curve if p.phys_footprint_bytes is not None}
+
+
+@dataclass(frozen=True)
+class ResidencyPair:
+    """One phone's runs of one entry and scheme with the weights loaded and with them mapped."""
+
+    loaded: SoakResult
+    mapped: SoakResult
+
+    @property
+    def contexts(self) -> list[int]:
+        """Contexts both runs measured, in order."""
+        return sorted(set(_footprints(self.loaded)) & set(_footprints(self.mapped)))
+
+    def at(self, context: int) -> tuple[int, int]:
+        """(loaded, mapped) footprint at a context both measured."""
+        return _footprints(self.loaded)[context], _footprints(self.mapped)[context]
+
+
+def residency_pairs(results: ResultsFile) -> list[ResidencyPair]:
+    """The loaded and mapped runs of the same phone, entry and scheme, paired (by what each run asked for)."""
+    groups: dict[tuple[str, str, str, str], dict[str, SoakResult]] = {}
+    for r in results.runs:
+        if r.weights_residency_requested is not None:
+            key = (r.device.host or "", r.device.udid, r.entry or r.app_id, r.scheme)
+            groups.setdefault(key, {})[r.weights_residency_requested] = r
+    return [ResidencyPair(g["loaded"], g["mapped"]) for g in groups.values() if {"loaded", "mapped"} <= set(g)]
+
+
+def _residency_text(r: SoakResult) -> str:
+    """How the run held its weights, in the app's words (a fallback names its reason)."""
+    if r.weights_residency is None:
+        return "" if r.weights_residency_requested is None else f"asked {r.weights_residency_requested}"
+    text: str = r.weights_residency
+    if r.weights_residency == "mapped" and r.mapped_weight_bytes is not None:
+        text += f" ({_mib(r.mapped_weight_bytes)})"
+    if r.residency_note:
+        text += f": {r.residency_note}"
+    return text
 
 
 @contextlib.contextmanager
@@ -129,6 +176,47 @@ def _plot_thermal(r: SoakResult, path: Path) -> bool:
     return True
 
 
+def _plot_residency(pair: ResidencyPair, path: Path) -> bool:
+    curves = {"loaded": pair.loaded, "mapped": pair.mapped}
+    if not pair.contexts:
+        return False
+    with _figure(
+        path, f"loaded vs mapped weights: {run_name(pair.loaded).rsplit(' [', 1)[0]} [{pair.loaded.scheme}]"
+    ) as ax:
+        for residency, r in curves.items():
+            points = sorted(_footprints(r).items())
+            ax.plot([c for c, _ in points], [b / MIB for _, b in points], "o-", label=f"footprint, {residency}")
+        limit = pair.loaded.limit_bytes or pair.mapped.limit_bytes
+        if limit is not None:
+            ax.axhline(limit / MIB, color="tab:red", label="limit (jetsam report)")
+        ax.set_xlabel("context tokens")
+        ax.set_ylabel("MiB")
+        ax.legend(fontsize=7, loc="lower right")
+    return True
+
+
+def _pair_view(pair: ResidencyPair, figure: str | None) -> dict[str, object]:
+    """The side-by-side row: both footprints at the largest context both runs measured."""
+    context = pair.contexts[-1] if pair.contexts else None
+    loaded, mapped = pair.at(context) if context is not None else (None, None)
+    return {
+        "host": pair.loaded.device.host or "",
+        "device": short_udid(pair.loaded.device.udid),
+        "profile": pair.loaded.device.profile or pair.loaded.device.product_type or "",
+        "entry": pair.loaded.entry or pair.loaded.app_id,
+        "scheme": pair.loaded.scheme,
+        "context": "" if context is None else context,
+        "loaded": _mib(loaded),
+        "mapped": _mib(mapped),
+        "saved": _mib(loaded - mapped) if loaded is not None and mapped is not None else "",
+        "ran": f"{_residency_text(pair.loaded)} / {_residency_text(pair.mapped)}",
+        "safe": " / ".join(
+            "" if r.max_safe_context is None else str(r.max_safe_context) for r in (pair.loaded, pair.mapped)
+        ),
+        "figure": figure,
+    }
+
+
 def _template_dir() -> Path:
     here = Path(__file__).resolve().parents[1]  # the kvrig package
     for candidate in (here / "_data" / "templates" / "report", here.parent / "templates" / "report"):
@@ -149,7 +237,8 @@ def _run_view(r: SoakResult, figures: list[dict[str, str]]) -> dict[str, object]
         "device": short_udid(r.device.udid),
         "profile": r.device.profile or r.device.product_type or "",
         "entry": r.entry or r.app_id,
-        "scheme": r.scheme,
+        "scheme": r.variant,
+        "weights": _residency_text(r),
         "outcome": r.outcome or f"error: {r.error}",
         "outcome_raw": str(r.outcome),
         "detail": r.outcome_detail or r.error or "not run",
@@ -166,6 +255,19 @@ def _run_view(r: SoakResult, figures: list[dict[str, str]]) -> dict[str, object]
     }
 
 
+def _stem(r: SoakResult, variant: str) -> str:
+    return slug(f"{r.device.host or ''}-{short_udid(r.device.udid)}-{r.entry or r.app_id}-{variant}")
+
+
+def _unique(base: str, used: set[str]) -> str:
+    """A file-name stem no other figure of this report has."""
+    base = base.lstrip("-")
+    while base in used:
+        base += "-x"
+    used.add(base)
+    return base
+
+
 def write_report(results: ResultsFile, out_dir: str | Path, *, title: str = "kvrig results") -> Path:
     """Writes report.html (from templates/report/report.html.j2) and its PNGs (in report/) into out_dir;
     returns the HTML path."""
@@ -180,16 +282,17 @@ def write_report(results: ResultsFile, out_dir: str | Path, *, title: str = "kvr
     views = []
     used: set[str] = set()
     for r in results.runs:
-        base = slug(f"{r.device.host or ''}-{short_udid(r.device.udid)}-{r.entry or r.app_id}-{r.scheme}".lstrip("-"))
-        while base in used:
-            base += "-x"
-        used.add(base)
+        base = _unique(_stem(r, r.variant), used)
         figures = []
         for kind, plot in (("footprint", _plot_footprint), ("tps", _plot_tps), ("thermal", _plot_thermal)):
             name = f"{base}-{kind}.png"
             if plot(r, images / name):
                 figures.append({"src": f"{IMAGES_DIR}/{name}", "kind": kind})
         views.append(_run_view(r, figures))
+    pairs = []
+    for pair in residency_pairs(results):
+        name = f"{_unique(_stem(pair.loaded, pair.loaded.scheme), used)}-residency.png"
+        pairs.append(_pair_view(pair, f"{IMAGES_DIR}/{name}" if _plot_residency(pair, images / name) else None))
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(_template_dir()),
         autoescape=True,
@@ -202,6 +305,7 @@ def write_report(results: ResultsFile, out_dir: str | Path, *, title: str = "kvr
         hosts=results.lab.hosts if results.lab else [],
         notes=results.lab.notes if results.lab else [],
         runs=views,
+        pairs=pairs,
     )
     path = out / REPORT_FILE
     atomic_write(path, html)

@@ -79,15 +79,17 @@ class Scheduler:
             runs = per_device.setdefault(target.udid, [])
             for entry in self.lab.matrix:
                 for scheme in entry.schemes:
-                    predicted = None
-                    if target.problem is None:
-                        predicted = predictor.predict(
-                            entry, scheme, ref.profile, target.spec, virtual=bool(target.info and target.info.virtual)
-                        )
-                    run = new_run(entry, scheme, ref, self.stamp, predicted)
-                    if target.problem is not None:
-                        run.result.error = f"device: {target.problem}"
-                    runs.append(run)
+                    for residency in entry.runs_residencies:
+                        predicted = None
+                        if target.problem is None:
+                            virtual = bool(target.info and target.info.virtual)
+                            predicted = predictor.predict(
+                                entry, scheme, ref.profile, target.spec, virtual=virtual, residency=residency
+                            )
+                        run = new_run(entry, scheme, ref, self.stamp, predicted, residency)
+                        if target.problem is not None:
+                            run.result.error = f"device: {target.problem}"
+                        runs.append(run)
         self.results.runs = [r for runs in per_device.values() for r in runs]
         return per_device
 

@@ -94,6 +94,7 @@ async def soak(
         run_id=run_id,
         max_seconds=s.max_seconds,
         backend=run.entry.backend,
+        weights_residency=run.residency,
     )
     t = bench.lab.timeouts
     options = SoakOptions(

@@ -97,7 +97,7 @@ async def drive_phone(job: PhoneJob, emit: Emit) -> None:
                 saved(run)
                 continue
             lost = None
-            say(f"{tag}: {run.entry.label} / {run.scheme.name}")
+            say(f"{tag}: {run.label}")
             try:
                 if run.entry.label not in prepared:
                     await prepare(device, run.entry)
@@ -113,7 +113,7 @@ async def drive_phone(job: PhoneJob, emit: Emit) -> None:
                 not_run(run, exc)
             except KvrigError as exc:
                 run.result.error = run.result.error or str(exc)
-                say(f"{tag}: {run.entry.label} / {run.scheme.name}: error: {exc}")
+                say(f"{tag}: {run.label}: error: {exc}")
             if run.result.outcome == "device_lost" or any(c.outcome == "device_lost" for c in run.result.confirmations):
                 lost = lost or DeviceLostError(f"device {job.udid} went away")
             say(f"{tag}: {summary(run.result)}")
@@ -153,7 +153,7 @@ async def _came_back(device: Any) -> bool:
 def summary(r: SoakResult) -> str:
     confirmed = " confirmed" if r.max_safe_context_confirmed else ""
     outcome = r.outcome or f"no outcome ({r.error})"
-    return f"{r.entry} / {r.scheme}: {outcome}, max safe context {r.max_safe_context}{confirmed}"
+    return f"{r.entry} / {r.variant}: {outcome}, max safe context {r.max_safe_context}{confirmed}"
 
 
 def worker_main(job: PhoneJob, queue: Any, parent: int) -> None:

@@ -6,8 +6,12 @@ gates CI fails on. YAML (or JSON); paths in it are relative to the file.
     matrix:
       - app_id: dev.kvrig.soak
         schemes: [fp16]
+        residencies: [loaded, mapped]   # optional: the same bundle both ways, side by side in the report
         soak: {step_tokens: 512, max_tokens: 65536}
     gates: {min_max_safe_context: 2048, min_decode_tps_at: {1024: 20}}
+
+Still schema 1: `residencies` is an optional key a person adds to a file, and a lab without it reads and runs
+as before.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pydantic import Field, field_validator, model_validator
 from kvrig.exceptions import SchemaError
 from kvrig.fileio import read_data
 from kvrig.schemas import StrictModel, validate_data
+from kvrig.schemas.kvcache import WeightsResidency
 
 LAB_SCHEMA_VERSION: Final = 1
 ANY_DEVICE = "any"
@@ -107,6 +112,13 @@ class MatrixEntry(StrictModel):
     backend: Literal["mlx", "coreml"] = Field(
         default="mlx", description="runtime soaked: MLX, or the Core ML program of an app built with --coreml"
     )
+    residencies: list[WeightsResidency] | None = Field(
+        default=None,
+        min_length=1,
+        description="run each scheme with the weights loaded and/or mapped from the bundle's file (the soak plan's "
+        "weights_residency; a bundle packaged with --weights-layout mapped can do both); default: one run, as the "
+        "bundle says",
+    )
     soak: SoakSchedule = Field(default_factory=SoakSchedule)
     gates: Gates | None = Field(default=None, description="override the lab's gates for this entry")
 
@@ -122,7 +134,16 @@ class MatrixEntry(StrictModel):
         names = [s.name for s in self.schemes]
         if len(set(names)) != len(names):
             raise ValueError(f"scheme names repeat: {names}")
+        if self.residencies is not None and len(set(self.residencies)) != len(self.residencies):
+            raise ValueError(f"residencies repeat: {self.residencies}")
+        if self.residencies is not None and self.backend == "coreml":
+            raise ValueError("residencies are the MLX app's: the Core ML program holds its own weights")
         return self
+
+    @property
+    def runs_residencies(self) -> list[WeightsResidency | None]:
+        """One run per residency listed, else one as the bundle says (None)."""
+        return list(self.residencies) if self.residencies else [None]
 
     @property
     def label(self) -> str:

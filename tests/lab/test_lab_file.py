@@ -27,6 +27,16 @@ def test_minimal_lab_gets_defaults(tmp_path: Path) -> None:
     assert lab.threshold.confirm_runs == 1 and lab.gates == Gates()
 
 
+def test_an_entry_runs_each_residency_it_lists(tmp_path: Path) -> None:
+    path = tmp_path / "lab.yaml"
+    path.write_text(MINIMAL + "    residencies: [loaded, mapped]\n")
+    (entry,) = load_lab(path).matrix
+    assert entry.runs_residencies == ["loaded", "mapped"]
+    path.write_text(MINIMAL)
+    (entry,) = load_lab(path).matrix
+    assert entry.residencies is None and entry.runs_residencies == [None]  # one run, as the bundle says
+
+
 def test_example_lab_loads_with_paths_from_its_folder() -> None:
     lab = load_lab(ROOT / "examples" / "lab-virtual.yaml")
     assert {d.profile for d in lab.devices} == {"iphone-15-pro", "iphone-13-pro"}
@@ -47,6 +57,10 @@ def test_example_lab_loads_with_paths_from_its_folder() -> None:
         ("schema: 1\nmatrix: []\n", "matrix", "at least 1"),
         (MINIMAL + "threshold: {confirm_runs: 1, max_attempts: 0}\n", "threshold.max_attempts", "greater than"),
         (MINIMAL.replace("[fp16]", "[fp16, fp16]"), "matrix.0", "scheme names repeat"),
+        (MINIMAL + "    residencies: [loaded, loaded]\n", "matrix.0", "residencies repeat"),
+        (MINIMAL + "    residencies: [wired]\n", "matrix.0.residencies.0", "'loaded' or 'mapped'"),
+        (MINIMAL + "    residencies: []\n", "matrix.0.residencies", "at least 1"),
+        (MINIMAL + "    backend: coreml\n    residencies: [mapped]\n", "matrix.0", "the MLX app's"),
     ],
 )
 def test_bad_lab_file_names_file_and_field(tmp_path: Path, text: str, field: str, words: str) -> None:
