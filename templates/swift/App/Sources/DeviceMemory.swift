@@ -147,6 +147,8 @@ struct MemorySample: Sendable {
     var contextTokens: Int
     var phoneFormatDeltaBytes: Int
     var phoneFormatPeakDeltaBytes: Int
+    /// Weight bytes mapped from the bundle's file: in the MLX numbers, left out of the footprint by the kernel.
+    var mappedWeightBytes: Int
 }
 
 struct KernelVerdict: Sendable, Equatable {

@@ -20,8 +20,9 @@ struct LiveMetrics: Equatable {
     var kvBytes = 0
 }
 
-/// Loads the pushed bundle, applies kvcache.json (caches, MLX limits, pressure policy), runs chat turns and
-/// soak plans, and writes telemetry.
+/// Loads the pushed bundle (its weights mapped from the file when kvcache.json or the soak plan asks and the
+/// bundle allows: see BundleLoader), applies kvcache.json (caches, MLX limits, pressure policy), runs chat turns
+/// and soak plans, and writes telemetry.
 @MainActor
 @Observable
 final class Engine {
@@ -40,6 +41,8 @@ final class Engine {
     @ObservationIgnored private var metricsTimer: Timer?
     @ObservationIgnored private let host: EngineHost?
     @ObservationIgnored private var phoneElementBytes: Int?
+    /// MLX's memory limit as configureMemory set it (0: left at MLX's default).
+    @ObservationIgnored private var mlxLimitBytes = 0
     /// Set when this run uses the Core ML program instead of MLX (the soak plan's or the launch argument's
     /// backend); chat and soak then go through it, with the bundle's tokenizer.
     @ObservationIgnored private var alternate: (backend: any AlternateBackend, tokenizer: any MLXLMCommon.Tokenizer)?
@@ -89,17 +92,24 @@ final class Engine {
             // Progress on the log while nothing else is written (loading may take a while on a busy host).
             Log.app.notice("loading \(AppConfig.bundleFolder) (weights, tokenizer) ...")
             let loadBegan = Date()
-            let container = try await LLMModelFactory.shared.loadContainer(
-                from: bundleURL, using: TransformersTokenizerLoader())
+            let loaded = try await BundleLoader.load(
+                bundle: bundleURL, config: config, requested: plan?.weightsResidency)
+            let container = loaded.container
             self.container = container
             Log.app.notice("loaded in \(String(format: "%.1f", Date().timeIntervalSince(loadBegan))) s")
+            raiseMemoryLimit(mappedBytes: loaded.weights.mappedBytes)
             var converted: [String] = []
+            var weights = loaded.weights
             if let host {
+                // A host that plays the phone reports the phone's residency (it may not map as the phone does).
+                let phone = host.phoneWeights(held: weights, bundle: bundleURL, requested: plan?.weightsResidency)
+                weights = phone.weights
+                converted = phone.converted
                 let prepared = try await container.perform { context in
                     try host.prepare(model: context.model, bundle: bundleURL)
                 }
                 phoneElementBytes = prepared.phoneElementBytes
-                converted = prepared.converted
+                converted += prepared.converted
             }
             await newChat()
             // With a host kernel, the first report (weights loaded) may already be fatal, as on the phone.
@@ -111,7 +121,8 @@ final class Engine {
                 .start(
                     model: bundleURL.lastPathComponent, scheme: config.scheme,
                     productType: DeviceMemory.productType(), osVersion: DeviceMemory.osVersion(), limitBytes: limit,
-                    converted: converted))
+                    converted: converted, weightsResidency: weights.residency, mappedWeightBytes: weights.mappedBytes,
+                    residencyNote: weights.note))
             isReady = true
             status = "Ready: \(AppConfig.modelType), KV \(config.scheme)"
             startMetricsTimer()
@@ -138,10 +149,20 @@ final class Engine {
             headroom: AppConfig.mlxHeadroomBytes, mlxActive: Memory.activeMemory)
         if limit > 0 {
             Memory.memoryLimit = limit
+            mlxLimitBytes = limit
         }
         Log.app.notice(
             "MLX cache limit \(config.bufferCacheLimitBytes) B, memory limit \(limit) B, available \(available ?? -1) B")
         return available.map { footprint + $0 }
+    }
+
+    /// MLX counts mapped weights as active memory (Metal's allocator adds a no-copy buffer's length), the footprint
+    /// does not: the limit, set for weights in the footprint, moves up by them, else MLX would refuse allocations
+    /// jetsam still allows.
+    private func raiseMemoryLimit(mappedBytes: Int) {
+        guard mlxLimitBytes > 0, mappedBytes > 0 else { return }
+        Memory.memoryLimit = mlxLimitBytes + mappedBytes
+        Log.app.notice("MLX memory limit \(mlxLimitBytes + mappedBytes) B (mapped weights counted by MLX, not jetsam)")
     }
 
     func newChat() async {
@@ -474,6 +495,11 @@ final class Engine {
 protocol EngineHost: AnyObject, Sendable {
     var documents: URL { get }
     var bundle: URL { get }
+    /// How the phone holds the weights when this host holds them as `held` (a host that cannot map reports the
+    /// phone's mapping to its kernel), and the telemetry fields that then carry the phone's residency.
+    func phoneWeights(held: WeightsReport, bundle: URL, requested: WeightsResidency?) -> (
+        weights: WeightsReport, converted: [String]
+    )
     /// Converts the loaded model for the host. Returns the element size the phone stores the host's float32
     /// buffers at (nil: no conversion) and the telemetry fields that then carry the phone's format.
     func prepare(model: any LanguageModel, bundle: URL) throws -> (phoneElementBytes: Int?, converted: [String])

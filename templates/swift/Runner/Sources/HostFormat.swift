@@ -60,36 +60,7 @@ struct HostFormat: Sendable {
 
     /// Bytes of every tensor in the bundle's safetensors files, read from their headers (no data loaded).
     static func storedWeightBytes(_ bundle: URL) throws -> Int {
-        let files = try FileManager.default.contentsOfDirectory(at: bundle, includingPropertiesForKeys: nil)
-            .filter { $0.pathExtension == "safetensors" }
-        var total = 0
-        for file in files {
-            let handle = try FileHandle(forReadingFrom: file)
-            defer { try? handle.close() }
-            let sizeBytes = try handle.read(upToCount: 8) ?? Data()
-            guard sizeBytes.count == 8 else { throw HostFormatError.badHeader(file.lastPathComponent) }
-            let size = sizeBytes.enumerated().reduce(0) { $0 | Int($1.element) << (8 * $1.offset) }
-            let header = try handle.read(upToCount: size) ?? Data()
-            guard let entries = try JSONSerialization.jsonObject(with: header) as? [String: Any] else {
-                throw HostFormatError.badHeader(file.lastPathComponent)
-            }
-            for (name, entry) in entries where name != "__metadata__" {
-                guard let offsets = (entry as? [String: Any])?["data_offsets"] as? [Int], offsets.count == 2 else {
-                    throw HostFormatError.badHeader(file.lastPathComponent)
-                }
-                total += offsets[1] - offsets[0]
-            }
-        }
-        return total
+        try SafetensorsFile.files(in: bundle).map { try SafetensorsFile(url: $0).byteCount }.reduce(0, +)
     }
 }
 
-enum HostFormatError: Error, CustomStringConvertible {
-    case badHeader(String)
-
-    var description: String {
-        switch self {
-        case .badHeader(let file): "\(file): not a safetensors header"
-        }
-    }
-}

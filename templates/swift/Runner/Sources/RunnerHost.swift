@@ -94,6 +94,9 @@ final class RunnerHost: EngineHost, @unchecked Sendable {
     private let lock = NSLock()
     private var format: HostFormat?
     private var stepPeak = 0
+    private var mappedWeightBytes = 0
+    /// The weights as stored (what the phone holds), for samples when no float32 conversion measured them.
+    private var storedWeightBytes = 0
 
     init(options: RunnerOptions) {
         documents = options.documents
@@ -101,6 +104,38 @@ final class RunnerHost: EngineHost, @unchecked Sendable {
         float32 = options.float32
         hostKernel = options.hostKernel
     }
+
+    /// With a host kernel, the phone's residency, decided by the phone's rule (its 16 KiB page) as kvrig's Python
+    /// runtime decides it: a host whose MLX copies what it maps (Linux) still loads, and the kernel is told what the
+    /// phone maps. Without one, what this host holds.
+    func phoneWeights(held: WeightsReport, bundle: URL, requested: WeightsResidency?) -> (
+        weights: WeightsReport, converted: [String]
+    ) {
+        let configURL = bundle.appendingPathComponent("kvcache.json")
+        guard hostKernel, let config = try? ContractJSON.load(KVCacheConfig.self, from: configURL) else {
+            return (held, [])
+        }
+        var phone = held
+        switch WeightsMap.plan(bundle: bundle, config: config, requested: requested, pageSize: Self.phonePageSize) {
+        case .map(let files):
+            phone = WeightsReport(residency: .mapped, mappedBytes: files.reduce(0) { $0 + $1.byteCount }, note: nil)
+        case .load(let why):
+            phone = WeightsReport(residency: .loaded, mappedBytes: 0, note: why)
+        }
+        let stored = (try? HostFormat.storedWeightBytes(bundle)) ?? 0
+        lock.lock()
+        mappedWeightBytes = phone.mappedBytes
+        storedWeightBytes = stored
+        lock.unlock()
+        if phone == held { return (held, []) }
+        Log.app.notice(
+            "this host holds the weights \(held.residency.rawValue); the phone's \(phone.residency.rawValue) "
+                + "(\(phone.mappedBytes) B mapped) is what the kernel is told")
+        return (phone, ["weights_residency", "mapped_weight_bytes"])
+    }
+
+    /// The iPhone's VM page size (every A9 and later): what the phone's app maps on.
+    static let phonePageSize = 16384
 
     func prepare(model: any LanguageModel, bundle: URL) throws -> (phoneElementBytes: Int?, converted: [String]) {
         guard float32 else { return (nil, []) }
@@ -152,11 +187,17 @@ final class RunnerHost: EngineHost, @unchecked Sendable {
         lock.unlock()
         let hostKV = caches.hostKVBytes
         let phoneKV = caches.kvBytes
+        lock.lock()
+        let mapped = mappedWeightBytes
+        let stored = storedWeightBytes
+        lock.unlock()
+        // The kernel leaves out at most the weights a sample names, so it names them even unconverted.
         return MemorySample(
             mlxActiveBytes: active, mlxCacheBytes: Memory.cacheMemory, mlxPeakBytes: peak, kvBytes: phoneKV,
-            weightBytes: format?.phoneWeightBytes ?? 0, contextTokens: caches.contextTokens,
+            weightBytes: format?.phoneWeightBytes ?? stored, contextTokens: caches.contextTokens,
             phoneFormatDeltaBytes: format?.delta(hostBytes: active, hostKV: hostKV, phoneKV: phoneKV) ?? 0,
-            phoneFormatPeakDeltaBytes: format?.delta(hostBytes: peak, hostKV: hostKV, phoneKV: phoneKV) ?? 0)
+            phoneFormatPeakDeltaBytes: format?.delta(hostBytes: peak, hostKV: hostKV, phoneKV: phoneKV) ?? 0,
+            mappedWeightBytes: mapped)
     }
 }
 
@@ -185,6 +226,7 @@ final class ChannelKernel: HostKernel, @unchecked Sendable {
                 "weight_bytes": sample.weightBytes, "context_tokens": sample.contextTokens,
                 "phone_format_delta_bytes": sample.phoneFormatDeltaBytes,
                 "phone_format_peak_delta_bytes": sample.phoneFormatPeakDeltaBytes,
+                "mapped_weight_bytes": sample.mappedWeightBytes,
             ]
         ])
         guard let line = readLine() else { exit(0) }  // the emulator went away

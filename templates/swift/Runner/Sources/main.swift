@@ -8,7 +8,8 @@
 //   kvrig-engine --attention-probe KVCACHE_JSON IN.safetensors OUT.safetensors   (see AttentionProbe)
 //
 // --host-kernel: speak the virtual iPhone's JSON-line channel on stdin/stdout (kvrig/virtual/apprun.py):
-// a measurement after every step, the kernel's verdict back (footprint, available, pressure).
+// a measurement after every step, the kernel's verdict back (footprint, available, pressure). The measurement
+// carries the phone's residency: weights the phone maps (mapped_weight_bytes), which the kernel does not charge.
 import Foundation
 import KvrigCore
 import MLX
