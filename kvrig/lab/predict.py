@@ -44,14 +44,6 @@ class Predictor:
         source = entry.model_source
         if source is None or profile is None or self.unavailable:
             return None
-        if (residency or _bundle_layout(entry)) == "mapped":
-            # TODO(planner-mapped): plan mapped weights with PlanRequest's residency once `kvrig plan
-            # --weights-residency` lands (branch `mapped`); the loaded plan would charge them to the footprint.
-            note = f"{entry.label}/{scheme.name}: no prediction for mapped weights (the planner plans loaded ones)"
-            if note not in self.notes:
-                self.notes.append(note)
-            return None
-
         try:
             planner_scheme = parse_kv(scheme.plan_scheme or scheme.name).name
         except QuantizationError:
@@ -67,13 +59,22 @@ class Predictor:
             return None
         key: tuple[str, ...] = (str(source), profile, str(device.limit_bytes), str(device.baseline_bytes))
         backend: Backend = "cpu" if virtual else "metal"
-        key += (entry.plan.model_dump_json(), planner_scheme, backend)
+        # A mapped run is planned with its weights out of the footprint (and inside the mapped-memory ceiling).
+        weights_residency = residency or _bundle_residency(entry)
+        key += (entry.plan.model_dump_json(), planner_scheme, backend, weights_residency)
         if key not in self._cache:
-            self._cache[key] = self._plan(source, profile, device, entry, planner_scheme, backend)
+            self._cache[key] = self._plan(source, profile, device, entry, planner_scheme, backend, weights_residency)
         return self._cache[key]
 
     def _plan(
-        self, source: Path, profile_ref: str, device: LabDevice, entry: MatrixEntry, scheme: str, backend: Backend
+        self,
+        source: Path,
+        profile_ref: str,
+        device: LabDevice,
+        entry: MatrixEntry,
+        scheme: str,
+        backend: Backend,
+        residency: WeightsResidency,
     ) -> Prediction | None:
         try:
             profile = load_profile(profile_ref)
@@ -96,6 +97,7 @@ class Predictor:
                     prefill_step=opts.prefill_step,
                     contexts=(1024,),
                     backend=backend,
+                    weights_residency=residency,
                 ),
             )
         except ImportError as exc:  # no MLX on this machine: the lab still runs, without predictions
@@ -109,10 +111,10 @@ class Predictor:
         )
 
 
-def _bundle_layout(entry: MatrixEntry) -> str | None:
-    """How the entry's bundle lays out its weights (kvcache.json), when the lab pushes one."""
+def _bundle_residency(entry: MatrixEntry) -> WeightsResidency:
+    """What the app does with the entry's bundle when the run does not say: maps a bundle laid out for it."""
     if entry.bundle_path is None or not (entry.bundle_path / KVCACHE_NAME).is_file():
-        return None
+        return "loaded"
     return load_model_file(KVCacheConfig, entry.bundle_path / KVCACHE_NAME).weights_layout
 
 

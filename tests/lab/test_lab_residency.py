@@ -25,6 +25,7 @@ from kvrig.appgen.render import AppOptions, render_app
 from kvrig.appgen.virtual_ipa import build_virtual_ipa
 from kvrig.calibration import calibrate
 from kvrig.device.loop import run_async
+from kvrig.lab.predict import Predictor
 from kvrig.lab.schedule import run_lab
 from kvrig.planner import plan as make_memory_plan
 from kvrig.schemas import load_model_file
@@ -48,6 +49,7 @@ class Lab:
     bundle: Path
     weight_bytes: int
     udid: str
+    lab_file: Path
     runs: dict[str, SoakResult]  # by the residency each asked for
 
 
@@ -90,7 +92,7 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
         finally:
             host.run(phone.apps.kill_all())
     runs = {r.weights_residency_requested or "": r for r in results.results.runs}
-    yield Lab(root / "out", bundle, weights, udid, runs)
+    yield Lab(root / "out", bundle, weights, udid, lab_file, runs)
 
 
 def test_the_entry_runs_once_per_residency_and_records_what_ran(lab: Lab) -> None:
@@ -107,10 +109,23 @@ def test_the_entry_runs_once_per_residency_and_records_what_ran(lab: Lab) -> Non
     # Each residency has its own folder and run id.
     assert loaded.files.telemetry != mapped.files.telemetry and loaded.run_id != mapped.run_id
     assert "/fp16/mapped/" in mapped.files.telemetry  # type: ignore[operator]
-    # The loaded run is predicted; the mapped one is not until the planner knows mapped weights.
-    assert loaded.predicted is not None and mapped.predicted is None
-    notes = saved.lab.notes if saved.lab else []
-    assert any("no prediction for mapped weights" in n for n in notes), notes
+
+
+def test_each_residency_is_predicted_as_the_kernel_charges_it(lab: Lab) -> None:
+    """The mapped run is planned with its weights out of the footprint: the loaded plan of a phone whose limit is
+    larger by MLX's nbytes of the weights (the virtual kernel's rule), not the loaded plan itself."""
+    loaded, mapped = lab.runs["loaded"].predicted, lab.runs["mapped"].predicted
+    assert loaded is not None and mapped is not None
+    doc = load_lab(lab.lab_file)
+    entry, scheme, device = doc.matrix[0], doc.matrix[0].schemes[0], doc.devices[0]
+    assert device.limit_bytes is not None
+    roomier = device.model_copy(update={"limit_bytes": device.limit_bytes + lab.weight_bytes})
+    expected = Predictor([]).predict(entry, scheme, PROFILE, roomier, virtual=True, residency="loaded")
+    assert expected is not None
+    assert mapped.max_context == expected.max_context > loaded.max_context
+    # Either footprint is the phone's, against the same limit: the mapped one without the weights.
+    assert mapped.limit_bytes == loaded.limit_bytes == device.limit_bytes
+    assert mapped.footprint_at_max_context_bytes == expected.footprint_at_max_context_bytes - lab.weight_bytes
 
 
 def _footprints(run: SoakResult) -> dict[int, int]:

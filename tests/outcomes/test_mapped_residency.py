@@ -7,8 +7,8 @@ memory here and nothing below claims a saving on this host: the mapped run REPOR
 the kernel leaves those bytes out of what it charges, as iOS leaves clean file-backed pages out of the footprint.
 
 Expected numbers come from elsewhere: the weights' bytes from MLX's own `nbytes` of the bundle's tensors; the
-kill contexts from the planner's loaded plan (the mapped one on a limit larger by those bytes: the kernel's
-rule); the footprint at the kill from the raw JetsamEvent report.
+kill contexts from the planner's plan of each residency (`kvrig plan --weights-residency`); the footprint at the
+kill from the raw JetsamEvent report.
 """
 
 from __future__ import annotations
@@ -96,15 +96,14 @@ def soaked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Soaked]:
     sizing = plan_memory(spec, profile, common.model_copy(update={"max_context_cap": ROOM_TOKENS}))
     limit = sizing.budget_at_max_context[kv.scheme].total_bytes
 
-    def planned(limit_bytes: int) -> int:
-        given = SourcedInt(value=limit_bytes, basis="reported", source="test: the virtual iPhone's limit")
+    def planned(residency: str) -> int:
+        given = SourcedInt(value=limit, basis="reported", source="test: the virtual iPhone's limit")
         small = profile.model_copy(update={"app_memory_limit": AppMemoryLimit(default_bytes=given)})
-        return plan_memory(spec, small, common.model_copy(update={"limit": "default"})).max_context[kv.scheme]
+        request = common.model_copy(update={"limit": "default", "weights_residency": residency})
+        return plan_memory(spec, small, request).max_context[kv.scheme]
 
-    # TODO(planner-mapped): predict the mapped run with `kvrig plan --weights-residency mapped` (branch `mapped`)
-    # once it lands. Until then the kernel's own rule: mapped weights are not charged, so the mapped run meets
-    # the loaded plan's footprint on a limit larger by the weights' bytes.
-    predicted = {"loaded": planned(limit), "mapped": planned(limit + weight_bytes)}
+    # What `kvrig plan --weights-residency loaded|mapped` predicts on this phone.
+    predicted = {residency: planned(residency) for residency in ("loaded", "mapped")}
 
     project = render_app(bundle, root / "project", AppOptions(name="Mapped", bundle_id=APP_ID)).project
     ipa = build_virtual_ipa(project, root / "Mapped-virtual.ipa")
