@@ -59,8 +59,18 @@ class Predictor:
             return None
         key: tuple[str, ...] = (str(source), profile, str(device.limit_bytes), str(device.baseline_bytes))
         backend: Backend = "cpu" if virtual else "metal"
-        # A mapped run is planned with its weights out of the footprint (and inside the mapped-memory ceiling).
-        weights_residency = residency or _bundle_residency(entry)
+        # A mapped run is planned with its weights out of the footprint (and inside the mapped-memory ceiling);
+        # the app loads a bundle not laid out for mapping whatever the run asks, so that run is planned loaded.
+        layout = _bundle_layout(entry)
+        weights_residency: WeightsResidency = residency or layout or "loaded"
+        if weights_residency == "mapped" and layout == "loaded":
+            note = (
+                f"{entry.label}/{scheme.name}: mapped weights asked of a bundle laid out to load (the app loads "
+                "them; predicted loaded; repackage with `kvrig package --weights-layout mapped`)"
+            )
+            if note not in self.notes:
+                self.notes.append(note)
+            weights_residency = "loaded"
         key += (entry.plan.model_dump_json(), planner_scheme, backend, weights_residency)
         if key not in self._cache:
             self._cache[key] = self._plan(source, profile, device, entry, planner_scheme, backend, weights_residency)
@@ -111,10 +121,11 @@ class Predictor:
         )
 
 
-def _bundle_residency(entry: MatrixEntry) -> WeightsResidency:
-    """What the app does with the entry's bundle when the run does not say: maps a bundle laid out for it."""
+def _bundle_layout(entry: MatrixEntry) -> WeightsResidency | None:
+    """How the entry's bundle lays out its weights (kvcache.json), when the lab pushes one: what the app does
+    with them unless the run says otherwise."""
     if entry.bundle_path is None or not (entry.bundle_path / KVCACHE_NAME).is_file():
-        return "loaded"
+        return None
     return load_model_file(KVCacheConfig, entry.bundle_path / KVCACHE_NAME).weights_layout
 
 
