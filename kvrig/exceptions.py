@@ -335,6 +335,13 @@ class LabShardError(InputError):
     exit_code = 42
 
 
+class ReportFolderError(LabError):
+    """`kvrig lab report -o DIR` into a folder that holds other files: only an empty folder, a lab's own output or
+    an earlier report is written into, so nothing else is overwritten."""
+
+    exit_code = 52
+
+
 class UsbmuxAddressError(InputError):
     """`USBMUXD_SOCKET_ADDRESS` or `--usbmuxd` names no usbmuxd: neither `UNIX:/path`, a path nor HOST:PORT."""
 

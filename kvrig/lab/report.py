@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvrig.exceptions import OutputWriteError, ReportError
+from kvrig.exceptions import OutputWriteError, ReportError, ReportFolderError
 from kvrig.fileio import atomic_output, atomic_write
 from kvrig.lab.gates import failures, prediction_error
 from kvrig.schemas.lab import slug
-from kvrig.schemas.results import ResultsFile, SoakResult, short_udid
+from kvrig.schemas.results import RESULTS_FILE, ResultsFile, SoakResult, short_udid
 
 REPORT_FILE = "report.html"
 IMAGES_DIR = "report"
@@ -268,12 +268,25 @@ def _unique(base: str, used: set[str]) -> str:
     return base
 
 
+def _check_report_folder(out: Path) -> None:
+    """An empty or new folder, a lab's output (its results.json) or an earlier report (report.html) may take the
+    report; a folder of other files is refused before anything is written."""
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if (out / RESULTS_FILE).is_file() or (out / REPORT_FILE).is_file():
+        return
+    raise ReportFolderError(
+        f"{out}: the folder holds other files; give an empty folder, the lab's output folder or an earlier report's"
+    )
+
+
 def write_report(results: ResultsFile, out_dir: str | Path, *, title: str = "kvrig results") -> Path:
     """Writes report.html (from templates/report/report.html.j2) and its PNGs (in report/) into out_dir;
     returns the HTML path."""
     import jinja2
 
     out = Path(out_dir)
+    _check_report_folder(out)
     images = out / IMAGES_DIR
     try:
         images.mkdir(parents=True, exist_ok=True)

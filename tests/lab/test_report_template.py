@@ -83,3 +83,25 @@ def test_thermal_figure_only_for_runs_with_battery_samples(tmp_path: Path) -> No
     images = sorted(p.name for p in (tmp_path / "report").glob("*thermal*.png"))
     assert len(images) == 1 and "udid-hot" in images[0].lower()
     assert f"report/{images[0]}" in path.read_text()
+
+
+def test_the_report_goes_only_where_nothing_else_is(tmp_path: Path) -> None:
+    """An empty folder, a lab's output or an earlier report take the report; a folder of other files is refused
+    before anything is written into it."""
+    import pytest
+
+    from kvrig.exceptions import ReportFolderError
+
+    results = ResultsFile(tool_version="0", runs=[])
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    with pytest.raises(ReportFolderError):
+        write_report(results, mine)
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+    report = write_report(results, tmp_path / "new")
+    assert write_report(results, report.parent) == report  # again, over an earlier report
+    lab = tmp_path / "lab"
+    lab.mkdir()
+    (lab / "results.json").write_text("{}")
+    assert write_report(results, lab).is_file()  # the lab's own folder
