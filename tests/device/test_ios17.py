@@ -279,7 +279,7 @@ def test_soak_over_the_tunnel_until_jetsam_with_battery(clean: Phones, tmp_path:
     assert result.tunnel is not None and result.tunnel.kind == "userspace" and result.tunnel.mode == "auto"
     assert result.tunnel.opened == 1 and result.interruptions == [] and result.lost is None
     saved = json.loads((tmp_path / "results.json").read_text())
-    assert saved["schema"] == 2 and saved["runs"][0]["tunnel"]["kind"] == "userspace"
+    assert saved["schema"] == 3 and saved["runs"][0]["tunnel"]["kind"] == "userspace"
     # Battery: read over the diagnostics relay throughout the run, timestamped within it.
     assert result.started is not None and result.finished is not None
     assert len(result.battery) >= 3

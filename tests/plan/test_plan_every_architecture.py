@@ -22,7 +22,7 @@ from plan_sweep import sweep
 
 from kvrig.models.lazy import REFUSED, refused_here
 from kvrig.planner.weights import DEFAULT_RECIPES
-from kvrig.recipes import MIXED_RECIPES, RTN_BITS, parse_weights
+from kvrig.recipes import MIXED_RECIPES, RTN_BITS, WEIGHT_CANDIDATES, parse_weights
 
 DEVICE = "iPhone16,1"
 ROUND_TO_NEAREST = ("q2", "q3", "q4", "q5", "q6", "q8", "q4g32", *MIXED_RECIPES, "fp16")
@@ -132,15 +132,17 @@ def test_plans_with_default_options(rtn_rows: dict[str, Any], arch: str) -> None
     result = _run(rtn_rows, arch, "default")
     if _refused(result, arch):
         return
+    auto = WEIGHT_CANDIDATES[0]  # what a plan counts for the default `--weights auto`: gpx-q4, q4's layout
     if arch in DEFAULT_UNAVAILABLE:
         assert result["exit"] == 5, result["stderr"]
-        assert "'q4'" in result["stderr"] and f"'{arch}'" in result["stderr"]
+        assert f"'{auto}'" in result["stderr"] and f"'{arch}'" in result["stderr"]
         return
     assert result["exit"] == 0, result["stderr"]
     plan = json.loads(result["stdout"])
-    _listed(plan, DEFAULT_RECIPES)
+    _listed(plan, (*DEFAULT_RECIPES, auto))
     for recipe in DEFAULT_RECIPES:
         _agrees(plan, rtn_rows[arch]["reference"], recipe)
+    assert plan["weights_recipe"] == auto and plan["weights_by_recipe"][auto] == plan["weights_by_recipe"]["q4"]
 
 
 @pytest.mark.parametrize("arch", architectures())

@@ -67,7 +67,8 @@ def test_defaults_choose_the_smallest_recipe_that_passes_the_gate(default_bundle
     from mlx_lm.utils import compute_bits_per_weight, load_model
 
     from kvrig.bundle.manifest import load_manifest
-    from kvrig.quality.choose import KV_AUTO, WEIGHT_CANDIDATES
+    from kvrig.quality.choose import KV_AUTO
+    from kvrig.recipes import WEIGHT_CANDIDATES
 
     manifest = load_manifest(default_bundle)
     q, choice = manifest.quality, manifest.choice
