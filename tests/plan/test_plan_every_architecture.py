@@ -194,7 +194,8 @@ def test_a_recipe_the_architecture_cannot_take_is_listed_and_the_chosen_one_refu
     listed = run_cli([*base, "--recipes", "q4,mixed_4_6,dq-4.6"])
     assert listed["exit"] == 0 and listed["traceback"] is None, listed["stderr"]
     plan = json.loads(listed["stdout"])
-    assert set(plan["weights_by_recipe"]) == {"q4"}
+    # the listed recipes and the one the plan counts (`--weights auto`: gpx-q4, q4's layout)
+    assert set(plan["weights_by_recipe"]) == {"q4", WEIGHT_CANDIDATES[0]}
     assert set(plan["weights_unavailable"]) == {"mixed_4_6", "dq-4.6"}
     chosen = run_cli([*base, "--weights", "mixed_4_6"])
     assert chosen["exit"] == 5 and chosen["traceback"] is None
