@@ -6,14 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvrig.bundle.manifest import load_manifest
 from kvrig.exceptions import QuantizationError, SchemaError
 from kvrig.models import load_model_spec
-from kvrig.planner import PlanRequest, plan_memory
+from kvrig.planner import PlanRequest, bundle_recipe, plan_memory
 from kvrig.profiles import AppMemoryLimit, SourcedInt, load_profile
 from kvrig.recipes import AUTO, parse_kv
 from kvrig.schemas import load_model_file
-from kvrig.schemas.bundle import MANIFEST_NAME
 from kvrig.schemas.kvcache import KVCACHE_NAME, KVCacheConfig, WeightsResidency
 from kvrig.schemas.lab import LabDevice, MatrixEntry, SchemeSpec
 from kvrig.schemas.results import Prediction
@@ -101,7 +99,7 @@ class Predictor:
                 profile,
                 PlanRequest(
                     schemes=(scheme,),
-                    weights=opts.weights or _bundle_recipe(entry) or AUTO,
+                    weights=opts.weights or bundle_recipe(entry.bundle_path) or AUTO,
                     margin=opts.margin,
                     limit=opts.limit,
                     prefill_step=opts.prefill_step,
@@ -127,10 +125,3 @@ def _bundle_layout(entry: MatrixEntry) -> WeightsResidency | None:
     if entry.bundle_path is None or not (entry.bundle_path / KVCACHE_NAME).is_file():
         return None
     return load_model_file(KVCacheConfig, entry.bundle_path / KVCACHE_NAME).weights_layout
-
-
-def _bundle_recipe(entry: MatrixEntry) -> str | None:
-    """The weight recipe the entry's bundle was packaged with (`kvrig package --weights auto` chose it)."""
-    if entry.bundle_path is None or not (entry.bundle_path / MANIFEST_NAME).is_file():
-        return None
-    return load_manifest(entry.bundle_path).recipe.weights
