@@ -9,7 +9,7 @@ import click
 from kvrig.cli.options import checked_specs, group_size_option
 from kvrig.cli.output import info, warn
 from kvrig.cli.render import echo_json, human_bytes, json_option
-from kvrig.recipes import DEFAULT_GROUP_SIZE
+from kvrig.recipes import DEFAULT_GROUP_SIZE, WEIGHT_CANDIDATES
 
 
 def _split_force(_ctx: click.Context, _param: click.Parameter, value: bool) -> None:
@@ -30,7 +30,7 @@ def _split_force(_ctx: click.Context, _param: click.Parameter, value: bool) -> N
     show_default=True,
     callback=checked_specs("weights", auto=True, several=False),
     help="Weight recipe: qN[gG], mixed_X_Y, fp16, awq-qN, gptq-qN, imx-qN, gpx-qN, imx-BPW, gpx-BPW, dq-BPW. "
-    "auto: the smallest of gpx-q4, gpx-4.6, q5, q6, q8 whose bundle passes the quality gate, measured here.",
+    f"auto: the smallest of {', '.join(WEIGHT_CANDIDATES)} whose bundle passes the quality gate, measured here.",
 )
 @click.option(
     "--fit",

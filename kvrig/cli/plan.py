@@ -9,7 +9,7 @@ import click
 from kvrig.cli.options import backend_option, checked_specs, group_size_option
 from kvrig.cli.output import console
 from kvrig.cli.render import echo_json, human_bytes, json_option
-from kvrig.recipes import DEFAULT_GROUP_SIZE
+from kvrig.recipes import DEFAULT_GROUP_SIZE, WEIGHT_CANDIDATES
 
 
 def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:
@@ -52,7 +52,7 @@ def _buffer_cache(ctx: click.Context, param: click.Parameter, value: str) -> flo
     show_default=True,
     callback=checked_specs("weights", auto=True, several=False),
     help="Weight recipe the budget uses. auto (as kvrig package): a bundle's own recipe, else the first recipe "
-    "package's auto tries (gpx-q4), noted in the plan.",
+    f"package's auto tries ({WEIGHT_CANDIDATES[0]}), noted in the plan.",
 )
 @click.option(
     "--recipes",
