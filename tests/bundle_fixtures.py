@@ -86,12 +86,14 @@ def tiny_source(root: Path, tokenizer: Path, model_type: str, **extra: Any) -> P
 
 
 # The mapped-weights soaks (tests/outcomes/test_mapped_residency.py, tests/lab/test_lab_residency.py): SmolLM2 laid
-# out for mapping, fp16 KV (the weights' bytes are a few thousand tokens of it), no eviction (where jetsam strikes
-# is the point).
-Q4_FP16_MAPPED_NAME = "smollm2-q4-fp16-mapped-noevict"
-Q4_FP16_MAPPED = PackageOptions(
-    weights="q4",
-    group_size=64,
+# out for mapping, fp16 KV, no eviction (where jetsam strikes is the point). A mapped run outlives a loaded one by
+# the weights' bytes of KV, and the host's prefill of those tokens is what these soaks spend their time on: 2-bit
+# weights, the smallest round-to-nearest recipe that quantizes every layer (groups of 128 divide none of SmolLM2's
+# 576-wide inputs). Memory is the claim, not the text the bundle would write.
+MAPPED_RECIPE = "q2"
+MAPPED_NAME = "smollm2-q2-fp16-mapped-noevict"
+MAPPED = PackageOptions(
+    weights=MAPPED_RECIPE,
     kv="fp16",
     weights_layout="mapped",
     pressure=PressurePolicy(warning="none", critical="none"),

@@ -126,11 +126,20 @@ def quantize_layout(
     config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
     with contextlib.redirect_stdout(io.StringIO()):  # quantize_model prints its bits per weight
         try:
-            return quantize_model(model, config, recipe.group_size, recipe.bits, quant_predicate=predicate)  # type: ignore[arg-type]
+            model, config = quantize_model(model, config, recipe.group_size, recipe.bits, quant_predicate=predicate)  # type: ignore[arg-type]
         except (ValueError, TypeError) as exc:
             # mlx-lm's own layers refusing its own quantization (a width the group does not divide, a module
             # whose to_quantized takes other arguments): the architecture cannot take the recipe.
             raise QuantizationError(f"mlx-lm cannot quantize this model with {recipe.name}: {exc}") from None
+    if not quantized_layout(model):
+        # mlx-lm skips every layer whose input width the group does not divide, silently: a "q2g128" SmolLM2
+        # (width 576) would be float16 weights under a quantization block.
+        widths = sorted({int(m.weight.shape[-1]) for _, m in model.named_modules() if hasattr(m, "to_quantized")})
+        raise QuantizationError(
+            f"{recipe.name} quantizes no layer of this model: group size {recipe.group_size} divides none of its "
+            f"layers' input widths ({', '.join(map(str, widths[:6]))})"
+        )
+    return model, config
 
 
 def quantized_layout(model: Any) -> dict[str, dict[str, Any]]:

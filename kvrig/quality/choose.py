@@ -2,7 +2,8 @@
 
 - `--kv auto`: k8v4 and k8v4 with the Hadamard rotation hold the same bytes; the one whose perplexity on the
   gate's texts (source weights) rises least wins, if within `KV_LIMIT_PCT`; else k8v8, else fp16. The rotation
-  helps on prose and can hurt on code, so it is measured on the model, not assumed.
+  helps on prose and can hurt on code, so it is measured on the model, not assumed. Larger specs are measured
+  only when no smaller one passes.
 - `--weights auto`: the smallest recipe of `WEIGHT_CANDIDATES` whose bundle passes the quality gate (the
   packager writes and gates each in turn).
 - `--fit N`: every weights × KV pair the plan says holds N tokens on the device, ranked by measured quality:
@@ -72,27 +73,44 @@ def measure_kv(source: Any, spec: ModelSpec, texts: GateTexts, names: tuple[str,
 
 
 def choose_kv(source: Any, spec: ModelSpec, texts: GateTexts) -> tuple[KVSpec, list[Candidate], str]:
-    """`--kv auto`: the measured choice, every candidate tried, and why the winner won."""
+    """`--kv auto`: the measured choice, every candidate considered, and why the winner won. Groups are
+    measured smallest first and the first with a passing spec ends the search: a larger group cannot win, and
+    each measurement is a pass over every gate text."""
     began = time.perf_counter()
-    candidates = [
-        c
-        if c.verdict == "unavailable" or (c.ppl_delta_pct or 0.0) <= KV_LIMIT_PCT
-        else c.model_copy(update={"verdict": "over the limit", "reason": f"above +{KV_LIMIT_PCT:g} %"})
-        for c in measure_kv(source, spec, texts, KV_AUTO + KV_FALLBACK)
-    ]
-    for group in (KV_AUTO, KV_FALLBACK[:1], KV_FALLBACK[1:]):
-        passing = [c for c in candidates if c.kv in group and c.verdict == "passed"]
+    groups = (KV_AUTO, KV_FALLBACK[:1], KV_FALLBACK[1:])
+    candidates: list[Candidate] = []
+    for i, group in enumerate(groups):
+        measured = [
+            c
+            if c.verdict == "unavailable" or (c.ppl_delta_pct or 0.0) <= KV_LIMIT_PCT
+            else c.model_copy(update={"verdict": "over the limit", "reason": f"above +{KV_LIMIT_PCT:g} %"})
+            for c in measure_kv(source, spec, texts, group)
+        ]
+        passing = [c for c in measured if c.verdict == "passed"]
         if not passing:
+            candidates += measured
             continue
         # Same bytes within a group: the smaller change wins (a tie keeps the plainer spec, listed first).
         best = min(passing, key=lambda c: (c.kv_bytes or 0, c.ppl_delta_pct or 0.0))
-        candidates = [c.model_copy(update={"verdict": "chosen"}) if c is best else c for c in candidates]
+        candidates += [c.model_copy(update={"verdict": "chosen"}) if c is best else c for c in measured]
+        candidates += [_not_tried(spec, name) for later in groups[i + 1 :] for name in later]
         why = (
             f"{best.kv}: {best.ppl_delta_pct:+.2f} % on its worst gate text, the least among the smallest KV specs "
             f"within +{KV_LIMIT_PCT:g} % of an unquantized cache (source weights, {time.perf_counter() - began:.0f} s)"
         )
         return parse_kv(best.kv), candidates, why
     return parse_kv("fp16"), candidates, "no KV spec could be measured on this model: fp16"
+
+
+def _not_tried(spec: ModelSpec, name: str) -> Candidate:
+    kv = parse_kv(name)
+    return Candidate(
+        weights="source",
+        kv=name,
+        kv_bytes=kv_reference_bytes(spec, kv),
+        verdict="not tried",
+        reason="a smaller KV spec passed",
+    )
 
 
 def rank_fit(pairs: list[Candidate], weights_delta: dict[str, float], kv_delta: dict[str, float]) -> list[Candidate]:

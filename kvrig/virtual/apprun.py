@@ -1,6 +1,6 @@
 """Running launched apps as host processes, and playing the kernel for them.
 
-A launched app is a host process in the app's data container: `python -m kvrig.virtual.llmapp` for apps
+A launched app is a host process in the app's data container: `python -m kvrig.virtual.llmlaunch` for apps
 built with `kvrig build --virtual` (it runs the pushed bundle with real MLX), `kvrig.virtual.testapp`
 otherwise (it grows memory the way the LLM app does, without a model). It speaks a JSON-line channel on its
 stdin/stdout:
@@ -52,7 +52,7 @@ from kvrig.virtual.state import DeviceState, Identity
 APP_RUNTIME = "kvrig.virtual.testapp"
 # Host runtimes an installed app may ask for with Info.plist `KvrigVirtualRuntime` (see appgen.virtual_ipa).
 # An allow-list: a value from an app's plist never names a module directly.
-APP_RUNTIMES = {"test": APP_RUNTIME, "llm": "kvrig.virtual.llmapp"}
+APP_RUNTIMES = {"test": APP_RUNTIME, "llm": "kvrig.virtual.llmlaunch"}
 # Listener callbacks: (pid, exit code or None, crashing signal or None)
 TerminationListener = Callable[[int, int | None, int | None], None]
 

@@ -11,8 +11,8 @@ That includes the weights' residency: when the phone's app would map them (kvcac
 plan's `weights_residency`), this runtime still loads them (the host cannot map without a copy) and reports
 `mapped` with the bytes the phone maps, which the kernel leaves out of the footprint.
 
-Run with `python -m kvrig.virtual.llmapp [--kvrig-soak-plan FILE] [--kvrig-bundle FOLDER]`; it re-executes
-itself once with OpenBLAS preloaded (before MLX is imported), as `kvrig run` does.
+The virtual iPhone starts it through `python -m kvrig.virtual.llmlaunch [--kvrig-soak-plan FILE] [--kvrig-bundle
+FOLDER]`, which preloads OpenBLAS before this module imports MLX.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrig.kvcache.caches import make_caches
-from kvrig.runtime.blas import ensure_openblas, openblas_loaded
+from kvrig.runtime.blas import openblas_loaded
 from kvrig.runtime.generate import GenerationStats, generate_tokens
 from kvrig.runtime.host import load_bundle_model
 from kvrig.schemas import load_model_file
@@ -56,10 +56,8 @@ from kvrig.virtual.llm_memory import (
 )
 from kvrig.virtual.testapp import Channel, Telemetry, load_plan, stay_until_killed
 
-MODULE = "kvrig.virtual.llmapp"
 BUNDLE_ARGUMENT = "--kvrig-bundle"
 CHECKPOINT_FILE = "checkpoint.json"
-ENV_REEXECED = "KVRIG_LLMAPP_OPENBLAS"  # our own guard: the emulator's environment may carry the CLI's
 
 
 class AppError(Exception):
@@ -72,12 +70,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(BUNDLE_ARGUMENT, dest="bundle", default=None, help="bundle folder inside Documents")
     p.add_argument("--exit-when-done", action="store_true", help="exit after the end record (default: stay)")
     return p.parse_args(argv)
-
-
-def preload_openblas(argv: list[str]) -> None:
-    """Re-executes this module once with OpenBLAS preloaded; the pid stays the same (execve)."""
-
-    ensure_openblas(argv, module=MODULE, guard=ENV_REEXECED)
 
 
 def find_bundle(documents: Path, name: str | None = None) -> Path:
@@ -295,7 +287,6 @@ def _save_checkpoint(documents: Path, run_id: str, context: int, reason: str) ->
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    preload_openblas(argv)
     args = parse_args(argv)
     container = Path(os.environ.get("KVRIG_CONTAINER", "."))
     documents = container / "Documents"

@@ -16,7 +16,7 @@ import mlx.core as mx
 import pytest
 
 from tests.appgen.swift_engine import engine_binary, read_events, run_engine  # noqa: F401
-from tests.bundle_fixtures import Q4_FP16_MAPPED, Q4_FP16_MAPPED_NAME, packaged
+from tests.bundle_fixtures import MAPPED, MAPPED_NAME, packaged
 
 
 def test_the_engine_maps_or_says_why_it_loads(
@@ -24,7 +24,7 @@ def test_the_engine_maps_or_says_why_it_loads(
     tmp_path: Path,
     engine_binary: Path,  # noqa: F811
 ) -> None:
-    bundle = packaged(tmp_path_factory, Q4_FP16_MAPPED_NAME, Q4_FP16_MAPPED)
+    bundle = packaged(tmp_path_factory, MAPPED_NAME, MAPPED)
     weights = sum(int(a.nbytes) for f in sorted(bundle.glob("*.safetensors")) for a in mx.load(str(f)).values())
     documents = tmp_path / "Documents"
     args = ("--chat", "Hello.", "--temperature", "0", "--max-tokens", "2")

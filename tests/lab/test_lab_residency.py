@@ -2,7 +2,7 @@
 footprint of each at the same context side by side; `kvrig calibrate` fits the same baseline from both.
 
 A real SmolLM2 bundle laid out for mapping, its LLM app built for the virtual iPhone, one lab entry listing
-`residencies: [loaded, mapped]`, soaked to 1,024 tokens on a phone with room for both. The host cannot map
+`residencies: [loaded, mapped]`, soaked to 512 tokens in two steps on a phone with room for both. The host cannot map
 without a copy, so the mapped run holds the same memory here and reports the phone's residency; the kernel leaves
 the mapped bytes out of the footprint (tests/outcomes/test_mapped_residency.py soaks both into jetsam). Expected
 numbers come from elsewhere: the weights' bytes from MLX's nbytes, the baseline from the phone's own setting.
@@ -31,7 +31,7 @@ from kvrig.planner import plan as make_memory_plan
 from kvrig.schemas import load_model_file
 from kvrig.schemas.lab import load_lab
 from kvrig.schemas.results import ResultsFile, SoakResult, short_udid
-from tests.bundle_fixtures import Q4_FP16_MAPPED, Q4_FP16_MAPPED_NAME, packaged
+from tests.bundle_fixtures import MAPPED, MAPPED_NAME, MAPPED_RECIPE, packaged
 from tests.html_tables import table_rows
 from tests.lab.conftest import MIB, ROOT
 from tests.raw_telemetry import raw_steps
@@ -40,7 +40,7 @@ from tests.virtual.conftest import emulator_host
 PROFILE = "iPhone16,1"
 APP_ID = "dev.kvrig.labmapped"
 BASELINE = 48 * MIB
-MAX_TOKENS = 1024
+MAX_TOKENS = 512
 
 
 @dataclass
@@ -55,11 +55,11 @@ class Lab:
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
-    bundle = packaged(tmp_path_factory, Q4_FP16_MAPPED_NAME, Q4_FP16_MAPPED)
+    bundle = packaged(tmp_path_factory, MAPPED_NAME, MAPPED)
     root = tmp_path_factory.mktemp("lab-residency")
     weights = sum(int(a.nbytes) for f in sorted(bundle.glob("*.safetensors")) for a in mx.load(str(f)).values())
     # Room for the loaded run at twice the soak's context, and its prefill transients: both complete.
-    memory = make_memory_plan(bundle, PROFILE, schemes=["fp16"], weights="q4", contexts=[2 * MAX_TOKENS])
+    memory = make_memory_plan(bundle, PROFILE, schemes=["fp16"], weights=MAPPED_RECIPE, contexts=[2 * MAX_TOKENS])
     kv = memory.kv_bytes["fp16"][str(2 * MAX_TOKENS)]
     limit = BASELINE + memory.weights_bytes + memory.runtime.buffer_cache_bytes + kv + 64 * MIB
     project = render_app(bundle, root / "project", AppOptions(name="LabMapped", bundle_id=APP_ID)).project
@@ -75,7 +75,7 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
             "bundle_path": str(bundle),
             "schemes": ["fp16"],
             "residencies": ["loaded", "mapped"],
-            "soak": {"step_tokens": 512, "max_tokens": MAX_TOKENS, "decode_tokens": 1},
+            "soak": {"step_tokens": MAX_TOKENS // 2, "max_tokens": MAX_TOKENS, "decode_tokens": 1},
         }
         timeouts = {"hang_after_s": 180, "reconnect_s": 1, "report_wait_s": 5, "poll_interval_s": 0.2}
         lab_doc = {

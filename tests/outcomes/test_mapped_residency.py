@@ -1,6 +1,6 @@
 """Issue 27, item 4: the virtual iPhone charges the residency the app reports.
 
-One SmolLM2 bundle laid out for mapping (q4 weights, fp16 KV, no eviction), its app built for the virtual
+One SmolLM2 bundle laid out for mapping (2-bit weights, fp16 KV, no eviction), its app built for the virtual
 iPhone, soaked into jetsam twice on the same phone: once told to load the weights, once to map them. The host
 cannot map without a copy (MLX's CPU allocator copies any buffer it is handed), so both runs hold the same
 memory here and nothing below claims a saving on this host: the mapped run REPORTS the phone's residency, and
@@ -36,14 +36,14 @@ from kvrig.soaking.driver import SoakOptions, soak
 from kvrig.soaking.plan import make_plan
 from kvrig.virtual.host import EmulatorHost
 from kvrig.virtual.swiftapp import buffer_cache_held
-from tests.bundle_fixtures import Q4_FP16_MAPPED, Q4_FP16_MAPPED_NAME, packaged
+from tests.bundle_fixtures import MAPPED, MAPPED_NAME, MAPPED_RECIPE, packaged
 from tests.raw_telemetry import raw_kill_footprint, raw_steps
 
 PROFILE = "iPhone16,1"
 APP_ID = "dev.kvrig.mapped"
 BASELINE = 48 * 1024 * 1024
 SOAK_STEP = 512
-ROOM_TOKENS = 768  # the loaded run is killed in its second step; the mapped one ~3,300 tokens later (fp16 KV)
+ROOM_TOKENS = 768  # the loaded run is killed in its second step; the mapped one ~1,800 tokens later (fp16 KV)
 
 
 @dataclass
@@ -77,7 +77,7 @@ def _weight_bytes(bundle: Path) -> int:
 
 @pytest.fixture(scope="module")
 def soaked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Soaked]:
-    bundle = packaged(tmp_path_factory, Q4_FP16_MAPPED_NAME, Q4_FP16_MAPPED)
+    bundle = packaged(tmp_path_factory, MAPPED_NAME, MAPPED)
     root = tmp_path_factory.mktemp("mapped")
     kv = load_model_file(KVCacheConfig, bundle / KVCACHE_NAME)
     assert kv.weights_layout == "mapped"
@@ -85,7 +85,7 @@ def soaked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Soaked]:
     spec, profile = load_model_spec(bundle), load_profile(PROFILE)
     common = PlanRequest(
         schemes=(kv.scheme,),
-        weights="q4",
+        weights=MAPPED_RECIPE,
         prefill_step=min(kv.prefill_step_size, SOAK_STEP),
         buffer_cache_bytes=buffer_cache_held("python", kv.buffer_cache_limit_bytes),
         baseline_bytes=BASELINE,
@@ -113,7 +113,7 @@ def soaked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Soaked]:
         device = host.add_device(root / "phone", profile=PROFILE, limit_bytes=limit, baseline_bytes=BASELINE)
         udid = device.identity.udid
         asyncio.run(deploy(bundle, ipa=ipa, udid=udid, usbmux_address=address))
-        # A step may take minutes on a loaded 2-core host (the mapped run prefills ~4,000 tokens in float32).
+        # A step may take minutes on a loaded 2-core host (the mapped run prefills ~2,500 tokens in float32).
         options = SoakOptions(poll_interval_s=0.2, hang_after_s=600, report_wait_s=10, bundle=bundle.name)
         try:
             for residency in ("loaded", "mapped"):

@@ -72,3 +72,12 @@ def test_parameter_count_matches_mlx() -> None:
 def test_unknown_recipe_is_a_clear_error() -> None:
     with pytest.raises(QuantizationError, match="q7"):
         parse_weights("q7")
+
+
+def test_a_group_that_divides_no_layer_is_refused_not_written_as_floats() -> None:
+    """mlx-lm leaves a layer float when the group does not divide its input width, silently; when that is every
+    layer the recipe is unavailable (a bundle of float weights under a quantization block would be a lie)."""
+    config = {**TINY_CONFIGS["llama"], "hidden_size": 96, "intermediate_size": 160, "head_dim": 24}
+    assert quantized_nbytes(config, "q4", 128) == quantized_nbytes(config, "fp16", 128)  # mlx-lm: nothing quantized
+    with pytest.raises(QuantizationError, match="group size 128 divides none"):
+        account_weights(spec_from_config(config), parse_weights("q4", 128), "float16")

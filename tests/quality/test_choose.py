@@ -8,12 +8,14 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import pytest
 import yaml
 from mlx_lm.models.cache import make_prompt_cache
 
 from kvrig.bundle.kvcache_json import host_config
 from kvrig.exceptions import DoesNotFitError
 from kvrig.kvcache.caches import make_caches
+from kvrig.quality import choose
 from kvrig.quality.choose import KV_AUTO, KV_FALLBACK, KV_LIMIT_PCT, choose_kv, rank_fit
 from kvrig.quality.gate import GateTexts
 from kvrig.quality.perplexity import perplexity
@@ -51,6 +53,19 @@ def test_kv_auto_measures_both_spellings_and_keeps_the_one_that_rises_least() ->
         best = min(passing, key=lambda c: c.ppl_delta_pct or 0.0)
         assert best.verdict == "chosen" and kv.name == best.kv and best.kv in why
     assert sum(c.verdict == "chosen" for c in candidates) == 1
+    if passing:  # a larger spec cannot win once a smaller one passes: never measured, still listed with its bytes
+        for name in KV_FALLBACK:
+            assert (by_name[name].verdict, by_name[name].ppl_delta_pct) == ("not tried", None)
+            assert (by_name[name].kv_bytes or 0) > (best.kv_bytes or 0)
+
+
+def test_kv_auto_measures_larger_specs_only_when_no_smaller_one_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, spec = tiny()
+    monkeypatch.setattr(choose, "KV_LIMIT_PCT", -1.0)  # nothing passes, so every group is measured in turn
+    kv, candidates, _ = choose_kv(model, spec, _texts(model))
+    assert [c.kv for c in candidates] == list(KV_AUTO + KV_FALLBACK)
+    assert all(c.verdict == "over the limit" and c.ppl_delta_pct is not None for c in candidates)
+    assert kv.name == "fp16"
 
 
 def test_kv_auto_says_why_a_rotation_is_unavailable() -> None:

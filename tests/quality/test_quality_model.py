@@ -127,7 +127,7 @@ def test_default_bundle_answers_facts_as_the_source_does(source: Path, default_b
 def test_gate_refuses_a_broken_bundle(source: Path, tmp_path: Path) -> None:
     out = tmp_path / "q2"
     proc = subprocess.run(
-        [sys.executable, "-m", "kvrig", "package", str(source), "--weights", "q2", "-o", str(out)],
+        [sys.executable, "-m", "kvrig", "package", str(source), "--weights", "q2", "--kv", "k8v4", "-o", str(out)],
         capture_output=True,
         text=True,
     )
@@ -135,6 +135,6 @@ def test_gate_refuses_a_broken_bundle(source: Path, tmp_path: Path) -> None:
     assert "quality gate" in proc.stderr and "Traceback" not in proc.stderr
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".q2")]
 
-    forced = package(source, out, PackageOptions(weights="q2", quality_gate=True, ignore_gate=True))
+    forced = package(source, out, PackageOptions(weights="q2", kv="k8v4", quality_gate=True, ignore_gate=True))
     q = forced.manifest.quality
     assert q is not None and not q.passed and q.forced and q.ppl_delta_pct > 10
