@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -239,9 +239,11 @@ def _check_paths(model: str | Path | None, out: Path, *, replace: bool) -> Path:
 
 def _resolve_kv(job: _Job, kv: KVSpec) -> KVSpec:
     """`+kN@topM` resolved to the layers measured on the source, checked against the model's head dims."""
+    spec = spec_from_config(job.config, job.config_path)
     if kv.promote_keys is not None:
+        check_dims(spec, replace(kv, promote_keys=None))  # the measurement quantizes keys at these dims
         kv = resolve_for_source(job.src_dir, kv)
-    check_dims(spec_from_config(job.config, job.config_path), kv)
+    check_dims(spec, kv)
     return kv
 
 

@@ -24,6 +24,7 @@ from kvrig.exceptions import (
     BundleExistsError,
     DoesNotFitError,
     ModelConfigError,
+    QuantizationError,
     UnsupportedArchitectureError,
     VerifyError,
 )
@@ -32,7 +33,7 @@ from kvrig.packaging import package
 from kvrig.schemas import load_model_file
 from kvrig.schemas.bundle import Manifest
 from kvrig.schemas.kvcache import KVCacheConfig
-from tests.bundle_fixtures import Q4_K8V8, converted_source, packaged
+from tests.bundle_fixtures import Q4_K8V8, converted_source, packaged, tiny_source
 from tests.gguf_writer import write_gguf
 
 PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
@@ -301,9 +302,13 @@ def test_cli_errors_are_clear(q4_bundle: Path, tmp_path: Path) -> None:
 
 def test_top_layer_keys_are_measured_and_written_per_layer(source_dir: Path, tmp_path: Path) -> None:
     """`--kv k4v4+k8@top2`: the two layers whose keys suffer most at 4 bits (measured on the source) get 8-bit
-    keys in kvcache.json; the manifest's scheme names them, and the bundle verifies."""
+    keys in kvcache.json; the manifest's scheme names them, and the bundle verifies. A tiny model of SmolLM2's
+    vocabulary with four layers: the measurement runs on whatever the source is."""
+    tiny = tiny_source(
+        tmp_path / "tiny", source_dir / "tokenizer.json", "llama", num_hidden_layers=4, vocab_size=49152, head_dim=64
+    )
     out = tmp_path / "top2"
-    result = package(source_dir, out, PackageOptions(weights="q8", kv="k4v4+k8@top2", quality_gate=False))
+    result = package(tiny, out, PackageOptions(weights="q8", kv="k4v4+k8@top2", quality_gate=False))
     kv = load_model_file(KVCacheConfig, out / "kvcache.json")
     wide = [e.layer for e in kv.layers if e.key_bits == 8]
     assert len(wide) == 2 and all(e.key_bits == 4 and e.value_bits == 4 for e in kv.layers if e.layer not in wide)
@@ -360,3 +365,23 @@ def test_auto_rotation_is_none_where_attention_cannot_read_the_cache(tmp_path: P
     assert "gemma2" in NO_QUANTIZED_ATTENTION
     config = {**_llama(64, "gemma2"), "query_pre_attn_scalar": 64}
     assert auto_rotation(parse_kv("k8v4"), config, tmp_path / "config.json") == "none"
+
+
+def test_top_layer_keys_on_dims_the_group_does_not_divide_are_refused_before_measuring(
+    source_dir: Path, tmp_path: Path
+) -> None:
+    tiny = tiny_source(tmp_path / "tiny", source_dir / "tokenizer.json", "llama", vocab_size=49152)  # head dim 32
+    args = [
+        "package",
+        str(tiny),
+        "--weights",
+        "q8",
+        "--kv",
+        "k4v4+k8@top2",
+        "--no-quality-gate",
+        "-o",
+        str(tmp_path / "b"),
+    ]
+    done = subprocess.run([sys.executable, "-m", "kvrig", *args], capture_output=True, text=True)
+    assert done.returncode == QuantizationError.exit_code, done.stderr
+    assert "head dim 32 is not divisible by KV group size 64" in done.stderr and "use group size 32" in done.stderr
