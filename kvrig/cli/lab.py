@@ -175,6 +175,8 @@ def _render(results, *, title: str, out_dir: Path) -> None:  # type: ignore[no-u
         )
     out = console()
     out.print(table)
+    if results.lab is not None and results.lab.outcomes:
+        out.print("ends: " + ", ".join(f"{kind} {n}" for kind, n in results.lab.outcomes.items()))
     for note in results.lab.notes if results.lab else []:
         out.print(f"note: {note}")
     out.print(f"results: {out_dir / 'results.json'}, junit: {out_dir / 'junit.xml'}, "

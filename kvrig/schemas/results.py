@@ -283,4 +283,6 @@ class ResultsFile(StrictModel):
                 found += [f"confirmation {c.outcome}" for c in run.confirmations if c.outcome in SCHEMA_4_OUTCOMES]
                 if found:
                     raise ValueError(f"runs[{i}]: {found} are schema 4's; an older file cannot carry them")
+            if self.lab is not None and self.lab.outcomes:
+                raise ValueError("lab.outcomes is schema 4's; an older file cannot carry it")
         return self
