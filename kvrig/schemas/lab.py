@@ -17,6 +17,7 @@ as before.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Final, Literal
 
@@ -221,7 +222,7 @@ class LabRecord(StrictModel):
     )
 
 
-def count_outcomes(outcomes: list[str | None]) -> dict[str, int]:
+def count_outcomes(outcomes: Iterable[str | None]) -> dict[str, int]:
     """How many runs ended each way, every kind apart (a run with no outcome as `none`)."""
     counts: dict[str, int] = {}
     for outcome in outcomes:
