@@ -57,6 +57,14 @@ from kvrig.device.loop import run_async
 @seconds_option(
     "--battery-interval", 5.0, "Seconds between battery temperature/level reads (diagnostics relay).", minimum=0.5
 )
+@seconds_option(
+    "--report-wait",
+    10.0,
+    "Seconds the phone gets to file a JetsamEvent or crash report after the app dies (none filed: the device log "
+    "tells the end).",
+    minimum=0,
+    dest="report_wait_s",
+)
 @click.option(
     "-o",
     "--out",
@@ -83,6 +91,7 @@ def soak(
     reconnect_s: float,
     handshake_timeout: float,
     battery_interval: float,
+    report_wait_s: float,
     out_dir: Path,
     as_json: bool,
 ) -> None:
@@ -115,6 +124,7 @@ def soak(
         bundle=bundle_name,
         on_event=echo,
         battery_interval_s=battery_interval,
+        report_wait_s=report_wait_s,
         tunnel=parse_tunnel(tunnel),
         handshake_timeout_s=handshake_timeout,
     )
