@@ -89,6 +89,11 @@ class Prediction(StrictModel):
     max_context: int | None = Field(default=None, ge=0)
     limit_bytes: int | None = Field(default=None, ge=0)
     footprint_at_max_context_bytes: int | None = Field(default=None, ge=0)
+    limit_source: str | None = Field(
+        default=None,
+        description="where limit_bytes comes from: `measured: <limits registry entry>` (a limit the phone stated), "
+        "`lab file: limit_bytes`; None: the device profile's (schema 4)",
+    )
 
 
 class TunnelRef(StrictModel):
@@ -279,6 +284,7 @@ class ResultsFile(StrictModel):
             for i, run in enumerate(self.runs):
                 found = [name for name in SCHEMA_4_FIELDS if name in run.model_fields_set]
                 found += ["device.build_version"] if run.device.build_version is not None else []
+                found += ["predicted.limit_source"] if run.predicted and run.predicted.limit_source else []
                 found += [f"outcome {run.outcome}"] if run.outcome in SCHEMA_4_OUTCOMES else []
                 found += [f"confirmation {c.outcome}" for c in run.confirmations if c.outcome in SCHEMA_4_OUTCOMES]
                 if found:
