@@ -14,8 +14,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 from examples.make_test_ipa import make_ipa
+from kvrig.cli import cli as main_cli
 from kvrig.device import apps
 from kvrig.profiles import INCREASED_MEMORY_LIMIT, load_profile
 from kvrig.reports.devicelog import AppLog
@@ -102,6 +104,36 @@ def test_a_soak_records_the_limit_the_phone_stated(entitled: Emulator, tmp_path:
     saved = load_model_file(ResultsFile, tmp_path / "results.json")
     assert saved.schema_version == 4 and saved.runs[0].stated_limit == stated
     assert saved.runs[0].device.build_version == values["BuildVersion"]
+
+    # The registry a team commits, and a plan made with it: the phone's 160 MiB, not the profile's limit.
+    registry = tmp_path / "limits.json"
+    cli = CliRunner()
+    done = cli.invoke(
+        main_cli, ["calibrate", str(tmp_path / "results.json"), "--limits", str(registry), "--limits-only", "--json"]
+    )
+    assert done.exit_code == 0, done.output
+    (entry,) = json.loads(registry.read_text())["limits"]
+    assert (entry["product_type"], entry["build_version"], entry["entitled"]) == (
+        values["ProductType"],
+        values["BuildVersion"],
+        True,
+    )
+    assert entry["limit_bytes"] == LIMIT_BYTES and entry["runs"] == 1
+    plan_args = ["plan", "--device", values["ProductType"], "--schemes", "k8v4", "--weights", "q4", "--recipes", "q4"]
+    plan_args += ["--contexts", "1024", "--json"]
+    measured = json.loads(_ok(cli.invoke(main_cli, [*plan_args, "--limits", str(registry)])))
+    assert measured["limit_bytes"] == LIMIT_BYTES and measured["limit_kind"] == "entitled"
+    said = measured["limit_measured_from"]
+    assert str(registry) in said and values["BuildVersion"] in said and "entitled" in said
+    # An app without the entitlement has no measured limit here: the plan falls back to the profile's, and says so.
+    default = json.loads(_ok(cli.invoke(main_cli, [*plan_args, "--limits", str(registry), "--limit", "default"])))
+    assert default["limit_bytes"] == profile.limit_default and default["limit_measured_from"] is None
+    assert measured["max_context"]["k8v4"] < default["max_context"]["k8v4"]  # 160 MiB holds far less
+
+
+def _ok(done) -> str:  # type: ignore[no-untyped-def]
+    assert done.exit_code == 0, done.output
+    return done.stdout
 
 
 def test_an_app_without_the_entitlement_says_so(installed: Emulator, tmp_path: Path) -> None:
