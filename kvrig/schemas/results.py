@@ -282,7 +282,7 @@ class ResultsFile(StrictModel):
                     raise ValueError(f"runs[{i}]: {found} are schema-3 fields; an older file cannot carry them")
         if self.schema_version < 4:
             for i, run in enumerate(self.runs):
-                found = [name for name in SCHEMA_4_FIELDS if name in run.model_fields_set]
+                found = [name for name in SCHEMA_4_FIELDS if getattr(run, name)]  # None and [] are every schema's
                 found += ["device.build_version"] if run.device.build_version is not None else []
                 found += ["predicted.limit_source"] if run.predicted and run.predicted.limit_source else []
                 found += [f"outcome {run.outcome}"] if run.outcome in SCHEMA_4_OUTCOMES else []
