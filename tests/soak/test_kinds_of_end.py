@@ -130,6 +130,24 @@ def test_a_soak_records_the_limit_the_phone_stated(entitled: Emulator, tmp_path:
     assert default["limit_bytes"] == profile.limit_default and default["limit_measured_from"] is None
     assert measured["max_context"]["k8v4"] < default["max_context"]["k8v4"]  # 160 MiB holds far less
 
+    # `kvrig devices` shows it beside the phone it was measured on, and none beside a phone on another build.
+    env = dict(os.environ, USBMUXD_SOCKET_ADDRESS=emulator.address)
+    listed = subprocess.run(
+        [sys.executable, "-m", "kvrig", "devices", "--limits", str(registry), "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert listed.returncode == 0, listed.stderr
+    phones = {d["udid"]: d for d in json.loads(listed.stdout)}
+    here = phones[emulator.udid]["measured_limits"]
+    assert here["entitled"]["limit_bytes"] == LIMIT_BYTES and here["default"] is None
+    other = phones[emulator.ios17.identity.udid]
+    assert other["build_version"] != values["BuildVersion"]
+    assert other["measured_limits"] == {"entitled": None, "default": None}
+
 
 def _ok(done) -> str:  # type: ignore[no-untyped-def]
     assert done.exit_code == 0, done.output
