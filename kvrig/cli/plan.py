@@ -279,7 +279,7 @@ def render_plan(p) -> None:  # type: ignore[no-untyped-def]
         said = f"  the {p.limit_kind} limit is what the phone stated in its log: {p.limit_measured_from}"
         out.print(said, markup=False)
     else:
-        out.print("  the limit is the device profile's (no measured limit for it; `kvrig plan --limits FILE` uses one)")
+        out.print("  the limit is the device profile's: no limit a phone stated for it (`--limits FILE`) is used")
     if p.limit_requires:
         out.print(
             f"  the entitled limit needs the app to declare {p.limit_requires} (kvrig app's projects do); "
