@@ -11,6 +11,8 @@ from pymobiledevice3.services.syslog import SyslogService
 
 from kvrig.device.discovery import Device
 
+RETRY_S = 1.0  # a broken relay is opened again this often while a run lasts
+
 
 async def stream(
     device: Device,
@@ -44,7 +46,8 @@ class LogFollower:
     """Follows syslog_relay in a task for as long as a run lasts, handing every line to `on_line`.
 
     Best effort: the log is evidence, never what a run depends on, so a relay that fails (the phone went
-    away) ends the follower quietly; `failed` says why."""
+    away, a tunnel drop took lockdown with it) is opened again every RETRY_S until the follower is stopped;
+    `failed` says why it last broke. Lines logged while it was broken are lost."""
 
     def __init__(self, device: Device, on_line: Callable[[str], None]) -> None:
         self.device, self.on_line = device, on_line
@@ -60,15 +63,18 @@ class LogFollower:
             await asyncio.wait_for(self._first.wait(), ready_s)
 
     async def _follow(self) -> None:
-        try:
-            async with SyslogService(self.device.lockdown) as relay:
-                async for raw in relay.watch():
-                    self._first.set()
-                    self.on_line(raw if isinstance(raw, str) else raw.decode(errors="replace"))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # the relay is evidence only: its failure never fails the run
-            self.failed = f"{type(exc).__name__}: {exc}"
+        while True:
+            try:
+                # the device's lockdown as it is now: a reconnect after an unplug replaces it
+                async with SyslogService(self.device.lockdown) as relay:
+                    async for raw in relay.watch():
+                        self._first.set()
+                        self.on_line(raw if isinstance(raw, str) else raw.decode(errors="replace"))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the relay is evidence only: its failure never fails the run
+                self.failed = f"{type(exc).__name__}: {exc}"
+            await asyncio.sleep(RETRY_S)
 
     async def stop(self, drain_s: float = 0.0) -> None:
         """Stops following after `drain_s` more seconds (lines the kernel writes just after a kill)."""
