@@ -23,6 +23,7 @@ from typing import Literal
 
 MIB = 1024 * 1024
 MAX_LINES = 200  # lines about one app kept as evidence; a log that says more is repeating itself
+MAX_LINE_CHARS = 2000  # of each line kept: a phone's lines are short, and nothing from outside is trusted for size
 
 # syslog_relay's text form: "<Mon dd hh:mm:ss> <device name> <process>[(<library>)][<pid>] <<Level>>: <message>"
 _HEADER = re.compile(r"^\w{3}\s+\d+ \d\d:\d\d:\d\d .*? (?P<process>[^\s\[(]+)(?:\([^)]*\))?\[(?P<pid>\d+)\] <\w+>: ")
@@ -83,6 +84,9 @@ class AppLog:
         """Looks at one line; keeps it when it says something about the app."""
         if not self.mentions(text) and GPU_BACKGROUND not in text:
             return
+        if len(self.lines) >= MAX_LINES:
+            return  # what it had to say was said long ago
+        text = text[:MAX_LINE_CHARS]
         line = parse_line(text)
         message = line.message if line is not None else text
         kept = False

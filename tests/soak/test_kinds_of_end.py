@@ -66,6 +66,13 @@ def test_the_real_lines_read_as_a_90_mb_limit_and_a_jetsam_kill() -> None:
     assert other.active_mb is None and other.ends == []
 
 
+def test_a_phone_that_repeats_itself_is_kept_within_bounds() -> None:
+    log = AppLog("DictusKeyboard")
+    for _ in range(5000):
+        log.feed(REAL_LINES[1] + " " + "x" * 100_000)
+    assert len(log.lines) == len(log.ends) == 200 and max(map(len, log.lines)) == 2000
+
+
 @pytest.fixture(scope="module")
 def entitled(installed: Emulator, tmp_path_factory: pytest.TempPathFactory) -> Emulator:
     """A second app whose signature carries the increased-memory-limit entitlement."""
