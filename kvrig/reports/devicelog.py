@@ -28,7 +28,7 @@ MAX_LINE_CHARS = 2000  # of each line kept: a phone's lines are short, and nothi
 # syslog_relay's text form: "<Mon dd hh:mm:ss> <device name> <process>[(<library>)][<pid>] <<Level>>: <message>"
 _HEADER = re.compile(r"^\w{3}\s+\d+ \d\d:\d\d:\d\d .*? (?P<process>[^\s\[(]+)(?:\([^)]*\))?\[(?P<pid>\d+)\] <\w+>: ")
 _LIMITS = re.compile(
-    r"\[(?P<name>[^\]:]+):(?P<pid>\d+)\] Memory Limits: active (?P<active>\d+) inactive (?P<inactive>\d+)"
+    r"\[(?P<name>[^\]]+?):(?P<pid>\d+)\] Memory Limits: active (?P<active>\d+) inactive (?P<inactive>\d+)"
 )
 _EXCEEDED = re.compile(
     r"memorystatus: (?P<name>.+?) \[(?P<pid>\d+)\] exceeded mem limit: (?P<kind>(?:Active|Inactive)(?:Hard|Soft)) "
@@ -80,6 +80,13 @@ class AppLog:
     def _ours(self, pid: int) -> bool:
         return self.pid is None or pid == self.pid
 
+    def _named(self, name: str) -> bool:
+        """The app as a line names it: its executable (the kernel keeps the first 32 characters of a process's
+        name, xnu's p_name), or a RunningBoard identity holding its bundle id (`app<dev.kvrig.demo(...)>`)."""
+        if name == self.process or (len(name) >= 31 and self.process.startswith(name)):
+            return True
+        return self.bundle_id is not None and f"<{self.bundle_id}" in name
+
     def feed(self, text: str) -> None:
         """Looks at one line; keeps it when it says something about the app."""
         if not self.mentions(text) and GPU_BACKGROUND not in text:
@@ -90,16 +97,16 @@ class AppLog:
         line = parse_line(text)
         message = line.message if line is not None else text
         kept = False
-        if (m := _LIMITS.search(message)) and m["name"] == self.process and self._ours(int(m["pid"])):
+        if (m := _LIMITS.search(message)) and self._named(m["name"]) and self._ours(int(m["pid"])):
             self.active_mb, self.inactive_mb = int(m["active"]), int(m["inactive"])
             self.limit_line, kept = text.rstrip("\x00\n"), True
-        elif (m := _EXCEEDED.search(message)) and m["name"] == self.process and self._ours(int(m["pid"])):
+        elif (m := _EXCEEDED.search(message)) and self._named(m["name"]) and self._ours(int(m["pid"])):
             self.exceeded_kind, self.exceeded_mb = m["kind"], int(m["mb"])
             if m["fatal"] == "fatal":
                 self.ends.append(("jetsam", text.rstrip("\x00\n")))
             kept = True
         elif ((m := _KILLING.search(message)) or (m := _KILLED_BY_JETSAM.search(message))) and (
-            m["name"] == self.process and self._ours(int(m["pid"]))
+            self._named(m["name"]) and self._ours(int(m["pid"]))
         ):
             self.ends.append(("jetsam", text.rstrip("\x00\n")))
             kept = True
