@@ -135,6 +135,11 @@ def stated_limit(log: AppLog, device: DeviceRef, entitled: bool | None) -> State
     )
 
 
+def _logged(detail: str, line: str | None) -> list[Evidence]:
+    """A device-log line as evidence, when the log had one."""
+    return [Evidence(kind="log", detail=detail, line=line)] if line is not None else []
+
+
 def classify(
     *,
     end_seen: bool,
@@ -170,9 +175,7 @@ def classify(
                 file=rel(jetsam_report) if jetsam_report else None,
             )
         ]
-        line = log.end("jetsam") if log is not None else None
-        if line is not None:
-            evidence.append(Evidence(kind="log", detail="the kernel's jetsam line", line=line))
+        evidence += _logged("the kernel's jetsam line", log.end("jetsam") if log is not None else None)
         return "jetsam", "killed by jetsam", evidence
     if hung:
         return "hang", "the app stopped writing telemetry while alive; killed", []
@@ -182,15 +185,13 @@ def classify(
     gpu_line = log.end("gpu_background") if log is not None else None
     gpu_reports = [path for path, (gpu, _) in said.items() if gpu]
     if gpu_line is not None or gpu_reports:
-        evidence = [Evidence(kind="log", detail="GPU work submitted from the background", line=gpu_line)]
-        evidence = evidence if gpu_line is not None else []
+        evidence = _logged("GPU work submitted from the background", gpu_line)
         evidence += [Evidence(kind="crash_report", detail="the abort's crash report", file=rel(p)) for p in gpu_reports]
         return "gpu_background", f"aborted: {GPU_BACKGROUND}", evidence
     dog_line = log.end("watchdog") if log is not None else None
     dog_reports = [path for path, (_, dog) in said.items() if dog]
     if dog_line is not None or dog_reports:
-        evidence = [Evidence(kind="log", detail="the watchdog's termination", line=dog_line)]
-        evidence = evidence if dog_line is not None else []
+        evidence = _logged("the watchdog's termination", dog_line)
         evidence += [Evidence(kind="crash_report", detail="termination 0x8badf00d", file=rel(p)) for p in dog_reports]
         return "watchdog", "killed by the watchdog (0x8badf00d)", evidence
     jetsam_line = log.end("jetsam") if log is not None else None
@@ -198,7 +199,7 @@ def classify(
         return (
             "jetsam_log",
             "killed by jetsam as the device log says; the phone filed no JetsamEvent report",
-            [Evidence(kind="log", detail="the kernel's jetsam line", line=jetsam_line)],
+            _logged("the kernel's jetsam line", jetsam_line),
         )
     if crash_reports:
         return (
