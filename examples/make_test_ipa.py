@@ -12,7 +12,11 @@ import zipfile
 from pathlib import Path
 
 
-def make_ipa(path: Path, bundle_id: str = "dev.kvrig.soak", executable: str = "KVSoak") -> Path:
+def make_ipa(
+    path: Path, bundle_id: str = "dev.kvrig.soak", executable: str = "KVSoak", entitlements: dict | None = None
+) -> Path:
+    """`entitlements`: written where Xcode puts them in the .app (archived-expanded-entitlements.xcent); the
+    virtual iPhone lists them as a phone lists a signed app's (com.apple.developer.kernel.increased-memory-limit)."""
     info = {
         "CFBundleIdentifier": bundle_id,
         "CFBundleExecutable": executable,
@@ -23,6 +27,9 @@ def make_ipa(path: Path, bundle_id: str = "dev.kvrig.soak", executable: str = "K
     with zipfile.ZipFile(path, "w") as archive:
         archive.writestr(f"Payload/{executable}.app/Info.plist", plistlib.dumps(info, fmt=plistlib.FMT_BINARY))
         archive.writestr(f"Payload/{executable}.app/{executable}", b"\xcf\xfa\xed\xfe" + bytes(60))
+        if entitlements is not None:
+            xcent = f"Payload/{executable}.app/archived-expanded-entitlements.xcent"
+            archive.writestr(xcent, plistlib.dumps(entitlements))
     return path
 
 

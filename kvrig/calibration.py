@@ -7,6 +7,9 @@ over all points of a device profile is its calibrated baseline; `kvrig plan --ca
 of the profile's estimate. A run whose app mapped its weights from the bundle's file (its start record says
 how many bytes) was not charged for them: those bytes are left out of the weights its footprint is reduced by,
 so loaded and mapped soaks of one phone fit the same baseline.
+
+`collect_limits` gathers the app memory limit each phone stated in its log (results schema 4) into the limits
+registry, per ProductType × OS build × entitlement, for `kvrig plan --limits` and the lab.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from kvrig.schemas import load_model_file
 from kvrig.schemas.bundle import Manifest
 from kvrig.schemas.calibration import Calibration, CalibrationPoint, ProfileCalibration
 from kvrig.schemas.kvcache import KVCacheConfig
+from kvrig.schemas.limits import LimitsRegistry, MeasuredLimit
 from kvrig.schemas.results import ResultsFile, SoakResult
 from kvrig.version import __version__
 
@@ -230,3 +234,69 @@ def calibrated_baseline(path: Path, profile_name: str) -> ProfileCalibration:
             expected=f"one of: {', '.join(sorted(calibration.profiles)) or 'none (empty file)'}",
         )
     return entry
+
+
+@dataclass
+class LimitsCollected:
+    registry: LimitsRegistry
+    added: int  # runs whose stated limit went in
+    skipped: list[str]  # runs that stated a limit the registry cannot key, each with why
+
+
+def collect_limits(results: list[Path], into: LimitsRegistry | None = None) -> LimitsCollected:
+    """The limits the phones stated in the runs of `results` (results schema 4), merged into `into` (a registry
+    read from a team's file): one entry per ProductType × OS build × entitlement. A run already in the registry
+    (its RESULTS.json#run_id) is not counted twice."""
+    if not results:
+        raise CalibrationError("no results files given", field="RESULTS", expected="one or more results.json")
+    entries = {e.key: e.model_copy(deep=True) for e in (into.limits if into is not None else [])}
+    added, skipped = 0, []
+    for path in results:
+        data = load_model_file(ResultsFile, path)
+        for i, run in enumerate(data.runs):
+            stated = run.stated_limit
+            if stated is None or stated.limit_bytes is None:
+                continue
+            where = f"{path}#{run.run_id}"
+            missing = [
+                name
+                for name, value in (
+                    ("product_type", stated.product_type),
+                    ("build_version", stated.build_version),
+                    ("entitled", stated.entitled),
+                )
+                if value is None
+            ]
+            if missing:
+                skipped.append(f"{where}: runs[{i}].stated_limit has no {', '.join(missing)}")
+                continue
+            assert stated.product_type is not None and stated.build_version is not None and stated.entitled is not None
+            key = (stated.product_type, stated.build_version, stated.entitled)
+            entry = entries.get(key)
+            if entry is not None and where in entry.sources:
+                continue
+            added += 1
+            latest = entry is None or (run.started or 0.0) >= (entry.last_seen or 0.0)
+            if entry is None:
+                entries[key] = MeasuredLimit(
+                    product_type=key[0],
+                    build_version=key[1],
+                    os_version=stated.os_version,
+                    entitled=key[2],
+                    limit_bytes=stated.limit_bytes,
+                    inactive_bytes=stated.inactive_bytes,
+                    seen_bytes=[stated.limit_bytes],
+                    runs=1,
+                    last_seen=run.started,
+                    sources=[where],
+                )
+                continue
+            entry.runs += 1
+            entry.sources.append(where)
+            entry.seen_bytes = sorted({*entry.seen_bytes, stated.limit_bytes})
+            if latest:
+                entry.limit_bytes, entry.last_seen = stated.limit_bytes, run.started
+                entry.inactive_bytes = stated.inactive_bytes or entry.inactive_bytes
+                entry.os_version = stated.os_version or entry.os_version
+    ordered = sorted(entries.values(), key=lambda e: (e.product_type, e.build_version, e.entitled))
+    return LimitsCollected(LimitsRegistry(tool_version=__version__, limits=ordered), added, skipped)

@@ -223,10 +223,45 @@ class DeviceAnswerError(DeviceError):
 
 
 class SoakFailedError(KvrigError):
-    """A soak run ended in a crash, a hang, a lost device or the app's own error end (results were still
-    written)."""
+    """A soak run ended in a hang, a lost device or the app's own error end (results were still written). The
+    other ways an app ends each have their own code (60-64), subclasses of this one."""
 
     exit_code = 16
+
+
+# --- how a soaked app ended, each kind with its evidence (exit 60-64) ---------------------------------------
+
+
+class JetsamWithoutReportError(SoakFailedError):
+    """Jetsam killed the app as the device log says, but the phone filed no JetsamEvent report (an app killed
+    while suspended): the context it survived stands, the footprint at the kill is unknown."""
+
+    exit_code = 60
+
+
+class GpuBackgroundError(SoakFailedError):
+    """The app was aborted for submitting GPU work from the background ("Insufficient Permission (to submit GPU
+    work from background)")."""
+
+    exit_code = 61
+
+
+class WatchdogKillError(SoakFailedError):
+    """The watchdog killed the app (0x8badf00d): it overran a launch or scene-update time allowance."""
+
+    exit_code = 62
+
+
+class AppCrashError(SoakFailedError):
+    """The app crashed; its crash report was pulled."""
+
+    exit_code = 63
+
+
+class AppVanishedError(SoakFailedError):
+    """The app ended with no trace: no end record, no report, nothing in the device log."""
+
+    exit_code = 64
 
 
 # --- lab (exit 17-18) --------------------------------------------------------------------------------------

@@ -20,20 +20,48 @@ from kvrig.cli.render import echo_json, human_bytes, json_option
 @click.option("--model", type=click.Path(path_type=Path), help="Model for runs without a bundle (dir, config, GGUF).")
 @click.option("--weights", default="q4", show_default=True, help="Weight recipe with --model.")
 @click.option("-o", "--out", type=click.Path(path_type=Path), default=Path("calibration.json"), show_default=True)
+@click.option(
+    "--limits",
+    "limits_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Collect the memory limits the phones stated in their logs into this registry (merged with what it "
+    "holds), per ProductType × OS build × entitlement; `kvrig plan --limits` reads it.",
+)
+@click.option("--limits-only", is_flag=True, help="With --limits: collect the limits, fit no baseline.")
 @json_option
 def calibrate(
-    results: tuple[Path, ...], bundle: Path | None, model: Path | None, weights: str, out: Path, as_json: bool
+    results: tuple[Path, ...],
+    bundle: Path | None,
+    model: Path | None,
+    weights: str,
+    out: Path,
+    limits_file: Path | None,
+    limits_only: bool,
+    as_json: bool,
 ) -> None:
     """Fit the app baseline per device profile from RESULTS.json files (kvrig soak, lab, demo): every
-    telemetry footprint less the exact weights, KV and buffer cache. Use it with `kvrig plan --calibration`."""
+    telemetry footprint less the exact weights, KV and buffer cache. Use it with `kvrig plan --calibration`.
+    With --limits, also collect the limit each phone stated into a limits registry."""
     from kvrig.calibration import calibrate as fit
 
+    if limits_only and limits_file is None:
+        raise click.BadParameter("--limits-only needs --limits FILE", param_hint="--limits-only")
+    collected = _collect_limits(list(results), limits_file) if limits_file is not None else None
+    if limits_only:
+        assert collected is not None and limits_file is not None
+        if as_json:
+            echo_json(collected.registry)
+        else:
+            _render_limits(collected, limits_file)
+        return
     calibration = fit(list(results), bundle=bundle, model=model, weights=weights)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(calibration.model_dump(mode="json", by_alias=True), indent=2) + "\n")
     if as_json:
         echo_json(calibration)
         return
+    if collected is not None and limits_file is not None:
+        _render_limits(collected, limits_file)
     from rich.table import Table
 
     table = Table(title=f"Calibration → {out}", title_justify="left")
@@ -49,3 +77,38 @@ def calibrate(
             ", ".join(entry.sources),
         )
     console().print(table)
+
+
+def _collect_limits(results: list[Path], limits_file: Path):  # type: ignore[no-untyped-def]
+    """Collects into the registry at limits_file (read first when it exists) and writes it back whole."""
+    from kvrig.calibration import collect_limits
+    from kvrig.fileio import atomic_write
+    from kvrig.planner.limits import load_limits
+
+    existing = load_limits(limits_file) if limits_file.exists() else None
+    collected = collect_limits(results, existing)
+    limits_file.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(limits_file, json.dumps(collected.registry.model_dump(mode="json", by_alias=True), indent=2) + "\n")
+    return collected
+
+
+def _render_limits(collected, limits_file: Path) -> None:  # type: ignore[no-untyped-def]
+    from rich.table import Table
+
+    table = Table(title=f"Limits the phones stated → {limits_file} ({collected.added} new runs)", title_justify="left")
+    for column in ("ProductType", "build", "iOS", "entitled", "limit", "inactive", "runs"):
+        table.add_column(column, justify="right" if column in ("limit", "inactive", "runs") else "left")
+    for e in collected.registry.limits:
+        table.add_row(
+            e.product_type,
+            e.build_version,
+            e.os_version or "",
+            "yes" if e.entitled else "no",
+            human_bytes(e.limit_bytes) + ("" if len(e.seen_bytes) == 1 else " (runs disagree)"),
+            human_bytes(e.inactive_bytes) if e.inactive_bytes else "",
+            str(e.runs),
+        )
+    out = console()
+    out.print(table)
+    for line in collected.skipped:
+        out.print(f"skipped: {line}", markup=False)

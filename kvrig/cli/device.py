@@ -52,10 +52,17 @@ def _yes_no(value: bool | None, yes: str = "on", no: str = "off") -> str:
 )
 @tunnel_option
 @usbmuxd_option
+@click.option(
+    "--limits",
+    "limits_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Limits registry (`kvrig calibrate --limits`): show the app memory limit each phone's ProductType and OS "
+    "build stated, with and without the increased-memory-limit entitlement.",
+)
 @json_option
-def devices(tunnel: str, usbmuxd: tuple[str, ...], as_json: bool) -> None:
+def devices(tunnel: str, usbmuxd: tuple[str, ...], limits_file: Path | None, as_json: bool) -> None:
     """List attached iPhones: UDID, model, iOS, Developer Mode, developer disk image, the tunnel kvrig would
-    use and the usbmuxd host, with what blocks a soak on each."""
+    use and the usbmuxd host, with what blocks a soak on each (and, with --limits, the limit each stated)."""
     from kvrig.device.hosts import parse_hosts, preflight_on
 
     hosts = parse_hosts(usbmuxd)
@@ -68,8 +75,13 @@ def devices(tunnel: str, usbmuxd: tuple[str, ...], as_json: bool) -> None:
         )
     for name, why in unreachable.items():
         click.echo(f"host {name}: {why}", err=True)
+    measured = _measured_limits(limits_file, [p.device for p in found]) if limits_file is not None else None
     if as_json:
-        echo_json([d.to_json() for d in found])
+        rows = [d.to_json() for d in found]
+        if measured is not None:
+            for row, limits in zip(rows, measured, strict=True):
+                row["measured_limits"] = {kind: e.model_dump(mode="json") if e else None for kind, e in limits.items()}
+        echo_json(rows)
         return
     if not found:
         click.echo("no devices attached (connect an iPhone, or start one with `kvrig virtual start`)")
@@ -77,9 +89,15 @@ def devices(tunnel: str, usbmuxd: tuple[str, ...], as_json: bool) -> None:
     from rich.table import Table
 
     table = Table("UDID", "ProductType", "iOS", "profile", "dev mode", "image", "tunnel", "connection", "host")
-    for p in found:
+    if measured is not None:
+        table.add_column("measured limit (entitled / default)")
+    for i, p in enumerate(found):
         d = p.device
         tunnel_text = "?" if p.tunnel is None else (p.tunnel.kind or "[red]none possible[/red]")
+        extra = []
+        if measured is not None:
+            shown = [human_bytes(e.limit_bytes) if e else "-" for e in measured[i].values()]
+            extra = [f"{' / '.join(shown)} (build {d.build_version or '?'})"]
         table.add_row(
             d.udid,
             d.product_type or "?",
@@ -90,12 +108,31 @@ def devices(tunnel: str, usbmuxd: tuple[str, ...], as_json: bool) -> None:
             tunnel_text,
             d.connection,
             d.host,
+            *extra,
         )
     out = console(min_width=120)
     out.print(table)
     for p in found:
         for problem in p.problems:
             out.print(f"[red]{p.device.udid}[/red]: {problem}", markup=True, highlight=False)
+
+
+def _measured_limits(limits_file: Path, phones):  # type: ignore[no-untyped-def]
+    """Per phone: {"entitled": entry or None, "default": entry or None} for its ProductType and OS build."""
+    from kvrig.planner.limits import load_limits
+
+    registry = load_limits(limits_file)
+    out = []
+    for d in phones:
+        types = [d.product_type] if d.product_type else []
+        build = d.build_version
+        out.append(
+            {
+                kind: registry.find(types, build, kind == "entitled") if build is not None else None
+                for kind in ("entitled", "default")
+            }
+        )
+    return out
 
 
 @click.command(

@@ -42,6 +42,13 @@ def _out_option(help: str):  # type: ignore[no-untyped-def]
 )
 @usbmuxd_option
 @tunnel_option
+@click.option(
+    "--limits",
+    "limits_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Limits registry (`kvrig calibrate --limits`): predict each phone against the limit its ProductType, OS "
+    "build and entitlement stated, where the registry holds one (else the profile's).",
+)
 @json_option
 def run(
     lab_file: Path,
@@ -50,6 +57,7 @@ def run(
     devices: tuple[str, ...],
     usbmuxd: tuple[str, ...],
     tunnel: str,
+    limits_file: Path | None,
     as_json: bool,
 ) -> None:
     """Run LAB_FILE on the attached phones (or this runner's share of them).
@@ -72,7 +80,9 @@ def run(
     udids = [u for text in devices for u in text.replace(",", " ").split()] or None
     mode = str(parse_tunnel(tunnel))
     echo = None if as_json else info
-    results = run_async(run_lab(spec, out_dir, on_event=echo, hosts=hosts, shard=share, devices=udids, tunnel=mode))
+    results = run_async(
+        run_lab(spec, out_dir, on_event=echo, hosts=hosts, shard=share, devices=udids, tunnel=mode, limits=limits_file)
+    )
     if as_json:
         echo_json(results.results)
     else:
@@ -175,6 +185,8 @@ def _render(results, *, title: str, out_dir: Path) -> None:  # type: ignore[no-u
         )
     out = console()
     out.print(table)
+    if results.lab is not None and results.lab.outcomes:
+        out.print("ends: " + ", ".join(f"{kind} {n}" for kind, n in results.lab.outcomes.items()))
     for note in results.lab.notes if results.lab else []:
         out.print(f"note: {note}")
     out.print(f"results: {out_dir / 'results.json'}, junit: {out_dir / 'junit.xml'}, "

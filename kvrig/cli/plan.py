@@ -121,6 +121,14 @@ def _buffer_cache(ctx: click.Context, param: click.Parameter, value: str) -> flo
     type=click.Path(path_type=Path),
     help="Calibration file from `kvrig calibrate`: use its measured baseline for this device's profile.",
 )
+@click.option(
+    "--limits",
+    "limits_file",
+    type=click.Path(path_type=Path),
+    help="Limits registry from `kvrig calibrate --limits`: plan against the limit the phone stated for this "
+    "ProductType, OS build (--os-build) and entitlement (--limit) where it holds one, else the profile's.",
+)
+@click.option("--os-build", help="The OS build whose measured limit to use (default: the build measured last).")
 @backend_option(
     "mlx", "coreml: bytes of the stateful Core ML program `kvrig export coreml` writes (weights, KV state)."
 )
@@ -159,6 +167,8 @@ def plan(
     target_context: int | None,
     cap: str,
     calibration: Path | None,
+    limits_file: Path | None,
+    os_build: str | None,
     quality_file: Path | None,
     backend: str,
     mlx_backend: str,
@@ -219,6 +229,10 @@ def plan(
         request = request.model_copy(
             update={"baseline_bytes": entry.baseline_bytes, "baseline_source": str(calibration)}
         )
+    if os_build is not None and limits_file is None:
+        raise click.BadParameter("--os-build picks a measured limit: give --limits FILE too", param_hint="--os-build")
+    if limits_file is not None:
+        request = _measured_limit(request, device, limits_file, os_build)
     result = make_plan(model, device, request)
     if quality_file is not None:
         from kvrig.quality.plan_hook import apply_quality
@@ -228,6 +242,21 @@ def plan(
         echo_json(result)
         return
     render_plan(result)
+
+
+def _measured_limit(request, device: str, limits_file: Path, os_build: str | None):  # type: ignore[no-untyped-def]
+    """The request with the limit the registry measured for this device, build and entitlement, if it has one;
+    otherwise unchanged (the plan then says it used the profile's)."""
+    from kvrig.planner.limits import describe, load_limits, lookup, product_types
+    from kvrig.profiles import load_profile
+
+    registry = load_limits(limits_file)
+    entry = lookup(registry, product_types(device, load_profile(device)), os_build, request.limit)
+    if entry is None:
+        return request
+    return request.model_copy(
+        update={"measured_limit_bytes": entry.limit_bytes, "measured_limit_source": describe(entry, limits_file)}
+    )
 
 
 def render_plan(p) -> None:  # type: ignore[no-untyped-def]
@@ -246,6 +275,11 @@ def render_plan(p) -> None:  # type: ignore[no-untyped-def]
         f"planning against {p.limit_kind} {human_bytes(p.limit_bytes)} − {p.margin:.0%} margin = "
         f"{human_bytes(p.budget_bytes)}"
     )
+    if p.limit_measured_from:
+        said = f"  the {p.limit_kind} limit is what the phone stated in its log: {p.limit_measured_from}"
+        out.print(said, markup=False)
+    else:
+        out.print("  the limit is the device profile's: no limit a phone stated for it (`--limits FILE`) is used")
     if p.limit_requires:
         out.print(
             f"  the entitled limit needs the app to declare {p.limit_requires} (kvrig app's projects do); "

@@ -57,8 +57,14 @@ def show_command(ref: str, as_json: bool) -> None:
 
 
 @profiles.command("schema")
-def schema_command() -> None:
-    """The JSON Schema of a profile file."""
+@click.option("--limits", is_flag=True, help="The schema of a limits registry (`kvrig calibrate --limits`) instead.")
+def schema_command(limits: bool) -> None:
+    """The JSON Schema of a profile file (or of a limits registry)."""
+    if limits:
+        from kvrig.schemas.limits import LimitsRegistry
+
+        echo_json(json_schema(LimitsRegistry))
+        return
     echo_json(json_schema(DeviceProfile))
 
 

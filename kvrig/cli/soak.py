@@ -57,6 +57,14 @@ from kvrig.device.loop import run_async
 @seconds_option(
     "--battery-interval", 5.0, "Seconds between battery temperature/level reads (diagnostics relay).", minimum=0.5
 )
+@seconds_option(
+    "--report-wait",
+    10.0,
+    "Seconds the phone gets to file a JetsamEvent or crash report after the app dies (none filed: the device log "
+    "tells the end).",
+    minimum=0,
+    dest="report_wait_s",
+)
 @click.option(
     "-o",
     "--out",
@@ -83,6 +91,7 @@ def soak(
     reconnect_s: float,
     handshake_timeout: float,
     battery_interval: float,
+    report_wait_s: float,
     out_dir: Path,
     as_json: bool,
 ) -> None:
@@ -91,6 +100,7 @@ def soak(
     from kvrig.schemas import load_model_file
     from kvrig.schemas.results import BAD_OUTCOMES
     from kvrig.schemas.soakplan import SoakPlan
+    from kvrig.soaking.analyse import END_ERRORS
     from kvrig.soaking.driver import SoakOptions
     from kvrig.soaking.driver import soak as run
     from kvrig.soaking.plan import make_plan
@@ -114,6 +124,7 @@ def soak(
         bundle=bundle_name,
         on_event=echo,
         battery_interval_s=battery_interval,
+        report_wait_s=report_wait_s,
         tunnel=parse_tunnel(tunnel),
         handshake_timeout_s=handshake_timeout,
     )
@@ -124,8 +135,12 @@ def soak(
         _render(result, out_dir)
     if result.outcome == "device_lost" and result.lost == "tunnel":
         raise TunnelLostError(f"soak {result.run_id}: {result.outcome_detail} (results: {out_dir / 'results.json'})")
-    if result.outcome in BAD_OUTCOMES:
-        raise SoakFailedError(f"soak {result.run_id} ended in {result.outcome}: {result.outcome_detail}")
+    if result.outcome in END_ERRORS or result.outcome in BAD_OUTCOMES:
+        error = END_ERRORS.get(result.outcome or "", SoakFailedError)
+        raise error(
+            f"soak {result.run_id} ended in {result.outcome}: {result.outcome_detail} "
+            f"(results: {out_dir / 'results.json'})"
+        )
 
 
 def _render(result, out_dir: Path) -> None:  # type: ignore[no-untyped-def]
@@ -134,6 +149,16 @@ def _render(result, out_dir: Path) -> None:  # type: ignore[no-untyped-def]
 
     click.echo(f"run {result.run_id} on {result.device.udid} ({result.device.product_type}): {result.outcome}")
     click.echo(f"  {result.outcome_detail}")
+    for e in result.evidence:
+        where = e.file or e.line
+        click.echo(f"  evidence ({e.kind}): {e.detail}" + (f": {where}" if where else ""))
+    stated = result.stated_limit
+    if stated is not None and stated.limit_bytes is not None:
+        entitled = {True: "entitled", False: "not entitled", None: "entitlement unknown"}[stated.entitled]
+        click.echo(
+            f"  the phone stated a limit of {size(stated.limit_bytes)} ({stated.product_type}, build "
+            f"{stated.build_version}, {entitled})"
+        )
     click.echo(f"  max context reached {result.max_context_reached}, max safe context {result.max_safe_context}")
     if result.footprint_at_kill_bytes is not None:
         click.echo(

@@ -56,6 +56,21 @@ def _socket_option(func):  # type: ignore[no-untyped-def]
 @click.option("--refuse-service", multiple=True, help="Fault: lockdownd refuses this service (repeatable).")
 @click.option("--crash-at-tokens", type=int, default=None, help="Fault: the app crashes at N context tokens.")
 @click.option("--hang-at-tokens", type=int, default=None, help="Fault: the app hangs at N context tokens.")
+@click.option(
+    "--jetsam-without-report", is_flag=True, help="Fault: a jetsam kill is logged as a phone logs it, no report filed."
+)
+@click.option(
+    "--gpu-background-at-tokens",
+    type=int,
+    default=None,
+    help="Fault: at N tokens Metal refuses the app's GPU work as from the background; the app aborts.",
+)
+@click.option(
+    "--watchdog-at-tokens", type=int, default=None, help="Fault: the watchdog kills the app at N tokens (0x8badf00d)."
+)
+@click.option(
+    "--vanish-at-tokens", type=int, default=None, help="Fault: the app dies at N tokens leaving no line and no report."
+)
 @click.option("--slow-link-bps", type=float, default=None, help="Fault: pace every connection to N bytes/s.")
 @click.option("--developer-mode-off", is_flag=True, help="Fault: Developer Mode is off (AMFI can enable it).")
 @click.option(
@@ -110,6 +125,10 @@ def start(
     refuse_service: tuple[str, ...],
     crash_at_tokens: int | None,
     hang_at_tokens: int | None,
+    jetsam_without_report: bool,
+    gpu_background_at_tokens: int | None,
+    watchdog_at_tokens: int | None,
+    vanish_at_tokens: int | None,
     slow_link_bps: float | None,
     developer_mode_off: bool,
     image_missing: bool,
@@ -159,6 +178,10 @@ def start(
         phantom_entries=list(phantom_entry),
         lockdown_values=pairs(lockdown_value, "--lockdown-value", json.loads),
         lockdown_garbage=lockdown_garbage,  # type: ignore[arg-type]
+        jetsam_without_report=jetsam_without_report,
+        gpu_background_at_tokens=gpu_background_at_tokens,
+        watchdog_at_tokens=watchdog_at_tokens,
+        vanish_at_tokens=vanish_at_tokens,
     )
 
     # the form libimobiledevice's tools need (UNIX:/path); kvrig reads it too

@@ -10,6 +10,7 @@ from pymobiledevice3.services.installation_proxy import InstallationProxyService
 
 from kvrig.device.discovery import Device
 from kvrig.exceptions import AppError, InputError
+from kvrig.profiles import INCREASED_MEMORY_LIMIT
 from kvrig.schemas.keys import COREML_MODEL_KEY, VIRTUAL_RUNTIME_KEY
 
 
@@ -21,12 +22,16 @@ class AppInfo:
     path: str | None
     coreml_model: str | None = None  # the Core ML program the app ships (Info.plist KvrigCoreMLModel)
     virtual_runtime: str | None = None  # the host runtime a virtual-iPhone app runs (KvrigVirtualRuntime)
+    # The increased-memory-limit entitlement, as installation_proxy lists the app's signed entitlements;
+    # None: the phone listed none (it says nothing, so neither do we).
+    entitled: bool | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def _app(bundle_id: str, record: dict[str, Any]) -> AppInfo:
+    entitlements = record.get("Entitlements")
     return AppInfo(
         bundle_id=bundle_id,
         executable=str(record.get("CFBundleExecutable") or bundle_id.rsplit(".", 1)[-1]),
@@ -34,6 +39,7 @@ def _app(bundle_id: str, record: dict[str, Any]) -> AppInfo:
         path=record.get("Path"),
         coreml_model=record.get(COREML_MODEL_KEY),
         virtual_runtime=record.get(VIRTUAL_RUNTIME_KEY),
+        entitled=entitlements.get(INCREASED_MEMORY_LIMIT) is True if isinstance(entitlements, dict) else None,
     )
 
 

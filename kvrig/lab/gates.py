@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvrig.schemas.lab import Gates
-from kvrig.schemas.results import BAD_OUTCOMES, GateCheck, SoakResult, TpsPoint
+from kvrig.schemas.results import BAD_OUTCOMES, JETSAM_OUTCOMES, GateCheck, SoakResult, TpsPoint
 
 __all__ = ["BAD_OUTCOMES", "evaluate", "failures"]
 
@@ -27,7 +27,7 @@ def prediction_error(result: SoakResult) -> float | None:
     """(measured − predicted) / predicted max context, when the run found the limit (jetsam) and the planner
     predicted one; positive: the phone held more than predicted."""
     predicted = result.predicted.max_context if result.predicted is not None else None
-    if not predicted or result.outcome != "jetsam" or result.max_safe_context is None:
+    if not predicted or result.outcome not in JETSAM_OUTCOMES or result.max_safe_context is None:
         return None
     return (result.max_safe_context - predicted) / predicted
 

@@ -19,7 +19,7 @@ from kvrig.lab.report import write_report
 from kvrig.lab.save import save_results
 from kvrig.schemas import load_model_file
 from kvrig.schemas.lab import Gates, LabRecord, slug
-from kvrig.schemas.results import RESULTS_FILE, Confirmation, ResultsFile, SoakFiles, SoakResult
+from kvrig.schemas.results import BAD_OUTCOMES, RESULTS_FILE, Confirmation, ResultsFile, SoakFiles, SoakResult
 from kvrig.version import __version__
 
 SHARDS_DIR = "shards"
@@ -37,7 +37,7 @@ class Merged:
         found: dict[str, list[str]] = {}
         for r in self.results.runs:
             if fails(r):
-                bad = r.outcome if r.outcome not in (None, "completed", "jetsam") else None
+                bad = r.outcome if r.outcome in BAD_OUTCOMES else None
                 why = bad or (f"error: {r.error}" if r.error else "gate failed")
                 found.setdefault(r.device.host or "?", []).append(f"{r.device.udid} {r.entry}[{r.variant}]: {why}")
         return found

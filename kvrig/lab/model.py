@@ -48,6 +48,7 @@ def device_ref(udid: str, info: DeviceInfo | None, host: str | None) -> DeviceRe
         udid=udid,
         product_type=info.product_type if info else None,
         os_version=info.os_version if info else None,
+        build_version=info.build_version if info else None,
         profile=info.profile if info else None,
         host=host,
     )

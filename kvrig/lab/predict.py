@@ -1,5 +1,9 @@
 """The planner's prediction for a run: per (model, profile, limit, plan options, scheme), cached; MLX is
-imported only here, and only when an entry names a model."""
+imported only here, and only when an entry names a model.
+
+The limit planned against: the lab file's `limit_bytes` for the phone when it gives one, else the limit the
+phone's ProductType × OS build × entitlement stated in a limits registry (`kvrig lab run --limits`), else the
+device profile's; the prediction's `limit_source` says which."""
 
 from __future__ import annotations
 
@@ -9,20 +13,24 @@ from typing import TYPE_CHECKING
 from kvrig.exceptions import QuantizationError, SchemaError
 from kvrig.models import load_model_spec
 from kvrig.planner import PlanRequest, bundle_recipe, plan_memory
+from kvrig.planner.limits import describe, load_limits, lookup
 from kvrig.profiles import AppMemoryLimit, SourcedInt, load_profile
 from kvrig.recipes import AUTO, parse_kv
 from kvrig.schemas import load_model_file
 from kvrig.schemas.kvcache import KVCACHE_NAME, KVCacheConfig, WeightsResidency
 from kvrig.schemas.lab import LabDevice, MatrixEntry, SchemeSpec
-from kvrig.schemas.results import Prediction
+from kvrig.schemas.limits import MeasuredLimit
+from kvrig.schemas.results import DeviceRef, Prediction
 
 if TYPE_CHECKING:
     from kvrig.planner.transient import Backend
 
 
 class Predictor:
-    def __init__(self, notes: list[str]) -> None:
+    def __init__(self, notes: list[str], *, limits: Path | None = None) -> None:
         self.notes = notes
+        self.limits_file = limits
+        self.limits = load_limits(limits) if limits is not None else None
         self.unavailable = False
         self._cache: dict[tuple[str, ...], Prediction | None] = {}
 
@@ -35,6 +43,7 @@ class Predictor:
         *,
         virtual: bool = False,
         residency: WeightsResidency | None = None,
+        phone: DeviceRef | None = None,
     ) -> Prediction | None:
         """`virtual`: kvrig's virtual iPhone, whose app runs MLX on the host's CPU; it is planned on the `cpu`
         backend (no fused attention, so prefill materializes the scores), a real phone on `metal`.
@@ -69,10 +78,21 @@ class Predictor:
             if note not in self.notes:
                 self.notes.append(note)
             weights_residency = "loaded"
+        measured = self._measured(phone, entry.plan.limit) if device.limit_bytes is None else None
         key += (entry.plan.model_dump_json(), planner_scheme, backend, weights_residency)
+        key += (measured.model_dump_json() if measured is not None else "",)
         if key not in self._cache:
-            self._cache[key] = self._plan(source, profile, device, entry, planner_scheme, backend, weights_residency)
+            self._cache[key] = self._plan(
+                source, profile, device, entry, planner_scheme, backend, weights_residency, measured
+            )
         return self._cache[key]
+
+    def _measured(self, phone: DeviceRef | None, limit: str) -> MeasuredLimit | None:
+        """The registry's limit for this phone's ProductType and build (only that build: a phone on another
+        build is planned with its profile), with the entitlement the entry plans for."""
+        if self.limits is None or phone is None or phone.product_type is None or phone.build_version is None:
+            return None
+        return lookup(self.limits, [phone.product_type], phone.build_version, limit)
 
     def _plan(
         self,
@@ -83,17 +103,26 @@ class Predictor:
         scheme: str,
         backend: Backend,
         residency: WeightsResidency,
+        measured: MeasuredLimit | None = None,
     ) -> Prediction | None:
+        limit_source = None
         try:
             profile = load_profile(profile_ref)
             # A phone whose limit or baseline the lab knows better than the profile (a virtual iPhone).
             if device.limit_bytes is not None:
+                limit_source = "lab file: limit_bytes"
                 given = SourcedInt(value=device.limit_bytes, basis="reported", source="lab file: limit_bytes")
                 profile = profile.model_copy(update={"app_memory_limit": AppMemoryLimit(default_bytes=given)})
             if device.baseline_bytes is not None:
                 given = SourcedInt(value=device.baseline_bytes, basis="reported", source="lab file: baseline_bytes")
                 profile = profile.model_copy(update={"app_baseline_bytes": given})
             opts = entry.plan
+            if measured is not None:
+                assert self.limits_file is not None
+                limit_source = f"measured: {describe(measured, self.limits_file)}"
+                note = f"predictions for {measured.product_type} build {measured.build_version} use {limit_source}"
+                if note not in self.notes:
+                    self.notes.append(note)
             plan = plan_memory(
                 load_model_spec(source),
                 profile,
@@ -106,6 +135,8 @@ class Predictor:
                     contexts=(1024,),
                     backend=backend,
                     weights_residency=residency,
+                    measured_limit_bytes=measured.limit_bytes if measured is not None else None,
+                    measured_limit_source=limit_source if measured is not None else None,
                 ),
             )
         except ImportError as exc:  # no MLX on this machine: the lab still runs, without predictions
@@ -116,6 +147,7 @@ class Predictor:
             max_context=plan.max_context[scheme],
             limit_bytes=plan.limit_bytes,
             footprint_at_max_context_bytes=plan.budget_at_max_context[scheme].total_bytes,
+            limit_source=limit_source,
         )
 
 

@@ -20,7 +20,7 @@ from kvrig.exceptions import OutputWriteError, ReportError, ReportFolderError
 from kvrig.fileio import atomic_output, atomic_write
 from kvrig.lab.gates import failures, prediction_error
 from kvrig.schemas.lab import slug
-from kvrig.schemas.results import RESULTS_FILE, ResultsFile, SoakResult, short_udid
+from kvrig.schemas.results import RESULTS_FILE, Evidence, ResultsFile, SoakResult, short_udid
 
 REPORT_FILE = "report.html"
 IMAGES_DIR = "report"
@@ -251,8 +251,24 @@ def _run_view(r: SoakResult, figures: list[dict[str, str]]) -> dict[str, object]
         "failures": "; ".join(m for _, m in found),
         "gates": r.gates,
         "confirmations": r.confirmations,
+        "evidence": [_evidence_text(e) for e in r.evidence],
+        "stated_limit": _stated_text(r),
         "figures": figures,
     }
+
+
+def _evidence_text(e: Evidence) -> str:
+    where = e.file or e.line
+    return f"{e.kind}: {e.detail}" + (f": {where}" if where else "")
+
+
+def _stated_text(r: SoakResult) -> str:
+    """The limit the phone stated in its log, with what keys it in the limits registry."""
+    s = r.stated_limit
+    if s is None or s.limit_bytes is None:
+        return ""
+    entitled = {True: "entitled", False: "not entitled", None: "entitlement unknown"}[s.entitled]
+    return f"{_mib(s.limit_bytes)} ({s.product_type}, build {s.build_version}, {entitled})"
 
 
 def _stem(r: SoakResult, variant: str) -> str:
@@ -317,6 +333,7 @@ def write_report(results: ResultsFile, out_dir: str | Path, *, title: str = "kvr
         tool_version=results.tool_version,
         hosts=results.lab.hosts if results.lab else [],
         notes=results.lab.notes if results.lab else [],
+        ends=results.lab.outcomes if results.lab else {},
         runs=views,
         pairs=pairs,
     )

@@ -12,6 +12,7 @@ from kvrig.lab import gates as gate_checks
 from kvrig.lab.junit import write_junit
 from kvrig.lab.model import JUNIT_FILE
 from kvrig.schemas import load_model_file
+from kvrig.schemas.lab import count_outcomes
 from kvrig.schemas.results import RESULTS_FILE, ResultsFile, SoakFiles, SoakResult
 
 
@@ -29,6 +30,9 @@ def evaluate_gates(results: ResultsFile) -> None:
 
 def save_results(results: ResultsFile, out: Path) -> None:
     evaluate_gates(results)
+    if results.lab is not None:
+        ends = [o for r in results.runs for o in (r.outcome, *(c.outcome for c in r.confirmations))]
+        results.lab.outcomes = count_outcomes(ends)
     data = results.model_dump(mode="json", by_alias=True, exclude_none=False)
     atomic_write(out / RESULTS_FILE, json.dumps(data, indent=2) + "\n")
     write_junit(results, out / JUNIT_FILE, name=results.lab.name if results.lab else "kvrig lab")

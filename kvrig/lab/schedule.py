@@ -52,9 +52,16 @@ def claim_output(out: Path) -> None:
 
 class Scheduler:
     def __init__(
-        self, lab: Lab, out: Path, on_event: Event | None, hosts: list[UsbmuxHost], tunnel: str = "auto"
+        self,
+        lab: Lab,
+        out: Path,
+        on_event: Event | None,
+        hosts: list[UsbmuxHost],
+        tunnel: str = "auto",
+        limits: Path | None = None,
     ) -> None:
         self.lab, self.out, self.on_event, self.hosts = lab, out, on_event, hosts
+        self.limits = limits  # a limits registry: predictions plan against the limit each phone stated
         self.tunnel = tunnel  # each worker opens its phone's own tunnel (`--tunnel`)
         self.results = LabResults(lab, out, [], hosts=[h.name for h in hosts])
         self.stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -71,7 +78,7 @@ class Scheduler:
             run.result.gates = saved.gates
 
     def plan_runs(self, targets: list[Target]) -> dict[str, list[LabRun]]:
-        predictor = Predictor(self.results.notes)
+        predictor = Predictor(self.results.notes, limits=self.limits)
         only_host = self.hosts[0].name if len(self.hosts) == 1 else None
         per_device: dict[str, list[LabRun]] = {}
         for target in targets:
@@ -84,7 +91,7 @@ class Scheduler:
                         if target.problem is None:
                             virtual = bool(target.info and target.info.virtual)
                             predicted = predictor.predict(
-                                entry, scheme, ref.profile, target.spec, virtual=virtual, residency=residency
+                                entry, scheme, ref.profile, target.spec, virtual=virtual, residency=residency, phone=ref
                             )
                         run = new_run(entry, scheme, ref, self.stamp, predicted, residency)
                         if target.problem is not None:
@@ -216,12 +223,14 @@ async def run_lab(
     shard: Shard | None = None,
     devices: list[str] | None = None,
     tunnel: str = "auto",
+    limits: str | Path | None = None,
 ) -> LabResults:
     """Runs the lab (or this runner's share of it) on the phones of `hosts`, each through the tunnel `tunnel`
-    asks for (auto, userspace, tunneld[=HOST:PORT], none); writes results.json, junit.xml and report.html."""
+    asks for (auto, userspace, tunneld[=HOST:PORT], none); writes results.json, junit.xml and report.html.
+    `limits`: a limits registry (`kvrig calibrate --limits`) whose measured limits the predictions use."""
     out = Path(out_dir)
     claim_output(out)
-    scheduler = Scheduler(lab, out, on_event, hosts or [local_host()], tunnel)
+    scheduler = Scheduler(lab, out, on_event, hosts or [local_host()], tunnel, Path(limits) if limits else None)
     scheduler.results.shard = str(shard) if shard else None
     results = await scheduler.run(shard, devices)
 

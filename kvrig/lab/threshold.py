@@ -13,7 +13,7 @@ from kvrig.exceptions import DeviceLostError, DeviceNotFoundError, KvrigError
 from kvrig.lab.model import Event, LabRun
 from kvrig.lab.save import read_partial, relocate
 from kvrig.schemas.lab import Lab
-from kvrig.schemas.results import Confirmation, SoakResult
+from kvrig.schemas.results import JETSAM_OUTCOMES, Confirmation, SoakResult
 from kvrig.soaking.driver import SoakOptions, run_soak
 from kvrig.soaking.plan import make_plan
 
@@ -43,7 +43,7 @@ async def measure(bench: Bench, device: Device, run: LabRun, tag: str) -> None:
         raise
     run.result = main
     threshold = bench.lab.threshold
-    if main.outcome != "jetsam" or threshold.confirm_runs == 0 or not main.max_safe_context:
+    if main.outcome not in JETSAM_OUTCOMES or threshold.confirm_runs == 0 or not main.max_safe_context:
         return
     target, survived = main.max_safe_context, 0
     for attempt in range(1, threshold.max_attempts + 1):
@@ -71,7 +71,7 @@ async def measure(bench: Bench, device: Device, run: LabRun, tag: str) -> None:
             survived += 1
             if survived >= threshold.confirm_runs:
                 break
-        elif confirm.outcome == "jetsam" and confirm.max_safe_context:
+        elif confirm.outcome in JETSAM_OUTCOMES and confirm.max_safe_context:
             target, survived = confirm.max_safe_context, 0  # killed below the first run's threshold
         else:
             break  # crashed, hung, lost, or killed before its first step: stop searching

@@ -159,6 +159,11 @@ class MemoryPlan(StrictModel):
     limit_requires: str | None = Field(
         default=None, description="the entitlement the app must declare for this limit (null: none)"
     )
+    limit_measured_from: str | None = Field(
+        default=None,
+        description="the limits-registry entry limit_bytes comes from, a limit the phone stated in its log (file: "
+        "ProductType, build, entitlement, runs); null: the device profile's",
+    )
     margin: float
     budget_bytes: int = Field(description="limit × (1 − margin): what the plan fills")
     weights_bytes: int = Field(description="bytes of the weights under `weights_recipe`")
@@ -430,6 +435,10 @@ class PlanRequest(StrictModel):
     max_context_cap: int | None = None
     baseline_bytes: int | None = None
     baseline_source: str | None = None
+    measured_limit_bytes: int | None = Field(
+        default=None, gt=0, description="the limit a phone stated for `limit` (limits registry) over the profile's"
+    )
+    measured_limit_source: str | None = None
     backend: Backend = DEFAULT_BACKEND
     weights_residency: Literal["loaded", "mapped"] = "loaded"
     app: AppModel = "kvrig"
@@ -470,6 +479,8 @@ def plan_memory(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest | 
     trained = spec.config.get("text_config", spec.config).get("max_position_embeddings")
     cap = request.max_context_cap or (int(trained) if trained else 1 << 20)
     limit_kind, limit_bytes = _limits(profile, request.limit)
+    if request.measured_limit_bytes is not None:  # what the phone said beats what the profile estimates
+        limit_kind, limit_bytes = request.limit, request.measured_limit_bytes
     baseline = profile.baseline if request.baseline_bytes is None else request.baseline_bytes
     mapped = request.weights_residency == "mapped"
     # Mapped weights are clean file pages: iOS does not charge them to the footprint the jetsam limit judges.
@@ -531,6 +542,7 @@ def plan_memory(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest | 
         limit_kind=limit_kind,
         limit_requires=INCREASED_MEMORY_LIMIT if limit_kind == "entitled" else None,
         limit_bytes=limit_bytes,
+        limit_measured_from=request.measured_limit_source if request.measured_limit_bytes is not None else None,
         margin=request.margin,
         budget_bytes=int(limit_bytes * (1 - request.margin)),
         weights_bytes=chosen.total_bytes,

@@ -17,6 +17,7 @@ as before.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Final, Literal
 
@@ -214,6 +215,19 @@ class LabRecord(StrictModel):
     hosts: list[str] = Field(default_factory=list, description="the usbmuxd hosts the phones were found on")
     gates: dict[str, Gates] = Field(default_factory=dict, description="matrix entry -> the gates its runs meet")
     notes: list[str] = Field(default_factory=list)
+    outcomes: dict[str, int] = Field(
+        default_factory=dict,
+        description="runs per kind of end (jetsam, jetsam_log, gpu_background, watchdog, crash, vanished, ...), "
+        "confirmation runs included (results schema 4)",
+    )
+
+
+def count_outcomes(outcomes: Iterable[str | None]) -> dict[str, int]:
+    """How many runs ended each way, every kind apart (a run with no outcome as `none`)."""
+    counts: dict[str, int] = {}
+    for outcome in outcomes:
+        counts[outcome or "none"] = counts.get(outcome or "none", 0) + 1
+    return dict(sorted(counts.items()))
 
 
 _SLUG = re.compile(r"[^A-Za-z0-9._-]+")

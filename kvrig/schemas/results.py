@@ -17,19 +17,51 @@ from kvrig.schemas.lab import LabRecord
 
 # 2: the tunnel a run used, battery samples, interruptions (tunnel drops) and what was lost.
 # 3: how each run held the weights (loaded, or mapped from the bundle's file) and how many bytes it mapped.
-RESULTS_SCHEMA_VERSION: Final = 3
+# 4: the memory limit the phone stated in its log (with the OS build and the app's entitlement), the evidence of
+#    how a run ended, and the ends told apart: jetsam_log, gpu_background, watchdog, vanished.
+RESULTS_SCHEMA_VERSION: Final = 4
 RESIDENCY_FIELDS: Final = (
     "weights_residency_requested",
     "weights_residency",
     "mapped_weight_bytes",
     "residency_note",
 )
+SCHEMA_4_FIELDS: Final = ("stated_limit", "evidence")
 RESULTS_FILE = "results.json"
 
-Outcome = Literal["completed", "jetsam", "crash", "hang", "device_lost", "error", "allocation_failed"]
-"""`error` / `allocation_failed`: the app ended itself with that reason in its end record (it failed)."""
-BAD_OUTCOMES: tuple[Outcome, ...] = ("crash", "hang", "device_lost", "error", "allocation_failed")
-"""Outcomes that fail a soak (non-zero exit) and a lab run; `completed` and `jetsam` are what a soak is for."""
+Outcome = Literal[
+    "completed",
+    "jetsam",
+    "jetsam_log",
+    "gpu_background",
+    "watchdog",
+    "crash",
+    "vanished",
+    "hang",
+    "device_lost",
+    "error",
+    "allocation_failed",
+]
+"""How a run ended. `jetsam`: killed by jetsam, its JetsamEvent report pulled; `jetsam_log`: killed by jetsam as the
+device log says, with no report filed (a kill while suspended files none); `gpu_background`: aborted for submitting
+GPU work from the background; `watchdog`: killed by the watchdog (0x8badf00d); `crash`: died with a crash report;
+`vanished`: gone with no end record, no report and nothing in the log. `error` / `allocation_failed`: the app ended
+itself with that reason in its end record (it failed)."""
+SCHEMA_4_OUTCOMES: tuple[Outcome, ...] = ("jetsam_log", "gpu_background", "watchdog", "vanished")
+JETSAM_OUTCOMES: tuple[Outcome, ...] = ("jetsam", "jetsam_log")
+"""A memory kill: the context the app survived before it is the measurement a soak is for."""
+BAD_OUTCOMES: tuple[Outcome, ...] = (
+    "gpu_background",
+    "watchdog",
+    "crash",
+    "vanished",
+    "hang",
+    "device_lost",
+    "error",
+    "allocation_failed",
+)
+"""Outcomes that fail a soak (non-zero exit) and a lab run; `completed` and the jetsam kills are what a soak is
+for (`jetsam_log` still exits non-zero from `kvrig soak`: its footprint at the kill is unknown)."""
 
 
 class DeviceRef(StrictModel):
@@ -37,6 +69,7 @@ class DeviceRef(StrictModel):
     product_type: str | None = None
     os_version: str | None = None
     profile: str | None = Field(default=None, description="our device profile for the ProductType")
+    build_version: str | None = Field(default=None, description="the OS build, e.g. 23A341 (schema 4)")
     host: str | None = Field(default=None, description="the usbmuxd host the phone was reached through (lab)")
 
 
@@ -56,6 +89,11 @@ class Prediction(StrictModel):
     max_context: int | None = Field(default=None, ge=0)
     limit_bytes: int | None = Field(default=None, ge=0)
     footprint_at_max_context_bytes: int | None = Field(default=None, ge=0)
+    limit_source: str | None = Field(
+        default=None,
+        description="where limit_bytes comes from: `measured: <limits registry entry>` (a limit the phone stated), "
+        "`lab file: limit_bytes`; None: the device profile's (schema 4)",
+    )
 
 
 class TunnelRef(StrictModel):
@@ -93,6 +131,39 @@ def short_udid(udid: str) -> str:
     is the same on every phone of a model), else the first 12 characters of an older 40-hex UDID."""
     chip, sep, ecid = udid.partition("-")
     return ecid if sep and len(chip) == 8 and ecid else udid[:12]
+
+
+class StatedLimit(StrictModel):
+    """The memory limit the phone stated for the app in its log (runningboardd's `Memory Limits` line at launch,
+    the kernel's `exceeded mem limit` line at a kill), keyed as the limits registry keys it."""
+
+    product_type: str | None = Field(description="ProductType of the phone that stated it")
+    os_version: str | None = None
+    build_version: str | None = Field(description="the OS build: limits move between point releases")
+    entitled: bool | None = Field(
+        description="the app had com.apple.developer.kernel.increased-memory-limit (None: the phone did not say)"
+    )
+    active_bytes: int | None = Field(default=None, ge=0, description="`Memory Limits: active N` (MiB) at launch")
+    inactive_bytes: int | None = Field(default=None, ge=0, description="`inactive N` (MiB): the limit in background")
+    exceeded_bytes: int | None = Field(
+        default=None, ge=0, description="`exceeded mem limit: <kind> N MB` at the kill (the limit the kernel applied)"
+    )
+    exceeded_kind: str | None = Field(default=None, description="ActiveHard, InactiveHard, ...")
+    lines: list[str] = Field(default_factory=list, description="the log lines these numbers were read from")
+
+    @property
+    def limit_bytes(self) -> int | None:
+        """The foreground limit: the one launch states, else the one the kernel killed at."""
+        return self.active_bytes if self.active_bytes is not None else self.exceeded_bytes
+
+
+class Evidence(StrictModel):
+    """One thing seen that says how the run ended."""
+
+    kind: Literal["jetsam_report", "crash_report", "log", "telemetry", "none"]
+    detail: str = Field(description="what it says")
+    file: str | None = Field(default=None, description="the pulled report, relative to the results file")
+    line: str | None = Field(default=None, description="the device-log line, as the phone sent it")
 
 
 class SoakFiles(StrictModel):
@@ -182,6 +253,10 @@ class SoakResult(StrictModel):
     lost: Literal["tunnel", "device"] | None = Field(
         default=None, description="for outcome device_lost: whether the tunnel or the whole phone did not come back"
     )
+    stated_limit: StatedLimit | None = Field(
+        default=None, description="the limit the phone stated in its log (schema 4; None: it said none we read)"
+    )
+    evidence: list[Evidence] = Field(default_factory=list, description="what says how the run ended (schema 4)")
     steps_done: list[str] = Field(default_factory=list, description="driver steps that completed, in order")
     error: str | None = Field(default=None, description="the step that failed and why (partial results)")
 
@@ -193,7 +268,7 @@ class SoakResult(StrictModel):
 
 
 class ResultsFile(StrictModel):
-    schema_version: Literal[1, 2, 3] = Field(default=RESULTS_SCHEMA_VERSION, alias="schema")  # 1 and 2 still read
+    schema_version: Literal[1, 2, 3, 4] = Field(default=RESULTS_SCHEMA_VERSION, alias="schema")  # 1-3 still read
     tool_version: str
     runs: list[SoakResult]
     lab: LabRecord | None = Field(default=None, description="the lab (and shard) these runs belong to")
@@ -205,4 +280,15 @@ class ResultsFile(StrictModel):
                 found = [name for name in RESIDENCY_FIELDS if getattr(run, name) is not None]
                 if found:
                     raise ValueError(f"runs[{i}]: {found} are schema-3 fields; an older file cannot carry them")
+        if self.schema_version < 4:
+            for i, run in enumerate(self.runs):
+                found = [name for name in SCHEMA_4_FIELDS if getattr(run, name)]  # None and [] are every schema's
+                found += ["device.build_version"] if run.device.build_version is not None else []
+                found += ["predicted.limit_source"] if run.predicted and run.predicted.limit_source else []
+                found += [f"outcome {run.outcome}"] if run.outcome in SCHEMA_4_OUTCOMES else []
+                found += [f"confirmation {c.outcome}" for c in run.confirmations if c.outcome in SCHEMA_4_OUTCOMES]
+                if found:
+                    raise ValueError(f"runs[{i}]: {found} are schema 4's; an older file cannot carry them")
+            if self.lab is not None and self.lab.outcomes:
+                raise ValueError("lab.outcomes is schema 4's; an older file cannot carry it")
         return self

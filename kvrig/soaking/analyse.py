@@ -5,17 +5,36 @@ Nothing here talks to a device; the driver pulls the files and calls these.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvrig.exceptions import ReportError
+from kvrig.exceptions import (
+    AppCrashError,
+    AppVanishedError,
+    GpuBackgroundError,
+    JetsamWithoutReportError,
+    ReportError,
+    SoakFailedError,
+    WatchdogKillError,
+)
+from kvrig.reports.devicelog import GPU_BACKGROUND, AppLog
 from kvrig.reports.jetsam import JetsamReport, read_report, verdict
 from kvrig.reports.telemetry import TelemetryRun, correlate, read_telemetry, summarize_run
-from kvrig.schemas.results import Outcome, SoakResult, TpsPoint
+from kvrig.schemas.results import DeviceRef, Evidence, Outcome, SoakResult, StatedLimit, TpsPoint
 
 # End-record reasons that mean the app failed (telemetry EndEvent.reason -> outcome). The others (completed,
 # stop_condition, memory_critical) are ends the app chose as planned.
 APP_FAILURES: dict[str | None, Outcome] = {"error": "error", "allocation_failed": "allocation_failed"}
+# Each kind of end that is not what a soak is for, and the error (exit code) `kvrig soak` ends with for it;
+# the other bad outcomes (hang, device lost, the app's own error end) end with SoakFailedError (16).
+END_ERRORS: dict[str, type[SoakFailedError]] = {
+    "jetsam_log": JetsamWithoutReportError,
+    "gpu_background": GpuBackgroundError,
+    "watchdog": WatchdogKillError,
+    "crash": AppCrashError,
+    "vanished": AppVanishedError,
+}
 
 
 def telemetry_run(path: Path, run_id: str) -> TelemetryRun | None:
@@ -83,6 +102,44 @@ def apply_jetsam(result: SoakResult, match: JetsamMatch, process: str, run: Tele
     return v.summary
 
 
+# A watchdog kill's report: "Termination Reason: Namespace SPRINGBOARD, Code 0x8badf00d" (text), or the .ips
+# body's termination code 2343432205 (the same number in decimal).
+_WATCHDOG_REPORT = re.compile(r"0x8badf00d|\"code\"\s*:\s*2343432205", re.IGNORECASE)
+REPORT_SCAN_BYTES = 4 * 1024 * 1024  # a crash report is tens of KiB; only this much of one is looked at
+
+
+def report_says(path: Path) -> tuple[bool, bool]:
+    """(a GPU-from-background abort, a watchdog kill) as a pulled crash report says."""
+    try:
+        with path.open("rb") as f:
+            text = f.read(REPORT_SCAN_BYTES).decode(errors="replace")
+    except OSError:
+        return False, False
+    return GPU_BACKGROUND in text, _WATCHDOG_REPORT.search(text) is not None
+
+
+def stated_limit(log: AppLog, device: DeviceRef, entitled: bool | None) -> StatedLimit | None:
+    """The limit the log stated for the app, keyed by the phone's ProductType, build and the entitlement."""
+    if log.active_mb is None and log.exceeded_mb is None:
+        return None
+    return StatedLimit(
+        product_type=device.product_type,
+        os_version=device.os_version,
+        build_version=device.build_version,
+        entitled=entitled,
+        active_bytes=log.active_bytes,
+        inactive_bytes=log.inactive_bytes,
+        exceeded_bytes=log.exceeded_bytes,
+        exceeded_kind=log.exceeded_kind,
+        lines=[line for line in (log.limit_line, log.end("jetsam")) if line is not None],
+    )
+
+
+def _logged(detail: str, line: str | None) -> list[Evidence]:
+    """A device-log line as evidence, when the log had one."""
+    return [Evidence(kind="log", detail=detail, line=line)] if line is not None else []
+
+
 def classify(
     *,
     end_seen: bool,
@@ -93,21 +150,65 @@ def classify(
     lost: bool,
     killed_by_jetsam: bool,
     crash_reports: list[Path],
-) -> tuple[Outcome, str]:
-    """The outcome of a run from what the driver saw, most specific evidence first."""
+    jetsam_report: Path | None = None,
+    log: AppLog | None = None,
+    base: Path | None = None,
+) -> tuple[Outcome, str, list[Evidence]]:
+    """The outcome of a run from what the driver saw, most specific evidence first, with that evidence."""
+
+    def rel(path: Path) -> str:
+        return path.relative_to(base).as_posix() if base is not None and path.is_relative_to(base) else str(path)
+
     if lost:
-        return "device_lost", "the device went away and did not come back in time"
+        return "device_lost", "the device went away and did not come back in time", []
     if end_seen:
+        told = [Evidence(kind="telemetry", detail=f"end record: {end_reason}")]
         if end_reason in APP_FAILURES:
             why = f": {end_message}" if end_message else ""
-            return APP_FAILURES[end_reason], f"the app ended itself with {end_reason}{why}"
-        return "completed", f"the app wrote its end record ({end_reason})"
+            return APP_FAILURES[end_reason], f"the app ended itself with {end_reason}{why}", told
+        return "completed", f"the app wrote its end record ({end_reason})", told
     if killed_by_jetsam:
-        return "jetsam", "killed by jetsam"
+        evidence = [
+            Evidence(
+                kind="jetsam_report",
+                detail="JetsamEvent report names the app killed",
+                file=rel(jetsam_report) if jetsam_report else None,
+            )
+        ]
+        evidence += _logged("the kernel's jetsam line", log.end("jetsam") if log is not None else None)
+        return "jetsam", "killed by jetsam", evidence
     if hung:
-        return "hang", "the app stopped writing telemetry while alive; killed"
+        return "hang", "the app stopped writing telemetry while alive; killed", []
     if timed_out:
-        return "hang", "the run exceeded its time limit; killed"
+        return "hang", "the run exceeded its time limit; killed", []
+    said = {path: report_says(path) for path in crash_reports}
+    gpu_line = log.end("gpu_background") if log is not None else None
+    gpu_reports = [path for path, (gpu, _) in said.items() if gpu]
+    if gpu_line is not None or gpu_reports:
+        evidence = _logged("GPU work submitted from the background", gpu_line)
+        evidence += [Evidence(kind="crash_report", detail="the abort's crash report", file=rel(p)) for p in gpu_reports]
+        return "gpu_background", f"aborted: {GPU_BACKGROUND}", evidence
+    dog_line = log.end("watchdog") if log is not None else None
+    dog_reports = [path for path, (_, dog) in said.items() if dog]
+    if dog_line is not None or dog_reports:
+        evidence = _logged("the watchdog's termination", dog_line)
+        evidence += [Evidence(kind="crash_report", detail="termination 0x8badf00d", file=rel(p)) for p in dog_reports]
+        return "watchdog", "killed by the watchdog (0x8badf00d)", evidence
+    jetsam_line = log.end("jetsam") if log is not None else None
+    if jetsam_line is not None:
+        return (
+            "jetsam_log",
+            "killed by jetsam as the device log says; the phone filed no JetsamEvent report",
+            _logged("the kernel's jetsam line", jetsam_line),
+        )
     if crash_reports:
-        return "crash", f"the app died; crash report {crash_reports[0].name}"
-    return "crash", "the app died without an end record, a jetsam report or a crash report"
+        return (
+            "crash",
+            f"the app died; crash report {crash_reports[0].name}",
+            [Evidence(kind="crash_report", detail="the app's crash report", file=rel(p)) for p in crash_reports],
+        )
+    return (
+        "vanished",
+        "the app died without an end record, a report or a line in the device log",
+        [Evidence(kind="none", detail="no end record, no JetsamEvent or crash report, nothing in the device log")],
+    )

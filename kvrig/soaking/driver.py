@@ -40,6 +40,7 @@ from kvrig.device.discovery import Device
 from kvrig.device.files import DOCUMENTS, Bounds, Container
 from kvrig.device.processes import Processes
 from kvrig.device.session import open_session
+from kvrig.device.syslog import LogFollower
 from kvrig.device.tunnel import HANDSHAKE_TIMEOUT_S, TunnelMode
 from kvrig.exceptions import (
     CoreMLBackendError,
@@ -50,6 +51,7 @@ from kvrig.exceptions import (
     NoTunnelError,
 )
 from kvrig.fileio import atomic_write
+from kvrig.reports.devicelog import AppLog
 from kvrig.reports.telemetry import end_record
 from kvrig.schemas.keys import COREML_MODEL_KEY
 from kvrig.schemas.results import (
@@ -63,7 +65,7 @@ from kvrig.schemas.results import (
     TunnelRef,
 )
 from kvrig.schemas.soakplan import SOAKPLAN_FILE, SOAKPLAN_LAUNCH_ARGUMENT, SoakPlan
-from kvrig.soaking.analyse import apply_jetsam, apply_telemetry, classify, find_kill, telemetry_run
+from kvrig.soaking.analyse import apply_jetsam, apply_telemetry, classify, find_kill, stated_limit, telemetry_run
 from kvrig.version import __version__
 
 T = TypeVar("T")
@@ -73,6 +75,7 @@ KILL_WAIT_S = 10.0
 CALL_TIMEOUT_S = 30.0  # one poll of the phone; a tunnel whose transport died may never answer
 MIN_READ_S = 5.0  # a telemetry read gets at least this long, however short `hang_after_s` is
 STOP_APP_S = 10.0  # stopping the app when a run fails or is interrupted
+LOG_DRAIN_S = 1.0  # the kernel's and SpringBoard's lines about a dead app follow its death by a moment
 # A soak's telemetry is about 1 MiB at most (a step record every few hundred tokens); 16 MiB is an app gone wrong.
 TELEMETRY = Bounds(16 * 1024 * 1024, CALL_TIMEOUT_S)
 
@@ -136,7 +139,11 @@ async def run_soak(
     result = SoakResult(
         run_id=plan.run_id,
         device=DeviceRef(
-            udid=info.udid, product_type=info.product_type, os_version=info.os_version, profile=info.profile
+            udid=info.udid,
+            product_type=info.product_type,
+            os_version=info.os_version,
+            build_version=info.build_version,
+            profile=info.profile,
         ),
         app_id=app_bundle_id,
         bundle=opts.bundle,
@@ -170,11 +177,17 @@ async def run_soak(
     watch = _Watch(device, app_bundle_id, app.executable, plan, out / TELEMETRY_OUT, telemetry_remote, opts)
     battery = _BatterySampler(device, rec, opts.battery_interval_s)
     await battery.start()
+    # The device log, followed from before the launch: the limit runningboardd states as the app starts, and
+    # how it ended (the kernel's jetsam lines, a GPU-from-background abort, the watchdog).
+    applog = AppLog(app.executable, app_bundle_id)
+    follower = LogFollower(device, applog.feed)
     try:
+        await follower.start()
         with rec.step("launch"):
             arguments = [SOAKPLAN_LAUNCH_ARGUMENT, SOAKPLAN_FILE, *opts.extra_arguments]
             async with Processes(device) as processes:
                 watch.pid = await processes.launch(app_bundle_id, arguments=arguments)
+            applog.pid = watch.pid
             rec.done("launch", f"launched {app_bundle_id} as pid {watch.pid}")
 
         with rec.step("watch"):
@@ -194,6 +207,7 @@ async def run_soak(
                 result.error += "; the app was stopped" if failed is None else f"; the app may still run: {failed}"
         raise
     finally:
+        await follower.stop(LOG_DRAIN_S if watch.died else 0.0)
         await battery.stop()
         result.interruptions = watch.interruptions
         result.tunnel = tunnel_ref(device)
@@ -220,7 +234,8 @@ async def run_soak(
         for point, step in zip(result.tps_curve, run.steps, strict=True):
             point.t = step.t
     kill = find_kill(jetsam_paths, app.executable, watch.pid) if not watch.end_seen else None
-    result.outcome, detail = classify(
+    result.stated_limit = stated_limit(applog, result.device, app.entitled)
+    result.outcome, detail, result.evidence = classify(
         end_seen=watch.end_seen,
         end_reason=watch.end_reason,
         end_message=run.end.message if run is not None and run.end is not None else None,
@@ -229,6 +244,9 @@ async def run_soak(
         lost=watch.lost,
         killed_by_jetsam=kill is not None,
         crash_reports=crash_paths,
+        jetsam_report=kill.path if kill is not None else None,
+        log=applog if watch.died else None,
+        base=out,
     )
     if kill is not None:
         detail = apply_jetsam(result, kill, app.executable, run)

@@ -24,7 +24,12 @@ measurement (what the app's own phys_footprint query would return); see `kvrig.v
 
 The emulator answers each measurement only if the app survives it: when the step's peak crosses the limit
 it SIGKILLs the process and writes a JetsamEvent report showing the footprint at the page that crossed it;
-the crash and hang faults fire here too.
+the faults that end an app (crash, hang, GPU from the background, watchdog, vanish) fire here too.
+
+The device log reads as a real phone's: runningboardd states the app's memory limits at launch
+(`[KVSoak:812] Memory Limits: active 160 inactive 160`, MiB), and a jetsam kill is told by the kernel
+(`memorystatus: KVSoak [812] exceeded mem limit: ActiveHard 160 MB (fatal)`, then `killing_specific_process`),
+SpringBoard and ReportSystemMemory, in the formats an iPadOS 26 log shows (kvrig.reports.devicelog).
 """
 
 from __future__ import annotations
@@ -45,11 +50,24 @@ from typing import Any, Protocol
 from kvrig.virtual import swiftapp
 from kvrig.virtual.faults import FaultPlan
 from kvrig.virtual.footprint import FootprintAccount, Measurement, cpu_seconds, pressure_level
-from kvrig.virtual.jetsam_report import JetsamVictim, build_crash_report, build_report, write_report
+from kvrig.virtual.jetsam_report import (
+    JetsamVictim,
+    build_crash_report,
+    build_report,
+    priority_scale,
+    write_report,
+)
 from kvrig.virtual.logbus import SyslogBus
 from kvrig.virtual.state import DeviceState, Identity
 
 APP_RUNTIME = "kvrig.virtual.testapp"
+MIB = 1024 * 1024
+# Metal's abort as MLX prints it when the app submits GPU work from the background (mlx-swift#274, iOS < 26).
+GPU_BACKGROUND_ABORT = (
+    "libc++abi: terminating due to uncaught exception of type std::runtime_error: [METAL] Command buffer execution "
+    "failed: Insufficient Permission (to submit GPU work from background) "
+    "(00000006:kIOGPUCommandBufferCallbackErrorBackgroundExecutionNotPermitted)"
+)
 # Host runtimes an installed app may ask for with Info.plist `KvrigVirtualRuntime` (see appgen.virtual_ipa).
 # An allow-list: a value from an app's plist never names a module directly.
 APP_RUNTIMES = {"test": APP_RUNTIME, "llm": "kvrig.virtual.llmlaunch"}
@@ -166,6 +184,10 @@ class AppRunner:
         if start_suspended:
             os.kill(proc.pid, signal.SIGSTOP)
         self.device.syslog.emit("SpringBoard", f"Launching {bundle_id} pid {proc.pid}")
+        limit_mb = ident.limit_bytes // MIB
+        self.device.syslog.emit(
+            "runningboardd", f"[{name}:{proc.pid}] Memory Limits: active {limit_mb} inactive {limit_mb}"
+        )
         process.tasks = [
             asyncio.create_task(self._channel(process)),
             asyncio.create_task(self._stderr(process)),
@@ -201,6 +223,17 @@ class AppRunner:
         if faults.crash_at_tokens is not None and m.context_tokens >= faults.crash_at_tokens:
             self._crash(process)
             return None
+        if faults.gpu_background_at_tokens is not None and m.context_tokens >= faults.gpu_background_at_tokens:
+            self._gpu_background(process)
+            return None
+        if faults.watchdog_at_tokens is not None and m.context_tokens >= faults.watchdog_at_tokens:
+            self._watchdog(process)
+            return None
+        if faults.vanish_at_tokens is not None and m.context_tokens >= faults.vanish_at_tokens:
+            process.outcome = "vanished"  # SIGKILL and nothing else: no line, no report
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGKILL)
+            return None
         if faults.hang_at_tokens is not None and m.context_tokens >= faults.hang_at_tokens:
             process.outcome = "hang"
             os.kill(process.pid, signal.SIGSTOP)
@@ -220,12 +253,28 @@ class AppRunner:
         process.outcome = "jetsam"
         with contextlib.suppress(ProcessLookupError):
             os.kill(process.pid, signal.SIGKILL)
-        self.device.syslog.emit(
+        ident, log = self.device.identity, self.device.syslog
+        band = 10 * priority_scale(ident.product_version)
+        age_s = int(time.time() - process.started)
+        log.emit(
+            "kernel",
+            f"memorystatus: {process.name} [{process.pid}] exceeded mem limit: ActiveHard "
+            f"{account.limit_bytes // MIB} MB (fatal)",
+        )
+        log.emit(
             "kernel",
             f"memorystatus: killing_specific_process pid {process.pid} [{process.name}] "
-            "(per-process-limit 10) "
-            f"{account.current_bytes // 1024}KB - memorystatus_available_pages: 5000",
+            f"(per-process-limit {band} {age_s}s) {account.current_bytes // 1024}KB",
         )
+        log.emit(
+            "SpringBoard",
+            f"[app<{process.bundle_id}>:{process.pid}] Process exited: domain:jetsam(1) code:per-process-limit(7)",
+        )
+        log.emit(
+            "ReportSystemMemory", f"Process {process.name} [{process.pid}] killed by jetsam reason per-process-limit"
+        )
+        if self.device.faults.jetsam_without_report:
+            return  # as for an app killed while suspended: the log tells it, no report is filed
         victim = JetsamVictim(
             pid=process.pid,
             name=process.name,
@@ -255,8 +304,51 @@ class AppRunner:
             bundle_id=process.bundle_id,
             signal="SIGSEGV",
         )
+        self._file_crash(process, text)
+
+    def _file_crash(self, process: AppProcess, text: str) -> None:
         stamp = time.strftime("%Y-%m-%d-%H%M%S", time.gmtime())
         (self.device.state.crash / f"{process.name}-{stamp}.ips").write_text(text)
+
+    def _gpu_background(self, process: AppProcess) -> None:
+        """Metal refuses a command buffer from the background; MLX's uncaught exception aborts the app."""
+        process.outcome = "gpu_background"
+        self.device.syslog.emit(process.name, GPU_BACKGROUND_ABORT, pid=process.pid, level="error")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGABRT)
+        text = build_crash_report(
+            phone=self.device.identity,
+            pid=process.pid,
+            name=process.name,
+            bundle_id=process.bundle_id,
+            kind="abort",
+            message=GPU_BACKGROUND_ABORT,
+        )
+        self._file_crash(process, text)
+
+    def _watchdog(self, process: AppProcess) -> None:
+        """FrontBoard's watchdog ends an app that overran its scene-update allowance: 0x8badf00d."""
+        process.outcome = "watchdog"
+        explanation = (
+            f"scene-update watchdog transgression: {process.bundle_id} exhausted real (wall clock) time allowance "
+            "of 10.00 seconds"
+        )
+        self.device.syslog.emit(
+            "SpringBoard",
+            f"[{process.bundle_id}] Executing termination for reason (none) with request: "
+            f'<FBSProcessTerminationRequest: 0x{id(process) & 0xFFFFFFFFF:x}; label: "watchdog provision violated"; '
+            f'exceptionCode: "Watchdog Violation (0x8BADF00D)"; reportType: CrashLog; explanation: "{explanation}">',
+        )
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGKILL)
+        text = build_crash_report(
+            phone=self.device.identity,
+            pid=process.pid,
+            name=process.name,
+            bundle_id=process.bundle_id,
+            kind="watchdog",
+        )
+        self._file_crash(process, text)
 
     async def _stderr(self, process: AppProcess) -> None:
         assert process.proc.stderr is not None

@@ -4,6 +4,11 @@
 - refuse a service (lockdownd answers StartService with InvalidService, as a phone without the service does)
 - crash the app when its context reaches N tokens (the process dies of SIGSEGV)
 - stall the app at N tokens (the process is stopped: it hangs, alive, and answers nothing)
+- every other way an app ends, each with the evidence a real phone leaves (log lines in its format, a report or
+  none): jetsam without a JetsamEvent report (the kernel's lines only, as for an app killed while suspended),
+  a GPU-from-background abort at N tokens (Metal's "Insufficient Permission" line, SIGABRT, a crash report), a
+  watchdog kill at N tokens (FrontBoard's 0x8badf00d termination line and its crash report), and an app that
+  vanishes at N tokens (SIGKILL, nothing logged, nothing filed)
 - slow link (every service connection is paced to N bytes per second)
 - Developer Mode off / developer disk image missing (device state: AMFI and the image mounter restore it)
 - tunnel drop after N bytes through the CoreDeviceProxy tunnel (the phone stays plugged; while the fault stays
@@ -46,6 +51,10 @@ class FaultPlan:
     phantom_entries: list[str] = field(default_factory=list)  # names every directory listing shows, not there
     lockdown_values: dict[str, Any] = field(default_factory=dict)  # device values lockdownd answers instead
     lockdown_garbage: Literal["truncated", "array"] | None = None  # the device values as a broken plist
+    jetsam_without_report: bool = False  # a jetsam kill files no JetsamEvent report; the log still says it
+    gpu_background_at_tokens: int | None = None
+    watchdog_at_tokens: int | None = None
+    vanish_at_tokens: int | None = None
 
     def claimed_size(self, device_path: str) -> int | None:
         return next((size for pattern, size in self.claim_sizes.items() if _named(device_path, pattern)), None)

@@ -163,15 +163,31 @@ def write_report(folder: Path, text: str, t: float | None = None) -> Path:
     return path
 
 
+# How each fault's process dies, as its crash report says: (exception type, signal, termination).
+# The watchdog's termination code is 0x8badf00d (2343432205) in FRONTBOARD's namespace, as real .ips reports
+# give it; an abort is SIGABRT with the message in `asi` (application-specific information).
+CRASH_KINDS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "segv": ("EXC_BAD_ACCESS", "SIGSEGV", {"namespace": "SIGNAL", "indicator": "Segmentation fault: 11"}),
+    "abort": ("EXC_CRASH", "SIGABRT", {"namespace": "SIGNAL", "code": 6, "indicator": "Abort trap: 6"}),
+    "watchdog": (
+        "EXC_CRASH",
+        "SIGKILL",
+        {"namespace": "FRONTBOARD", "code": 2343432205, "indicator": "scene-update watchdog transgression"},
+    ),
+}
+
+
 def build_crash_report(
     *,
     phone: Identity,
     pid: int,
     name: str,
     bundle_id: str,
-    signal: str,
+    signal: str = "SIGSEGV",
+    kind: str = "segv",
+    message: str | None = None,
 ) -> str:
-    """A minimal app crash report (bug_type 309) for the crash fault."""
+    """A minimal app crash report (bug_type 309): a segfault, an abort with its message, or a watchdog kill."""
     t = time.time()
     os_version = f"iPhone OS {phone.product_version} ({phone.build_version})"
     incident = str(uuid.uuid4()).upper()
@@ -183,16 +199,18 @@ def build_crash_report(
         "bundleID": bundle_id,
         "incident_id": incident,
     }
-    body = {
+    body: dict[str, Any] = {
         "incident": incident,
         "procName": name,
         "pid": pid,
         "modelCode": phone.product_type,
         "osVersion": {"train": f"iPhone OS {phone.product_version}", "build": phone.build_version},
         "bundleInfo": {"CFBundleIdentifier": bundle_id},
-        "exception": {"type": "EXC_BAD_ACCESS", "signal": signal},
-        "termination": {"namespace": "SIGNAL", "indicator": f"Segmentation fault: 11 ({signal})"},
+        "exception": {"type": CRASH_KINDS[kind][0], "signal": signal if kind == "segv" else CRASH_KINDS[kind][1]},
+        "termination": CRASH_KINDS[kind][2],
         "threads": [],
         "usedImages": [],
     }
+    if message is not None:
+        body["asi"] = {"libc++abi.dylib": [message]}
     return json.dumps(metadata) + "\n" + json.dumps(body, indent=2) + "\n"

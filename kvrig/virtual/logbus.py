@@ -9,7 +9,15 @@ import time
 from dataclasses import dataclass, field
 
 HISTORY = 256
-SYSTEM_PIDS = {"kernel": 0, "launchd": 1, "SpringBoard": 34, "lockdownd": 61, "osanalyticshelper": 210}
+SYSTEM_PIDS = {
+    "kernel": 0,
+    "launchd": 1,
+    "runningboardd": 33,
+    "SpringBoard": 34,
+    "lockdownd": 61,
+    "ReportSystemMemory": 187,
+    "osanalyticshelper": 210,
+}
 
 
 @dataclass

@@ -14,6 +14,7 @@ ddi/                   the developer disk image files a host mounts this phone w
 from __future__ import annotations
 
 import json
+import plistlib
 import secrets
 import shutil
 import uuid
@@ -187,6 +188,9 @@ class DeviceState:
                 "_AppDir": app_dir_name,
             }
         )
+        entitlements = _entitlements(target / app_dir_name)
+        if entitlements is not None:
+            record["Entitlements"] = entitlements
         apps[bundle_id] = record
         self.container(bundle_id)
         self._apps_file().write_text(json.dumps(apps, indent=2, sort_keys=True))
@@ -210,3 +214,19 @@ class DeviceState:
         for name in CONTAINER_DIRS:
             (root / name).mkdir(parents=True, exist_ok=True)
         return root
+
+
+ENTITLEMENTS_FILE = "archived-expanded-entitlements.xcent"
+
+
+def _entitlements(app: Path) -> dict[str, Any] | None:
+    """The app's entitlements, as installation_proxy lists them. A phone reads them from the code signature;
+    the virtual iPhone, which runs no signed binary, from the plist Xcode writes beside it in the .app."""
+    path = app / ENTITLEMENTS_FILE
+    if not path.is_file():
+        return None
+    try:
+        data = plistlib.loads(path.read_bytes())
+    except Exception:  # a broken file is an app without entitlements, as an unsigned one
+        return None
+    return data if isinstance(data, dict) else None

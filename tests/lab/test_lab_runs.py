@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import xml.etree.ElementTree as ET
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,12 @@ def test_results_json_validates_and_holds_every_run(matrix_lab: tuple[LabResults
     assert runs[udids[0], "grow", "fp16"].device.profile == "iphone-15-pro"
     assert runs[udids[1], "grow", "fp16"].device.profile == "iphone-13-pro"
     assert results.passed and not results.failed
+    # every kind of end counted apart, confirmation runs included; each phone stated the limit it was given
+    ends = Counter(o for r in saved.runs for o in (r.outcome, *(c.outcome for c in r.confirmations)))
+    assert saved.lab is not None and saved.lab.outcomes == dict(ends) and ends["jetsam"] >= 2
+    for phone, udid in ((phones.pro15, udids[0]), (phones.pro13, udids[1])):
+        stated = runs[udid, "grow", "fp16"].stated_limit
+        assert stated is not None and stated.active_bytes == phone.identity.limit_bytes
     # the scheme's launch arguments reached the app: half the KV heads, half the KV bytes at the same context
     tel = {s: raw_steps(out / runs[udids[0], "short", s].files.telemetry) for s in ("fp16", "fp16-kv4")}
     assert tel["fp16-kv4"][-1]["kv_bytes"] * 2 == tel["fp16"][-1]["kv_bytes"]

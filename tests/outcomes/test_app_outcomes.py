@@ -17,7 +17,7 @@ END_REASONS = EndEvent.model_fields["reason"].annotation.__args__  # type: ignor
 
 
 def _classify(reason: str, message: str | None = None) -> tuple[str, str]:
-    return classify(
+    outcome, detail, _evidence = classify(
         end_seen=True,
         end_reason=reason,
         end_message=message,
@@ -27,6 +27,7 @@ def _classify(reason: str, message: str | None = None) -> tuple[str, str]:
         killed_by_jetsam=False,
         crash_reports=[],
     )
+    return outcome, detail
 
 
 @pytest.mark.parametrize("reason", ["error", "allocation_failed"])

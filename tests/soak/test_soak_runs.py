@@ -175,8 +175,10 @@ def test_cli_soak_json_and_crash_exit_code(faults_cleared: Emulator, tmp_path: P
 
     emulator.device.faults = FaultPlan(crash_at_tokens=512)
     crashed = _cli(emulator, *common, "--max-tokens", "4096", "-o", str(tmp_path / "crash"))
-    assert crashed.returncode == 16, crashed.stderr
+    assert crashed.returncode == 63, crashed.stderr  # AppCrashError: a crash with its report
     assert "crash" in crashed.stderr and "Traceback" not in crashed.stderr
+    assert "evidence (crash_report): the app's crash report: reports/KVSoak-" in crashed.stdout
+    assert "the phone stated a limit of 160.0 MiB (iPhone16,1" in crashed.stdout  # the emulator's 160 MiB
     saved = load_model_file(ResultsFile, tmp_path / "crash" / "results.json").runs[0]
     assert saved.outcome == "crash" and saved.files.crash_reports
     (report,) = [tmp_path / "crash" / p for p in saved.files.crash_reports]

@@ -110,3 +110,34 @@ def test_slow_link_paces_transfers(clean_faults: Emulator) -> None:
 
     # 100 kB at 100 kB/s cannot arrive in less than a second
     assert asyncio.run(main()) >= 1.0
+
+
+@pytest.mark.parametrize(
+    ("fault", "outcome", "returncode", "exception"),
+    [
+        (FaultPlan(gpu_background_at_tokens=256), "gpu_background", -6, "EXC_CRASH"),  # SIGABRT: MLX's abort
+        (FaultPlan(watchdog_at_tokens=256), "watchdog", -9, "EXC_CRASH"),  # SIGKILL by FrontBoard
+    ],
+)
+def test_ends_with_a_crash_report_that_pycrashreport_reads(
+    clean_faults: Emulator, ipa: Path, fault: FaultPlan, outcome: str, returncode: int, exception: str
+) -> None:
+    emulator = clean_faults
+    install(emulator.udid, ipa)
+    emulator.device.faults = fault
+    pid = emulator.host.run(emulator.device.apps.launch(BUNDLE_ID, arguments=TESTAPP_ARGS))
+    process = emulator.host.run(emulator.device.apps.wait(pid, 60), timeout=70)
+    assert process.outcome == outcome and process.proc.returncode == returncode
+    (report,) = emulator.device.state.crash.glob("KVSoak-*.ips")
+    parsed = get_crash_report_from_buf(report.read_text())
+    assert parsed.bug_type == BugType.Crash_309
+    assert parsed.exception_type == exception
+    report.unlink()
+
+
+def test_the_faults_of_each_end_cross_the_control_channel() -> None:
+    """`kvrig virtual start` flags and `set_faults` carry them as plist values (no null): set ones only."""
+    plan = FaultPlan(jetsam_without_report=True, watchdog_at_tokens=512, vanish_at_tokens=1024)
+    data = plan.to_json()
+    assert data["jetsam_without_report"] is True and "gpu_background_at_tokens" not in data
+    assert FaultPlan.from_json(data) == plan
