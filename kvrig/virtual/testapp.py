@@ -133,9 +133,13 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         chunk = (1, args.kv_heads, args.step_tokens, args.head_dim)
         for i in range(args.layers):
-            # mlx-lm's KVCache grows by concatenating a zeroed step and writing the new tokens into it.
+            # mlx-lm's KVCache grows by concatenating a zeroed step and writing the new tokens into it, one layer
+            # after another: one layer's old buffer is alive beside its new one, the others are already freed.
+            # (Evaluating every layer at once would hold all old and new buffers together: a peak of twice the
+            # KV that no model's forward pass makes.)
             keys[i] = mx.concatenate([keys[i], mx.random.normal(chunk, dtype=mx.float16)], axis=2)
             values[i] = mx.concatenate([values[i], mx.random.normal(chunk, dtype=mx.float16)], axis=2)
+            mx.eval(keys[i], values[i])
         scores = mx.softmax((query @ keys[-1].transpose(0, 1, 3, 2)).astype(mx.float32), axis=-1)
         out = scores.astype(mx.float16) @ values[-1]
         mx.eval(*keys, *values, out)
