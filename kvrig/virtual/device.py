@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import uuid
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,6 +105,8 @@ class VirtualDevice:
         self.faults = faults or FaultPlan()
         self.afc_bytes = 0
         self.tunnel_bytes = 0
+        self.rsd_peer_uuid: uuid.UUID | None = None
+        self.rsd_reattached = False
         self.device_id = 0
         self.server: Hub | None = None
         self._ports = itertools.count(49152)
