@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import uuid
 import os
 import re
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -21,8 +21,8 @@ from pymobiledevice3.exceptions import (
     InvalidServiceError,
     UserspaceTunnelUnavailableError,
 )
-from pymobiledevice3.remote import remotexpc
 from pymobiledevice3.lockdown import create_using_usbmux
+from pymobiledevice3.remote import remotexpc
 from pymobiledevice3.remote.remote_service_discovery import RemoteServiceDiscoveryService
 from pymobiledevice3.remote.tunnel_service import CoreDeviceTunnelProxy
 from pymobiledevice3.services.afc import AfcService
