@@ -126,6 +126,24 @@ class Interruption(StrictModel):
     app_running: bool | None = Field(default=None, description="os_trace's process list after it came back")
 
 
+class BackgroundStep(StrictModel):
+    """A soak step that sent the app to the background (`--background`): another app launched through process
+    control, then the app brought back; what the app did and how that ended."""
+
+    requested: Literal["prefill", "decode"] = Field(description="the phase the step aimed at")
+    sent: float | None = Field(default=None, description="when the other app was launched, seconds since the epoch")
+    returned: float | None = Field(default=None, description="when the app was brought back (None: it was gone)")
+    context_tokens: int | None = Field(default=None, ge=0, description="the app's context when it was sent away")
+    during: Literal["prefill", "decode", "idle"] | None = Field(
+        default=None, description="the phase the app said it was about to submit (its scene record)"
+    )
+    gpu: Literal["paused", "continued"] | None = Field(
+        default=None, description="paused its GPU work, or continued under a continued-processing task (iOS 26+)"
+    )
+    result: Literal["resumed", "ended_cleanly", "killed_gpu_background", "killed", "not_sent", "unknown"]
+    evidence: str = ""
+
+
 def short_udid(udid: str) -> str:
     """What tells two phones apart at a glance: the ECID of a `0000XXXX-ECID` UDID (the chip id before the dash
     is the same on every phone of a model), else the first 12 characters of an older 40-hex UDID."""
@@ -250,6 +268,9 @@ class SoakResult(StrictModel):
         default_factory=list, description="battery temperature, level and charging state every few seconds"
     )
     interruptions: list[Interruption] = Field(default_factory=list, description="tunnel drops and unplugs")
+    background: list[BackgroundStep] = Field(
+        default_factory=list, description="the app sent to the background during the run, and what came of it"
+    )
     lost: Literal["tunnel", "device"] | None = Field(
         default=None, description="for outcome device_lost: whether the tunnel or the whole phone did not come back"
     )

@@ -97,13 +97,31 @@ class EvictEvent(_Event):
     kv_bytes: int | None = Field(default=None, ge=0)
 
 
+class SceneEvent(_Event):
+    """The app's scene left the foreground or came back (SwiftUI scenePhase), and what its GPU work did: `paused`
+    before the next forward pass (`during` names the phase it was about to submit), `continued` under a
+    continued-processing task that holds the GPU (iOS 26+, where `BGTaskScheduler.supportedResources` has it),
+    `resumed` when the scene is active again."""
+
+    event: Literal["scene"] = "scene"
+    phase: Literal["active", "background"]
+    context_tokens: int = Field(ge=0)
+    during: Literal["prefill", "decode", "idle"]
+    gpu: Literal["paused", "continued", "resumed"]
+
+
 class EndEvent(_Event):
+    """`background_task_expired`: the continued-processing task ended (it expired, or the person cancelled it)
+    while the app was in the background; the app stopped its GPU work, saved and ended the run."""
+
     event: Literal["end"] = "end"
-    reason: Literal["completed", "stop_condition", "memory_critical", "allocation_failed", "error"]
+    reason: Literal[
+        "completed", "stop_condition", "memory_critical", "allocation_failed", "error", "background_task_expired"
+    ]
     context_tokens: int = Field(ge=0)
     message: str | None = None
 
 
 TelemetryEvent = Annotated[
-    StartEvent | StepEvent | MemoryPressureEvent | EvictEvent | EndEvent, Field(discriminator="event")
+    StartEvent | StepEvent | MemoryPressureEvent | EvictEvent | SceneEvent | EndEvent, Field(discriminator="event")
 ]

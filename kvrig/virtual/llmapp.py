@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         engine.react(first)
         if plan is None:
-            return stay_until_killed(args)
+            return stay_until_killed(args, channel)
         reason, message = run_soak(engine, plan)
     except Stop:
         reason, message = "memory_critical", "critical memory pressure while loading"
@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     if message:
         channel.send({"log": f"soak {run_id}: {reason}: {message}"})
     telemetry.write(EndEvent, reason=reason, context_tokens=context, message=message)
-    return stay_until_killed(args)
+    return stay_until_killed(args, channel)
 
 
 if __name__ == "__main__":
