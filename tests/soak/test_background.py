@@ -7,6 +7,8 @@ ends the run cleanly."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -110,3 +112,25 @@ def test_ios_27_continued_processing_keeps_the_gpu_then_ends_cleanly(
     records = [json.loads(line) for line in (tmp_path / "out" / "telemetry.jsonl").read_text().splitlines()]
     assert records[-1]["event"] == "end" and records[-1]["reason"] == "background_task_expired"
     assert any(r["event"] == "step" and r["t"] > away.sent for r in records)  # GPU work went on in the background
+
+
+def test_cli_refuses_a_phase_it_does_not_know(tmp_path: Path) -> None:
+    refused = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvrig",
+            "soak",
+            "--app-id",
+            BUNDLE_ID,
+            "--background",
+            "prefill,sideways",
+            "-o",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert refused.returncode == 2 and "sideways" in refused.stderr and "prefill or decode" in refused.stderr
