@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from kvrig.virtual.state import Identity
 
-SETTINGS_APP = "com.apple.Preferences"
 IN_FLIGHT_MEASUREMENTS = 1  # the step already submitted when the app was sent away finishes without harm
 
 

@@ -84,7 +84,7 @@ def test_python_reads_core_telemetry(swift_run: dict[str, Path]) -> None:
     # Schema 2: `start` names the backend (the Core default is MLX; the second start ran Core ML); schema 3:
     # `step` too (set on the first step, unset on the second); schema 4: how the weights are held (the first
     # start leaves it unset: an app that says nothing about it).
-    assert {e.schema_version for e in events} == {4}
+    assert {e.schema_version for e in events} == {5}  # 5: scene records, the end reason background_task_expired
     starts = [e for e in events if e.event == "start"]
     assert [(e.weights_residency, e.mapped_weight_bytes) for e in starts] == [(None, None), ("loaded", 0)]
     assert starts[1].residency_note == 'mapping "refused": fell back'

@@ -107,7 +107,7 @@ public struct StepMetrics: Equatable, Sendable {
 }
 
 public struct TelemetryEvent: Encodable, Equatable, Sendable {
-    public static let schemaVersion = 4
+    public static let schemaVersion = 5
 
     public var runId: String
     public var seq: Int
