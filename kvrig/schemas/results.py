@@ -18,7 +18,8 @@ from kvrig.schemas.lab import LabRecord
 # 2: the tunnel a run used, battery samples, interruptions (tunnel drops) and what was lost.
 # 3: how each run held the weights (loaded, or mapped from the bundle's file) and how many bytes it mapped.
 # 4: the memory limit the phone stated in its log (with the OS build and the app's entitlement), the evidence of
-#    how a run ended, and the ends told apart: jetsam_log, gpu_background, watchdog, vanished.
+#    how a run ended, and the ends told apart: jetsam_log, gpu_background, watchdog, vanished; the soak's background
+#    steps (issue 26, the same unreleased schema).
 RESULTS_SCHEMA_VERSION: Final = 4
 RESIDENCY_FIELDS: Final = (
     "weights_residency_requested",
@@ -26,7 +27,7 @@ RESIDENCY_FIELDS: Final = (
     "mapped_weight_bytes",
     "residency_note",
 )
-SCHEMA_4_FIELDS: Final = ("stated_limit", "evidence")
+SCHEMA_4_FIELDS: Final = ("stated_limit", "evidence", "background")
 RESULTS_FILE = "results.json"
 
 Outcome = Literal[

@@ -142,9 +142,12 @@ class BackgroundSteps:
 
     # --- after the run ----------------------------------------------------------------------------------------
 
-    def judge(self, run: TelemetryRun | None, crash_reports: list[Path], *, died: bool) -> list[BackgroundStep]:
+    def judge(
+        self, run: TelemetryRun | None, crash_reports: list[Path], *, died: bool, gpu_in_log: bool = False
+    ) -> list[BackgroundStep]:
+        """`gpu_in_log`: the run ended as gpu_background on the device log's word (soaking.analyse)."""
         events = run.events if run is not None else []
-        gpu_abort = next((p for p in crash_reports if GPU_BACKGROUND_MARK in _text(p)), None)
+        report = next((p for p in crash_reports if GPU_BACKGROUND_MARK in _text(p)), None)
         sent_steps = [s for s in self.steps if s.sent is not None]
         for index, step in enumerate(sent_steps):
             assert step.sent is not None
@@ -165,9 +168,10 @@ class BackgroundSteps:
                 step.result = "resumed"
                 step.evidence = f"{said}; {len(later)} records after it came back"
             elif until is None and died and end is None:
-                if gpu_abort is not None:
+                if report is not None or gpu_in_log:
+                    where = f"{report.name}" if report is not None else "the device log"
                     step.result = "killed_gpu_background"
-                    step.evidence = f"{said}; died in the background; {gpu_abort.name}: {GPU_BACKGROUND_MARK}"
+                    step.evidence = f"{said}; died in the background; {where}: {GPU_BACKGROUND_MARK}"
                 else:
                     step.result = "killed"
                     step.evidence = f"{said}; died in the background without a GPU-from-background report"

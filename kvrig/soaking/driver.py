@@ -259,7 +259,8 @@ async def run_soak(
     if kill is not None:
         detail = apply_jetsam(result, kill, app.executable, run)
     if opts.background:
-        result.background = away.judge(run, crash_paths, died=watch.died)
+        gpu_in_log = result.outcome == "gpu_background"
+        result.background = away.judge(run, crash_paths, died=watch.died, gpu_in_log=gpu_in_log)
         detail += "; background: " + ", ".join(f"{b.requested} {b.result}" for b in result.background)
     if watch.lost:
         result.lost = watch.lost_cause
