@@ -66,6 +66,15 @@ from kvrig.device.loop import run_async
     dest="report_wait_s",
 )
 @click.option(
+    "--background",
+    "background",
+    default="",
+    metavar="PHASES",
+    help="Send the app to the background during these phases (prefill, decode; comma-separated): another app "
+    "is launched through the developer services, then the app is brought back; results.json says what it did.",
+)
+@seconds_option("--background-s", 5.0, "Seconds the app stays in the background each time.", minimum=0.1)
+@click.option(
     "-o",
     "--out",
     "out_dir",
@@ -92,6 +101,8 @@ def soak(
     handshake_timeout: float,
     battery_interval: float,
     report_wait_s: float,
+    background: str,
+    background_s: float,
     out_dir: Path,
     as_json: bool,
 ) -> None:
@@ -101,9 +112,15 @@ def soak(
     from kvrig.schemas.results import BAD_OUTCOMES
     from kvrig.schemas.soakplan import SoakPlan
     from kvrig.soaking.analyse import END_ERRORS
+    from kvrig.soaking.background import parse_phases
     from kvrig.soaking.driver import SoakOptions
     from kvrig.soaking.driver import soak as run
     from kvrig.soaking.plan import make_plan
+
+    try:
+        phases = parse_phases(background)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--background") from None
 
     if plan_file is not None:
         plan = load_model_file(SoakPlan, plan_file)
@@ -127,6 +144,8 @@ def soak(
         report_wait_s=report_wait_s,
         tunnel=parse_tunnel(tunnel),
         handshake_timeout_s=handshake_timeout,
+        background=phases,
+        background_s=background_s,
     )
     result = run_async(run(app_id, plan, out_dir, udid=udid, options=options))
     if as_json:
@@ -178,6 +197,8 @@ def _render(result, out_dir: Path) -> None:  # type: ignore[no-untyped-def]
     for i in result.interruptions:
         state = f"resumed after {i.after_s:g} s" if i.resumed and i.after_s is not None else "did not come back"
         click.echo(f"  interrupted ({i.cause}): {state}")
+    for b in result.background:
+        click.echo(f"  background during {b.requested}: {b.result} ({b.evidence})")
     temps = [b.temperature_c for b in result.battery if b.temperature_c is not None]
     if temps:
         click.echo(f"  battery {temps[0]:.1f} -> {temps[-1]:.1f} °C (max {max(temps):.1f}) over {len(temps)} reads")

@@ -18,7 +18,8 @@ from kvrig.schemas.lab import LabRecord
 # 2: the tunnel a run used, battery samples, interruptions (tunnel drops) and what was lost.
 # 3: how each run held the weights (loaded, or mapped from the bundle's file) and how many bytes it mapped.
 # 4: the memory limit the phone stated in its log (with the OS build and the app's entitlement), the evidence of
-#    how a run ended, and the ends told apart: jetsam_log, gpu_background, watchdog, vanished.
+#    how a run ended, and the ends told apart: jetsam_log, gpu_background, watchdog, vanished; the soak's background
+#    steps (issue 26, the same unreleased schema).
 RESULTS_SCHEMA_VERSION: Final = 4
 RESIDENCY_FIELDS: Final = (
     "weights_residency_requested",
@@ -26,7 +27,7 @@ RESIDENCY_FIELDS: Final = (
     "mapped_weight_bytes",
     "residency_note",
 )
-SCHEMA_4_FIELDS: Final = ("stated_limit", "evidence")
+SCHEMA_4_FIELDS: Final = ("stated_limit", "evidence", "background")
 RESULTS_FILE = "results.json"
 
 Outcome = Literal[
@@ -124,6 +125,24 @@ class Interruption(StrictModel):
     resumed: bool
     after_s: float | None = Field(default=None, ge=0, description="seconds until the run resumed")
     app_running: bool | None = Field(default=None, description="os_trace's process list after it came back")
+
+
+class BackgroundStep(StrictModel):
+    """A soak step that sent the app to the background (`--background`): another app launched through process
+    control, then the app brought back; what the app did and how that ended."""
+
+    requested: Literal["prefill", "decode"] = Field(description="the phase the step aimed at")
+    sent: float | None = Field(default=None, description="when the other app was launched, seconds since the epoch")
+    returned: float | None = Field(default=None, description="when the app was brought back (None: it was gone)")
+    context_tokens: int | None = Field(default=None, ge=0, description="the app's context when it was sent away")
+    during: Literal["prefill", "decode", "idle"] | None = Field(
+        default=None, description="the phase the app said it was about to submit (its scene record)"
+    )
+    gpu: Literal["paused", "continued"] | None = Field(
+        default=None, description="paused its GPU work, or continued under a continued-processing task (iOS 26+)"
+    )
+    result: Literal["resumed", "ended_cleanly", "killed_gpu_background", "killed", "not_sent", "unknown"]
+    evidence: str = ""
 
 
 def short_udid(udid: str) -> str:
@@ -250,6 +269,9 @@ class SoakResult(StrictModel):
         default_factory=list, description="battery temperature, level and charging state every few seconds"
     )
     interruptions: list[Interruption] = Field(default_factory=list, description="tunnel drops and unplugs")
+    background: list[BackgroundStep] = Field(
+        default_factory=list, description="the app sent to the background during the run, and what came of it"
+    )
     lost: Literal["tunnel", "device"] | None = Field(
         default=None, description="for outcome device_lost: whether the tunnel or the whole phone did not come back"
     )

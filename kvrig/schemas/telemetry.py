@@ -13,12 +13,14 @@ from kvrig.schemas import StrictModel
 
 # 2: `start` names the backend that ran (mlx or coreml). Schema-1 files (MLX-only apps) still read, as mlx.
 # 3: `step` names it too, so a step read alone (or a file mixing runs) says which runtime measured it.
-TELEMETRY_SCHEMA_VERSION: Final = 4
+# 4: `start` says how the app holds its weights. 5: `scene` records (the app left the foreground or came back, and
+# what its GPU work did) and the end reason `background_task_expired`.
+TELEMETRY_SCHEMA_VERSION: Final = 5
 TELEMETRY_FILE = "telemetry.jsonl"
 
 
 class _Event(StrictModel):
-    schema_version: Literal[1, 2, 3, 4] = Field(default=TELEMETRY_SCHEMA_VERSION, alias="schema")
+    schema_version: Literal[1, 2, 3, 4, 5] = Field(default=TELEMETRY_SCHEMA_VERSION, alias="schema")
     run_id: str
     seq: int = Field(ge=0, description="record number within the run, from 0")
     t: float = Field(description="seconds since the Unix epoch")
@@ -97,13 +99,43 @@ class EvictEvent(_Event):
     kv_bytes: int | None = Field(default=None, ge=0)
 
 
+class SceneEvent(_Event):
+    """The app's scene left the foreground or came back (SwiftUI scenePhase), and what its GPU work did: `paused`
+    before the next forward pass (`during` names the phase it was about to submit), `continued` under a
+    continued-processing task that holds the GPU (iOS 26+, where `BGTaskScheduler.supportedResources` has it),
+    `resumed` when the scene is active again."""
+
+    event: Literal["scene"] = "scene"
+    phase: Literal["active", "background"]
+    context_tokens: int = Field(ge=0)
+    during: Literal["prefill", "decode", "idle"]
+    gpu: Literal["paused", "continued", "resumed"]
+
+    @model_validator(mode="after")
+    def _needs_schema_5(self) -> SceneEvent:
+        if self.schema_version < 5:
+            raise ValueError("'scene' is a schema-5 record; an older file cannot carry it")
+        return self
+
+
 class EndEvent(_Event):
+    """`background_task_expired`: the continued-processing task ended (it expired, or the person cancelled it)
+    while the app was in the background; the app stopped its GPU work, saved and ended the run."""
+
     event: Literal["end"] = "end"
-    reason: Literal["completed", "stop_condition", "memory_critical", "allocation_failed", "error"]
+    reason: Literal[
+        "completed", "stop_condition", "memory_critical", "allocation_failed", "error", "background_task_expired"
+    ]
     context_tokens: int = Field(ge=0)
     message: str | None = None
 
+    @model_validator(mode="after")
+    def _reason_needs_its_schema(self) -> EndEvent:
+        if self.reason == "background_task_expired" and self.schema_version < 5:
+            raise ValueError("'background_task_expired' is a schema-5 end reason; an older record cannot carry it")
+        return self
+
 
 TelemetryEvent = Annotated[
-    StartEvent | StepEvent | MemoryPressureEvent | EvictEvent | EndEvent, Field(discriminator="event")
+    StartEvent | StepEvent | MemoryPressureEvent | EvictEvent | SceneEvent | EndEvent, Field(discriminator="event")
 ]

@@ -66,6 +66,7 @@ from kvrig.schemas.results import (
 )
 from kvrig.schemas.soakplan import SOAKPLAN_FILE, SOAKPLAN_LAUNCH_ARGUMENT, SoakPlan
 from kvrig.soaking.analyse import apply_jetsam, apply_telemetry, classify, find_kill, stated_limit, telemetry_run
+from kvrig.soaking.background import BackgroundSteps, Phase
 from kvrig.version import __version__
 
 T = TypeVar("T")
@@ -94,6 +95,8 @@ class SoakOptions:
     battery_interval_s: float | None = 5.0  # None: no battery sampling
     tunnel: TunnelMode | str | None = None  # for `soak()`: auto, userspace, tunneld[=HOST:PORT], none
     handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S
+    background: tuple[Phase, ...] = ()  # send the app to the background during these phases (soaking.background)
+    background_s: float = 5.0  # how long it stays there each time
 
 
 class _Recorder:
@@ -176,6 +179,9 @@ async def run_soak(
 
     watch = _Watch(device, app_bundle_id, app.executable, plan, out / TELEMETRY_OUT, telemetry_remote, opts)
     battery = _BatterySampler(device, rec, opts.battery_interval_s)
+    away = BackgroundSteps(
+        device, app_bundle_id, out / TELEMETRY_OUT, plan.run_id, opts.background, opts.background_s, opts.on_event
+    )
     await battery.start()
     # The device log, followed from before the launch: the limit runningboardd states as the app starts, and
     # how it ended (the kernel's jetsam lines, a GPU-from-background abort, the watchdog).
@@ -191,6 +197,7 @@ async def run_soak(
             rec.done("launch", f"launched {app_bundle_id} as pid {watch.pid}")
 
         with rec.step("watch"):
+            away.start(watch.pid)
             await watch.run()
             if watch.pulled:
                 result.files.telemetry = TELEMETRY_OUT
@@ -207,6 +214,7 @@ async def run_soak(
                 result.error += "; the app was stopped" if failed is None else f"; the app may still run: {failed}"
         raise
     finally:
+        await away.stop()
         await follower.stop(LOG_DRAIN_S if watch.died else 0.0)
         await battery.stop()
         result.interruptions = watch.interruptions
@@ -250,6 +258,10 @@ async def run_soak(
     )
     if kill is not None:
         detail = apply_jetsam(result, kill, app.executable, run)
+    if opts.background:
+        gpu_in_log = result.outcome == "gpu_background"
+        result.background = away.judge(run, crash_paths, died=watch.died, gpu_in_log=gpu_in_log)
+        detail += "; background: " + ", ".join(f"{b.requested} {b.result}" for b in result.background)
     if watch.lost:
         result.lost = watch.lost_cause
         if watch.lost_cause == "tunnel":

@@ -30,6 +30,11 @@ The device log reads as a real phone's: runningboardd states the app's memory li
 (`[KVSoak:812] Memory Limits: active 160 inactive 160`, MiB), and a jetsam kill is told by the kernel
 (`memorystatus: KVSoak [812] exceeded mem limit: ActiveHard 160 MB (fatal)`, then `killing_specific_process`),
 SpringBoard and ReportSystemMemory, in the formats an iPadOS 26 log shows (kvrig.reports.devicelog).
+
+Foreground and background (`kvrig.virtual.background`): launching an app brings it to the foreground and sends
+the one there to the background; the app hears `{"scene": ...}` on its channel, and a measurement it sends from
+the background without a continued-processing task holding the GPU (after the one in flight) gets it aborted as
+Metal aborts GPU work from the background.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kvrig.virtual import swiftapp
+from kvrig.virtual.background import IN_FLIGHT_MEASUREMENTS, supported_resources
 from kvrig.virtual.faults import FaultPlan
 from kvrig.virtual.footprint import FootprintAccount, Measurement, cpu_seconds, pressure_level
 from kvrig.virtual.jetsam_report import (
@@ -58,7 +64,7 @@ from kvrig.virtual.jetsam_report import (
     write_report,
 )
 from kvrig.virtual.logbus import SyslogBus
-from kvrig.virtual.state import DeviceState, Identity
+from kvrig.virtual.state import SYSTEM_APPS, DeviceState, Identity
 
 APP_RUNTIME = "kvrig.virtual.testapp"
 MIB = 1024 * 1024
@@ -89,6 +95,10 @@ class AppProcess:
     started: float = field(default_factory=time.time)
     outcome: str = "running"
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    scene: str = "active"  # "active" (in front) or "background"
+    background_measures: int = 0  # measurements received since it was sent to the background
+    gpu_task: bool = False  # a continued-processing task holds the GPU for it (iOS 26+, where supported)
+    expiry: asyncio.Task[None] | None = None
 
 
 class AppHost(Protocol):
@@ -98,6 +108,8 @@ class AppHost(Protocol):
     identity: Identity
     syslog: SyslogBus
     baseline_bytes: int
+    background_gpu: bool  # the phone supports GPU work in a continued-processing task (where iOS 26+ has it)
+    continued_task_s: float | None  # how long such a task may run in the background before it expires
 
     @property
     def faults(self) -> FaultPlan: ...
@@ -110,13 +122,20 @@ class AppRunner:
         self.processes: dict[int, AppProcess] = {}
         self.finished: dict[int, AppProcess] = {}
         self.termination_listeners: set[TerminationListener] = set()
+        self.foreground: str | None = None  # the bundle id in front (None: the home screen)
+        self.system_running: dict[int, str] = {}  # system apps launched (no host process): pid -> bundle id
+        self._system_pids = iter(range(400, 1000))
 
     def running(self) -> dict[int, str]:
-        return {pid: p.name for pid, p in self.processes.items()}
+        system = {pid: SYSTEM_APPS[bundle_id][1] for pid, bundle_id in self.system_running.items()}
+        return system | {pid: p.name for pid, p in self.processes.items()}
 
     def pid_for_bundle(self, bundle_id: str) -> int:
         for pid, process in self.processes.items():
             if process.bundle_id == bundle_id:
+                return pid
+        for pid, system_id in self.system_running.items():
+            if system_id == bundle_id:
                 return pid
         return 0
 
@@ -130,12 +149,19 @@ class AppRunner:
         start_suspended: bool = False,
     ) -> int:
         state, ident = self.device.state, self.device.identity
+        if bundle_id in SYSTEM_APPS:  # Settings and the like: no host process, but they take the foreground
+            pid = self.pid_for_bundle(bundle_id) or next(self._system_pids)
+            self.system_running[pid] = bundle_id
+            self.device.syslog.emit("SpringBoard", f"Launching {bundle_id} pid {pid}")
+            self._to_foreground(bundle_id)
+            return pid
         record = state.user_apps().get(bundle_id)
         if record is None:
             raise AppLaunchError(f"The application {bundle_id} is not installed")
         existing = self.pid_for_bundle(bundle_id)
         if existing:
             if not kill_existing:
+                self._to_foreground(bundle_id)
                 return existing
             await self.kill_bundle(bundle_id)
         container = state.container(bundle_id)
@@ -154,6 +180,7 @@ class AppRunner:
                 "KVRIG_PRODUCT_TYPE": ident.product_type,
                 "KVRIG_OS_VERSION": ident.product_version,
                 "KVRIG_LIMIT_BYTES": str(ident.limit_bytes),
+                "KVRIG_SUPPORTED_RESOURCES": supported_resources(ident, self.device.background_gpu),
             }
         )
         # The one spot that picks the app's command: the compiled Swift engine, or a Python runtime.
@@ -188,6 +215,7 @@ class AppRunner:
         self.device.syslog.emit(
             "runningboardd", f"[{name}:{proc.pid}] Memory Limits: active {limit_mb} inactive {limit_mb}"
         )
+        self._to_foreground(bundle_id)
         process.tasks = [
             asyncio.create_task(self._channel(process)),
             asyncio.create_task(self._stderr(process)),
@@ -210,6 +238,8 @@ class AppRunner:
                 continue
             if "log" in message:
                 self.device.syslog.emit(process.name, str(message["log"]), pid=process.pid)
+            if isinstance(message.get("continued_processing"), dict):
+                self._continued_processing(process, message["continued_processing"])
             if "measure" in message:
                 reply = self._on_measure(process, Measurement.from_json(message["measure"]))
                 if reply is not None:
@@ -220,6 +250,11 @@ class AppRunner:
     def _on_measure(self, process: AppProcess, m: Measurement) -> dict[str, Any] | None:
         faults = self.device.faults
         footprint = process.account.update(m)
+        if process.scene == "background" and not process.gpu_task:
+            process.background_measures += 1
+            if process.background_measures > IN_FLIGHT_MEASUREMENTS:
+                self._gpu_background(process)
+                return None
         if faults.crash_at_tokens is not None and m.context_tokens >= faults.crash_at_tokens:
             self._crash(process)
             return None
@@ -350,6 +385,50 @@ class AppRunner:
         )
         self._file_crash(process, text)
 
+    # --- foreground and background (kvrig.virtual.background) -----------------------------------------------
+
+    def _to_foreground(self, bundle_id: str) -> None:
+        previous, self.foreground = self.foreground, bundle_id
+        for process in list(self.processes.values()):
+            if process.bundle_id == bundle_id and process.scene != "active":
+                self._set_scene(process, "active")
+            elif process.bundle_id == previous and previous != bundle_id:
+                self._set_scene(process, "background")
+
+    def _set_scene(self, process: AppProcess, scene: str) -> None:
+        process.scene, process.background_measures = scene, 0
+        self.device.syslog.emit("SpringBoard", f"{process.bundle_id} pid {process.pid} scene {scene}")
+        self._tell(process, {"scene": scene})
+        if process.expiry is not None:
+            process.expiry.cancel()
+            process.expiry = None
+        seconds = self.device.continued_task_s
+        if scene == "background" and process.gpu_task and seconds is not None:
+            process.expiry = asyncio.ensure_future(self._expire(process, seconds))
+
+    async def _expire(self, process: AppProcess, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+        process.gpu_task = False
+        self.device.syslog.emit(
+            "dasd", f"{process.bundle_id}: continued-processing task expired after {seconds:g} s in the background"
+        )
+        self._tell(process, {"continued_processing": "expired"})
+
+    def _continued_processing(self, process: AppProcess, request: dict[str, Any]) -> None:
+        """A BGContinuedProcessingTaskRequest the app submitted: the GPU only where the phone supports it."""
+        wants_gpu = bool(request.get("gpu"))
+        supported = supported_resources(self.device.identity, self.device.background_gpu) == "gpu"
+        process.gpu_task = wants_gpu and supported
+        granted = "with the GPU" if process.gpu_task else "without the GPU"
+        self.device.syslog.emit("dasd", f"{process.bundle_id}: continued-processing task running {granted}")
+
+    def _tell(self, process: AppProcess, message: dict[str, Any]) -> None:
+        stdin = process.proc.stdin
+        if stdin is None or stdin.is_closing():
+            return
+        with contextlib.suppress(ConnectionError, BrokenPipeError, RuntimeError):
+            stdin.write((json.dumps(message) + "\n").encode())
+
     async def _stderr(self, process: AppProcess) -> None:
         assert process.proc.stderr is not None
         while True:
@@ -360,6 +439,10 @@ class AppRunner:
 
     async def _reap(self, process: AppProcess) -> None:
         code = await process.proc.wait()
+        if process.expiry is not None:
+            process.expiry.cancel()
+        if self.foreground == process.bundle_id:
+            self.foreground = None  # back to the home screen
         self.processes.pop(process.pid, None)
         self.finished[process.pid] = process
         exit_code, crash_signal = (code, None) if code >= 0 else (None, -code)
@@ -374,6 +457,11 @@ class AppRunner:
     # --- control ---------------------------------------------------------------------------------------
 
     def signal(self, pid: int, sig: int) -> None:
+        if pid in self.system_running:  # a system app: no process to signal; it just leaves
+            bundle_id = self.system_running.pop(pid)
+            if sig in (signal.SIGKILL, signal.SIGTERM) and self.foreground == bundle_id:
+                self.foreground = None
+            return
         process = self.processes.get(pid)
         if process is None:
             raise ProcessLookupError(pid)

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import uuid
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +77,8 @@ class VirtualDevice:
         baseline_bytes: int | None = None,
         faults: FaultPlan | None = None,
         python: str | None = None,
+        background_gpu: bool = True,
+        continued_task_s: float | None = None,
     ) -> None:
         if ios not in SUPPORTED_IOS:
             raise InputError(f"unsupported iOS version '{ios}'", field="ios", expected=" or ".join(SUPPORTED_IOS))
@@ -104,6 +107,12 @@ class VirtualDevice:
         self.faults = faults or FaultPlan()
         self.afc_bytes = 0
         self.tunnel_bytes = 0
+        # BGTaskScheduler.supportedResources has .gpu (from iOS 26; not every phone has it), and how long a
+        # continued-processing task may run in the background before it expires (None: until it completes).
+        self.background_gpu = background_gpu
+        self.continued_task_s = continued_task_s
+        self.rsd_peer_uuid: uuid.UUID | None = None
+        self.rsd_reattached = False
         self.device_id = 0
         self.server: Hub | None = None
         self._ports = itertools.count(49152)

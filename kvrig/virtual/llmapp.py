@@ -54,7 +54,7 @@ from kvrig.virtual.llm_memory import (
     respond,
     stored_weight_bytes,
 )
-from kvrig.virtual.testapp import Channel, Telemetry, load_plan, stay_until_killed
+from kvrig.virtual.testapp import Channel, SceneGate, Telemetry, load_plan, stay_until_killed
 
 BUNDLE_ARGUMENT = "--kvrig-bundle"
 CHECKPOINT_FILE = "checkpoint.json"
@@ -113,6 +113,11 @@ class Stop(Exception):
     """Raised between forward passes when the app must stop (critical pressure with stop_and_save)."""
 
 
+class BackgroundEnded(Exception):
+    """Raised between forward passes when the continued-processing task ended while the app is in the background
+    (the generated app's GPUGate: the run ends cleanly)."""
+
+
 class Engine:
     """The loaded bundle, its caches, and the loop that grows them while reporting to the emulator."""
 
@@ -141,6 +146,9 @@ class Engine:
         self.on_critical: str = "stop_and_save"
         self.pressure = "normal"
         self.stop_requested = False
+        # Before the next forward pass: may it be submitted? (the scene, as the generated app follows it)
+        self.gate = SceneGate(channel, telemetry, ignore=False)
+        self.prefill_end = 0  # the context at which the current feed's prefill ends and decoding starts
         self.last_verdict: dict[str, Any] = {}
         self.eos = set(getattr(self.tokenizer, "eos_token_ids", None) or [])
 
@@ -192,12 +200,18 @@ class Engine:
         self.measure()
         if self.stop_requested:
             raise Stop
+        context = self.context_tokens
+        if not self.gate.submit("prefill" if context < self.prefill_end else "decode", context):
+            raise BackgroundEnded
 
     def feed(self, tokens: list[int], decode_tokens: int, prefill: Timing, decode: Timing) -> None:
         """Feeds `tokens` in prefill steps, then decodes up to `decode_tokens` greedily (stopping at end of
         sequence), in the runtime's generation loop (mlx-lm's generate_step) with the memory hook."""
 
         stats = GenerationStats()
+        self.prefill_end = self.context_tokens + len(tokens)
+        if not self.gate.submit("prefill", self.context_tokens):
+            raise BackgroundEnded
         for _ in generate_tokens(
             self.model,
             tokens,
@@ -239,6 +253,7 @@ def run_soak(engine: Engine, plan: SoakPlan) -> tuple[str, str | None]:
     """Grows the context target by target; returns the end reason and message."""
 
     engine.on_critical = plan.on_critical
+    engine.gate.request_gpu_task()  # where the phone supports it: the GPU held in the background (iOS 26+)
     text = list(engine.tokenizer.encode(plan.text, add_special_tokens=False))
     if not text:
         return "error", "the soak text encodes to no tokens"
@@ -275,6 +290,10 @@ def run_soak(engine: Engine, plan: SoakPlan) -> tuple[str, str | None]:
                 raise Stop
     except Stop:
         return "memory_critical", f"critical memory pressure at {engine.context_tokens} tokens"
+    except BackgroundEnded:
+        return "background_task_expired", (
+            f"the continued-processing task ended in the background at {engine.context_tokens} tokens"
+        )
     return "completed", None
 
 
@@ -337,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         engine.react(first)
         if plan is None:
-            return stay_until_killed(args)
+            return stay_until_killed(args, channel)
         reason, message = run_soak(engine, plan)
     except Stop:
         reason, message = "memory_critical", "critical memory pressure while loading"
@@ -353,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     if message:
         channel.send({"log": f"soak {run_id}: {reason}: {message}"})
     telemetry.write(EndEvent, reason=reason, context_tokens=context, message=message)
-    return stay_until_killed(args)
+    return stay_until_killed(args, channel)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -47,6 +48,8 @@ class Phone(Protocol):
     plugged: bool
     afc_bytes: int
     tunnel_bytes: int
+    rsd_peer_uuid: uuid.UUID | None  # the UUID the last RSD handshake presented (remoted keeps it per peer)
+    rsd_reattached: bool  # iOS 27.2+: the advertised service listeners are closed until a handshake re-discovers
 
     @property
     def faults(self) -> FaultPlan: ...

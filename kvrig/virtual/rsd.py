@@ -10,6 +10,13 @@ The host opens TCP to the RSD port and speaks HTTP/2 carrying RemoteXPC messages
   follows (no TLS: the tunnel is already encrypted);
 - the instruments hub `com.apple.instruments.dtservicehub`, which speaks DTX straight away, listed only while
   the developer disk image is mounted and Developer Mode is on.
+
+From iOS 27.2 the phone's remoted keeps the `UUID` each handshake presents, and a handshake whose UUID differs
+from the one it kept makes it re-attach: it logs "Peer UUID changed across reconnect; reattaching so clients
+re-discover it" and closes every service listener it advertised, so each port refuses connections, the
+newcomer's included, until a handshake with the kept UUID re-discovers them (pymobiledevice3 reads this rule from
+27.2's /usr/libexec/remoted, `remotexpc.default_handshake_uuid`; releases before 11.16 sent a fresh UUID with
+every handshake and so lost every service on 27.2, doronz88/pymobiledevice3#1966).
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ REMOTE_LOCKDOWN = ("com.apple.mobile.lockdown.remote.trusted", "com.apple.mobile
 INSTRUMENTS = "com.apple.instruments.dtservicehub"
 SHIM = ".shim.remote"
 FIRST_SERVICE_PORT = 50000
+REATTACH_FROM = (27, 2)  # the first iOS whose remoted re-attaches when the handshake UUID changes
+REATTACH_LOG = "Peer UUID changed across reconnect; reattaching so clients re-discover it"
 
 
 def tunnel_services(device: Phone) -> dict[str, Handler]:
@@ -64,6 +73,8 @@ def service_port(device: Phone, name: str) -> int:
 
 
 def service_at(device: Phone, port: int) -> Handler | None:
+    if device.rsd_reattached:
+        return None  # remoted closed the listeners it advertised: the port refuses the connection
     ports = _all_ports(frozenset(device.services))
     for name, handler in tunnel_services(device).items():
         if ports.get(name) == port:
@@ -122,6 +133,19 @@ def peer_info(device: Phone) -> dict[str, Any]:
     }
 
 
+def _remember_peer(device: Phone, presented: Any) -> None:
+    """remoted's re-attach rule (iOS 27.2+): a handshake without a UUID changes nothing; one with the UUID it kept
+    re-discovers the services; one with another UUID closes every advertised listener."""
+    if device.ios_version < REATTACH_FROM or not isinstance(presented, uuid.UUID):
+        return
+    if device.rsd_peer_uuid is not None and presented != device.rsd_peer_uuid:
+        device.rsd_reattached = True
+        device.syslog.emit("remoted", REATTACH_LOG, level="error")
+    else:
+        device.rsd_reattached = False
+    device.rsd_peer_uuid = presented
+
+
 async def _send_frame(link: Link, frame: Frame) -> None:
     await link.send(frame.serialize())
 
@@ -157,5 +181,6 @@ async def serve_rsd(link: Link) -> None:
                 continue
             message = decode_xpc_object(payload)
             if message.get("MessageType") == "Handshake":
+                _remember_peer(link.device, message.get("UUID"))
                 reply = create_xpc_wrapper(peer_info(link.device), message_id=wrapper.message_id)
                 await _send_frame(link, DataFrame(stream_id=frame.stream_id, data=reply))

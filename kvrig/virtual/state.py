@@ -22,8 +22,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-# ProductVersion -> BuildVersion of the releases the emulator imitates.
-IOS_BUILDS = {"16.7": "20H19", "17.0": "21A329", "17.4": "21E219", "18.6": "22G86", "26.1": "23B85"}
+# ProductVersion -> BuildVersion of the releases the emulator imitates. iOS 27 from AppleDB's records
+# (littlebyteorg/appledb, osFiles/iOS/24x - 27.x): 27.0.1 is 24A446 (released 2026-09-28); 24B5099f is the 27.2
+# build of the third 27.2 seed (2026-10-05), the newest 27.x those records list, and the release whose remoted
+# re-attaches on a changed RSD handshake UUID (see `rsd.REATTACH_FROM`).
+IOS_BUILDS = {
+    "16.7": "20H19",
+    "17.0": "21A329",
+    "17.4": "21E219",
+    "18.6": "22G86",
+    "26.1": "23B85",
+    "27.0.1": "24A446",
+    "27.2": "24B5099f",
+}
 # ProductType -> (HardwareModel, ChipID); the UDID of A12-and-later phones is "<ChipID:08X>-<ECID:016X>".
 HARDWARE = {
     "iPhone16,1": ("D83AP", 0x8130),

@@ -9,6 +9,14 @@ device log. Run with `python -m kvrig.virtual.testapp [options]` (the emulator d
 Launched with `--kvrig-soak-plan PATH` (PATH inside Documents, as the Swift app takes it), it follows the
 plan: run id, scheme, step and max tokens, decode tokens per measurement, telemetry file, the footprint and
 time stop conditions.
+
+Foreground and background as the generated app handles them (templates/swift/App/Sources/Backgrounding.swift,
+`kvrig.virtual.background`): before each forward pass it checks its scene; sent to the background, it pauses
+its GPU work (a `scene` record: paused, during prefill or decode) until it is active again (`resumed`), unless
+a continued-processing task holds the GPU (it asks for one at start where `KVRIG_SUPPORTED_RESOURCES` has
+`gpu`; then it goes on, `continued`); when that task expires in the background it ends the run cleanly (end
+record `background_task_expired`). `--ignore-scene` makes an app that never looks (the kernel aborts it for GPU
+work from the background), `--phase-s` holds each phase that long (so a soak can aim at prefill or decode).
 """
 
 from __future__ import annotations
@@ -16,7 +24,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -29,6 +39,7 @@ from kvrig.schemas.telemetry import (
     TELEMETRY_FILE,
     EndEvent,
     MemoryPressureEvent,
+    SceneEvent,
     StartEvent,
     StepEvent,
     TelemetryEvent,
@@ -51,6 +62,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--exit-when-done", action="store_true")
     p.add_argument("--decode-tokens", type=int, default=0, help="one-query passes timed per step (0: none)")
     p.add_argument("--transient-mb", type=float, default=0.0, help="allocated and freed inside every step")
+    p.add_argument("--ignore-scene", action="store_true", help="never pause GPU work in the background")
+    p.add_argument("--phase-s", type=float, default=0.0, help="seconds each prefill and decode phase lasts at least")
     p.add_argument(SOAKPLAN_LAUNCH_ARGUMENT, dest="soak_plan", default=None, help="soak plan inside Documents")
     return p.parse_args(argv)
 
@@ -64,11 +77,34 @@ def load_plan(documents: Path, name: str) -> SoakPlan:
 
 
 class Channel:
-    """The JSON-line channel to the emulator: measurements out, the kernel's verdict in."""
+    """The JSON-line channel to the emulator: measurements out, the kernel's verdict in, and the scene news it
+    sends at any time (read on a thread, so news arrives while the app computes or waits)."""
 
     def __init__(self) -> None:
         self.out = sys.stdout
-        self.inp = sys.stdin
+        self.verdicts: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self.changed = threading.Condition()
+        self.scene = "active"
+        self.gpu_task = False  # a continued-processing task holds the GPU
+        self.expired = False  # that task expired in the background
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in sys.stdin:
+            message = json.loads(line)
+            if "scene" in message or "continued_processing" in message:
+                with self.changed:
+                    if "scene" in message:
+                        self.scene = str(message["scene"])
+                    if message.get("continued_processing") == "expired":
+                        self.gpu_task, self.expired = False, True
+                    self.changed.notify_all()
+            else:
+                self.verdicts.put(message)
+        self.verdicts.put(None)
+        with self.changed:
+            self.scene = "gone"
+            self.changed.notify_all()
 
     def send(self, message: dict[str, Any]) -> None:
         self.out.write(json.dumps(message) + "\n")
@@ -76,8 +112,44 @@ class Channel:
 
     def measure(self, measurement: dict[str, int]) -> dict[str, Any] | None:
         self.send({"measure": measurement})
-        line = self.inp.readline()
-        return json.loads(line) if line else None
+        return self.verdicts.get()
+
+
+class SceneGate:
+    """Before each forward pass: may the app submit GPU work now? (Backgrounding.swift's GPUGate.)"""
+
+    def __init__(self, channel: Channel, telemetry: Telemetry, ignore: bool) -> None:
+        self.channel, self.telemetry, self.ignore = channel, telemetry, ignore
+        self.announced = "active"
+
+    def request_gpu_task(self) -> None:
+        if os.environ.get("KVRIG_SUPPORTED_RESOURCES", "") == "gpu":
+            self.channel.gpu_task = True
+            self.channel.send({"continued_processing": {"gpu": True}})
+
+    def submit(self, during: str, tokens: int) -> bool:
+        """True: go on; False: the run ends here (the continued-processing task expired in the background)."""
+        if self.ignore:
+            return True
+        ch = self.channel
+        with ch.changed:
+            if ch.scene == "background" and self.announced != "background":
+                self.announced = "background"
+                gpu = "continued" if ch.gpu_task else "paused"
+                self._record("background", during, tokens, gpu)
+            while ch.scene == "background" and not ch.gpu_task and not ch.expired:
+                ch.changed.wait()
+            if ch.expired and ch.scene == "background":
+                return False
+            if ch.scene == "active" and self.announced == "background":
+                self.announced = "active"
+                ch.expired = False
+                self._record("active", during, tokens, "resumed")
+        return True
+
+    def _record(self, phase: str, during: str, tokens: int, gpu: str) -> None:
+        self.channel.send({"log": f"scene {phase}: GPU work {gpu} before {during} at {tokens} tokens"})
+        self.telemetry.write(SceneEvent, phase=phase, context_tokens=tokens, during=during, gpu=gpu)
 
 
 class Telemetry:
@@ -129,7 +201,12 @@ def main(argv: list[str] | None = None) -> int:
     values = [mx.zeros(shape, dtype=mx.float16) for _ in range(args.layers)]
     query = mx.ones((1, args.kv_heads, 1, args.head_dim), dtype=mx.float16)
     tokens, pressure, end_reason = 0, "normal", "completed"
+    gate = SceneGate(channel, telemetry, args.ignore_scene)
+    gate.request_gpu_task()
     while not args.max_tokens or tokens < args.max_tokens:
+        if not gate.submit("prefill", tokens):
+            end_reason = "background_task_expired"
+            break
         start = time.perf_counter()
         chunk = (1, args.kv_heads, args.step_tokens, args.head_dim)
         for i in range(args.layers):
@@ -148,9 +225,15 @@ def main(argv: list[str] | None = None) -> int:
             transient = mx.ones((int(args.transient_mb * 1024 * 1024) // 2,), dtype=mx.float16)
             mx.eval(transient)
             del transient
+        if not hold(gate, "prefill", tokens, args.phase_s):
+            end_reason = "background_task_expired"
+            break
         tokens += args.step_tokens
         elapsed = time.perf_counter() - start
         decode_tps = None
+        if args.decode_tokens and not gate.submit("decode", tokens):
+            end_reason = "background_task_expired"
+            break
         if args.decode_tokens:
             # Decoding one token reads every layer's whole cache once: one query over each layer's K and V.
             t0 = time.perf_counter()
@@ -160,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
                     for k, v in zip(keys, values, strict=True)
                 ]
                 mx.eval(*outs)
+            if not hold(gate, "decode", tokens, args.phase_s):
+                end_reason = "background_task_expired"
+                break
             decode_tps = args.decode_tokens / max(time.perf_counter() - t0, 1e-9)
         kv_bytes = sum(k.nbytes + v.nbytes for k, v in zip(keys, values, strict=True))
         peak = mx.get_peak_memory()  # the step's transients: the old buffers each growing cache copied from
@@ -204,13 +290,27 @@ def main(argv: list[str] | None = None) -> int:
         if args.interval:
             time.sleep(args.interval)
     telemetry.write(EndEvent, reason=end_reason, context_tokens=tokens)
-    return stay_until_killed(args)
+    return stay_until_killed(args, channel)
 
 
-def stay_until_killed(args: argparse.Namespace) -> int:
+HOLD_PASSES = 4
+
+
+def hold(gate: SceneGate, phase: str, tokens: int, seconds: float) -> bool:
+    """Makes a phase last `seconds` more, as HOLD_PASSES forward passes of it would, each behind the gate."""
+    if not seconds:
+        return True
+    for _ in range(HOLD_PASSES):
+        if not gate.submit(phase, tokens):
+            return False
+        time.sleep(seconds / HOLD_PASSES)
+    return True
+
+
+def stay_until_killed(args: argparse.Namespace, channel: Channel) -> int:
     """A finished app stays in the foreground until it is killed (or the emulator closes the channel)."""
     if not args.exit_when_done:
-        while sys.stdin.readline():
+        while channel.verdicts.get() is not None:
             pass
     return 0
 

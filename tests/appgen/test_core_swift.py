@@ -77,14 +77,14 @@ def test_python_reads_core_telemetry(swift_run: dict[str, Path]) -> None:
     lines = path.read_text().splitlines()
     adapter = TypeAdapter(TelemetryEvent)
     events = [adapter.validate_json(line) for line in lines]
-    kinds = ["start", "start", "step", "step", "memory_pressure", "memory_pressure", "evict", "evict"]
-    assert [e.event for e in events] == [*kinds, "end", "end", "end", "end", "end"]
-    assert [e.seq for e in events] == list(range(13))
+    kinds = ["start", "start", "step", "step", "memory_pressure", "memory_pressure", "evict", "evict", "scene", "scene"]
+    assert [e.event for e in events] == [*kinds, "end", "end", "end", "end", "end", "end"]
+    assert [e.seq for e in events] == list(range(16))
     assert events[0].model == 'Smol "LM" \\ 135M' and events[0].limit_bytes == 3_221_225_472
     # Schema 2: `start` names the backend (the Core default is MLX; the second start ran Core ML); schema 3:
     # `step` too (set on the first step, unset on the second); schema 4: how the weights are held (the first
     # start leaves it unset: an app that says nothing about it).
-    assert {e.schema_version for e in events} == {4}
+    assert {e.schema_version for e in events} == {5}  # 5: scene records, the end reason background_task_expired
     starts = [e for e in events if e.event == "start"]
     assert [(e.weights_residency, e.mapped_weight_bytes) for e in starts] == [(None, None), ("loaded", 0)]
     assert starts[1].residency_note == 'mapping "refused": fell back'
@@ -94,8 +94,10 @@ def test_python_reads_core_telemetry(swift_run: dict[str, Path]) -> None:
     assert events[2].decode_tps == 31.5 and events[2].thermal_state == "fair"
     assert events[3].decode_tps is None
     assert {e.reason for e in events if e.event == "end"} == {
-        "completed", "stop_condition", "memory_critical", "allocation_failed", "error"
+        "completed", "stop_condition", "memory_critical", "allocation_failed", "error", "background_task_expired"
     }  # fmt: skip
+    scenes = [(e.phase, e.context_tokens, e.during, e.gpu) for e in events if e.event == "scene"]
+    assert scenes == [("background", 1792, "decode", "paused"), ("active", 1792, "prefill", "resumed")]
     from kvrig.reports.telemetry import read_telemetry
 
     # kvrig's telemetry reader reads the same file, a torn last line (killed mid-write) included.

@@ -124,10 +124,42 @@ def test_project_yml_plist_entitlements(reference_project: Path) -> None:
         ("SwiftTransformers", "Tokenizers"),
     } <= products
     entitlements = plistlib.loads((reference_project / "App/App.entitlements").read_bytes())
-    assert entitlements == {"com.apple.developer.kernel.increased-memory-limit": True}
+    assert entitlements == {
+        "com.apple.developer.kernel.increased-memory-limit": True,
+        # Apple's key for Background GPU Access (BackgroundTasks' BGTaskRequest.h, BGContinuedProcessingTaskRequest)
+        "com.apple.developer.background-tasks.continued-processing.gpu": True,
+    }
     info = plistlib.loads((reference_project / "App/Info.plist").read_bytes())
     assert info["CFBundleDisplayName"] == "SmolLM2 Chat"
     assert info["UIFileSharingEnabled"] is True
+    # BGContinuedProcessingTaskRequest identifiers: "<MainBundle>.<SemanticContext>.*" (BGTaskRequest.h)
+    assert info["BGTaskSchedulerPermittedIdentifiers"] == ["com.example.smollm2.soak.*"]
+
+
+def test_the_app_stops_gpu_work_in_the_background(reference_project: Path) -> None:
+    """The rendered app follows its scene and asks for iOS 26's continued-processing task with the GPU only where
+    the device supports it, with Apple's spellings (BackgroundTasks' headers: BGTaskScheduler.supportedResources,
+    BGContinuedProcessingTaskRequest(identifier:title:subtitle:), requiredResources = .gpu)."""
+    sources = reference_project / "App/Sources"
+    app = (sources / "KvrigApp.swift").read_text()
+    assert "@Environment(\\.scenePhase)" in app and "engine.sceneChanged(active: phase == .active)" in app
+    loop = (sources / "TokenLoop.swift").read_text()
+    # every forward pass (prefill chunks, the last prefill token, each decode step with its sampling) asks first
+    assert loop.count("admitted(.prefill)") == 2 and loop.count("admitted(.decode)") == 1
+    background = (sources / "Backgrounding.swift").read_text()
+    for spelling in (
+        "BGTaskScheduler.supportedResources.contains(.gpu)",
+        "BGContinuedProcessingTaskRequest(identifier: identifier, title:",
+        "request.requiredResources = .gpu",
+        "BGTaskScheduler.shared.register(forTaskWithIdentifier: identifier, using: nil)",
+        "try BGTaskScheduler.shared.submit(request)",
+        "continued.expirationHandler",
+        "setTaskCompleted(success:",
+        "if #available(iOS 26.0, *)",
+    ):
+        assert spelling in background, spelling
+    engine = (sources / "Engine.swift").read_text()
+    assert "ContinuedProcessing.begin(" in engine and ".backgroundTaskExpired" in engine
 
 
 def test_extended_virtual_addressing_option(tmp_path: Path, reference_bundle: Path) -> None:

@@ -18,12 +18,12 @@ START = {"event": "start", "run_id": "r", "seq": 0, "t": 1.0, "model": "m", "sch
 
 
 def test_schema_2_names_the_backend() -> None:
-    assert TELEMETRY_SCHEMA_VERSION == 4
+    assert TELEMETRY_SCHEMA_VERSION == 5
     event = ADAPTER.validate_python({**START, "schema": 2, "backend": "coreml"})
     assert event.backend == "coreml"
     written = json.loads(StartEvent(run_id="r", seq=0, t=1.0, model="m", scheme="fp16", product_type="p",
                                     os_version="18").model_dump_json(by_alias=True))  # fmt: skip
-    assert written["schema"] == 4 and written["backend"] == "mlx"
+    assert written["schema"] == 5 and written["backend"] == "mlx"
 
 
 def test_schema_1_reads_as_mlx_and_cannot_carry_a_backend() -> None:
@@ -36,7 +36,7 @@ def test_unknown_backend_and_schema_are_rejected() -> None:
     with pytest.raises(ValidationError, match="backend"):
         ADAPTER.validate_python({**START, "schema": 2, "backend": "onnx"})
     with pytest.raises(ValidationError, match="schema"):
-        ADAPTER.validate_python({**START, "schema": 5})
+        ADAPTER.validate_python({**START, "schema": 6})
 
 
 def test_reader_keeps_the_backend_per_run(tmp_path: Path) -> None:
@@ -52,7 +52,7 @@ def test_exported_json_schema_lists_the_backends() -> None:
     schema = ADAPTER.json_schema(by_alias=True)
     start = schema["$defs"]["StartEvent"]["properties"]
     assert start["backend"]["enum"] == ["mlx", "coreml"]
-    assert start["schema"]["enum"] == [1, 2, 3, 4]
+    assert start["schema"]["enum"] == [1, 2, 3, 4, 5]
     assert schema["$defs"]["StepEvent"]["properties"]["backend"]["anyOf"][0]["enum"] == ["mlx", "coreml"]
 
 
@@ -64,3 +64,22 @@ def test_schema_3_steps_name_the_backend_and_older_steps_cannot() -> None:
     assert ADAPTER.validate_python({**STEP, "schema": 2}).backend is None  # not recorded before schema 3
     with pytest.raises(ValidationError, match="schema-3 field"):
         ADAPTER.validate_python({**STEP, "schema": 2, "backend": "mlx"})
+
+
+def test_scene_records_and_their_end_reason_need_schema_5() -> None:
+    scene = {"event": "scene", "run_id": "r", "seq": 1, "t": 2.0, "phase": "background", "context_tokens": 512,
+             "during": "decode", "gpu": "paused"}  # fmt: skip
+    assert ADAPTER.validate_python({**scene, "schema": 5}).during == "decode"
+    with pytest.raises(ValidationError, match="schema-5 record"):
+        ADAPTER.validate_python({**scene, "schema": 4})
+    end = {
+        "event": "end",
+        "run_id": "r",
+        "seq": 2,
+        "t": 3.0,
+        "reason": "background_task_expired",
+        "context_tokens": 512,
+    }
+    assert ADAPTER.validate_python({**end, "schema": 5}).reason == "background_task_expired"
+    with pytest.raises(ValidationError, match="schema-5 end reason"):
+        ADAPTER.validate_python({**end, "schema": 4})

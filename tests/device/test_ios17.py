@@ -1,5 +1,5 @@
 """iOS 17+ end to end: the real pymobiledevice3 client opens its no-root userspace tunnel over CoreDeviceProxy to
-virtual iPhones on 17.0, 18.6 and 26.1 (and 16.7 beside them), then process control through RSD, preflight,
+virtual iPhones on 17.0, 18.6, 26.1 and 27.2 (and 16.7 beside them), then process control through RSD, preflight,
 prepare, and every fault with its own exit code. Everything stays on loopback: pymobiledevice3's Wi-Fi
 fallback (bonjour browsing) is made to fail loudly if anything reaches it."""
 
@@ -52,9 +52,10 @@ class Phones:
         self.ios170 = host.add_device(root / "ios170", ios="17.0")
         self.ios18 = host.add_device(root / "ios18", ios="18.6", limit_bytes=LIMIT_BYTES)
         self.ios26 = host.add_device(root / "ios26", ios="26.1")
+        self.ios27 = host.add_device(root / "ios27", ios="27.2", limit_bytes=LIMIT_BYTES)
 
     def reset(self) -> None:
-        for phone in (self.ios16, self.ios170, self.ios18, self.ios26):
+        for phone in (self.ios16, self.ios170, self.ios18, self.ios26, self.ios27):
             phone.faults = FaultPlan()
             if not phone.plugged:
                 self.host.run(phone.replug())
@@ -69,7 +70,7 @@ def phones(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Phones]:
         ipa = make_ipa(root / "KVSoak.ipa")
 
         async def install() -> None:
-            for phone in (found.ios16, found.ios18):
+            for phone in (found.ios16, found.ios18, found.ios27):
                 device = await connect(phone.identity.udid)
                 async with device:
                     await apps.install(device, ipa)
@@ -374,3 +375,32 @@ def test_one_userspace_tunnel_per_process(clean: Phones) -> None:
     assert udid(clean.ios18) in str(refused) and "own process" in str(refused)
     assert pid == 0  # the first phone's tunnel still answers
     assert session(clean.ios26).kind is not None  # once the first is closed, the second phone gets its tunnel
+
+
+def test_ios_27_through_the_device_layer_as_on_26(clean: Phones, tmp_path: Path) -> None:
+    """iOS 27.2 (remoted re-attaching on a changed handshake UUID) with the pinned pymobiledevice3: `kvrig devices`
+    plans the userspace tunnel, a session launches and kills the app through RSD, and `kvrig prepare` mounts the
+    image from local files over the image mounter (pymobiledevice3 installs iOS 27's image as a cryptex only where
+    the phone offers cryptexd, which the virtual iPhone does not)."""
+    phone = clean.ios27
+    shown = cli(clean, "devices", "--json")
+    assert shown.returncode == 0, shown.stderr
+    row = next(d for d in json.loads(shown.stdout) if d["udid"] == udid(phone))
+    assert row["os_version"] == "27.2" and row["build_version"] == "24B5099f"
+    assert row["tunnel"]["kind"] == "userspace" and row["ready"] and row["image_type"] == "Personalized"
+
+    async def job() -> tuple[int, int]:
+        async with open_session(udid(phone)) as device, Processes(device) as processes:
+            pid = await processes.launch(BUNDLE_ID, arguments=["--max-tokens", "256"])
+            looked_up = await processes.pid_for(BUNDLE_ID)
+            await processes.kill(pid)
+            return pid, looked_up
+
+    pid, looked_up = run(job())
+    assert pid > 0 and looked_up == pid and not phone.rsd_reattached
+
+    phone.faults = FaultPlan(image_missing=True)
+    prepared = cli(clean, "prepare", "--udid", udid(phone), "--image", str(phone.state.ddi_dir), "--json")
+    assert prepared.returncode == 0, prepared.stderr
+    steps = {s["name"]: s["status"] for s in json.loads(prepared.stdout)["steps"]}
+    assert steps["developer disk image"] == "done" and steps["tunnel"] == "done"

@@ -182,3 +182,41 @@ def test_kvrig_virtual_status_shows_developer_state(tmp_path: Path) -> None:
         assert "18.6" in row and "missing" in row and " on " in row
     finally:
         kvrig("virtual", "stop", "--socket", address)
+
+
+def test_kvrig_virtual_start_ios_27_driven_by_both_clients(tmp_path: Path) -> None:
+    """`kvrig virtual start --ios 27.2`, then the pymobiledevice3 CLI (lockdown values; the no-root userspace tunnel
+    it falls back to by itself for a developer command) and libimobiledevice's ideviceinfo."""
+    address = f"/tmp/kvrig-cli27-{os.getpid()}.sock"
+    try:
+        phone = start(address, tmp_path / "s27", "--ios", "27.2", "--detach")
+        assert phone["ios"] == "27.2"
+        env = dict(os.environ, USBMUXD_SOCKET_ADDRESS=address, PYMOBILEDEVICE3_UDID=phone["udid"])
+        env.pop("PYMOBILEDEVICE3_DEFAULT_FALLBACK", None)
+        values = subprocess.run(
+            [*PYMOBILEDEVICE3, "lockdown", "info"], env=env, capture_output=True, text=True, timeout=60, check=False
+        )
+        assert values.returncode == 0, values.stderr
+        info = json.loads(values.stdout)
+        assert (info["ProductVersion"], info["BuildVersion"]) == ("27.2", "24B5099f")  # AppleDB's 27.2 seed build
+        processes = subprocess.run(
+            [*PYMOBILEDEVICE3, "developer", "dvt", "proclist"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert processes.returncode == 0, processes.stderr
+        assert "launchd" in processes.stdout
+        idevice = subprocess.run(
+            ["ideviceinfo", "-u", phone["udid"], "-k", "BuildVersion"],
+            env=dict(os.environ, USBMUXD_SOCKET_ADDRESS=f"UNIX:{address}"),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert idevice.returncode == 0 and idevice.stdout.strip() == "24B5099f", idevice.stderr
+    finally:
+        kvrig("virtual", "stop", "--socket", address)

@@ -1,5 +1,5 @@
 """libimobiledevice's tools from Debian (a second, independent client, in C) against the virtual iPhone, on
-iOS 16.7 and 18.6, through `USBMUXD_SOCKET_ADDRESS=UNIX:/path`: ideviceinfo, idevicedate,
+iOS 16.7, 18.6 and 27.2, through `USBMUXD_SOCKET_ADDRESS=UNIX:/path`: ideviceinfo, idevicedate,
 idevicediagnostics, ideviceinstaller, idevicecrashreport and idevicesyslog. `make setup` installs them."""
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from tests.virtual.conftest import BUNDLE_ID, Emulator, lockdown_values
 TOOLS = ("ideviceinfo", "idevicedate", "idevicediagnostics", "ideviceinstaller", "idevicecrashreport", "idevicesyslog")
 
 
-@pytest.fixture(scope="module", params=["16.7", "18.6"])
+@pytest.fixture(scope="module", params=["16.7", "18.6", "27.2"])
 def phone(request: pytest.FixtureRequest, emulator: Emulator) -> VirtualDevice:
     missing = [tool for tool in TOOLS if shutil.which(tool) is None]
     assert not missing, f"libimobiledevice tools missing: {missing} (make setup installs them)"
     if request.param == "16.7":
         return emulator.device
-    return emulator.host.add_device(emulator.root / "iphone186", ios="18.6")
+    return emulator.host.add_device(emulator.root / f"iphone{request.param}", ios=request.param)
 
 
 def tool(emulator: Emulator, phone: VirtualDevice, *args: str, timeout: float = 60) -> str:
@@ -46,6 +46,13 @@ def tool(emulator: Emulator, phone: VirtualDevice, *args: str, timeout: float = 
     )
     assert result.returncode == 0, f"{args}: {result.stdout}{result.stderr}"
     return result.stdout
+
+
+def test_idevice_id_lists_the_phone(emulator: Emulator, phone: VirtualDevice) -> None:
+    env = dict(os.environ, USBMUXD_SOCKET_ADDRESS=f"UNIX:{emulator.address}")
+    listed = subprocess.run(["idevice_id", "-l"], capture_output=True, text=True, env=env, timeout=60, check=False)
+    assert listed.returncode == 0, listed.stderr
+    assert phone.identity.udid in listed.stdout.split()
 
 
 def test_ideviceinfo_agrees_with_pymobiledevice3(emulator: Emulator, phone: VirtualDevice) -> None:

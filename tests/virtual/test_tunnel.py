@@ -12,11 +12,17 @@ import os
 import re
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
-from pymobiledevice3.exceptions import InvalidServiceError, UserspaceTunnelUnavailableError
+from pymobiledevice3.exceptions import (
+    ConnectionTerminatedError,
+    InvalidServiceError,
+    UserspaceTunnelUnavailableError,
+)
 from pymobiledevice3.lockdown import create_using_usbmux
+from pymobiledevice3.remote import remotexpc
 from pymobiledevice3.remote.remote_service_discovery import RemoteServiceDiscoveryService
 from pymobiledevice3.remote.tunnel_service import CoreDeviceTunnelProxy
 from pymobiledevice3.services.afc import AfcService
@@ -26,6 +32,7 @@ from pymobiledevice3.services.installation_proxy import InstallationProxyService
 
 from kvrig.virtual.device import VirtualDevice
 from kvrig.virtual.faults import FaultPlan
+from kvrig.virtual.rsd import REATTACH_LOG
 from tests.virtual.conftest import BUNDLE_ID, TESTAPP_ARGS, Emulator, lockdown_values, through_tunnel
 
 INSTRUMENTS = "com.apple.instruments.dtservicehub"
@@ -37,6 +44,8 @@ def phones(emulator: Emulator) -> dict[str, VirtualDevice]:
         "17.0": emulator.host.add_device(emulator.root / "iphone170", ios="17.0"),
         "18.6": emulator.host.add_device(emulator.root / "iphone186", ios="18.6", profile="iPhone17,1"),
         "26.1": emulator.host.add_device(emulator.root / "iphone261", ios="26.1"),
+        "27.0.1": emulator.host.add_device(emulator.root / "iphone2701", ios="27.0.1", profile="iPhone17,1"),
+        "27.2": emulator.host.add_device(emulator.root / "iphone272", ios="27.2"),
     }
 
 
@@ -166,3 +175,82 @@ def test_16_7_keeps_developer_services_on_lockdown(emulator: Emulator) -> None:
             await lockdown.close()
 
     asyncio.run(main())
+
+
+# iOS 27 as AppleDB records it (littlebyteorg/appledb, osFiles/iOS/24x - 27.x/24A446.json and 24B5099f.json):
+# the 27.0.1 release and the build of the third 27.2 seed. Not read from kvrig's own table.
+IOS_27_BUILDS = {"27.0.1": "24A446", "27.2": "24B5099f"}
+
+
+@pytest.mark.parametrize("version", sorted(IOS_27_BUILDS))
+def test_ios_27_names_its_release_over_lockdown_and_rsd(phones: dict[str, VirtualDevice], version: str) -> None:
+    phone = phones[version]
+
+    async def body(rsd: RemoteServiceDiscoveryService) -> tuple[dict, str, int]:
+        async with DvtProvider(rsd) as dvt, ProcessControl(dvt) as control:
+            pid = await control.process_identifier_for_bundle_identifier(BUNDLE_ID)
+        return rsd.peer_info or {}, await rsd.get_value(key="BuildVersion"), pid
+
+    peer, remote_build, pid = through_tunnel(phone, body)
+    values = lockdown_values(phone.identity.udid)
+    assert values["ProductVersion"] == peer["Properties"]["OSVersion"] == version
+    assert values["BuildVersion"] == peer["Properties"]["BuildVersion"] == remote_build == IOS_27_BUILDS[version]
+    assert INSTRUMENTS in peer["Services"] and pid == 0  # developer services through the tunnel, as on 26
+
+
+def test_ios_27_2_keeps_its_services_for_the_pinned_client_across_tunnels(phones: dict[str, VirtualDevice]) -> None:
+    """The pinned pymobiledevice3 presents one UUID in every RSD handshake, so 27.2's remoted never re-attaches:
+    a second tunnel (a soak's reopen after a drop) still reaches process control."""
+    phone = phones["27.2"]
+
+    async def body(rsd: RemoteServiceDiscoveryService) -> int:
+        async with DvtProvider(rsd) as dvt, ProcessControl(dvt) as control:
+            return await control.process_identifier_for_bundle_identifier(BUNDLE_ID)
+
+    assert through_tunnel(phone, body) == 0
+    assert through_tunnel(phone, body) == 0
+    assert phone.rsd_peer_uuid == remotexpc.default_handshake_uuid() and not phone.rsd_reattached
+    assert all(line.message != REATTACH_LOG for line in phone.syslog.history)
+
+
+@pytest.mark.parametrize(("version", "reattaches"), [("27.2", True), ("26.1", False)])
+def test_a_fresh_handshake_uuid_closes_27_2s_services(
+    phones: dict[str, VirtualDevice], version: str, reattaches: bool
+) -> None:
+    """What pymobiledevice3 before 11.16 did (a new UUID in every handshake, doronz88/pymobiledevice3#1966): on
+    27.2 the phone re-attaches and every advertised port refuses, the newcomer's too, until a handshake with the
+    kept UUID re-discovers them; 26.1 does not care."""
+    phone = phones[version]
+
+    async def body(rsd: RemoteServiceDiscoveryService) -> tuple[bool, bool, int]:
+        fresh = RemoteServiceDiscoveryService(
+            rsd.service.address, open_connection=rsd.open_connection, handshake_uuid=uuid.uuid4()
+        )
+        refused = False
+        try:
+            await fresh.connect()  # the handshake, then the remote lockdown service: where #1966 broke
+            async with AfcService(fresh) as afc:
+                await afc.listdir("/")
+        except (ConnectionTerminatedError, OSError):
+            refused = True
+        finally:
+            await fresh.close()
+        attempts = 0
+        listed = False
+        while not listed and attempts < 2:  # the host's own UUID: the first re-attaches, the next re-discovers
+            attempts += 1
+            again = RemoteServiceDiscoveryService(rsd.service.address, open_connection=rsd.open_connection)
+            try:
+                await again.connect()
+                async with AfcService(again) as afc:
+                    listed = "Downloads" in await afc.listdir("/")
+            except (ConnectionTerminatedError, OSError):
+                pass
+            finally:
+                await again.close()
+        return refused, listed, attempts
+
+    refused, listed_after, attempts = through_tunnel(phone, body)
+    assert refused is reattaches
+    assert listed_after and not phone.rsd_reattached and attempts == (2 if reattaches else 1)
+    assert any(line.message == REATTACH_LOG for line in phone.syslog.history) is reattaches

@@ -185,6 +185,14 @@ final class Engine {
         refreshMetrics()
     }
 
+    /// The scene left the foreground or came back (KvrigApp's scenePhase): GPU work pauses before the next
+    /// forward pass while the app is away, unless a continued-processing task holds the GPU (GPUGate).
+    func sceneChanged(active: Bool) {
+        GPUGate.shared.setForeground(active)
+        let gpu = active ? "may run" : "stops before the next forward pass"
+        Log.app.notice("scene \(active ? "active" : "not active"): GPU work \(gpu)")
+    }
+
     func stop() {
         caches?.requestStop()
         alternate?.backend.requestStop()
@@ -322,11 +330,34 @@ final class Engine {
         status = "Soak \(plan.runId)…"
         isGenerating = true
         caches.clearStop()
+        GPUGate.shared.reset()
+        // Started from the foreground, as iOS requires: with the GPU where the device supports it, the soak
+        // goes on if the app is sent away; elsewhere the gate pauses it there until it is back.
+        let continued = ContinuedProcessing.begin(runId: plan.runId, steps: plan.schedule.targets.count)
+        let gpu = ContinuedProcessing.supportsBackgroundGPU ? "supported" : "not supported"
+        Log.app.notice(
+            "soak \(plan.runId): continued-processing task \(continued ? "submitted" : "not available"), "
+                + "background GPU \(gpu)")
         let began = Date()
         let host = self.host
         let outcome: (reason: EndReason, message: String?) = await container.perform { context in
             var loop = TokenLoop(context: context, caches: caches)
             loop.betweenSteps = { Self.afterStep(caches: caches, telemetry: telemetry, host: host) }
+            loop.onScene = { state, phase, gpu in
+                Log.app.notice("scene \(state.rawValue): GPU work \(gpu.rawValue) before \(phase.rawValue)")
+                try? telemetry.record(
+                    .scene(phase: state, contextTokens: caches.contextTokens, during: phase, gpu: gpu))
+            }
+            /// Why the loop stopped: its continued-processing task ended in the background, or memory.
+            func stopped() -> (reason: EndReason, message: String?) {
+                if GPUGate.shared.endedInBackground {
+                    return (
+                        .backgroundTaskExpired,
+                        "the continued-processing task ended in the background at \(caches.contextTokens) tokens"
+                    )
+                }
+                return (.memoryCritical, "critical memory pressure at \(caches.contextTokens) tokens")
+            }
             let textTokens = context.tokenizer.encode(text: plan.text, addSpecialTokens: false)
             guard !textTokens.isEmpty else { return (.error, "the soak text encodes to no tokens") }
             var cursor = 0
@@ -345,7 +376,7 @@ final class Engine {
                         logits = try loop.prefill(feed, timing: &prefill) ?? logits
                     }
                     if caches.isStopRequested {
-                        return (.memoryCritical, "critical memory pressure at \(caches.contextTokens) tokens")
+                        return stopped()
                     }
                     var decode = TokenLoop.Timing()
                     if let current = logits {
@@ -355,13 +386,14 @@ final class Engine {
                     let step = Self.stepMetrics(caches: caches, prefill: prefill, decode: decode, host: host)
                     let footprint = step.physFootprintBytes
                     try telemetry.record(.step(step))
+                    ContinuedProcessing.advance()
                     if let why = plan.stop.check(
                         decodeTps: decode.rate, footprint: footprint, elapsed: Date().timeIntervalSince(began))
                     {
                         return (.stopCondition, why)
                     }
                     if caches.isStopRequested {
-                        return (.memoryCritical, "critical memory pressure at \(caches.contextTokens) tokens")
+                        return stopped()
                     }
                 }
                 return (.completed, nil)
@@ -377,6 +409,7 @@ final class Engine {
             save(reason: outcome.reason, runId: plan.runId, contextTokens: contextTokens)
         }
         try? telemetry.record(.end(reason: outcome.reason, contextTokens: contextTokens, message: outcome.message))
+        ContinuedProcessing.finish(success: outcome.reason == .completed || outcome.reason == .stopCondition)
         isGenerating = false
         status = "Soak \(plan.runId): \(outcome.reason.rawValue)"
         refreshMetrics()

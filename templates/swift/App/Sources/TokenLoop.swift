@@ -10,6 +10,8 @@ struct TokenLoop {
     let caches: CacheSet
     /// Runs after every forward pass, on the generation thread: where pending evictions are applied.
     var betweenSteps: () -> Void = {}
+    /// Hears each scene change the loop acts on (GPUGate): the scene, the phase it met, what the GPU work did.
+    var onScene: (SceneState, GPUPhase, SceneGPU) -> Void = { _, _, _ in }
 
     struct Timing {
         var tokens = 0
@@ -26,7 +28,7 @@ struct TokenLoop {
         let body = tokens.count - 1
         var start = 0
         while start < body {
-            if caches.isStopRequested { return nil }
+            if caches.isStopRequested || !admitted(.prefill) { return nil }
             let chunk = Array(tokens[start ..< min(start + stepSize, body)])
             let began = Date()
             try fill(chunk)
@@ -34,7 +36,7 @@ struct TokenLoop {
             timing.seconds += Date().timeIntervalSince(began)
             start += chunk.count
         }
-        if caches.isStopRequested { return nil }
+        if caches.isStopRequested || !admitted(.prefill) { return nil }
         let began = Date()
         let logits = try forward([lastToken])
         timing.tokens += 1
@@ -50,7 +52,8 @@ struct TokenLoop {
         let eos = context.tokenizer.eosTokenId
         var logits = logits
         for _ in 0 ..< count {
-            if caches.isStopRequested { break }
+            // Sampling evaluates on the GPU too: the gate comes before it.
+            if caches.isStopRequested || !admitted(.decode) { break }
             let began = Date()
             let token = sampler.sample(logits: logits)
             let id = token.item(Int.self)
@@ -60,6 +63,17 @@ struct TokenLoop {
             timing.seconds += Date().timeIntervalSince(began)
         }
         return logits
+    }
+
+    /// Asks GPUGate before GPU work is submitted; false (and the loop stops) when the run is to end because its
+    /// continued-processing task ended while the app is in the background.
+    private func admitted(_ phase: GPUPhase) -> Bool {
+        let verdict = GPUGate.shared.admit(phase) { state, gpu in onScene(state, phase, gpu) }
+        if verdict == .end {
+            caches.requestStop()
+            return false
+        }
+        return true
     }
 
     /// One forward pass of a prefill chunk that evaluates the caches only (the logits stay unevaluated).

@@ -229,7 +229,13 @@ final class ChannelKernel: HostKernel, @unchecked Sendable {
                 "mapped_weight_bytes": sample.mappedWeightBytes,
             ]
         ])
-        guard let line = readLine() else { exit(0) }  // the emulator went away
+        // The emulator's scene news ({"scene": ...}, {"continued_processing": ...}) may come before the verdict:
+        // the headless runner has no scene, so it passes them by (the virtual iPhone's test app plays them).
+        var line: String
+        repeat {
+            guard let next = readLine() else { exit(0) }  // the emulator went away
+            line = next
+        } while line.contains("\"scene\"") || line.contains("\"continued_processing\"")
         guard let data = line.data(using: .utf8),
             let reply = try? JSONSerialization.jsonObject(with: data) as? [String: Any],
             let footprint = reply["footprint"] as? Int, let available = reply["available"] as? Int,

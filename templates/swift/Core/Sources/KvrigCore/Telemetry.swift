@@ -28,6 +28,25 @@ public enum EndReason: String, Codable, Sendable {
     case memoryCritical = "memory_critical"
     case allocationFailed = "allocation_failed"
     case error
+    /// The continued-processing task ended (expired, or the person cancelled it) while the app was in the
+    /// background: GPU work stopped, the run saved and ended.
+    case backgroundTaskExpired = "background_task_expired"
+}
+
+/// The scene's phase as the app acts on it: in front, or not (SwiftUI's inactive and background alike).
+public enum SceneState: String, Codable, Sendable {
+    case active, background
+}
+
+/// The phase of the run whose next forward pass the scene change met.
+public enum GPUPhase: String, Codable, Sendable {
+    case prefill, decode, idle
+}
+
+/// What the app's GPU work did: paused in the background, continued under a continued-processing task that
+/// holds the GPU, resumed in the foreground.
+public enum SceneGPU: String, Codable, Sendable {
+    case paused, continued, resumed
 }
 
 public enum TelemetryPayload: Equatable, Sendable {
@@ -38,6 +57,7 @@ public enum TelemetryPayload: Equatable, Sendable {
     case step(StepMetrics)
     case memoryPressure(level: PressureLevel, contextTokens: Int, physFootprintBytes: Int?)
     case evict(tokensEvicted: Int, contextTokens: Int, kvBytes: Int?)
+    case scene(phase: SceneState, contextTokens: Int, during: GPUPhase, gpu: SceneGPU)
     case end(reason: EndReason, contextTokens: Int, message: String?)
 
     public var name: String {
@@ -46,6 +66,7 @@ public enum TelemetryPayload: Equatable, Sendable {
         case .step: "step"
         case .memoryPressure: "memory_pressure"
         case .evict: "evict"
+        case .scene: "scene"
         case .end: "end"
         }
     }
@@ -86,7 +107,7 @@ public struct StepMetrics: Equatable, Sendable {
 }
 
 public struct TelemetryEvent: Encodable, Equatable, Sendable {
-    public static let schemaVersion = 4
+    public static let schemaVersion = 5
 
     public var runId: String
     public var seq: Int
@@ -101,7 +122,7 @@ public struct TelemetryEvent: Encodable, Equatable, Sendable {
     }
 
     enum Key: String, CodingKey {
-        case schema, event, seq, t, model, scheme, converted, level, reason, message, backend
+        case schema, event, seq, t, model, scheme, converted, level, reason, message, backend, phase, during, gpu
         case runId = "run_id"
         case productType = "product_type"
         case osVersion = "os_version"
@@ -169,6 +190,11 @@ public struct TelemetryEvent: Encodable, Equatable, Sendable {
             try c.encode(tokensEvicted, forKey: .tokensEvicted)
             try c.encode(contextTokens, forKey: .contextTokens)
             try c.encode(kvBytes, forKey: .kvBytes)
+        case .scene(let phase, let contextTokens, let during, let gpu):
+            try c.encode(phase, forKey: .phase)
+            try c.encode(contextTokens, forKey: .contextTokens)
+            try c.encode(during, forKey: .during)
+            try c.encode(gpu, forKey: .gpu)
         case .end(let reason, let contextTokens, let message):
             try c.encode(reason, forKey: .reason)
             try c.encode(contextTokens, forKey: .contextTokens)

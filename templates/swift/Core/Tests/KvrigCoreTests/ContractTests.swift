@@ -137,7 +137,11 @@ final class ContractTests: XCTestCase {
         try log.record(.memoryPressure(level: .critical, contextTokens: 2048, physFootprintBytes: nil))
         try log.record(.evict(tokensEvicted: 256, contextTokens: 1792, kvBytes: 10_000_000))
         try log.record(.evict(tokensEvicted: 0, contextTokens: 4, kvBytes: nil))
-        for reason in [EndReason.completed, .stopCondition, .memoryCritical, .allocationFailed, .error] {
+        try log.record(.scene(phase: .background, contextTokens: 1792, during: .decode, gpu: .paused))
+        try log.record(.scene(phase: .active, contextTokens: 1792, during: .prefill, gpu: .resumed))
+        for reason in [
+            EndReason.completed, .stopCondition, .memoryCritical, .allocationFailed, .error, .backgroundTaskExpired,
+        ] {
             try log.record(.end(reason: reason, contextTokens: 1792, message: reason == .error ? "boom\n" : nil))
         }
         let written = try String(contentsOf: url, encoding: .utf8)
@@ -145,8 +149,8 @@ final class ContractTests: XCTestCase {
         let records = written.split(separator: "\n").map {
             try? JSONSerialization.jsonObject(with: Data($0.utf8)) as? [String: Any]
         }
-        XCTAssertEqual(records.count, 13)
-        XCTAssertEqual(records.compactMap { $0?["seq"] as? Int }, Array(0 ..< 13))
+        XCTAssertEqual(records.count, 16)
+        XCTAssertEqual(records.compactMap { $0?["seq"] as? Int }, Array(0 ..< 16))
         XCTAssertTrue(records[3]?["decode_tps"] is NSNull, "a non-finite rate is written as null")
     }
 }
