@@ -57,6 +57,10 @@ class DeviceSummary(StrictModel):
     name: str
     marketing_name: str
     product_types: list[str]
+    ram_bytes: int
+    ram_configurations_gb: list[int] = Field(
+        description="RAM sizes sold under these ProductTypes (the plan's first unless --ram chose another)"
+    )
     limit_default_bytes: int
     limit_entitled_bytes: int | None
     memory_bandwidth_bytes_per_s: float
@@ -529,6 +533,8 @@ def plan_memory(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest | 
             name=profile.name,
             marketing_name=profile.marketing_name,
             product_types=list(profile.product_types),
+            ram_bytes=profile.ram,
+            ram_configurations_gb=profile.ram_sizes_gb,
             limit_default_bytes=profile.limit_default,
             limit_entitled_bytes=profile.limit_entitled,
             memory_bandwidth_bytes_per_s=bandwidth,
