@@ -176,7 +176,9 @@ class DeviceProfile(_Frozen):
             raise ProfileError(
                 f"{self.marketing_name} ({self.name}) has no {gb} GB configuration",
                 field="ram",
-                expected=f"one of {sizes}" if len(self.ram_sizes_gb) > 1 else f"{sizes}, the only RAM size known for it",
+                expected=f"one of {sizes}"
+                if len(self.ram_sizes_gb) > 1
+                else f"{sizes}, the only RAM size known for it",
             )
         # The base configuration becomes a variant in turn, so the profile still names every size it was sold with.
         base = RamVariant(ram_bytes=self.ram_bytes, app_memory_limit=self.app_memory_limit)

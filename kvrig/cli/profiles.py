@@ -59,7 +59,9 @@ def list_command(sources: bool, as_json: bool) -> None:
         return
     for p in found:
         configurations = [(p.name, p.ram_bytes, p.app_memory_limit)]
-        configurations += [(f"{p.name}@{v.ram_bytes.value >> 30}GB", v.ram_bytes, v.app_memory_limit) for v in p.ram_variants]
+        configurations += [
+            (f"{p.name}@{v.ram_bytes.value >> 30}GB", v.ram_bytes, v.app_memory_limit) for v in p.ram_variants
+        ]
         for name, ram, limit in configurations:
             console().print(f"[bold]{name}[/bold]", highlight=False)
             for what, sourced, fmt in (
@@ -67,8 +69,10 @@ def list_command(sources: bool, as_json: bool) -> None:
                 ("limit", limit.default_bytes, _as_mib),
                 ("entitled", limit.entitled_bytes, _as_mib),
             ):
-                line = "unknown (no source gives it)" if sourced is None else (
-                    f"{fmt(sourced.value)}, {sourced.basis}: {sourced.source}"
+                line = (
+                    "unknown (no source gives it)"
+                    if sourced is None
+                    else (f"{fmt(sourced.value)}, {sourced.basis}: {sourced.source}")
                 )
                 console().print(f"  {what}: {line}", markup=False, highlight=False)
         console().print(f"  sources: {'; '.join(p.sources)}", markup=False, highlight=False)

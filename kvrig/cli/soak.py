@@ -122,9 +122,8 @@ def soak(
         plan = plan.model_copy(update={"backend": backend})
     if weights_residency is not None:
         # A schema-3 field: a plan file written as schema 2 is carried forward with it.
-        plan = SoakPlan.model_validate(
-            {**plan.model_dump(by_alias=True), "schema": max(3, plan.schema_version), "weights_residency": weights_residency}
-        )
+        carried = {**plan.model_dump(by_alias=True), "schema": max(3, plan.schema_version)}
+        plan = SoakPlan.model_validate({**carried, "weights_residency": weights_residency})
     if buffer_cache is not None:
         # A schema-4 field: an older plan file is carried forward with it.
         plan = SoakPlan.model_validate({**plan.model_dump(by_alias=True), "schema": 4, "buffer_cache": buffer_cache})

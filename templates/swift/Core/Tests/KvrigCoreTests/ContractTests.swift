@@ -68,6 +68,7 @@ final class ContractTests: XCTestCase {
         var two = object
         two["schema"] = 2
         two.removeValue(forKey: "weights_residency")
+        two.removeValue(forKey: "buffer_cache")
         let older = try ContractJSON.decoder().decode(SoakPlan.self, from: JSONSerialization.data(withJSONObject: two))
         XCTAssertEqual(older.schema, 2)
         XCTAssertNil(older.weightsResidency)
