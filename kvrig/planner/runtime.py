@@ -57,7 +57,11 @@ def forward_buffers(
     inter = int(cfg.get("intermediate_size") or 4 * hidden)
     if cfg.get("moe_intermediate_size") and cfg.get("num_experts_per_tok"):
         inter = max(inter, int(cfg["moe_intermediate_size"]) * int(cfg["num_experts_per_tok"]))
-    stream = [s * hidden * width] * 4
+    # The residual stream, norms and RoPE: on the CPU MLX runs mx.fast.rms_norm and mx.fast.rope unfused (their
+    # peaks measured at 2.0 and 3.0 times a query-sized input), on the queries too, so there the buffers are as
+    # wide as the wider of the stream and the queries (Qwen3-4B: 4096-wide queries beside a 2560-wide stream).
+    wide = max(hidden, heads * head_dim) if backend == "cpu" else hidden
+    stream = [s * wide * width] * 4
     projections = [s * heads * head_dim * width, s * kv * head_dim * width, s * kv * head_dim * width]
     mlp = [s * inter * width] * 3
     scores = list(_scores_buffers(spec, tokens, context, dtype, scheme=scheme, backend=backend))

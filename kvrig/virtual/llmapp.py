@@ -189,8 +189,9 @@ class Engine:
             dropped, skipped = evict_oldest(self.caches, self.kv.keep_tokens, tokens)
             if skipped:
                 self.channel.send({"log": f"{skipped} caches cannot evict (rings, recurrent or shared state)"})
-            if dropped and not self.uncapped:
-                mx.clear_cache()
+            if dropped:
+                if not self.uncapped:  # an app that never empties MLX's cache does not after an eviction either
+                    mx.clear_cache()
                 self.telemetry.write(
                     EvictEvent,
                     tokens_evicted=dropped,

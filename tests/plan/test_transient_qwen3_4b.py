@@ -27,9 +27,8 @@ ROOT = Path(__file__).resolve().parents[2]
 QWEN3_4B = ROOT / "tests" / "data" / "field" / "configs" / "qwen3-4b.json"
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Qwen3-4B's attention (its published config)
 CONTEXT, CHUNK = 1024, 256  # 32 MiB of float32 scores per layer: the attention dominates the chunk
-ATTENTION_TOLERANCE = 0.10  # the attention buffers alone: the plan 1.5-3.5 % above MLX's peak when measured
-CHUNK_TOLERANCE = 0.30  # the whole chunk: the other activations are estimates, 14-25 % under at these shapes
-# (a 64-wide residual stream beside 4096-wide queries: the query path's copies, q_norm and RoPE, are not counted)
+ATTENTION_TOLERANCE = 0.10  # the attention buffers alone: the plan 1.5-2 % above MLX's peak when measured
+CHUNK_TOLERANCE = 0.20  # the whole chunk, whose other activations are estimates: measured k4v4 1.00, k8v4 1.12
 
 
 def _measure(scheme: str) -> dict[str, int]:
@@ -93,22 +92,27 @@ def _measure(scheme: str) -> dict[str, int]:
             q, keys, values, cache=cache, scale=HEAD_DIM**-0.5, mask="causal"
         )
     mx.eval(attend())  # once unmeasured (kernel set-up)
-    attention = peak(lambda: mx.eval(attend()))
+    # the largest of three: now and then MLX frees a buffer early and the peak reads lower (never higher)
+    attention = max(peak(lambda: mx.eval(attend())) for _ in range(3))
     path = type(cache).__name__
 
     # (b) the whole chunk
     model.set_dtype(mx.float32)
     mx.eval(model.parameters())
-    caches = make_caches(model, kv, "qwen3")
-    for c in caches:  # the context before the chunk, in one update (a model pass per chunk is slow here)
-        c.update_and_fetch(*(mx.random.normal((1, KV_HEADS, CONTEXT - CHUNK, HEAD_DIM)) for _ in range(2)))
-    mx.eval([c.state for c in caches])
 
-    def run_chunk() -> None:  # as mlx-lm's generate_step runs a chunk: the caches evaluated, the logits never
-        model(mx.ones((1, CHUNK), mx.int32), cache=caches)
+    def fresh_chunk() -> int:
+        caches = make_caches(model, kv, "qwen3")
+        for c in caches:  # the context before the chunk, in one update (a model pass per chunk is slow here)
+            c.update_and_fetch(*(mx.random.normal((1, KV_HEADS, CONTEXT - CHUNK, HEAD_DIM)) for _ in range(2)))
         mx.eval([c.state for c in caches])
 
-    chunk = peak(run_chunk)
+        def run_chunk() -> None:  # as mlx-lm's generate_step runs a chunk: the caches evaluated, the logits never
+            model(mx.ones((1, CHUNK), mx.int32), cache=caches)
+            mx.eval([c.state for c in caches])
+
+        return peak(run_chunk)
+
+    chunk = max(fresh_chunk() for _ in range(2))  # on new caches each time, the larger (as above)
     spec = spec_from_config(config)
     before = kv_bytes(spec, parsed, [CONTEXT - CHUNK])
     # the plan's chunk at CONTEXT (its caches grown as the one update above and the chunk grow them)
