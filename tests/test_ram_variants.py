@@ -102,9 +102,27 @@ def test_list_names_each_configuration_and_every_source(capsys) -> None:
 
 
 def test_ram_variants_need_schema_2(tmp_path: Path) -> None:
-    data = yaml.safe_load(Path(__file__).resolve().parents[1] / "device_profiles" / "ipad-pro-11-m4.yaml".read_text())
+    data = yaml.safe_load((Path(__file__).resolve().parents[1] / "device_profiles" / "ipad-pro-11-m4.yaml").read_text())
     data["schema"] = 1
     path = tmp_path / "old.yaml"
     path.write_text(yaml.safe_dump(data))
     with pytest.raises(ProfileError, match="schema-2 field"):
         load_profile(path)
+
+
+def test_a_lab_device_names_its_ram() -> None:
+    """A phone reports its ProductType, not its RAM: the lab file's profile `REF@16GB` plans that configuration."""
+    from kvrig.lab.predict import Predictor
+    from kvrig.schemas.lab import LabDevice, MatrixEntry
+
+    model = Path(__file__).parent / "data" / "field" / "configs" / "qwen3-1.7b.json"
+    entry = MatrixEntry.model_validate({"app_id": "com.example.app", "model": str(model), "schemes": ["fp16"]})
+    predicted = {
+        ref: Predictor([]).predict(entry, entry.schemes[0], "ipad-pro-11-m4", LabDevice(udid="any", profile=ref))
+        for ref in ("ipad-pro-11-m4", "ipad-pro-11-m4@16GB")
+    }
+    base, big = predicted["ipad-pro-11-m4"], predicted["ipad-pro-11-m4@16GB"]
+    assert base is not None and big is not None
+    # the lab plans against the default limit: the 16 GB model's EXC_RESOURCE limit, the base model's estimate
+    assert (base.limit_bytes, big.limit_bytes) == (load_profile("iPad16,3").limit_default, 8192 * MIB)
+    assert big.max_context > base.max_context
