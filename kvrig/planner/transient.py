@@ -41,7 +41,6 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Final, Literal
 
 Backend = Literal["metal", "cpu"]
@@ -153,17 +152,17 @@ def attention_peak(key_bits: int | None, value_bits: int | None = None) -> Atten
     )
 
 
+PROBE_CHILD = "KVRIG_ATTENTION_PROBE"
+"""Set in the child process that measures the scheme cache's attention (so it measures in place)."""
+
+
 def _in_an_openblas_process(key_bits: int | None, value_bits: int) -> AttentionPeak | None:
-    """The scheme cache's probe measured where OpenBLAS is loaded, as the host runtime always runs it
-    (kvrig.runtime.blas preloads it): under MLX's bundled reference BLAS its matmuls hold other buffers (per score
-    0.03 instead of 1.28, per key 5.0 instead of 2.5, measured). None when this process has OpenBLAS already (the
-    caller measures here) or it cannot be found."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        if "libopenblas" in Path("/proc/self/maps").read_text():
-            return None
-    except OSError:
+    """The scheme cache's probe measured in a fresh interpreter with OpenBLAS loaded, as the host runtime always
+    runs (kvrig.runtime.blas preloads it). Fresh: that cache's graph of Python-level ops reads lower peaks in a
+    process that ran other MLX work first. OpenBLAS: under MLX's bundled reference BLAS its matmuls hold other
+    buffers (per score 0.03 instead of 1.28, per key 5.0 instead of 2.5, measured). None inside that child, off
+    Linux, or when OpenBLAS cannot be found (the caller then measures here)."""
+    if os.environ.get(PROBE_CHILD) == "1" or not sys.platform.startswith("linux"):
         return None
     lib = ctypes.util.find_library("openblas")
     if lib is None:
@@ -172,7 +171,7 @@ def _in_an_openblas_process(key_bits: int | None, value_bits: int) -> AttentionP
         "import json; from dataclasses import asdict; from kvrig.planner.transient import attention_peak; "
         f"print(json.dumps(asdict(attention_peak({key_bits!r}, {value_bits!r}))))"
     )
-    env = {**os.environ, "LD_PRELOAD": lib}
+    env = {**os.environ, "LD_PRELOAD": lib, PROBE_CHILD: "1"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     if proc.returncode != 0:
         return None
