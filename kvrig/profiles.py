@@ -96,8 +96,36 @@ MAPPED_MEMORY_LIMIT = MappedMemoryLimit(
 )
 
 
+class RamVariant(_Frozen):
+    """A configuration of the same product sold with another amount of RAM under the same ProductTypes (the iPad
+    Pro's 1 TB and 2 TB models): its RAM and its app memory limits, each with its source (`--ram`)."""
+
+    ram_bytes: SourcedInt
+    app_memory_limit: AppMemoryLimit
+    notes: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RamVariant:
+        _check_limits(self.app_memory_limit, self.ram_bytes.value, "ram_variants")
+        return self
+
+
+def _check_limits(limit: AppMemoryLimit, ram: int, where: str = "") -> None:
+    prefix = f"{where}: " if where else ""
+    if limit.default_bytes.value > ram:
+        raise ValueError(f"{prefix}app_memory_limit.default_bytes exceeds ram_bytes")
+    entitled = limit.entitled_bytes.value if limit.entitled_bytes is not None else None
+    if entitled is not None and not limit.default_bytes.value <= entitled <= ram:
+        raise ValueError(f"{prefix}app_memory_limit.entitled_bytes must lie between default_bytes and ram_bytes")
+
+
+GIB = 1 << 30
+RAM_SUFFIX_RE = re.compile(r"^(?P<ref>.+?)@(?P<gb>\d+)\s*GB$", re.IGNORECASE)
+"""A device reference with its RAM: `iPad16,3@16GB`, `ipad-pro-11-m4@16gb` (what `--ram 16` adds)."""
+
+
 class DeviceProfile(_Frozen):
-    schema_version: Literal[1] = Field(alias="schema")
+    schema_version: Literal[1, 2] = Field(alias="schema")
     name: str = Field(pattern=r"^[a-z0-9]+(-[a-z0-9]+)*$", description="kebab-case; the file name")
     marketing_name: str = Field(min_length=1)
     product_types: list[ProductType] = Field(min_length=1)
@@ -115,17 +143,54 @@ class DeviceProfile(_Frozen):
     mapped_memory_limit: MappedMemoryLimit = Field(
         default=MAPPED_MEMORY_LIMIT, description="files a process may map (default: the one public measurement)"
     )
+    ram_variants: list[RamVariant] = Field(
+        default_factory=list,
+        description="schema 2: the same ProductTypes sold with other RAM (chosen with --ram / REF@NGB); "
+        "the profile's own fields describe the base configuration",
+    )
     notes: list[str] = Field(default_factory=list)
     sources: list[str] = Field(default_factory=list, description="references behind the values")
 
     @model_validator(mode="after")
     def _consistent(self) -> DeviceProfile:
-        if self.limit_default > self.ram:
-            raise ValueError("app_memory_limit.default_bytes exceeds ram_bytes")
-        entitled = self.limit_entitled
-        if entitled is not None and not self.limit_default <= entitled <= self.ram:
-            raise ValueError("app_memory_limit.entitled_bytes must lie between default_bytes and ram_bytes")
+        _check_limits(self.app_memory_limit, self.ram)
+        if self.ram_variants and self.schema_version < 2:
+            raise ValueError("ram_variants is a schema-2 field")
+        sizes = [self.ram, *(v.ram_bytes.value for v in self.ram_variants)]
+        if len(set(sizes)) != len(sizes):
+            raise ValueError("ram_variants: each RAM size once, none the base configuration's")
         return self
+
+    @property
+    def ram_sizes_gb(self) -> list[int]:
+        """The RAM sizes this product was sold with, in GB (this profile's configuration first)."""
+        return [self.ram // GIB, *(v.ram_bytes.value // GIB for v in self.ram_variants)]
+
+    def with_ram(self, gb: int) -> DeviceProfile:
+        """The profile of the configuration with `gb` GB of RAM (itself for the base configuration)."""
+        if gb == self.ram // GIB:
+            return self
+        variant = next((v for v in self.ram_variants if v.ram_bytes.value == gb * GIB), None)
+        if variant is None:
+            sizes = ", ".join(f"{n} GB" for n in self.ram_sizes_gb)
+            raise ProfileError(
+                f"{self.marketing_name} ({self.name}) has no {gb} GB configuration",
+                field="ram",
+                expected=f"one of {sizes}"
+                if len(self.ram_sizes_gb) > 1
+                else f"{sizes}, the only RAM size known for it",
+            )
+        # The base configuration becomes a variant in turn, so the profile still names every size it was sold with.
+        base = RamVariant(ram_bytes=self.ram_bytes, app_memory_limit=self.app_memory_limit)
+        others = [base, *(v for v in self.ram_variants if v is not variant)]
+        return self.model_copy(
+            update={
+                "ram_bytes": variant.ram_bytes,
+                "app_memory_limit": variant.app_memory_limit,
+                "ram_variants": others,
+                "notes": [f"{gb} GB configuration (--ram {gb})", *variant.notes, *self.notes],
+            }
+        )
 
     # Plain numbers for the planner (bytes, bytes/s).
     @property
@@ -228,8 +293,23 @@ def find_profile_by_product_type(product_type: str) -> DeviceProfile | None:
     return None
 
 
-def load_profile(ref: str | Path) -> DeviceProfile:
-    """A profile by ProductType (`iPhone16,1`), name (`iphone-15-pro`) or path to a YAML file."""
+def device_ref(ref: str, ram_gb: int | None) -> str:
+    """`ref` naming the configuration with `ram_gb` GB of RAM (`iPad16,3@16GB`); `ref` itself for None."""
+    return ref if ram_gb is None else f"{ref}@{ram_gb}GB"
+
+
+def load_profile(ref: str | Path, ram_gb: int | None = None) -> DeviceProfile:
+    """A profile by ProductType (`iPhone16,1`), name (`iphone-15-pro`) or path to a YAML file, optionally with its
+    RAM (`iPad16,3@16GB`, or `ram_gb`) for products sold with two RAM sizes under the same ProductTypes."""
+    if isinstance(ref, str) and (m := RAM_SUFFIX_RE.match(ref.strip())):
+        if ram_gb is not None and ram_gb != int(m["gb"]):
+            raise ProfileError(f"'{ref}' names {m['gb']} GB but {ram_gb} GB was asked for", field="ram")
+        return load_profile(m["ref"], int(m["gb"]))
+    profile = _load_profile(ref)
+    return profile if ram_gb is None else profile.with_ram(ram_gb)
+
+
+def _load_profile(ref: str | Path) -> DeviceProfile:
     if isinstance(ref, Path) or ref.endswith((".yaml", ".yml")) or "/" in ref:
         return load_profile_file(ref)
     ref = ref.strip()

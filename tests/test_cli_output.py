@@ -56,7 +56,13 @@ def on_a_terminal(*args: str, columns: int = 80, env: dict[str, str] | None = No
 
 def test_a_piped_profile_list_names_every_profile_on_its_own_line() -> None:
     """`kvrig profiles list | grep -c iphone-15-pro` printed 0: rich had squeezed the names to fit 80 columns."""
-    names = [p["name"] for p in json.loads(kvrig("profiles", "list", "--json", env={"COLUMNS": "80"}).stdout)]
+    profiles = json.loads(kvrig("profiles", "list", "--json", env={"COLUMNS": "80"}).stdout)
+    # each profile, then a line per other RAM size it was sold with (NAME@NGB)
+    names = [
+        name
+        for p in profiles
+        for name in [p["name"], *(f"{p['name']}@{v['ram_bytes']['value'] >> 30}GB" for v in p["ram_variants"])]
+    ]
     piped = kvrig("profiles", "list", env={"COLUMNS": "80"}).stdout
     assert "…" not in piped
     first_cells = [line.split("│")[1].strip() for line in piped.splitlines() if line.startswith("│")]

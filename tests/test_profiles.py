@@ -53,7 +53,7 @@ def profile_for(row: dict[str, str]) -> DeviceProfile:
 
 def test_every_csv_row_has_exactly_one_profile():
     profiles = list_profiles()
-    assert len(profiles) == len(CSV_ROWS) == 39
+    assert len(profiles) == len(CSV_ROWS) == 48
     shipped = sorted(pt for p in profiles for pt in p.product_types)
     expected = sorted(pt for row in CSV_ROWS for pt in csv_product_types(row["product_type"]))
     assert shipped == expected  # also: no ProductType in two profiles
@@ -282,6 +282,6 @@ def test_wheel_ships_the_profiles(tmp_path):
     ).stdout.split()
     assert out == [
         str(tmp_path / "installed" / "kvrig" / "_data" / "device_profiles"),
-        "39",
+        "48",
         "iphone-15-pro",
     ]

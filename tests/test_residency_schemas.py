@@ -23,7 +23,7 @@ MIB = 1024 * 1024
 def test_soak_plan_3_names_the_residency_and_plan_2_still_reads() -> None:
     plan = make_plan(max_tokens=512, weights_residency="mapped")
     data = json.loads(plan.model_dump_json(by_alias=True))
-    assert (data["schema"], data["weights_residency"]) == (3, "mapped")
+    assert (data["schema"], data["weights_residency"]) == (4, "mapped")
     assert make_plan(max_tokens=512).weights_residency is None  # as the bundle says
     older = {**data, "schema": 2}
     older.pop("weights_residency")
@@ -32,6 +32,19 @@ def test_soak_plan_3_names_the_residency_and_plan_2_still_reads() -> None:
         SoakPlan.model_validate({**older, "weights_residency": "loaded"})
     with pytest.raises(ValidationError):
         SoakPlan.model_validate({**data, "weights_residency": "wired"})
+    assert SoakPlan.model_validate({**data, "schema": 3}).schema_version == 3
+
+
+def test_soak_plan_4_names_the_buffer_cache_and_plan_3_still_reads() -> None:
+    data = json.loads(make_plan(max_tokens=512, buffer_cache="uncapped").model_dump_json(by_alias=True))
+    assert (data["schema"], data["buffer_cache"]) == (4, "uncapped")
+    assert make_plan(max_tokens=512).buffer_cache is None  # capped, as kvcache.json says
+    older = {**data, "schema": 3, "buffer_cache": None}
+    assert SoakPlan.model_validate(older).schema_version == 3
+    with pytest.raises(ValidationError, match="schema-4 field"):
+        SoakPlan.model_validate({**older, "buffer_cache": "uncapped"})
+    with pytest.raises(ValidationError):
+        SoakPlan.model_validate({**data, "buffer_cache": "unbounded"})
 
 
 def _run(residency: str | None, *, ran: str | None = None, footprints: dict[int, int] | None = None) -> SoakResult:

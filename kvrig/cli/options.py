@@ -79,3 +79,18 @@ def checked_specs(kind: str, *, auto: bool, several: bool) -> Any:
         return items if several else value
 
     return check
+
+
+def ram_option(help_suffix: str = "") -> Decorator:
+    """`--ram`: the RAM of a product sold with two memory sizes under the same ProductTypes (the iPad Pro's 1 TB and
+    2 TB models); the same as naming the device `REF@NGB`."""
+    return click.option(
+        "--ram",
+        "ram_gb",
+        type=click.IntRange(min=1),
+        default=None,
+        metavar="GB",
+        help="RAM of the device in GB, for products sold with two sizes under the same ProductTypes (iPad Pro 8 GB "
+        "or 16 GB; `kvrig profiles list` names each configuration); default: the base configuration. The same as "
+        "--device REF@NGB." + help_suffix,
+    )

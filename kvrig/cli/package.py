@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from kvrig.cli.options import checked_specs, group_size_option
+from kvrig.cli.options import checked_specs, group_size_option, ram_option
 from kvrig.cli.output import info, warn
 from kvrig.cli.render import echo_json, human_bytes, json_option
 from kvrig.recipes import DEFAULT_GROUP_SIZE, WEIGHT_CANDIDATES
@@ -24,6 +24,7 @@ def _split_force(_ctx: click.Context, _param: click.Parameter, value: bool) -> N
 @click.command("package", short_help="Quantize a model into a bundle for the phone (weights, kvcache.json, manifest).")
 @click.argument("model", required=False, type=click.Path(path_type=Path))
 @click.option("--device", "-d", help="Device profile to plan for (refuses a bundle that does not fit).")
+@ram_option()
 @click.option(
     "--weights",
     default="auto",
@@ -91,6 +92,7 @@ def _split_force(_ctx: click.Context, _param: click.Parameter, value: bool) -> N
 def package(
     model: Path | None,
     device: str | None,
+    ram_gb: int | None,
     weights: str,
     group_size: int,
     weights_layout: str,
@@ -116,6 +118,11 @@ def package(
     ensure_openblas()
     from kvrig.bundle.options import PackageOptions
     from kvrig.packaging import package as package_bundle
+    from kvrig.profiles import device_ref
+
+    if ram_gb is not None and device is None:
+        raise click.BadParameter("--ram names the RAM of --device; give the device too", param_hint="--ram")
+    device = device_ref(device, ram_gb) if device is not None else None
 
     options = PackageOptions(
         weights=weights,

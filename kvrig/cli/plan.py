@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from kvrig.cli.options import backend_option, checked_specs, group_size_option
+from kvrig.cli.options import backend_option, checked_specs, group_size_option, ram_option
 from kvrig.cli.output import console
 from kvrig.cli.render import echo_json, human_bytes, json_option
 from kvrig.recipes import DEFAULT_GROUP_SIZE, WEIGHT_CANDIDATES
@@ -40,6 +40,7 @@ def _buffer_cache(ctx: click.Context, param: click.Parameter, value: str) -> flo
 @click.command("plan", short_help="Plan memory for a model on a device: weights, KV cache per scheme, max context.")
 @click.argument("model", required=False, type=click.Path(path_type=Path))
 @click.option("--device", "-d", required=True, help="ProductType (iPhone16,1), profile name or profile file.")
+@ram_option()
 @click.option(
     "--schemes",
     callback=checked_specs("kv", auto=False, several=True),
@@ -150,6 +151,7 @@ def _buffer_cache(ctx: click.Context, param: click.Parameter, value: str) -> flo
 def plan(
     model: Path | None,
     device: str,
+    ram_gb: int | None,
     schemes: list[str] | None,
     contexts: list[int] | None,
     weights: str,
@@ -184,7 +186,9 @@ def plan(
     from kvrig.planner.kv import ALL_NAMED_SCHEMES
     from kvrig.planner.memory import DEFAULT_CONTEXTS
     from kvrig.planner.weights import DEFAULT_RECIPES
+    from kvrig.profiles import device_ref
 
+    device = device_ref(device, ram_gb)
     if backend == "coreml":
         from kvrig.cli.export import show_coreml_plan
 
@@ -267,8 +271,13 @@ def render_plan(p) -> None:  # type: ignore[no-untyped-def]
     out.print(
         f"[bold]{Path(m.source).name}[/] ({m.model_type}, {m.layers} layers: "
         + ", ".join(f"{n} {k}" for k, n in m.layer_kinds.items())
-        + f"; {m.parameters / 1e6:.0f}M parameters) on [bold]{d.marketing_name}[/] ({', '.join(d.product_types)})"
+        + f"; {m.parameters / 1e6:.0f}M parameters) on [bold]{d.marketing_name}[/] ({', '.join(d.product_types)}, "
+        f"{human_bytes(d.ram_bytes)} RAM)"
     )
+    if len(d.ram_configurations_gb) > 1:
+        sizes = " and ".join(f"{gb} GB" for gb in sorted(d.ram_configurations_gb))
+        chosen = d.ram_configurations_gb[0]
+        out.print(f"Sold with {sizes} under these ProductTypes: this plan is for {chosen} GB (--ram N chooses)")
     entitled = human_bytes(d.limit_entitled_bytes) if d.limit_entitled_bytes else "unknown"
     out.print(
         f"App memory limit: default {human_bytes(d.limit_default_bytes)}, entitled {entitled}; "
@@ -367,9 +376,10 @@ def render_plan(p) -> None:  # type: ignore[no-untyped-def]
 @click.command("plan", short_help="Time and memory of planning, side by side with doing the same for real.")
 @click.argument("model", required=False, type=click.Path(path_type=Path))
 @click.option("--device", "-d", default="iPhone16,1", show_default=True, help="ProductType, profile name or file.")
+@ram_option()
 @click.option("--no-real", is_flag=True, help="Skip the evaluated KV and the measured prefill (large models).")
 @json_option
-def plan_bench(model: Path | None, device: str, no_real: bool, as_json: bool) -> None:
+def plan_bench(model: Path | None, device: str, ram_gb: int | None, no_real: bool, as_json: bool) -> None:
     """Time and memory of planning MODEL (default: the embedded SmolLM2), side by side with doing the same
     for real: MLX's peak memory and Python's while planning, the lazily answered KV bytes at 8192 tokens
     against the evaluated caches, and the prefill transient measured on the real model against the plan's."""
@@ -378,8 +388,9 @@ def plan_bench(model: Path | None, device: str, no_real: bool, as_json: bool) ->
     if not no_real:
         ensure_openblas()  # the measured prefill runs float matmuls on the CPU
     from kvrig.planner.bench import benchmark_plan
+    from kvrig.profiles import device_ref
 
-    b = benchmark_plan(model, device, real=not no_real)
+    b = benchmark_plan(model, device_ref(device, ram_gb), real=not no_real)
     if as_json:
         echo_json(b.to_dict())
         return

@@ -21,9 +21,11 @@ def profiles() -> None:
 
 
 @profiles.command("list")
+@click.option("--sources", is_flag=True, help="Below the table, the basis and source of every RAM size and limit.")
 @json_option
-def list_command(as_json: bool) -> None:
-    """One line per device: ProductTypes, chip, RAM, app memory limits, bandwidth (~ marks estimates)."""
+def list_command(sources: bool, as_json: bool) -> None:
+    """One line per device: ProductTypes, chip, RAM, app memory limits, bandwidth (~ marks estimates). A product sold
+    with two RAM sizes under the same ProductTypes has a line per size (NAME@NGB: `--ram N` chooses it)."""
     found = list_profiles()
     if as_json:
         echo_json(found)
@@ -41,7 +43,39 @@ def list_command(as_json: bool) -> None:
             _estimated(p.app_memory_limit.entitled_bytes, _as_mib),
             _estimated(p.memory_bandwidth_bytes_per_s, _gb_per_s),
         )
+        for v in p.ram_variants:
+            table.add_row(
+                f"{p.name}@{v.ram_bytes.value >> 30}GB",
+                "(the same)",
+                "",
+                _estimated(v.ram_bytes, human_bytes),
+                _estimated(v.app_memory_limit.default_bytes, _as_mib),
+                _estimated(v.app_memory_limit.entitled_bytes, _as_mib),
+                "",
+            )
     console().print(table)
+    if not sources:
+        console().print("Every number's basis and source: --sources, or `kvrig profiles show NAME` (or --json).")
+        return
+    for p in found:
+        configurations = [(p.name, p.ram_bytes, p.app_memory_limit)]
+        configurations += [
+            (f"{p.name}@{v.ram_bytes.value >> 30}GB", v.ram_bytes, v.app_memory_limit) for v in p.ram_variants
+        ]
+        for name, ram, limit in configurations:
+            console().print(f"[bold]{name}[/bold]", highlight=False)
+            for what, sourced, fmt in (
+                ("RAM", ram, human_bytes),
+                ("limit", limit.default_bytes, _as_mib),
+                ("entitled", limit.entitled_bytes, _as_mib),
+            ):
+                line = (
+                    "unknown (no source gives it)"
+                    if sourced is None
+                    else (f"{fmt(sourced.value)}, {sourced.basis}: {sourced.source}")
+                )
+                console().print(f"  {what}: {line}", markup=False, highlight=False)
+        console().print(f"  sources: {'; '.join(p.sources)}", markup=False, highlight=False)
 
 
 @profiles.command("show")

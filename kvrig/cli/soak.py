@@ -37,6 +37,14 @@ from kvrig.device.loop import run_async
     help="How the app holds the weights: loaded into MLX's memory, or mapped from the bundle's file (a bundle packaged "
     "with --weights-layout mapped); default: as the bundle says. Overrides the plan file's.",
 )
+@click.option(
+    "--buffer-cache",
+    type=click.Choice(["capped", "uncapped"]),
+    default=None,
+    help="MLX's buffer cache this run: capped at the bundle's buffer_cache_limit_bytes (kvrig's app, the default), or "
+    "uncapped and never emptied, as an app kvrig did not write runs (planned with `kvrig plan --app uncapped`). "
+    "Overrides the plan file's.",
+)
 @click.option("--bundle", "bundle_name", default=None, help="Name of the model bundle the app runs (recorded).")
 @click.option("--scheme", default="default", show_default=True, help="KV scheme name recorded with the run.")
 @seconds_option(
@@ -92,6 +100,7 @@ def soak(
     decode_tokens: int,
     backend: str | None,
     weights_residency: str | None,
+    buffer_cache: str | None,
     bundle_name: str | None,
     scheme: str,
     hang_after: float,
@@ -130,9 +139,11 @@ def soak(
         plan = plan.model_copy(update={"backend": backend})
     if weights_residency is not None:
         # A schema-3 field: a plan file written as schema 2 is carried forward with it.
-        plan = SoakPlan.model_validate(
-            {**plan.model_dump(by_alias=True), "schema": 3, "weights_residency": weights_residency}
-        )
+        carried = {**plan.model_dump(by_alias=True), "schema": max(3, plan.schema_version)}
+        plan = SoakPlan.model_validate({**carried, "weights_residency": weights_residency})
+    if buffer_cache is not None:
+        # A schema-4 field: an older plan file is carried forward with it.
+        plan = SoakPlan.model_validate({**plan.model_dump(by_alias=True), "schema": 4, "buffer_cache": buffer_cache})
     echo = None if as_json else info
     options = SoakOptions(
         hang_after_s=hang_after,

@@ -14,7 +14,7 @@ from kvrig.exceptions import QuantizationError, SchemaError
 from kvrig.models import load_model_spec
 from kvrig.planner import PlanRequest, bundle_recipe, plan_memory
 from kvrig.planner.limits import describe, load_limits, lookup
-from kvrig.profiles import AppMemoryLimit, SourcedInt, load_profile
+from kvrig.profiles import RAM_SUFFIX_RE, AppMemoryLimit, SourcedInt, load_profile
 from kvrig.recipes import AUTO, parse_kv
 from kvrig.schemas import load_model_file
 from kvrig.schemas.kvcache import KVCACHE_NAME, KVCacheConfig, WeightsResidency
@@ -108,6 +108,10 @@ class Predictor:
         limit_source = None
         try:
             profile = load_profile(profile_ref)
+            # The phone says its ProductType, not its RAM: a lab file's `profile: REF@16GB` names the configuration.
+            sized = RAM_SUFFIX_RE.match(device.profile or "")
+            if sized is not None:
+                profile = profile.with_ram(int(sized["gb"]))
             # A phone whose limit or baseline the lab knows better than the profile (a virtual iPhone).
             if device.limit_bytes is not None:
                 limit_source = "lab file: limit_bytes"

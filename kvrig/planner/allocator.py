@@ -23,7 +23,14 @@ from typing import Final, Literal
 from kvrig.models.layers import DTYPE_BYTES
 from kvrig.models.probe import Growth
 from kvrig.models.spec import ModelSpec
-from kvrig.planner.kv import cache_factory, context_schedule, dequantizes_on_read, extra_bytes, layer_quantized
+from kvrig.planner.kv import (
+    cache_factory,
+    context_schedule,
+    dequantizes_on_read,
+    extra_bytes,
+    host_scheme_attention,
+    layer_quantized,
+)
 from kvrig.planner.runtime import forward_buffers
 from kvrig.planner.transient import Backend
 from kvrig.recipes import KVSpec
@@ -222,7 +229,8 @@ def trace_run(
     make = cache_factory(spec, scheme)
     groups = probe.groups(make)
     width = DTYPE_BYTES[scheme.dtype]
-    dequantized = dequantized_rows(spec, scheme) * width
+    # the host's scheme cache counts its dequantized keys and values in its attention (forward_buffers)
+    dequantized = 0 if host_scheme_attention(spec, scheme, policy.backend) else dequantized_rows(spec, scheme) * width
     extras = extra_bytes(spec, scheme)
     steps: list[StepMemory] = []
     for g, generation in enumerate(run):

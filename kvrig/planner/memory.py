@@ -57,6 +57,10 @@ class DeviceSummary(StrictModel):
     name: str
     marketing_name: str
     product_types: list[str]
+    ram_bytes: int
+    ram_configurations_gb: list[int] = Field(
+        description="RAM sizes sold under these ProductTypes (the plan's first unless --ram chose another)"
+    )
     limit_default_bytes: int
     limit_entitled_bytes: int | None
     memory_bandwidth_bytes_per_s: float
@@ -225,7 +229,7 @@ def _peak_bytes(
     schedule = context_schedule(context, prefill_step)
     kv = kv_bytes_detail(spec, scheme, schedule)
     copy = kv.largest_cache if any(layer.grows for layer in spec.layers) else 0
-    deq = dequantized_read_bytes(spec, scheme, context)
+    deq = dequantized_read_bytes(spec, scheme, context, backend)
     act = prefill_activation_bytes(spec, prefill_step, context, dtype, scheme=scheme, backend=backend)
     return SchemeBudget(
         context=context,
@@ -289,7 +293,7 @@ def max_context_for(
     fixed + constant + per_token × C ≤ budget; the exact check settles the last step."""
     per_token = bytes_per_token(spec, scheme)
     copy_row = max((row_bytes(spec, scheme, layer) for layer in spec.layers if layer.grows), default=0)
-    deq_row = dequantized_read_bytes(spec, scheme, 1)
+    deq_row = dequantized_read_bytes(spec, scheme, 1, backend)
     ref = max(prefill_step, MLX_STEP) * 4
     act_ref, act_next = (
         prefill_activation_bytes(spec, prefill_step, c, dtype, scheme=scheme, backend=backend)
@@ -529,6 +533,8 @@ def plan_memory(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest | 
             name=profile.name,
             marketing_name=profile.marketing_name,
             product_types=list(profile.product_types),
+            ram_bytes=profile.ram,
+            ram_configurations_gb=profile.ram_sizes_gb,
             limit_default_bytes=profile.limit_default,
             limit_entitled_bytes=profile.limit_entitled,
             memory_bandwidth_bytes_per_s=bandwidth,
@@ -788,11 +794,57 @@ def _notes(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest, traine
             "(one public measurement, on an iPhone 13). `kvrig lab` runs a bundle loaded and mapped side by side "
             "and `kvrig calibrate` corrects the plan from it."
         )
+    attention = _attention_note(spec, request)
+    if attention:
+        notes.append(attention)
     if request.app == "uncapped":
         notes.append(_UNCAPPED_NOTE.format(g=request.generations, d=request.decode_tokens, b=request.backend))
     if trained is None:
         notes.append("config has no max_position_embeddings; max context is bounded by memory only.")
     return notes
+
+
+def _attention_note(spec: ModelSpec, request: PlanRequest) -> str | None:
+    """Why a scheme with K and V at one width (k4v4) can hold a larger prefill transient than a mixed one (k8v4):
+    which attention each cache meets (planner/transient.py), with this plan's numbers at its largest context."""
+    group = request.kv_group_size or DEFAULT_GROUP_SIZE
+    parsed = [parse_kv(n, group_size=group, dtype=request.dtype) for n in request.schemes]
+    equal = [s for s in parsed if s.quantized and not dequantizes_on_read(s, spec)]
+    if not equal:
+        return None
+    context = max(request.contexts)
+    step = request.prefill_step
+    scores = {
+        s.name: prefill_scores_bytes(spec, step, context, request.dtype, scheme=s, backend=request.backend)
+        for s in parsed
+    }
+    shown = ", ".join(f"{name} {human_mib(b)}" for name, b in scores.items())
+    mixed = [s for s in parsed if dequantizes_on_read(s, spec)]
+    names = ", ".join(s.name for s in mixed)
+    if not mixed:
+        mixed_text = ""
+    elif request.backend == "cpu":
+        mixed_text = (
+            f"; on this host {names} (K and V at their own widths) go through kvrig's scheme cache, which dequantizes "
+            "a prefill chunk's keys and values and multiplies them itself (scores included)"
+        )
+    else:
+        deq = ", ".join(human_mib(dequantized_read_bytes(spec, s, context, request.backend)) for s in mixed)
+        mixed_text = (
+            f"; {names} (K and V at their own widths) are dequantized one layer at a time ({deq} at {context} "
+            "tokens) for MLX's attention, fused on Metal for head dims 64/80/128"
+        )
+    return (
+        f"Prefill transient by attention path: {', '.join(s.name for s in equal)} (K and V at one width) run mlx-lm's "
+        "quantized attention, unfused on every backend, so each prefill chunk holds heads x chunk x context scores"
+        f"{mixed_text}. Attention buffers of a {step}-token chunk at {context} tokens on {request.backend}: {shown} "
+        "(buffers per score measured on MLX's own attention and on kvrig's cache on this host; "
+        "tests/plan/test_transient_qwen3_4b.py). A smaller cache can need more memory in total at long contexts."
+    )
+
+
+def human_mib(n: int) -> str:
+    return f"{n / (1 << 20):.0f} MiB"
 
 
 _UNCAPPED_NOTE = (

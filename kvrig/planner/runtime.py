@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from kvrig.models.layers import DTYPE_BYTES
 from kvrig.models.spec import ModelSpec
-from kvrig.planner.kv import dequantizes_on_read, layer_quantized, row_bytes
+from kvrig.planner.kv import dequantizes_on_read, host_scheme_attention, layer_quantized, row_bytes
 from kvrig.planner.transient import DEFAULT_BACKEND, Backend, scores_buffers
 from kvrig.recipes import KVSpec
 
@@ -57,7 +57,11 @@ def forward_buffers(
     inter = int(cfg.get("intermediate_size") or 4 * hidden)
     if cfg.get("moe_intermediate_size") and cfg.get("num_experts_per_tok"):
         inter = max(inter, int(cfg["moe_intermediate_size"]) * int(cfg["num_experts_per_tok"]))
-    stream = [s * hidden * width] * 4
+    # The residual stream, norms and RoPE: on the CPU MLX runs mx.fast.rms_norm and mx.fast.rope unfused (their
+    # peaks measured at 2.0 and 3.0 times a query-sized input), on the queries too, so there the buffers are as
+    # wide as the wider of the stream and the queries (Qwen3-4B: 4096-wide queries beside a 2560-wide stream).
+    wide = max(hidden, heads * head_dim) if backend == "cpu" else hidden
+    stream = [s * wide * width] * 4
     projections = [s * heads * head_dim * width, s * kv * head_dim * width, s * kv * head_dim * width]
     mlp = [s * inter * width] * 3
     scores = list(_scores_buffers(spec, tokens, context, dtype, scheme=scheme, backend=backend))
@@ -100,8 +104,12 @@ def _scores_buffers(
             keys = min(context, layer.window - 1 + queries)
         else:
             continue
-        quantized = scheme is not None and layer_quantized(layer, scheme) and not dequantizes_on_read(scheme, spec)
+        stored = scheme is not None and layer_quantized(layer, scheme)
+        quantized = stored and scheme is not None and not dequantizes_on_read(scheme, spec)
         key_bits = scheme.key_bits if quantized and scheme is not None else None
+        value_bits = None
+        if stored and scheme is not None and host_scheme_attention(spec, scheme, backend):
+            key_bits, value_bits = scheme.key_bits_for(layer.index), scheme.value_bits
         parts = scores_buffers(
             backend=backend,
             heads=heads,
@@ -111,6 +119,7 @@ def _scores_buffers(
             keys=keys,
             width=DTYPE_BYTES[dtype],
             key_bits=key_bits,
+            value_bits=value_bits,
         )
         largest = max(largest, parts, key=sum)
     return largest

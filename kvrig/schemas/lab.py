@@ -37,7 +37,8 @@ class LabDevice(StrictModel):
     profile: str | None = Field(
         default=None,
         description="expected device profile (name or ProductType): a UDID that maps elsewhere is an error; "
-        "with `any`, only devices with this profile are used",
+        "with `any`, only devices with this profile are used; `REF@16GB` plans the 16 GB configuration of a product "
+        "sold with two RAM sizes under the same ProductTypes",
     )
     limit_bytes: int | None = Field(
         default=None,

@@ -9,10 +9,17 @@ from pydantic import Field, model_validator
 from kvrig.schemas import StrictModel
 from kvrig.schemas.kvcache import WeightsResidency
 
+BufferCacheMode = Literal["capped", "uncapped"]
+"""capped: MLX's buffer cache capped at kvcache.json's buffer_cache_limit_bytes and emptied after an eviction (kvrig's
+app); uncapped: the app never sets the cap (MLX's default: its memory limit) nor empties the cache, as an app grown
+from mlx-swift-lm's generation loop runs (what `kvrig plan --app uncapped` plans)."""
+
 # 2: `backend` says which runtime the app soaks (mlx, or the Core ML program `kvrig app --coreml` ships).
 # 3: `weights_residency` overrides how the app holds the weights (the lab runs one bundle both ways). Apps read
 # 2 and 3; an app that knows only 2 refuses a 3 by its schema number instead of the unknown key.
-SOAKPLAN_SCHEMA_VERSION: Final = 3
+# 4: `buffer_cache` says whether the app caps MLX's buffer cache this run (kvrig's app) or runs as an app that never
+# caps nor empties it (`kvrig plan --app uncapped`). Apps read 2 to 4.
+SOAKPLAN_SCHEMA_VERSION: Final = 4
 SOAKPLAN_FILE = "soakplan.json"
 SOAKPLAN_LAUNCH_ARGUMENT = "--kvrig-soak-plan"
 
@@ -31,7 +38,7 @@ class StopConditions(StrictModel):
 
 
 class SoakPlan(StrictModel):
-    schema_version: Literal[2, 3] = Field(default=SOAKPLAN_SCHEMA_VERSION, alias="schema")
+    schema_version: Literal[2, 3, 4] = Field(default=SOAKPLAN_SCHEMA_VERSION, alias="schema")
     run_id: str = Field(min_length=1)
     scheme: str
     schedule: GrowthSchedule
@@ -48,9 +55,16 @@ class SoakPlan(StrictModel):
         "the bundle's file (the app falls back to loading, and says so, where it cannot map); null: as the "
         "bundle's kvcache.json says",
     )
+    buffer_cache: BufferCacheMode | None = Field(
+        default=None,
+        description="MLX's buffer cache this run (schema 4): capped at kvcache.json's buffer_cache_limit_bytes "
+        "(kvrig's app), or uncapped and never emptied (an app kvrig did not write); null: capped",
+    )
 
     @model_validator(mode="after")
     def _residency_needs_schema_3(self) -> SoakPlan:
         if self.schema_version < 3 and self.weights_residency is not None:
             raise ValueError("'weights_residency' is a schema-3 field; a schema-2 plan cannot carry it")
+        if self.schema_version < 4 and self.buffer_cache is not None:
+            raise ValueError(f"'buffer_cache' is a schema-4 field; a schema-{self.schema_version} plan cannot carry it")
         return self

@@ -7,7 +7,7 @@ import uuid
 from typing import Literal
 
 from kvrig.schemas.kvcache import WeightsResidency
-from kvrig.schemas.soakplan import GrowthSchedule, SoakPlan, StopConditions
+from kvrig.schemas.soakplan import BufferCacheMode, GrowthSchedule, SoakPlan, StopConditions
 
 # Fed repeatedly to grow the context: plain prose, so tokenizers see ordinary text.
 DEFAULT_TEXT = (
@@ -28,6 +28,7 @@ def make_plan(
     max_seconds: float | None = None,
     backend: Literal["mlx", "coreml"] = "mlx",
     weights_residency: WeightsResidency | None = None,
+    buffer_cache: BufferCacheMode | None = None,
 ) -> SoakPlan:
     return SoakPlan(
         run_id=run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}",
@@ -42,4 +43,5 @@ def make_plan(
         text=text,
         backend=backend,
         weights_residency=weights_residency,
+        buffer_cache=buffer_cache,
     )

@@ -17,6 +17,13 @@ host runtime may map weights outside the allocator; the two deltas are what the 
 would add or save for the same shapes (fp32 host activations vs fp16 on the phone). MLX reports the peak of
 active memory only, so its buffer cache at the measurement stands in for the cache at the peak.
 
+An app whose cache is uncapped (`mlx_cache_uncapped`: it never sets the cap nor empties the cache) never gives
+memory back: MLX moves a freed buffer into the cache and a reused one out of it, so active + cache never falls
+within a step, and its highest point is the measurement's. The step's transients are inside the cache then
+(freed there), so adding the cache to the active peak would count them twice; the peak is
+
+    peak = max(footprint, baseline + mlx_peak + phone_format_peak_delta - mapped_weights)
+
 Mapped weights: an app that maps the bundle's weights read-only hands MLX the file's pages without a copy.
 MLX still counts them as active memory (Metal's allocator adds a no-copy buffer's length to its active bytes),
 but they are clean, file-backed pages the kernel can drop and read back, so iOS leaves them out of the
@@ -57,6 +64,8 @@ class Measurement:
     mapped_weight_bytes: int = 0
     """Weight bytes the app maps from the bundle's file: inside `mlx_active_bytes` and `weight_bytes`, outside
     the footprint (clean, file-backed pages)."""
+    mlx_cache_uncapped: int = 0
+    """1: the app never caps nor empties MLX's buffer cache (active + cache never falls within a step)."""
 
     @property
     def file_backed_bytes(self) -> int:
@@ -80,6 +89,8 @@ def footprint_bytes(m: Measurement, baseline_bytes: int = BASELINE_BYTES) -> int
 def peak_footprint_bytes(m: Measurement, baseline_bytes: int = BASELINE_BYTES) -> int:
     """The highest footprint within the step that ended at this measurement."""
     peak = m.mlx_peak_bytes + m.phone_format_peak_delta_bytes - m.file_backed_bytes if m.mlx_peak_bytes else 0
+    if m.mlx_cache_uncapped:
+        return max(footprint_bytes(m, baseline_bytes), baseline_bytes + peak)
     return max(0, baseline_bytes + max(_resident(m), peak) + m.mlx_cache_bytes)
 
 

@@ -135,6 +135,8 @@ class PhoneAccount:
     phone_dtype: str = "float16"
     mapped_weight_bytes: int = 0
     """Of the phone's weight bytes, those it maps from the file (Residency.mapped_weight_bytes)."""
+    cache_uncapped: bool = False
+    """The app never caps nor empties MLX's buffer cache (the soak plan's `buffer_cache: uncapped`)."""
 
     def measure(self, caches: list[Any], context_tokens: int) -> dict[str, int]:
         """The measurement the emulator accounts (see kvrig.virtual.footprint): phone-format weights and
@@ -157,6 +159,7 @@ class PhoneAccount:
             "phone_format_delta_bytes": self._delta(active, host_kv, phone_kv),
             "phone_format_peak_delta_bytes": self._delta(peak, host_kv, phone_kv),
             "mapped_weight_bytes": self.mapped_weight_bytes,
+            "mlx_cache_uncapped": int(self.cache_uncapped),
         }
 
     def _delta(self, host_bytes: int, host_kv: int, phone_kv: int) -> int:

@@ -10,6 +10,11 @@ Numbers are reported in the phone's format (see llm_memory); the start event lis
 That includes the weights' residency: when the phone's app would map them (kvcache.json's layout, or the soak
 plan's `weights_residency`), this runtime still loads them (the host cannot map without a copy) and reports
 `mapped` with the bytes the phone maps, which the kernel leaves out of the footprint.
+The soak plan's `buffer_cache` chooses the app: capped at kvcache.json's `buffer_cache_limit_bytes` (kvrig's app,
+the default), or `uncapped`: the app never sets MLX's cache limit nor empties the cache (mlx-lm's loop's
+`mx.clear_cache` calls do nothing), as an app grown from mlx-swift-lm's generation loop runs. Whatever loading
+the bundle freed on this host (its float32 conversions) is emptied once before the run: the phone loads without
+them. The cache is reported as the host holds it, which is the phone's format for a float32 bundle.
 
 The virtual iPhone starts it through `python -m kvrig.virtual.llmlaunch [--kvrig-soak-plan FILE] [--kvrig-bundle
 FOLDER]`, which preloads OpenBLAS before this module imports MLX.
@@ -18,6 +23,7 @@ FOLDER]`, which preloads OpenBLAS before this module imports MLX.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -28,12 +34,12 @@ from typing import Any
 
 from kvrig.kvcache.caches import make_caches
 from kvrig.runtime.blas import openblas_loaded
-from kvrig.runtime.generate import GenerationStats, generate_tokens
+from kvrig.runtime.generate import UNCAPPED_CACHE_LIMIT, GenerationStats, generate_tokens, uncapped_cache
 from kvrig.runtime.host import load_bundle_model
 from kvrig.schemas import load_model_file
 from kvrig.schemas.bundle import MANIFEST_NAME
 from kvrig.schemas.kvcache import KVCACHE_NAME, KVCacheConfig
-from kvrig.schemas.soakplan import SOAKPLAN_LAUNCH_ARGUMENT, SoakPlan
+from kvrig.schemas.soakplan import SOAKPLAN_LAUNCH_ARGUMENT, BufferCacheMode, SoakPlan
 from kvrig.schemas.telemetry import (
     TELEMETRY_FILE,
     EndEvent,
@@ -128,20 +134,25 @@ class Engine:
         channel: Channel,
         telemetry: Telemetry,
         residency: Residency | None = None,
+        buffer_cache: BufferCacheMode | None = None,
     ) -> None:
         import mlx.core as mx
         from mlx.utils import tree_flatten
 
         self.kv, self.channel, self.telemetry = kv, channel, telemetry
         self.residency = residency or Residency("loaded")
+        self.uncapped = buffer_cache == "uncapped"
         mx.set_cache_limit(kv.buffer_cache_limit_bytes)
         self.model, self.tokenizer, config = load_bundle_model(bundle)
+        if self.uncapped:
+            mx.clear_cache()  # what loading freed here (float32 conversions) the phone's load never allocates
+            mx.set_cache_limit(UNCAPPED_CACHE_LIMIT)
         self.model_type = str(config.get("model_type", ""))
         self.caches = make_caches(self.model, kv, self.model_type)
         params: list[tuple[str, Any]] = tree_flatten(self.model.parameters())  # type: ignore[assignment]
         host_weights = sum(int(v.nbytes) for _, v in params if isinstance(v, mx.array))
         self.account = PhoneAccount(
-            host_weights, stored_weight_bytes(bundle), kv.dtype, self.residency.mapped_weight_bytes
+            host_weights, stored_weight_bytes(bundle), kv.dtype, self.residency.mapped_weight_bytes, self.uncapped
         )
         self.on_critical: str = "stop_and_save"
         self.pressure = "normal"
@@ -187,7 +198,8 @@ class Engine:
             if skipped:
                 self.channel.send({"log": f"{skipped} caches cannot evict (rings, recurrent or shared state)"})
             if dropped:
-                mx.clear_cache()
+                if not self.uncapped:  # an app that never empties MLX's cache does not after an eviction either
+                    mx.clear_cache()
                 self.telemetry.write(
                     EvictEvent,
                     tokens_evicted=dropped,
@@ -212,18 +224,19 @@ class Engine:
         self.prefill_end = self.context_tokens + len(tokens)
         if not self.gate.submit("prefill", self.context_tokens):
             raise BackgroundEnded
-        for _ in generate_tokens(
-            self.model,
-            tokens,
-            self.caches,
-            self.kv,
-            max_tokens=decode_tokens,
-            stop_tokens=self.eos,
-            stats=stats,
-            model_type=self.model_type,
-            on_step=self.after_step,
-        ):
-            pass
+        with uncapped_cache() if self.uncapped else contextlib.nullcontext():
+            for _ in generate_tokens(
+                self.model,
+                tokens,
+                self.caches,
+                self.kv,
+                max_tokens=decode_tokens,
+                stop_tokens=self.eos,
+                stats=stats,
+                model_type=self.model_type,
+                on_step=self.after_step,
+            ):
+                pass
         prefill.tokens += stats.prompt_tokens
         prefill.seconds += stats.prefill_seconds
         # The first generated token comes out of the prefill; decode speed counts the steps after it.
@@ -332,7 +345,10 @@ def main(argv: list[str] | None = None) -> int:
                     "this host loads them (MLX's CPU allocator copies any buffer it is handed)"
                 }
             )
-        engine = Engine(bundle, kv, channel, telemetry, residency)
+        buffer_cache = plan.buffer_cache if plan is not None else None
+        if buffer_cache == "uncapped":
+            channel.send({"log": "MLX's buffer cache uncapped and never emptied (an app kvrig did not write)"})
+        engine = Engine(bundle, kv, channel, telemetry, residency, buffer_cache)
 
         first = engine.measure(react=False)  # the loaded weights: jetsam can strike before any token
         mapped = residency.residency == "mapped"

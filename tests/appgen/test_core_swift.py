@@ -43,6 +43,7 @@ def swift_run(
         on_critical="continue",
         backend="coreml",
         weights_residency="mapped",
+        buffer_cache="uncapped",
     )
     (inputs / "soakplan.json").write_text(plan.model_dump_json(by_alias=True, indent=2))
 
@@ -58,9 +59,10 @@ def test_core_tests_pass_and_round_trip_python_files(swift_run: dict[str, Path])
         again = json.loads((swift_run["out"] / f"roundtrip-{name}").read_text())
         assert again == original, name
     # Soak plan schema 2 carries the backend across (the default, mlx, would pass unnoticed), schema 3 the
-    # weights' residency (the default, null, likewise).
+    # weights' residency (the default, null, likewise), schema 4 the buffer cache (null: capped).
     again = json.loads((swift_run["out"] / "roundtrip-soakplan.json").read_text())
-    assert (again["schema"], again["backend"], again["weights_residency"]) == (3, "coreml", "mapped")
+    assert (again["schema"], again["backend"], again["weights_residency"]) == (4, "coreml", "mapped")
+    assert again["buffer_cache"] == "uncapped"
 
 
 def test_every_python_field_reaches_swift(swift_run: dict[str, Path], reference_kvcache) -> None:  # type: ignore[no-untyped-def]

@@ -149,6 +149,8 @@ struct MemorySample: Sendable {
     var phoneFormatPeakDeltaBytes: Int
     /// Weight bytes mapped from the bundle's file: in the MLX numbers, left out of the footprint by the kernel.
     var mappedWeightBytes: Int
+    /// The app never caps nor empties MLX's buffer cache (the soak plan's `buffer_cache: uncapped`).
+    var cacheUncapped: Bool = false
 }
 
 struct KernelVerdict: Sendable, Equatable {

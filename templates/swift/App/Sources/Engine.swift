@@ -49,6 +49,9 @@ final class Engine {
     /// Sampling temperature of chat turns and soaks (0: greedy) and the longest reply.
     @ObservationIgnored var chatTemperature: Float = 0.6
     @ObservationIgnored var chatMaxTokens = 2048
+    /// The soak plan's `buffer_cache: uncapped`: MLX's buffer cache is never capped nor emptied, as an app grown
+    /// from mlx-swift-lm's generation loop runs (what `kvrig plan --app uncapped` plans). Set once before a run.
+    nonisolated(unsafe) static var cacheUncapped = false
     let documents: URL
 
     /// `host`: set only when a host runs the engine in place of the phone (kvrig's headless runner).
@@ -83,7 +86,7 @@ final class Engine {
             let config = try ContractJSON.load(KVCacheConfig.self, from: configURL)
             self.config = config
             decider = PressureDecider(config: config, onCritical: plan?.onCritical ?? .stopAndSave)
-            let believedLimit = configureMemory(config)
+            let believedLimit = configureMemory(config, bufferCache: plan?.bufferCache)
             pressure = PressureMonitor { [weak self] level in
                 MainActor.assumeIsolated { self?.onPressure(level) }
             }
@@ -140,8 +143,13 @@ final class Engine {
     /// Caps MLX's buffer cache and sets its memory limit below what jetsam allows, so an allocation past it
     /// fails inside the app (which stops and saves) instead of the process being killed. Returns the app's
     /// memory limit as the device reports it (footprint + available), for the start event.
-    private func configureMemory(_ config: KVCacheConfig) -> Int? {
-        Memory.cacheLimit = config.bufferCacheLimitBytes
+    private func configureMemory(_ config: KVCacheConfig, bufferCache: BufferCacheMode? = nil) -> Int? {
+        Self.cacheUncapped = bufferCache == .uncapped
+        if Self.cacheUncapped {
+            Log.app.notice("MLX cache uncapped and never emptied (an app kvrig did not write)")
+        } else {
+            Memory.cacheLimit = config.bufferCacheLimitBytes
+        }
         let footprint = DeviceMemory.footprint()
         let available = DeviceMemory.available()
         let limit = Budget.mlxMemoryLimit(
@@ -254,7 +262,7 @@ final class Engine {
     nonisolated private static func afterStep(caches: CacheSet, telemetry: TelemetryLog?, host: EngineHost?) {
         let dropped = caches.applyPendingEviction()
         if dropped > 0 {
-            Memory.clearCache()
+            if !cacheUncapped { Memory.clearCache() }
             try? telemetry?.record(
                 .evict(tokensEvicted: dropped, contextTokens: caches.contextTokens, kvBytes: caches.kvBytes))
         }

@@ -197,7 +197,7 @@ final class RunnerHost: EngineHost, @unchecked Sendable {
             weightBytes: format?.phoneWeightBytes ?? stored, contextTokens: caches.contextTokens,
             phoneFormatDeltaBytes: format?.delta(hostBytes: active, hostKV: hostKV, phoneKV: phoneKV) ?? 0,
             phoneFormatPeakDeltaBytes: format?.delta(hostBytes: peak, hostKV: hostKV, phoneKV: phoneKV) ?? 0,
-            mappedWeightBytes: mapped)
+            mappedWeightBytes: mapped, cacheUncapped: Engine.cacheUncapped)
     }
 }
 
@@ -227,6 +227,7 @@ final class ChannelKernel: HostKernel, @unchecked Sendable {
                 "phone_format_delta_bytes": sample.phoneFormatDeltaBytes,
                 "phone_format_peak_delta_bytes": sample.phoneFormatPeakDeltaBytes,
                 "mapped_weight_bytes": sample.mappedWeightBytes,
+                "mlx_cache_uncapped": sample.cacheUncapped ? 1 : 0,
             ]
         ])
         // The emulator's scene news ({"scene": ...}, {"continued_processing": ...}) may come before the verdict:

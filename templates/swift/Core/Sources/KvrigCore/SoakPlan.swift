@@ -96,9 +96,16 @@ public enum CriticalBehaviour: String, Codable, Sendable {
     case `continue`
 }
 
+/// MLX's buffer cache in a soak (schema 4): capped at kvcache.json's `buffer_cache_limit_bytes` (kvrig's app), or
+/// never capped nor emptied, as an app grown from mlx-swift-lm's generation loop runs (`kvrig plan --app uncapped`).
+public enum BufferCacheMode: String, Codable, Sendable {
+    case capped
+    case uncapped
+}
+
 public struct SoakPlan: Codable, Equatable, Sendable {
-    public static let schemaVersion = 3
-    public static let readableSchemas = 2...3
+    public static let schemaVersion = 4
+    public static let readableSchemas = 2...4
     public static let launchArgument = "--kvrig-soak-plan"
     public static let defaultFile = "soakplan.json"
 
@@ -113,6 +120,8 @@ public struct SoakPlan: Codable, Equatable, Sendable {
     public var backend: TelemetryBackend
     /// Overrides kvcache.json's `weights_layout` for this run (the lab soaks one bundle loaded and mapped).
     public var weightsResidency: WeightsResidency?
+    /// MLX's buffer cache this run (schema 4); nil: capped, as kvcache.json says.
+    public var bufferCache: BufferCacheMode?
 
     enum CodingKeys: String, CodingKey, CaseIterable {
         case schema
@@ -122,12 +131,14 @@ public struct SoakPlan: Codable, Equatable, Sendable {
         case onCritical = "on_critical"
         case backend
         case weightsResidency = "weights_residency"
+        case bufferCache = "buffer_cache"
     }
 
     public init(
         runId: String, scheme: String, schedule: GrowthSchedule, stop: StopConditions = StopConditions(),
         text: String, telemetryFile: String = "telemetry.jsonl", onCritical: CriticalBehaviour = .stopAndSave,
-        backend: TelemetryBackend = .mlx, weightsResidency: WeightsResidency? = nil
+        backend: TelemetryBackend = .mlx, weightsResidency: WeightsResidency? = nil,
+        bufferCache: BufferCacheMode? = nil
     ) {
         self.schema = Self.schemaVersion
         self.runId = runId
@@ -139,6 +150,7 @@ public struct SoakPlan: Codable, Equatable, Sendable {
         self.onCritical = onCritical
         self.backend = backend
         self.weightsResidency = weightsResidency
+        self.bufferCache = bufferCache
     }
 
     public init(from decoder: Decoder) throws {
@@ -154,8 +166,10 @@ public struct SoakPlan: Codable, Equatable, Sendable {
         onCritical = try c.decodeIfPresent(CriticalBehaviour.self, forKey: .onCritical) ?? .stopAndSave
         backend = try c.decodeIfPresent(TelemetryBackend.self, forKey: .backend) ?? .mlx
         weightsResidency = try c.decodeIfPresent(WeightsResidency.self, forKey: .weightsResidency)
-        try require(Self.readableSchemas.contains(schema), "schema", "expected 2 or 3, got \(schema)")
+        bufferCache = try c.decodeIfPresent(BufferCacheMode.self, forKey: .bufferCache)
+        try require(Self.readableSchemas.contains(schema), "schema", "expected 2 to 4, got \(schema)")
         try require(schema >= 3 || weightsResidency == nil, "weights_residency", "a schema-3 field")
+        try require(schema >= 4 || bufferCache == nil, "buffer_cache", "a schema-4 field")
         try require(!runId.isEmpty, "run_id", "must not be empty")
     }
 
@@ -172,6 +186,7 @@ public struct SoakPlan: Codable, Equatable, Sendable {
         try c.encode(onCritical, forKey: .onCritical)
         try c.encode(backend, forKey: .backend)
         try c.encode(weightsResidency, forKey: .weightsResidency)
+        try c.encode(bufferCache, forKey: .bufferCache)
     }
 
     /// The plan file named by `--kvrig-soak-plan PATH` in the launch arguments; a relative path is taken

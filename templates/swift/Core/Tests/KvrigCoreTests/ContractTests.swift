@@ -68,6 +68,7 @@ final class ContractTests: XCTestCase {
         var two = object
         two["schema"] = 2
         two.removeValue(forKey: "weights_residency")
+        two.removeValue(forKey: "buffer_cache")
         let older = try ContractJSON.decoder().decode(SoakPlan.self, from: JSONSerialization.data(withJSONObject: two))
         XCTAssertEqual(older.schema, 2)
         XCTAssertNil(older.weightsResidency)
@@ -78,8 +79,21 @@ final class ContractTests: XCTestCase {
         odd["weights_residency"] = "wired"
         XCTAssertThrowsError(
             try ContractJSON.decoder().decode(SoakPlan.self, from: JSONSerialization.data(withJSONObject: odd)))
+        // Schema 4: the plan may run the app with MLX's buffer cache uncapped; a schema-3 plan cannot carry it.
+        var three = object
+        three["schema"] = 3
+        three.removeValue(forKey: "buffer_cache")
+        XCTAssertNil(try ContractJSON.decoder().decode(
+            SoakPlan.self, from: JSONSerialization.data(withJSONObject: three)).bufferCache)
+        three["buffer_cache"] = "uncapped"
+        XCTAssertThrowsError(
+            try ContractJSON.decoder().decode(SoakPlan.self, from: JSONSerialization.data(withJSONObject: three)))
+        var uncapped = object
+        uncapped["buffer_cache"] = "uncapped"
+        XCTAssertEqual(try ContractJSON.decoder().decode(
+            SoakPlan.self, from: JSONSerialization.data(withJSONObject: uncapped)).bufferCache, .uncapped)
         var later = object
-        later["schema"] = 4
+        later["schema"] = 5
         XCTAssertThrowsError(
             try ContractJSON.decoder().decode(SoakPlan.self, from: JSONSerialization.data(withJSONObject: later)))
     }
