@@ -170,7 +170,7 @@ def run_demo(options: DemoOptions, on_event: Event | None = None) -> DemoResult:
     )
 
     _say(on_event, "rendering the app and building the .ipa for the virtual iPhone ...")
-    project = render_app(bundle, out / "app", AppOptions(name=APP_NAME, bundle_id=APP_ID), force=True).project
+    project = render_app(bundle, out / "app", AppOptions(name=APP_NAME, bundle_id=APP_ID), replace=True).project
     ipa = build_virtual_ipa(project, out / f"{project.name}-virtual.ipa", APP_RUNTIMES[runtime.runtime])
     _say(on_event, f"the virtual iPhone runs {runtime.why}")
 

@@ -120,7 +120,7 @@ class VerifyError(BundleError):
 
 
 class BundleExistsError(BundleError):
-    """The output folder exists (replace a bundle only with --force; never a folder that is not a bundle)."""
+    """The output folder exists (replace a bundle only with --replace; never a folder that is not a bundle)."""
 
     exit_code = 36
 
@@ -150,7 +150,7 @@ class AppGenError(KvrigError):
 
 
 class AppExistsError(AppGenError):
-    """The output folder holds files and is not a project kvrig generated (no marker file): `--force` replaces
+    """The output folder holds files and is not a project kvrig generated (no marker file): `--replace` replaces
     only what `kvrig app` made."""
 
     exit_code = 35

@@ -45,6 +45,9 @@ def probe(*args: str, cwd: Path) -> dict:
         (["demo", "--kv", "auto,k4v1", "-o", "out"], QuantizationError.exit_code, "--kv", "k4v1"),
         # --force meant three things: now refused, naming the flag for each
         (["package", "--force", "-o", "out"], 2, "--ignore-gate", "--replace"),
+        # app and export: --force meant replace, and says so
+        (["app", "b", "--name", "X", "--bundle-id", "com.x.y", "-o", "out", "--force"], 2, "--force", "--replace"),
+        (["export", "coreml", "b", "-o", "out.mlpackage", "--force"], 2, "--force", "--replace"),
     ],
 )
 def test_a_bad_recipe_or_group_is_refused_at_the_command_line(

@@ -6,7 +6,7 @@ symbol list) and is not rendered.
 
 A project is written whole or not at all: into a hidden folder beside `out`, which is renamed into place at the
 end (swapped with the old project in one rename), and removed on any failure. Each project carries a marker file
-(MARKER); `force` replaces only a folder that has it (or an empty one), never a folder kvrig did not make.
+(MARKER); `replace` replaces only a folder that has it (or an empty one), never a folder kvrig did not make.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ SOAK_EXAMPLE_TEXT = (
 COREML_RESOURCE = "KvrigModel.mlpackage"
 COREML_SOURCES = ("App", "CoreML")
 
-MARKER = ".kvrig-app.json"  # in every generated project: what `--force` may replace
+MARKER = ".kvrig-app.json"  # in every generated project: what `--replace` may replace
 _BUNDLE_ID = re.compile(r"^[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)+$")
 _TEAM_ID = re.compile(r"^[A-Z0-9]{10}$")
 
@@ -191,32 +191,32 @@ def _dump(data: Any) -> str:
     return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
 
 
-def check_output(out: Path, *, force: bool) -> None:
-    """`out` may take a project: absent, empty, or (with `force`) a project kvrig generated."""
+def check_output(out: Path, *, replace: bool) -> None:
+    """`out` may take a project: absent, empty, or (with `replace`) a project kvrig generated."""
     if not out.exists() and not out.is_symlink():
         return
     if out.is_symlink() or not out.is_dir():
         raise AppExistsError(f"{out}: exists and is not a folder; not replacing it")
     if not any(out.iterdir()):
         return
-    if not force:
-        raise AppExistsError(f"{out}: folder is not empty (use --force to replace a project kvrig generated)")
+    if not replace:
+        raise AppExistsError(f"{out}: folder is not empty (use --replace to replace a project kvrig generated)")
     marker = out / MARKER
     if marker.is_symlink() or not marker.is_file():
         raise AppExistsError(
-            f"{out}: not a project kvrig generated (no {MARKER}); --force replaces only those, so nothing was touched"
+            f"{out}: not a project kvrig generated (no {MARKER}); --replace replaces only those, so nothing was touched"
         )
 
 
-def render_app(bundle: str | Path, out: str | Path, options: AppOptions, *, force: bool = False) -> RenderResult:
+def render_app(bundle: str | Path, out: str | Path, options: AppOptions, *, replace: bool = False) -> RenderResult:
     """Writes the Xcode project for `bundle` into `out`, whole or not at all.
 
     Raises InputError for bad options or a bad bundle, AppExistsError when `out` holds files and is not (or,
-    without `force`, may not be replaced as) a project kvrig generated."""
+    without `replace`, may not be replaced as) a project kvrig generated."""
     bundle, out = Path(bundle), Path(out)
     validate_options(options)
     kv, model_config = read_bundle(bundle)
-    check_output(out, force=force)
+    check_output(out, replace=replace)
     if options.coreml_model is not None and not (options.coreml_model / "Manifest.json").is_file():
         raise InputError(
             "not a Core ML package", file=options.coreml_model, expected="a .mlpackage written by `kvrig export coreml`"
@@ -227,7 +227,7 @@ def render_app(bundle: str | Path, out: str | Path, options: AppOptions, *, forc
         raise AppGenError(f"{out.parent}: cannot create the output folder: {exc.strerror or exc}") from None
     with _writes(out), scratch_dir(out.parent, f".{out.name}.partial-") as tmp:
         written = _render_into(tmp, bundle, options, kv, model_config)
-        check_output(out, force=force)  # again: it may have appeared while rendering
+        check_output(out, replace=replace)  # again: it may have appeared while rendering
         swap_in(tmp, out)
     return RenderResult(project=out, files=[out / p.relative_to(tmp) for p in written], kvcache=kv)
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from kvrig.cli.options import retired_force_option
 from kvrig.cli.render import echo_json, json_option
 
 
@@ -20,7 +21,12 @@ from kvrig.cli.render import echo_json, json_option
     help="Also request the extended-virtual-addressing entitlement.",
 )
 @click.option("-o", "--output", "output", type=click.Path(path_type=Path), required=True, help="Project folder.")
-@click.option("--force", is_flag=True, help="Replace the output folder if it holds files.")
+@click.option(
+    "--replace",
+    is_flag=True,
+    help="Replace a project kvrig generated at -o (whole, in one rename); never another folder.",
+)
+@retired_force_option("use --replace to replace a project kvrig generated at -o")
 @click.option(
     "--coreml",
     "coreml_model",
@@ -35,7 +41,7 @@ def app(
     team: str | None,
     extended_virtual_addressing: bool,
     output: Path,
-    force: bool,
+    replace: bool,
     coreml_model: Path | None,
     as_json: bool,
 ) -> None:
@@ -49,7 +55,7 @@ def app(
         extended_virtual_addressing=extended_virtual_addressing,
         coreml_model=coreml_model,
     )
-    result = render_app(bundle, output, options, force=force)
+    result = render_app(bundle, output, options, replace=replace)
     if as_json:
         echo_json({"project": str(result.project), "files": [str(p.relative_to(output)) for p in result.files]})
         return

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from kvrig.cli.options import retired_force_option
 from kvrig.cli.render import echo_json, human_bytes, json_option
 
 
@@ -23,14 +24,15 @@ def export() -> None:
     type=click.IntRange(min=1),
     help="Tokens the KV state holds (default: the bundle's planned max context from kvcache.json).",
 )
-@click.option("--force", is_flag=True, help="Replace an existing OUTPUT.")
+@click.option("--replace", is_flag=True, help="Replace an existing OUTPUT.")
+@retired_force_option("use --replace to replace an existing OUTPUT")
 @json_option
-def coreml(bundle: Path, output: Path, target: str, context: int | None, force: bool, as_json: bool) -> None:
+def coreml(bundle: Path, output: Path, target: str, context: int | None, replace: bool, as_json: bool) -> None:
     """Write BUNDLE as a stateful Core ML program: its own 4/8-bit weight groups as block-wise constexpr ops,
     the KV cache as iOS 18 state, one function for prefill (many tokens) and decode (one)."""
     from kvrig.coreml.export import export_coreml
 
-    result = export_coreml(bundle, output, target=target, context=context, force=force)
+    result = export_coreml(bundle, output, target=target, context=context, replace=replace)
     if as_json:
         echo_json(result)
         return

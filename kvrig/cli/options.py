@@ -25,6 +25,17 @@ def backend_option(default: str | None, help: str) -> Decorator:
     )
 
 
+def retired_force_option(instead: str) -> Decorator:
+    """`--force`, no longer taken: it meant several things, each its own flag now, so a script that used it is
+    refused (a usage error, exit 2) with `instead` saying which flag to give."""
+
+    def refuse(_ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+        if value:
+            raise click.UsageError(f"--force is retired: {instead}")
+
+    return click.option("--force", is_flag=True, hidden=True, expose_value=False, callback=refuse, help=instead)
+
+
 def tokens_option(name: str, default: int, help: str, *, minimum: int = 1) -> Decorator:
     """A count of tokens (a context, a step), at least `minimum`."""
     return click.option(name, type=click.IntRange(min=minimum), default=default, show_default=True, help=help)

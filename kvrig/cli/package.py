@@ -6,19 +6,10 @@ from pathlib import Path
 
 import click
 
-from kvrig.cli.options import checked_specs, group_size_option, ram_option
+from kvrig.cli.options import checked_specs, group_size_option, ram_option, retired_force_option
 from kvrig.cli.output import info, warn
 from kvrig.cli.render import echo_json, human_bytes, json_option
 from kvrig.recipes import DEFAULT_GROUP_SIZE, WEIGHT_CANDIDATES
-
-
-def _split_force(_ctx: click.Context, _param: click.Parameter, value: bool) -> None:
-    """--force meant three things; each is its own flag now, so a script that used it says which it meant."""
-    if value:
-        raise click.UsageError(
-            "--force is split: --replace (an existing bundle at -o), --ignore-fit (the plan's fit check), "
-            "--ignore-gate (the quality gate); give the ones you mean"
-        )
 
 
 @click.command("package", short_help="Quantize a model into a bundle for the phone (weights, kvcache.json, manifest).")
@@ -79,13 +70,9 @@ def _split_force(_ctx: click.Context, _param: click.Parameter, value: bool) -> N
 @click.option("--replace", is_flag=True, help="Replace an existing bundle at -o (swapped in at once).")
 @click.option("--ignore-fit", is_flag=True, help="Package even if the plan says it does not fit on --device.")
 @click.option("--ignore-gate", is_flag=True, help="Keep a bundle over the quality gate (recorded as forced).")
-@click.option(
-    "--force",
-    is_flag=True,
-    hidden=True,
-    expose_value=False,
-    callback=_split_force,
-    help="Split into --replace, --ignore-fit and --ignore-gate.",
+@retired_force_option(
+    "it is split into --replace (an existing bundle at -o), --ignore-fit (the plan's fit check) and "
+    "--ignore-gate (the quality gate); give the ones you mean"
 )
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Bundle folder to create.")
 @json_option

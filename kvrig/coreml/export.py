@@ -79,7 +79,7 @@ def export_coreml(
     *,
     target: str = "iOS18",
     context: int | None = None,
-    force: bool = False,
+    replace: bool = False,
 ) -> ExportResult:
     """Write `bundle` as a stateful Core ML program at `output` and return what the saved package holds."""
     import numpy as np
@@ -88,8 +88,8 @@ def export_coreml(
     from .program import INPUT_IDS, build_program
     from .weights import read_bundle_weights
 
-    if output.exists() and not force:
-        raise CoreMLExportError(f"{output}: already exists (pass --force to replace it)")
+    if output.exists() and not replace:
+        raise CoreMLExportError(f"{output}: already exists (pass --replace to replace it)")
     if output.suffix != ".mlpackage":
         raise CoreMLExportError(f"{output}: the output must end in .mlpackage")
     config_path = bundle / "config.json"

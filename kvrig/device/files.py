@@ -42,6 +42,7 @@ from pymobiledevice3.services.afc import AfcError, AfcService
 from pymobiledevice3.services.house_arrest import HouseArrestService
 
 from kvrig.device.discovery import Device
+from kvrig.device.loop import bounded
 from kvrig.device.paths import new_file, safe_join
 from kvrig.exceptions import BundleError, DeviceFileError, OutputWriteError, SchemaError, VerifyError
 from kvrig.fileio import read_data
@@ -251,7 +252,7 @@ async def _stream(afc: AfcService, path: str, sink: BinaryIO, bounds: Bounds, of
         return copied
     finally:
         with contextlib.suppress(Exception):  # the link may be gone, or the phone may not answer this either
-            await asyncio.wait_for(afc.fclose(handle), CLOSE_TIMEOUT_S)
+            await bounded(afc.fclose(handle), CLOSE_TIMEOUT_S)
 
 
 async def pull_to_file(device: Device, afc: AfcService, path: str, target: Path, bounds: Bounds) -> int:

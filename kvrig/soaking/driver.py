@@ -13,7 +13,9 @@ Every read from the phone is bounded (`files.Bounds`): the telemetry is pulled a
 and only the new lines are looked at for the end record, up to TELEMETRY.max_bytes in all; each poll within
 the run's own times (CALL_TIMEOUT_S, never longer than `hang_after_s`); reports within `report_wait_s` plus
 CALL_TIMEOUT_S, one bad entry skipped with why. A run that fails or is interrupted (Ctrl-C, SIGTERM, its lab
-worker told to stop) stops the app it launched before it ends, within STOP_APP_S.
+worker told to stop) stops the app it launched before it ends: tried again until it is gone or STOP_APP_S has
+passed, run to its end whatever further cancels arrive (`to_the_end`), and its verdict saved in results.json
+("the app was stopped" or why it may still run; "stopping the app" if the process was ended by force meanwhile).
 
 On iOS 17+ the run goes through one tunnel (see `kvrig.device.session`), held for the whole run. When
 process control stops answering, os_trace's process list (over lockdown, no tunnel) tells a dropped tunnel
@@ -38,6 +40,7 @@ from kvrig.device.apps import AppInfo, get_app
 from kvrig.device.battery import BatteryReader
 from kvrig.device.discovery import Device
 from kvrig.device.files import DOCUMENTS, Bounds, Container
+from kvrig.device.loop import bounded, to_the_end
 from kvrig.device.processes import Processes
 from kvrig.device.session import open_session
 from kvrig.device.syslog import LogFollower
@@ -75,7 +78,8 @@ REPORTS_OUT = "reports"
 KILL_WAIT_S = 10.0
 CALL_TIMEOUT_S = 30.0  # one poll of the phone; a tunnel whose transport died may never answer
 MIN_READ_S = 5.0  # a telemetry read gets at least this long, however short `hang_after_s` is
-STOP_APP_S = 10.0  # stopping the app when a run fails or is interrupted
+STOP_APP_S = 10.0  # stopping the app when a run fails or is interrupted, every try included
+STOP_TRY_S = 4.0  # one try: open process control, find the app, kill it, see it gone
 LOG_DRAIN_S = 1.0  # the kernel's and SpringBoard's lines about a dead app follow its death by a moment
 # A soak's telemetry is about 1 MiB at most (a step record every few hundred tokens); 16 MiB is an app gone wrong.
 TELEMETRY = Bounds(16 * 1024 * 1024, CALL_TIMEOUT_S)
@@ -208,20 +212,27 @@ async def run_soak(
             result.error = result.error or f"interrupted during {_current_step(result)}"
             result.finished = time.time()
         if watch.pid and not watch.lost:
-            failed = await _stop_app(device, app_bundle_id, watch.pid)
-            if interrupted and result.error is not None:
+            told = result.error
+            if interrupted:
+                result.error = f"{told}; stopping the app"  # what stays if the process is ended by force meanwhile
+                rec.save()
+            failed = await to_the_end(_stop_app(device, app_bundle_id, watch.pid))
+            if interrupted:
                 # Said only once it is so: an app left running is what the next run on this phone meets.
-                result.error += "; the app was stopped" if failed is None else f"; the app may still run: {failed}"
+                result.error = (
+                    f"{told}; the app was stopped" if failed is None else f"{told}; the app may still run: {failed}"
+                )
+            rec.save()
         raise
     finally:
         await away.stop()
         await follower.stop(LOG_DRAIN_S if watch.died else 0.0)
-        await battery.stop()
         result.interruptions = watch.interruptions
         result.tunnel = tunnel_ref(device)
         if watch.pulled:
             result.files.telemetry = TELEMETRY_OUT
         rec.save()
+        await battery.stop()
 
     jetsam_paths: list[Path] = []
     crash_paths: list[Path] = []
@@ -282,28 +293,29 @@ def _current_step(result: SoakResult) -> str:
 
 
 async def _stop_app(device: Device, bundle_id: str, pid: int) -> str | None:
-    """Kills the app this run launched, within STOP_APP_S, trying again once if the first try fails; best
-    effort (the phone may be what failed). None when it is stopped, else why not."""
+    """Kills the app this run launched and sees it gone, each try within STOP_TRY_S, tried again until STOP_APP_S
+    has passed; best effort (the phone may be what failed). None when it is stopped, else why not."""
 
     async def stop() -> None:
         async with Processes(device) as processes:
             if await processes.pid_for(bundle_id) == pid:
                 await processes.kill(pid)
+            while await processes.pid_for(bundle_id) == pid:  # killed is not yet gone
+                await asyncio.sleep(0.1)
 
     deadline = time.monotonic() + STOP_APP_S
-    why = "not tried"
-    for _ in range(2):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
+    why, tries = "not tried", 0
+    while (left := deadline - time.monotonic()) > 0:
+        tries += 1
         try:
-            await asyncio.wait_for(stop(), left)
+            await bounded(stop(), min(left, STOP_TRY_S))
             return None
         except TimeoutError:
-            return f"no answer within {STOP_APP_S:g} s"
+            why = f"no answer within {min(left, STOP_TRY_S):.3g} s"
         except Exception as exc:  # whatever the phone did, the error being unwound is the one to raise
             why = f"{type(exc).__name__}: {exc}"
-    return why
+        await asyncio.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
+    return f"{why} (the last of {tries} tries in {STOP_APP_S:g} s)"
 
 
 def check_backend(plan: SoakPlan, app: AppInfo, udid: str) -> None:
@@ -348,7 +360,7 @@ class _BatterySampler:
 
     async def sample(self) -> None:
         try:
-            read = await asyncio.wait_for(self.reader.read(), CALL_TIMEOUT_S)
+            read = await bounded(self.reader.read(), CALL_TIMEOUT_S)
         except (KvrigError, TimeoutError):
             await self.reader.close()
             return
@@ -543,7 +555,7 @@ class _Watch:
 async def _call(awaitable: Awaitable[T], what: str, timeout_s: float = CALL_TIMEOUT_S) -> T:
     """One call to the phone, bounded: a tunnel whose transport died may leave a reply pending forever."""
     try:
-        return await asyncio.wait_for(awaitable, timeout_s)
+        return await bounded(awaitable, timeout_s)
     except TimeoutError:
         raise DeviceLostError(f"{what}: the phone did not answer within {timeout_s:g} s") from None
 

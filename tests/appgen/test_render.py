@@ -211,12 +211,12 @@ def test_output_folder_not_overwritten_without_force(tmp_path: Path, reference_b
     with pytest.raises(AppExistsError):
         render_app(reference_bundle, out, options)
     with pytest.raises(AppExistsError, match="not a project kvrig generated"):
-        render_app(reference_bundle, out, options, force=True)  # --force replaces only what kvrig made
+        render_app(reference_bundle, out, options, replace=True)  # --replace replaces only what kvrig made
     assert (out / "keep.txt").read_text() == "mine"
     (out / "keep.txt").unlink()
     render_app(reference_bundle, out, options)  # an empty folder takes a project
     (out / "App" / "stale.swift").write_text("// from an older render")
-    render_app(reference_bundle, out, AppOptions(name="Y", bundle_id="com.example.y"), force=True)
+    render_app(reference_bundle, out, AppOptions(name="Y", bundle_id="com.example.y"), replace=True)
     assert not (out / "App" / "stale.swift").exists() and "Y" in (out / "App" / "Info.plist").read_text()
 
 

@@ -51,8 +51,8 @@ def test_export_json_and_existing_output(
     assert {s["shape"][2] for s in data["package"]["states"]} == {32}
     code, _, err = _run(["export", "coreml", bundle, "-o", str(out)], capsys)
     assert code == CoreMLExportError.exit_code == 41
-    assert str(out) in err and "--force" in err
-    code, stdout, _ = _run(["export", "coreml", bundle, "-o", str(out), "--force"], capsys)
+    assert str(out) in err and "--replace" in err
+    code, stdout, _ = _run(["export", "coreml", bundle, "-o", str(out), "--replace"], capsys)
     assert code == 0 and "context 64 (kvcache.json)" in stdout
 
 

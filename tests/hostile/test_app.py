@@ -1,4 +1,4 @@
-"""`kvrig app` against folders and names it must not trust (defects 7, 10, 11 of issue 24): `--force` replaces
+"""`kvrig app` against folders and names it must not trust (defects 7, 10, 11 of issue 24): `--replace` replaces
 only a project kvrig generated (its marker file), a project is written whole or not at all, an app name that is
 not UTF-8 is exit 3 with nothing touched, and `$(...)` in a name stays text in Info.plist."""
 
@@ -38,26 +38,26 @@ def _project(tmp_path: Path, name: str = "Mine") -> tuple[Path, Path]:
     return bundle, out
 
 
-@hostile(7, "kvrig app --force into a folder holding thesis.tex and .git", "exit 35; every file kept")
-def test_force_never_deletes_a_folder_kvrig_did_not_make(tmp_path: Path) -> None:
+@hostile(7, "kvrig app --replace into a folder holding thesis.tex and .git", "exit 35; every file kept")
+def test_replace_never_deletes_a_folder_kvrig_did_not_make(tmp_path: Path) -> None:
     bundle = write_bundle(tmp_path / "bundle")
     thesis = tmp_path / "thesis"
     (thesis / ".git" / "objects").mkdir(parents=True)
     (thesis / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
     (thesis / "thesis.tex").write_text("\\documentclass{book}\n")
     before = _snapshot(thesis)
-    ran = kvrig("app", str(bundle), "--name", "X", *APP, "-o", str(thesis), "--force")
+    ran = kvrig("app", str(bundle), "--name", "X", *APP, "-o", str(thesis), "--replace")
     assert ran.code == 35, ran.stderr
     assert "not a project kvrig generated (no .kvrig-app.json)" in ran.stderr
     assert _snapshot(thesis) == before and (thesis / ".git" / "objects").is_dir()
     assert _leftovers(tmp_path) == []
 
 
-@hostile(7, "kvrig app --force over its own project", "replaced whole in one rename; the old files gone")
-def test_force_replaces_a_generated_project_whole(tmp_path: Path) -> None:
+@hostile(7, "kvrig app --replace over its own project", "replaced whole in one rename; the old files gone")
+def test_replace_replaces_a_generated_project_whole(tmp_path: Path) -> None:
     bundle, out = _project(tmp_path)
     (out / "App" / "Sources" / "Stale.swift").write_text("// a file the new project does not have")
-    ran = kvrig("app", str(bundle), "--name", "Renamed", *APP, "-o", str(out), "--force")
+    ran = kvrig("app", str(bundle), "--name", "Renamed", *APP, "-o", str(out), "--replace")
     assert ran.code == 0, ran.stderr
     assert not (out / "App" / "Sources" / "Stale.swift").exists()
     info = plistlib.loads((out / "App" / "Info.plist").read_bytes())
@@ -65,14 +65,14 @@ def test_force_replaces_a_generated_project_whole(tmp_path: Path) -> None:
     assert _leftovers(out.parent) == []
 
 
-@hostile(10, "an app name that is not UTF-8, --force over a project", "exit 3 naming --name; the project untouched")
+@hostile(10, "an app name that is not UTF-8, --replace over a project", "exit 3 naming --name; the project untouched")
 def test_a_name_that_is_not_utf8_touches_nothing(tmp_path: Path) -> None:
     bundle, out = _project(tmp_path)
     before = _snapshot(out)
     assert len(before) > 30
     argv = [sys.executable, "-m", "kvrig", "app", str(bundle), "--name", "Caf\udce9 \udcff", *APP]
     done = subprocess.run(
-        [os.fsencode(a) for a in [*argv, "-o", str(out), "--force"]],
+        [os.fsencode(a) for a in [*argv, "-o", str(out), "--replace"]],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -85,7 +85,7 @@ def test_a_name_that_is_not_utf8_touches_nothing(tmp_path: Path) -> None:
     assert _leftovers(out.parent) == []
 
 
-@hostile(7, "the disk fills while kvrig app --force renders", "exit 15; the old project whole, nothing left over")
+@hostile(7, "the disk fills while kvrig app --replace renders", "exit 15; the old project whole, nothing left over")
 def test_a_render_that_fails_leaves_the_old_project_whole(tmp_path: Path) -> None:
     bundle, out = _project(tmp_path)
     before = _snapshot(out)
@@ -95,7 +95,7 @@ def test_a_render_that_fails_leaves_the_old_project_whole(tmp_path: Path) -> Non
         resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))  # larger template files cannot be written
 
     done = subprocess.run(
-        [sys.executable, "-m", "kvrig", "app", str(bundle), "--name", "New", *APP, "-o", str(out), "--force"],
+        [sys.executable, "-m", "kvrig", "app", str(bundle), "--name", "New", *APP, "-o", str(out), "--replace"],
         capture_output=True,
         text=True,
         cwd=ROOT,
