@@ -28,7 +28,6 @@ from kvrig.planner.kv import (
     context_schedule,
     dequantizes_on_read,
     extra_bytes,
-    host_scheme_attention,
     layer_quantized,
 )
 from kvrig.planner.runtime import forward_buffers
@@ -229,8 +228,7 @@ def trace_run(
     make = cache_factory(spec, scheme)
     groups = probe.groups(make)
     width = DTYPE_BYTES[scheme.dtype]
-    # the host's scheme cache counts its dequantized keys and values in its attention (forward_buffers)
-    dequantized = 0 if host_scheme_attention(spec, scheme, policy.backend) else dequantized_rows(spec, scheme) * width
+    dequantized = dequantized_rows(spec, scheme) * width
     extras = extra_bytes(spec, scheme)
     steps: list[StepMemory] = []
     for g, generation in enumerate(run):

@@ -235,17 +235,9 @@ def _row_bytes(spec: ModelSpec, scheme: KVSpec, layer: LayerSpec) -> int:
     return probe.slot_bytes(slot, (MLX_STEP,), make) // MLX_STEP
 
 
-def host_scheme_attention(spec: ModelSpec, scheme: KVSpec, backend: str) -> bool:
-    """Whether attention runs through kvrig's own scheme cache: K and V at different widths on the host (cpu) for
-    a model whose attention reads quantized keys (the phone's app dequantizes them for MLX's attention instead).
-    Its dequantized keys and values are part of the attention transient measured on that cache."""
-    return backend == "cpu" and dequantizes_on_read(scheme, spec) and spec.quantized_attention
-
-
 def dequantized_read_bytes(spec: ModelSpec, scheme: KVSpec, context: int, backend: str = "metal") -> int:
-    """Transient bytes of kvrig's dequantizing cache: one layer's K and V dequantized for attention (none where
-    the host's scheme cache reads them: its attention transient counts them)."""
-    if not dequantizes_on_read(scheme, spec) or host_scheme_attention(spec, scheme, backend):
+    """Transient bytes of kvrig's dequantizing cache: one layer's K and V dequantized for attention."""
+    if not dequantizes_on_read(scheme, spec):
         return 0
     width = DTYPE_BYTES[scheme.dtype]
     return max(

@@ -825,8 +825,8 @@ def _attention_note(spec: ModelSpec, request: PlanRequest) -> str | None:
         mixed_text = ""
     elif request.backend == "cpu":
         mixed_text = (
-            f"; on this host {names} (K and V at their own widths) go through kvrig's scheme cache, which dequantizes "
-            "a prefill chunk's keys and values and multiplies them itself (scores included)"
+            f"; on this host {names} (K and V at their own widths) go through kvrig's scheme cache, counted as "
+            "mlx-lm's quantized attention at the key width plus one dequantized layer"
         )
     else:
         deq = ", ".join(human_mib(dequantized_read_bytes(spec, s, context, request.backend)) for s in mixed)
@@ -838,7 +838,7 @@ def _attention_note(spec: ModelSpec, request: PlanRequest) -> str | None:
         f"Prefill transient by attention path: {', '.join(s.name for s in equal)} (K and V at one width) run mlx-lm's "
         "quantized attention, unfused on every backend, so each prefill chunk holds heads x chunk x context scores"
         f"{mixed_text}. Attention buffers of a {step}-token chunk at {context} tokens on {request.backend}: {shown} "
-        "(buffers per score measured on MLX's own attention and on kvrig's cache on this host; "
+        "(buffers per score measured on MLX's own attention on this host; "
         "tests/plan/test_transient_qwen3_4b.py). A smaller cache can need more memory in total at long contexts."
     )
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from kvrig.models.layers import DTYPE_BYTES
 from kvrig.models.spec import ModelSpec
-from kvrig.planner.kv import dequantizes_on_read, host_scheme_attention, layer_quantized, row_bytes
+from kvrig.planner.kv import dequantizes_on_read, layer_quantized, row_bytes
 from kvrig.planner.transient import DEFAULT_BACKEND, Backend, scores_buffers
 from kvrig.recipes import KVSpec
 
@@ -107,9 +107,6 @@ def _scores_buffers(
         stored = scheme is not None and layer_quantized(layer, scheme)
         quantized = stored and scheme is not None and not dequantizes_on_read(scheme, spec)
         key_bits = scheme.key_bits if quantized and scheme is not None else None
-        value_bits = None
-        if stored and scheme is not None and host_scheme_attention(spec, scheme, backend):
-            key_bits, value_bits = scheme.key_bits_for(layer.index), scheme.value_bits
         parts = scores_buffers(
             backend=backend,
             heads=heads,
@@ -119,7 +116,6 @@ def _scores_buffers(
             keys=keys,
             width=DTYPE_BYTES[dtype],
             key_bits=key_bits,
-            value_bits=value_bits,
         )
         largest = max(largest, parts, key=sum)
     return largest

@@ -23,8 +23,9 @@ Which attention a quantized cache meets depends on its bits (the k4v4-vs-k8v4 di
 - K and V at different widths (k8v4): mlx-lm's attention takes one width. On the phone the app's
   `MixedBitsKVCache` dequantizes the layer's keys and values and hands them to MLX's fused attention: one
   dequantized layer (counted as the dequantized read), no scores where the kernel is fused. On the host (`cpu`)
-  kvrig's `SchemeKVCache` dequantizes a prefill chunk's segment and multiplies with BLAS: its own graph (scores,
-  mask, softmax, the dequantized keys and values), measured on that cache itself, not on MLX's attention.
+  kvrig's `SchemeKVCache` dequantizes a prefill chunk's segment and multiplies with BLAS; the plan counts it as
+  mlx-lm's quantized attention at the key width plus the dequantized layer. (A probe of that cache's own graph
+  read between 0.03 and 1.28 buffers per score from one fresh process to the next: no plan can rest on it.)
 
 So for Qwen3-4B at 8192 tokens on the phone a 512-token chunk of k4v4 holds 32 x 512 x 8192 scores (256 MiB at
 float16, times the measured buffers per score) where k8v4 holds one dequantized layer (2 x 8 x 8192 x 128 x 2 B
@@ -34,13 +35,7 @@ both paths to MLX's peak on this host at Qwen3-4B's attention shapes.
 
 from __future__ import annotations
 
-import ctypes.util
 import functools
-import json
-import os
-import subprocess
-import sys
-import warnings
 from dataclasses import dataclass
 from typing import Final, Literal
 
@@ -85,20 +80,13 @@ class AttentionPeak:
     per_query: float
 
 
-def _peak(queries: int, keys: int, key_bits: int | None, value_bits: int | None = None) -> int:
+def _peak(queries: int, keys: int, key_bits: int | None) -> int:
     import mlx.core as mx
 
     q = mx.zeros((1, _HEADS, queries, _DIM), mx.float32)
     k = mx.zeros((1, _KV_HEADS, keys, _DIM), mx.float32)
     v = mx.zeros((1, _KV_HEADS, keys, _DIM), mx.float32)
-    if value_bits is not None:
-        from kvrig.kvcache.kv_cache import SchemeKVCache  # kvrig's cache for K and V at their own widths
-
-        cache = SchemeKVCache(key_bits or value_bits, value_bits, 64)
-        cache.update_and_fetch(k, v)
-        mx.eval(q, cache.state)
-        attend = lambda: cache.attention(q, 0.125, "causal")  # noqa: E731
-    elif key_bits is None:
+    if key_bits is None:
         mx.eval(q, k, v)
         attend = lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal")  # noqa: E731
     else:
@@ -131,18 +119,12 @@ def _peak(queries: int, keys: int, key_bits: int | None, value_bits: int | None 
 
 
 @functools.cache
-def attention_peak(key_bits: int | None, value_bits: int | None = None) -> AttentionPeak:
+def attention_peak(key_bits: int | None) -> AttentionPeak:
     """Measured on this host's MLX (CPU), causal mask, float32: plain `mx.fast.scaled_dot_product_attention`
-    (key_bits None), mlx-lm's quantized attention over keys and values quantized at `key_bits`, or, with
-    `value_bits`, kvrig's scheme cache reading keys and values quantized at their own widths (what the host runs
-    for mixed bits). Four probes (two query counts × two key counts) separate the three terms; inputs, output and
-    fixed allocations cancel."""
-    if value_bits is not None:
-        measured = _in_an_openblas_process(key_bits, value_bits)
-        if measured is not None:
-            return measured
+    (key_bits None) or mlx-lm's quantized attention over keys and values quantized at `key_bits`. Four probes (two
+    query counts × two key counts) separate the three terms; inputs, output and fixed allocations cancel."""
     (q0, q1), (k0, k1) = _QUERIES, _KEYS
-    peaks = {(q, k): _peak(q, k, key_bits, value_bits) / 4 for q in _QUERIES for k in _KEYS}
+    peaks = {(q, k): _peak(q, k, key_bits) / 4 for q in _QUERIES for k in _KEYS}
     slope = {q: (peaks[q, k1] - peaks[q, k0]) / (k1 - k0) for q in _QUERIES}  # per key, at q queries
     per_query_key = (slope[q1] - slope[q0]) / (q1 - q0)
     intercept = {q: peaks[q, k0] - slope[q] * k0 for q in _QUERIES}  # at no keys
@@ -151,40 +133,6 @@ def attention_peak(key_bits: int | None, value_bits: int | None = None) -> Atten
         per_key=_steady(max(0.0, (slope[q0] - per_query_key * q0) / (_KV_HEADS * _DIM))),
         per_query=_steady(max(0.0, (intercept[q1] - intercept[q0]) / (q1 - q0) / (_HEADS * _DIM))),
     )
-
-
-PROBE_CHILD = "KVRIG_ATTENTION_PROBE"
-"""Set in the child process that measures the scheme cache's attention (so it measures in place)."""
-
-
-def _in_an_openblas_process(key_bits: int | None, value_bits: int) -> AttentionPeak | None:
-    """The scheme cache's probe measured in a fresh interpreter with OpenBLAS loaded, as the host runtime always
-    runs (kvrig.runtime.blas preloads it). Fresh: that cache's graph of Python-level ops reads lower peaks in a
-    process that ran other MLX work first. OpenBLAS: under MLX's bundled reference BLAS its matmuls hold other
-    buffers (per score 0.03 instead of 1.28, per key 5.0 instead of 2.5, measured). None inside that child, off
-    Linux, or when OpenBLAS cannot be found (the caller then measures here)."""
-    if os.environ.get(PROBE_CHILD) == "1" or not sys.platform.startswith("linux"):
-        return None
-    lib = ctypes.util.find_library("openblas")
-    if lib is None:
-        return None
-    code = (
-        "import json; from dataclasses import asdict; from kvrig.planner.transient import attention_peak; "
-        f"print(json.dumps(asdict(attention_peak({key_bits!r}, {value_bits!r}))))"
-    )
-    env = {**os.environ, "LD_PRELOAD": lib, PROBE_CHILD: "1"}
-    for _ in range(2):  # once more: a child on a loaded host can fail to start its threads
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-        if proc.returncode == 0:
-            return AttentionPeak(**json.loads(proc.stdout.strip().splitlines()[-1]))
-    # Measuring here reads lower peaks than the runtime holds: say so rather than plan on it quietly.
-    warnings.warn(
-        f"kvrig: the attention probe's child process failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}; "
-        "the CPU plan's attention is measured in this process and may read low",
-        RuntimeWarning,
-        stacklevel=2,
-    )
-    return None
 
 
 def _steady(elements: float) -> float:
@@ -203,20 +151,13 @@ def scores_buffers(
     keys: int,
     width: int,
     key_bits: int | None,
-    value_bits: int | None = None,
 ) -> tuple[int, int, int]:
     """Bytes MLX's attention holds for one layer's chunk at its peak beyond inputs and output (0 when Metal's
     fused kernel runs), in the three buffers MLX allocates for them: the scores (queries × keys), the keys the
     CPU dequantizes (keys) and the per-query arrays (queries only, so a chunk of the same length can take them
     again from MLX's buffer cache). Metal's quantized matmul dequantizes tiles inside its kernel, so the per-key
-    copy the CPU makes is not counted there. `value_bits` (the host only): kvrig's scheme cache at key_bits and
-    value_bits, whose per-key term is its own dequantized keys and values."""
-    if value_bits is not None:
-        if backend != "cpu":
-            raise ValueError("kvrig's scheme-cache attention runs on the host (cpu); the phone's app dequantizes")
-        peak = attention_peak(key_bits, value_bits)
-        per_key = peak.per_key
-    elif not materializes_scores(backend, head_dim, queries, key_bits is not None):
+    copy the CPU makes is not counted there."""
+    if not materializes_scores(backend, head_dim, queries, key_bits is not None):
         return 0, 0, 0
     else:
         peak = attention_peak(key_bits)
