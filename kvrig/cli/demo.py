@@ -74,6 +74,9 @@ def demo(
     """Package SmolLM2, plan it, build its app for a virtual iPhone with a small limit, deploy, soak until
     jetsam, and print the planned vs measured max context and the jetsam report's footprint against the limit.
     With several schemes or prefill steps, one run each (own folder under OUT) and a table side by side."""
+    from kvrig.runtime.blas import ensure_openblas
+
+    ensure_openblas()  # packaging measures and quantizes with float matmuls, as `kvrig package` does
     from kvrig.demo import DemoOptions, run_demo
 
     schemes = kv
