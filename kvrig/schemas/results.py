@@ -7,7 +7,7 @@ A results file is written as the run goes, so a run that fails half-way still le
 
 from __future__ import annotations
 
-from typing import Final, Literal
+from typing import Final, Literal, get_args
 
 from pydantic import Field, model_validator
 
@@ -51,16 +51,7 @@ itself with that reason in its end record (it failed)."""
 SCHEMA_4_OUTCOMES: tuple[Outcome, ...] = ("jetsam_log", "gpu_background", "watchdog", "vanished")
 JETSAM_OUTCOMES: tuple[Outcome, ...] = ("jetsam", "jetsam_log")
 """A memory kill: the context the app survived before it is the measurement a soak is for."""
-BAD_OUTCOMES: tuple[Outcome, ...] = (
-    "gpu_background",
-    "watchdog",
-    "crash",
-    "vanished",
-    "hang",
-    "device_lost",
-    "error",
-    "allocation_failed",
-)
+BAD_OUTCOMES: tuple[Outcome, ...] = tuple(o for o in get_args(Outcome) if o != "completed" and o not in JETSAM_OUTCOMES)
 """Outcomes that fail a soak (non-zero exit) and a lab run; `completed` and the jetsam kills are what a soak is
 for (`jetsam_log` still exits non-zero from `kvrig soak`: its footprint at the kill is unknown)."""
 

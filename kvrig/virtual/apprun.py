@@ -329,41 +329,26 @@ class AppRunner:
         )
 
     def _crash(self, process: AppProcess) -> None:
-        process.outcome = "crash"
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(process.pid, signal.SIGSEGV)
-        text = build_crash_report(
-            phone=self.device.identity,
-            pid=process.pid,
-            name=process.name,
-            bundle_id=process.bundle_id,
-            signal="SIGSEGV",
-        )
-        self._file_crash(process, text)
+        self._end_with_report(process, "crash", signal.SIGSEGV, signal="SIGSEGV")
 
-    def _file_crash(self, process: AppProcess, text: str) -> None:
+    def _end_with_report(self, process: AppProcess, outcome: str, sig: int, **report: Any) -> None:
+        """Ends the app with `sig` and files the crash report iOS writes for that kind of end."""
+        process.outcome = outcome
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, sig)
+        text = build_crash_report(
+            phone=self.device.identity, pid=process.pid, name=process.name, bundle_id=process.bundle_id, **report
+        )
         stamp = time.strftime("%Y-%m-%d-%H%M%S", time.gmtime())
         (self.device.state.crash / f"{process.name}-{stamp}.ips").write_text(text)
 
     def _gpu_background(self, process: AppProcess) -> None:
         """Metal refuses a command buffer from the background; MLX's uncaught exception aborts the app."""
-        process.outcome = "gpu_background"
         self.device.syslog.emit(process.name, GPU_BACKGROUND_ABORT, pid=process.pid, level="error")
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(process.pid, signal.SIGABRT)
-        text = build_crash_report(
-            phone=self.device.identity,
-            pid=process.pid,
-            name=process.name,
-            bundle_id=process.bundle_id,
-            kind="abort",
-            message=GPU_BACKGROUND_ABORT,
-        )
-        self._file_crash(process, text)
+        self._end_with_report(process, "gpu_background", signal.SIGABRT, kind="abort", message=GPU_BACKGROUND_ABORT)
 
     def _watchdog(self, process: AppProcess) -> None:
         """FrontBoard's watchdog ends an app that overran its scene-update allowance: 0x8badf00d."""
-        process.outcome = "watchdog"
         explanation = (
             f"scene-update watchdog transgression: {process.bundle_id} exhausted real (wall clock) time allowance "
             "of 10.00 seconds"
@@ -374,16 +359,7 @@ class AppRunner:
             f'<FBSProcessTerminationRequest: 0x{id(process) & 0xFFFFFFFFF:x}; label: "watchdog provision violated"; '
             f'exceptionCode: "Watchdog Violation (0x8BADF00D)"; reportType: CrashLog; explanation: "{explanation}">',
         )
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(process.pid, signal.SIGKILL)
-        text = build_crash_report(
-            phone=self.device.identity,
-            pid=process.pid,
-            name=process.name,
-            bundle_id=process.bundle_id,
-            kind="watchdog",
-        )
-        self._file_crash(process, text)
+        self._end_with_report(process, "watchdog", signal.SIGKILL, kind="watchdog")
 
     # --- foreground and background (kvrig.virtual.background) -----------------------------------------------
 
