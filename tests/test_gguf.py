@@ -141,3 +141,71 @@ def test_missing_required_field(tmp_path: Path) -> None:
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ModelConfigError, match="not found"):
         read_gguf_config(tmp_path / "nope.gguf")
+
+
+def _gguf_py_view(path: Path) -> tuple[dict, dict, int]:
+    """The header as llama.cpp's own reader (gguf-py's GGUFReader) reads it: the independent reference."""
+    from gguf import GGUFReader, GGUFValueType
+
+    reader = GGUFReader(path)
+    metadata = {}
+    for key, fld in reader.fields.items():
+        if not key.startswith("GGUF."):
+            value = fld.contents()
+            metadata[key] = pytest.approx(value) if fld.types == [GGUFValueType.FLOAT32] else value
+    tensors = {t.name: (tuple(int(d) for d in reversed(t.shape.tolist())), int(t.tensor_type)) for t in reader.tensors}
+    offsets = {t.name: int(t.data_offset) - int(reader.data_offset) for t in reader.tensors}
+    return metadata, {n: (*tensors[n], offsets[n]) for n in tensors}, int(reader.data_offset)
+
+
+def _kvrig_view(path: Path) -> tuple[dict, dict, int]:
+    header = read_gguf_header(path)
+    tensors = {t.name: (t.shape, t.ggml_type, t.offset) for t in header.tensors.values()}
+    return header.metadata, tensors, header.data_offset
+
+
+def test_the_header_is_what_gguf_py_reads_on_smollm2(smollm2: Path) -> None:
+    assert _kvrig_view(smollm2) == _gguf_py_view(smollm2)
+
+
+def test_every_value_type_is_what_gguf_py_reads(tmp_path: Path) -> None:
+    from gguf import GGUFValueType, GGUFWriter
+
+    path = tmp_path / "types.gguf"
+    writer = GGUFWriter(path, "llama")
+    scalars = {
+        GGUFValueType.UINT8: 200,
+        GGUFValueType.INT8: -100,
+        GGUFValueType.UINT16: 60000,
+        GGUFValueType.INT16: -30000,
+        GGUFValueType.UINT32: 4_000_000_000,
+        GGUFValueType.INT32: -2_000_000_000,
+        GGUFValueType.FLOAT32: 1e-5,
+        GGUFValueType.BOOL: True,
+        GGUFValueType.STRING: "Ünïcode ✓",
+        GGUFValueType.UINT64: 2**63 + 5,
+        GGUFValueType.INT64: -(2**62),
+        GGUFValueType.FLOAT64: 0.1,
+    }
+    for vtype, value in scalars.items():
+        writer.add_key_value(f"test.{vtype.name.lower()}", value, vtype)
+        sub = [value, value] if vtype != GGUFValueType.STRING else ["a", "", "ü"]
+        writer.add_key_value(f"test.{vtype.name.lower()}s", sub, GGUFValueType.ARRAY, sub_type=vtype)
+    writer.add_key_value("general.alignment", 64, GGUFValueType.UINT32)
+    writer.add_tensor("a.weight", np.arange(12, dtype=np.float32).reshape(3, 4))
+    writer.add_tensor("b.weight", np.ones((5,), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ours, reference = _kvrig_view(path), _gguf_py_view(path)
+    assert ours == reference and ours[2] % 64 == 0
+    assert ours[0]["test.float32"] == 1e-05  # the shortest decimal of the float32, as config.json shows it
+
+
+def test_a_cut_inside_the_tensor_data_is_refused(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "ok.gguf", {"general.architecture": "llama"}, {"w.weight": np.ones((64, 64))})
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(ModelConfigError, match=r"truncated or corrupt .*w\.weight"):
+        read_gguf_header(cut)

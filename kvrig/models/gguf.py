@@ -1,13 +1,13 @@
-"""GGUF header reading with gguf-py (llama.cpp's own reader), and the mapping of its metadata to config.json.
+"""GGUF header reading, and the mapping of its metadata to config.json.
 
-Planning a multi-GB GGUF must not load its tensors: `GGUFReader` memory-maps the file and builds views, so
-only the header pages are read. Its errors are plain `ValueError`/`IndexError`s; here they become
-`ModelConfigError`s that name the file. `read_gguf_config` maps llama.cpp metadata keys to a Hugging
-Face-style config.json dict.
+Planning a multi-GB GGUF must not load its tensors: the file is memory-mapped and only the header is parsed.
+A cut or corrupt header becomes a `ModelConfigError` that names the file. `read_gguf_config` maps llama.cpp
+metadata keys to a Hugging Face-style config.json dict.
 """
 
 from __future__ import annotations
 
+import mmap
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,48 +83,122 @@ def _short_float32(x: float) -> float:
 
 def read_gguf_header(path: str | Path) -> GGUFHeader:
     """Reads the metadata and tensor infos of a GGUF file without reading its tensor data."""
-    from gguf import GGUFReader, GGUFValueType
-
     path = Path(path)
     try:
         with path.open("rb") as fh:
             magic = fh.read(4)
             version_bytes = fh.read(4)
+            version = int.from_bytes(version_bytes, "little") if len(version_bytes) == 4 else None
+            if magic != GGUF_MAGIC:
+                raise ModelConfigError(
+                    f"not a GGUF file (starts with {magic!r})", file=path, expected="the magic bytes b'GGUF'"
+                )
+            if version is None or version not in (2, 3):
+                raise ModelConfigError(f"unsupported GGUF version {version}", file=path, expected="version 2 or 3")
+            # Mapped, so a multi-GB file's tensor pages are never read; unmapped when the last view of it goes.
+            buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
     except FileNotFoundError:
         raise ModelConfigError("file not found", file=path) from None
     except OSError as exc:
         raise ModelConfigError(f"cannot read: {exc.strerror or exc}", file=path) from None
-    if magic != GGUF_MAGIC:
-        raise ModelConfigError(
-            f"not a GGUF file (starts with {magic!r})", file=path, expected="the magic bytes b'GGUF'"
-        )
-    version = int.from_bytes(version_bytes, "little") if len(version_bytes) == 4 else None
-    if version not in (2, 3):
-        raise ModelConfigError(f"unsupported GGUF version {version}", file=path, expected="version 2 or 3")
     try:
-        reader = GGUFReader(path)
-        metadata: dict[str, Any] = {}
-        for key, fld in reader.fields.items():
-            if key.startswith("GGUF."):  # the reader's own entries for version and counts
-                continue
-            value = fld.contents()
-            if fld.types == [GGUFValueType.FLOAT32]:
-                value = _short_float32(value)
-            metadata[key] = value
-    # gguf-py reads past the end of a cut file or follows a corrupt length into garbage and fails with
-    # whatever numpy raises there; we cannot tell the two apart from outside.
-    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as exc:
+        return _parse_header(path, version, memoryview(buf))
+    # A cut file ends inside a field; a corrupt length points past the end or into bytes that are no field.
+    except (ValueError, KeyError, struct.error, UnicodeDecodeError) as exc:
         raise ModelConfigError(
             f"cannot read the GGUF header: truncated or corrupt ({exc})",
             file=path,
             expected="a complete GGUF v2/v3 file",
         ) from None
-    header = GGUFHeader(path=path, version=version, metadata=metadata, data_offset=int(reader.data_offset))
-    for t in reader.tensors:
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        header.tensors[t.name] = GGUFTensorInfo(
-            t.name, shape, int(t.tensor_type), int(t.data_offset) - int(reader.data_offset)
-        )
+
+
+# GGUF value types (gguf-py's GGUFValueType) and their little-endian struct formats.
+_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY, _FLOAT32 = 8, 9, 6
+_DEFAULT_ALIGNMENT = 32
+
+
+class _Cursor:
+    """Reads GGUF's little-endian fields in one pass. gguf-py's GGUFReader builds a numpy view per field and
+    per string (seconds for a tokenizer's ~100k strings, on every plan); this reads the same layout directly and
+    is held to GGUFReader's output by tests/test_gguf.py."""
+
+    def __init__(self, buf: memoryview) -> None:
+        self.buf, self.pos = buf, 0
+
+    def take(self, fmt: str) -> Any:
+        value = struct.unpack_from("<" + fmt, self.buf, self.pos)[0]
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.take("Q")
+        end = self.pos + n
+        if end > len(self.buf):
+            raise ValueError(f"a string of {n} bytes at offset {self.pos} runs past the end of the file")
+        text = str(self.buf[self.pos : end], encoding="utf-8")
+        self.pos = end
+        return text
+
+    def value(self, vtype: int) -> Any:
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            return self.array()
+        fmt = _SCALAR_FORMATS.get(vtype)
+        if fmt is None:
+            raise ValueError(f"unknown value type {vtype} at offset {self.pos - 4}")
+        return self.take(fmt)
+
+    def array(self) -> list[Any]:
+        sub, count = self.take("I"), self.take("Q")
+        fmt = _SCALAR_FORMATS.get(sub)
+        if fmt is not None:
+            nbytes = count * struct.calcsize(fmt)
+            if self.pos + nbytes > len(self.buf):
+                raise ValueError(f"an array of {count} values at offset {self.pos} runs past the end of the file")
+            values = list(struct.unpack_from(f"<{count}{fmt}", self.buf, self.pos))
+            self.pos += nbytes
+            return values
+        # Strings and nested arrays take at least 8 bytes each: a corrupt count stops here, not in a long loop.
+        if self.pos + count * 8 > len(self.buf):
+            raise ValueError(f"an array of {count} values at offset {self.pos} runs past the end of the file")
+        return [self.value(sub) for _ in range(count)]
+
+
+def _parse_header(path: Path, version: int, buf: memoryview) -> GGUFHeader:
+    from gguf import GGMLQuantizationType
+
+    cur = _Cursor(buf)
+    cur.pos = 8  # magic and version, checked by the caller
+    n_tensors, n_fields = cur.take("Q"), cur.take("Q")
+    metadata: dict[str, Any] = {}
+    for _ in range(n_fields):
+        key = cur.string()
+        if key in metadata:
+            raise KeyError(f"duplicate key {key}")
+        vtype = cur.take("I")
+        value = cur.value(vtype)
+        metadata[key] = _short_float32(value) if vtype == _FLOAT32 else value
+    infos = []
+    for _ in range(n_tensors):
+        name = cur.string()
+        dims = [cur.take("Q") for _ in range(cur.take("I"))]
+        ggml_type, offset = cur.take("I"), cur.take("Q")
+        GGMLQuantizationType(ggml_type)  # an unknown type is a corrupt file, as gguf-py's reader says
+        infos.append(GGUFTensorInfo(name, tuple(reversed(dims)), ggml_type, offset))
+    alignment = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
+    if alignment <= 0:
+        raise ValueError(f"general.alignment is {alignment}")
+    data_offset = -(-cur.pos // alignment) * alignment
+    header = GGUFHeader(path=path, version=version, metadata=metadata, data_offset=data_offset)
+    for info in infos:
+        if info.name in header.tensors:
+            raise ValueError(f"duplicate tensor {info.name}")
+        nbytes = info.nbytes
+        if nbytes is not None and data_offset + info.offset + nbytes > len(buf):
+            raise ValueError(f"tensor {info.name} runs past the end of the file")
+        header.tensors[info.name] = info
     return header
 
 
