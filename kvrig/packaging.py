@@ -41,8 +41,9 @@ from kvrig.planner import PlanRequest, plan_memory
 from kvrig.planner.kv import check_dims
 from kvrig.profiles import list_profiles, load_profile
 from kvrig.quality.choose import FIT_KV, choose_kv, measure_kv, rank_fit
-from kvrig.quality.gate import GateTexts, check_model, enforce, measure_source
+from kvrig.quality.gate import GateTexts, check_model, enforce, gate_tokens, judge, kind_perplexities
 from kvrig.quality.kv_sensitivity import resolve_for_source
+from kvrig.quality.measured import Measurements, cache_root, ids_digest, source_digest
 from kvrig.quantize.base import load_source_model
 from kvrig.quantize.recipes import apply_recipe, calibration_tokens
 from kvrig.recipes import AUTO, WEIGHT_CANDIDATES, KVSpec, WeightRecipe, parse_kv, parse_weights
@@ -143,7 +144,8 @@ def _mib(n: int) -> str:
 
 class _Job:
     """One `package` call's source and what it measures once: the model spec, the tokenizer, the unquantized
-    model prepared for the host and the gate's texts with its perplexity on them."""
+    model prepared for the host and the gate's texts with its perplexity on them (read from the measurement
+    cache when this source was measured before: quality/measured.py)."""
 
     def __init__(self, src_dir: Path, source_info: SourceModel, out: Path, options: PackageOptions, work: Path) -> None:
         self.src_dir, self.source_info, self.out, self.options = src_dir, source_info, out, options
@@ -155,19 +157,57 @@ class _Job:
         self._source: Any = None
         self._texts: GateTexts | None = None
         self.say = options.progress
+        self._measurements: Measurements | None = None
 
     def source(self) -> Any:
         if self._source is None:
             self._source = prepare_for_host(load_source_model(self.src_dir)[0])
         return self._source
 
+    def measurements(self) -> Measurements:
+        if self._measurements is None:
+            root = cache_root() if self.options.cache else None
+            given = Path(self.source_info.path)
+            self._measurements = Measurements(root, source_digest(given, self.source_info.sha256))
+        return self._measurements
+
+    def measured(
+        self, what: str, extra: dict[str, Any], ids: dict[str, list[list[int]]], measure: Callable[[], dict[str, float]]
+    ) -> dict[str, float]:
+        """Per-kind perplexities of `what` on the passages `ids`: measured, or read from the cache."""
+
+        def run() -> dict[str, float]:
+            self.say(f"measuring {what} on the gate's texts ...")
+            return measure()
+
+        values, cached = self.measurements().perplexities({"measured": what, **extra}, ids, run)
+        if cached:
+            self.say(f"{what} on the gate's texts: measured before ({self.measurements().root})")
+        return values
+
+    def _gate_ids(self) -> dict[str, list[list[int]]]:
+        from mlx_lm.utils import load_tokenizer
+
+        return gate_tokens(load_tokenizer(self.src_dir))
+
     def texts(self) -> GateTexts:
         if self._texts is None:
-            from mlx_lm.utils import load_tokenizer
-
-            self.say("measuring the unquantized model on the gate's texts ...")
-            self._texts = measure_source(self.source(), load_tokenizer(self.src_dir))
+            ids = self._gate_ids()
+            ppl = self.measured(
+                "the unquantized model", {}, ids, lambda: kind_perplexities(self.source(), None, "", ids)
+            )
+            self._texts = GateTexts(ids, ppl)
         return self._texts
+
+    def source_with_kv(self, kv: KVCacheConfig) -> dict[str, float]:
+        """The source's perplexities through the caches `kv` makes (`--kv auto`, `--fit`)."""
+        return self.measured(
+            f"the unquantized weights with {kv.scheme} KV"
+            + (f" ({kv.rotation} rotation)" if kv.rotation != "none" else ""),
+            {"kv": kv.model_dump(mode="json", by_alias=True)},
+            self.texts().ids,
+            lambda: kind_perplexities(self.source(), kv, self.spec.model_type, self.texts().ids),
+        )
 
     def drop_source(self) -> None:
         self._source = None  # its memory goes back before quantized candidates load
@@ -255,7 +295,7 @@ def _choose_kv(job: _Job) -> tuple[KVSpec, Choice | None]:
         # Nothing measured without the gate: `auto` is the rule it was before measurement, rotation where allowed.
         return _resolve_kv(job, resolve_kv(AUTO, job.config, job.config_path)), None
     job.say("choosing the KV spec (--kv auto) ...")
-    kv, candidates, why = choose_kv(job.source(), job.spec, job.texts())
+    kv, candidates, why = choose_kv(job.source_with_kv, job.spec, job.texts())
     job.say(f"  {why}")
     return _resolve_kv(job, kv), Choice(kv=candidates, kv_why=why)
 
@@ -433,7 +473,7 @@ def _package_fit(job: _Job, context: int) -> PackageResult:
     job.say(f"{len(fitting)} of {len(pairs)} weights x KV pairs hold {context} tokens on {profile.name}; measuring ...")
     kv_delta = {
         c.kv: c.ppl_delta_pct
-        for c in measure_kv(job.source(), job.spec, job.texts(), tuple({p.kv for p in fitting}))
+        for c in measure_kv(job.source_with_kv, job.spec, job.texts(), tuple({p.kv for p in fitting}))
         if c.ppl_delta_pct is not None
     }
     weights_delta = _measure_weights(job, tuple(dict.fromkeys(p.weights for p in fitting)))
@@ -552,18 +592,25 @@ def _measure_weights(job: _Job, names: tuple[str, ...]) -> dict[str, float]:
     from mlx_lm.utils import load_tokenizer
 
     texts = job.texts()
-    fp16 = parse_kv("fp16")
-    calibration = None
+    fp16 = host_config(job.spec, parse_kv("fp16"))
+    calibration: Any = None
     out = {}
     for name in names:
         recipe = parse_weights(name)
         if recipe.calibrated and calibration is None:
             calibration = calibration_tokens(load_tokenizer(job.src_dir))
-        job.say(f"  measuring {name} weights ...")
-        model, _ = apply_recipe(load_source_model(job.src_dir)[0], dict(job.config), recipe, calibration)
-        check = check_model(prepare_for_host(model), host_config(job.spec, fp16), job.spec.model_type, texts)
-        out[name] = check.ppl_delta_pct
-        del model
+        used = calibration if recipe.calibrated else None
+
+        def measure(recipe: WeightRecipe = recipe, used: Any = used) -> dict[str, float]:
+            model, _ = apply_recipe(load_source_model(job.src_dir)[0], dict(job.config), recipe, used)
+            return kind_perplexities(prepare_for_host(model), fp16, job.spec.model_type, texts.ids)
+
+        # The calibration tokens come from texts on this machine: another machine's may differ.
+        extra = {
+            "kv": fp16.model_dump(mode="json", by_alias=True),
+            "calibration": ids_digest(used.tolist()) if used is not None else None,
+        }
+        out[name] = judge(job.measured(f"{name} weights", extra, texts.ids, measure), texts).ppl_delta_pct
     return out
 
 

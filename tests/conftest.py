@@ -11,12 +11,29 @@ instead of one worker finishing a long file alone."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+
 import pytest
 
+from kvrig.quality.measured import CACHE_ENV
 from kvrig.runtime.blas import load_openblas
 from tests.hostile_suite import Table
 
 load_openblas()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def measurement_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """One measurement cache per test run, shared by its workers and the commands they start: a run starts with
+    nothing measured (so the measuring paths run), and never reads or fills the user's own cache."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CACHE_ENV, str(root / "measurement-cache"))
+        yield
+
 
 # Most expensive first (each a minute or more with its module fixtures; `make test`'s --durations shows them).
 HEAVY_FILES = (

@@ -54,6 +54,9 @@ class PackageOptions:
     weights_layout: WeightsLayout = "loaded"
     """`mapped`: every tensor starts on a 16 KiB page (bundle/mapped.py), so the app can map the weights from the
     file and iOS counts them outside its footprint; `loaded`: plain safetensors, loaded into MLX's memory."""
+    cache: bool = True
+    """Read and keep the source's perplexities in the measurement cache (quality/measured.py): the next package
+    of the same model skips the passes that give the same numbers."""
     fit: int | None = None
     """With a device: choose weights and KV spec that hold this many tokens there, best measured quality first."""
     progress: Callable[[str], None] = _quiet

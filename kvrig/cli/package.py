@@ -62,6 +62,13 @@ from kvrig.recipes import DEFAULT_GROUP_SIZE, WEIGHT_CANDIDATES
     help="Measure the bundle's perplexity against the source on a short built-in text (seconds for small "
     "models; skip for huge ones) and refuse it over --max-ppl-increase unless --ignore-gate.",
 )
+@click.option(
+    "--cache/--no-cache",
+    default=True,
+    show_default=True,
+    help="Reuse the source's perplexities measured by an earlier package of the same model (kept in "
+    "$KVRIG_CACHE_DIR, else ~/.cache/kvrig or ~/Library/Caches/kvrig); --no-cache measures again and keeps nothing.",
+)
 @click.option("--max-ppl-increase", default=10.0, show_default=True, type=float, help="Gate limit in percent.")
 @click.option("--page-tokens", default=256, show_default=True, type=int, help="Eviction granularity in tokens.")
 @click.option("--keep-tokens", default=4, show_default=True, type=int, help="Tokens kept at the start when evicting.")
@@ -87,6 +94,7 @@ def package(
     kv: str,
     quantized_kv_start: int,
     quality_gate: bool,
+    cache: bool,
     max_ppl_increase: float,
     page_tokens: int,
     keep_tokens: int,
@@ -123,6 +131,7 @@ def package(
         ignore_gate=ignore_gate,
         quantized_kv_start=quantized_kv_start,
         quality_gate=quality_gate,
+        cache=cache,
         max_ppl_increase_pct=max_ppl_increase,
         page_tokens=page_tokens,
         keep_tokens=keep_tokens,

@@ -14,16 +14,17 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
 
 from kvrig.bundle.kvcache_json import host_config
 from kvrig.exceptions import QuantizationError
 from kvrig.models.spec import ModelSpec
 from kvrig.planner.kv import check_dims, context_schedule, kv_bytes
-from kvrig.quality.gate import GateTexts, check_model
+from kvrig.quality.gate import GateTexts, judge
 from kvrig.recipes import KVSpec, parse_kv
 from kvrig.schemas.bundle import Candidate
+from kvrig.schemas.kvcache import KVCacheConfig
 
 KV_AUTO = ("k8v4", "k8v4+rot")
 KV_FALLBACK = ("k8v8", "fp16")
@@ -48,7 +49,12 @@ def kv_reference_bytes(spec: ModelSpec, kv: KVSpec) -> int:
     return kv_bytes(spec, replace(kv, dtype="float16"), context_schedule(REFERENCE_CONTEXT, 512))
 
 
-def measure_kv(source: Any, spec: ModelSpec, texts: GateTexts, names: tuple[str, ...]) -> list[Candidate]:
+SourceWithKV = Callable[[KVCacheConfig], dict[str, float]]
+"""The unquantized source's perplexity per gate kind through the caches a KV configuration makes (the packager
+measures it, or reads what it measured before: quality/measured.py)."""
+
+
+def measure_kv(source: SourceWithKV, spec: ModelSpec, texts: GateTexts, names: tuple[str, ...]) -> list[Candidate]:
     """Each KV spec with the source weights: its bytes and its worst-kind perplexity change, or why the model
     cannot take it (head dims the group does not divide, a rotation that needs a power-of-two head dim)."""
     out = []
@@ -56,7 +62,7 @@ def measure_kv(source: Any, spec: ModelSpec, texts: GateTexts, names: tuple[str,
         kv = parse_kv(name)
         try:
             check_dims(spec, kv)
-            check = check_model(source, host_config(spec, kv), spec.model_type, texts, max_increase_pct=100.0)
+            check = judge(source(host_config(spec, kv)), texts, max_increase_pct=100.0)
         except QuantizationError as exc:
             out.append(Candidate(weights="source", kv=name, verdict="unavailable", reason=str(exc)))
             continue
@@ -72,7 +78,7 @@ def measure_kv(source: Any, spec: ModelSpec, texts: GateTexts, names: tuple[str,
     return out
 
 
-def choose_kv(source: Any, spec: ModelSpec, texts: GateTexts) -> tuple[KVSpec, list[Candidate], str]:
+def choose_kv(source: SourceWithKV, spec: ModelSpec, texts: GateTexts) -> tuple[KVSpec, list[Candidate], str]:
     """`--kv auto`: the measured choice, every candidate considered, and why the winner won. Groups are
     measured smallest first and the first with a passing spec ends the search: a larger group cannot win, and
     each measurement is a pass over every gate text."""

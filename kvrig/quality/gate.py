@@ -62,10 +62,21 @@ def kind_perplexity(model: Any, passages: list[list[int]], caches: Callable[[], 
 
 def measure_source(source: Any, tokenizer: Any) -> GateTexts:
     """The gate's texts and the source's perplexity on them (`source` prepared for the host, fp KV)."""
+    ids = gate_tokens(tokenizer)
+    return GateTexts(ids, kind_perplexities(source, None, "", ids))
+
+
+def kind_perplexities(
+    model: Any, kv: KVCacheConfig | None, model_type: str, ids: dict[str, list[list[int]]]
+) -> dict[str, float]:
+    """`model`'s perplexity on each kind's passages through the caches `kv` makes (None: mlx-lm's own
+    unquantized cache, the reference every change is measured against)."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    ids = gate_tokens(tokenizer)
-    return GateTexts(ids, {k: kind_perplexity(source, p, lambda: make_prompt_cache(source)) for k, p in ids.items()})
+    def caches() -> list[Any]:
+        return make_prompt_cache(model) if kv is None else make_caches(model, kv, model_type)
+
+    return {kind: kind_perplexity(model, passages, caches) for kind, passages in ids.items()}
 
 
 def check_model(
@@ -79,17 +90,29 @@ def check_model(
 ) -> QualityCheck:
     """The gate's verdict on `model` (prepared for the host) with the caches `kv` makes, on every gate kind."""
     began = time.perf_counter() if began is None else began
+    ppl = kind_perplexities(model, kv, model_type, texts.ids)
+    return judge(ppl, texts, max_increase_pct=max_increase_pct, began=began)
+
+
+def judge(
+    ppl: dict[str, float],
+    texts: GateTexts,
+    *,
+    max_increase_pct: float = DEFAULT_MAX_INCREASE_PCT,
+    began: float | None = None,
+) -> QualityCheck:
+    """The gate's verdict on perplexities measured on `texts`' passages, kind by kind against the source's
+    (`began`: when the measurement began, for the seconds it took; None: it was read, not measured)."""
     kinds = []
     for kind, passages in texts.ids.items():
-        ppl = kind_perplexity(model, passages, lambda: make_caches(model, kv, model_type))
         base = texts.source_ppl[kind]
-        delta = 100.0 * (ppl / base - 1.0)
+        delta = 100.0 * (ppl[kind] / base - 1.0)
         kinds.append(
             KindCheck(
                 kind=kind,
                 tokens=sum(len(ids) - 1 for ids in passages),
                 source_ppl=round(base, 4),
-                bundle_ppl=round(ppl, 4),
+                bundle_ppl=round(ppl[kind], 4),
                 ppl_delta_pct=round(delta, 3),
             )
         )
@@ -103,7 +126,7 @@ def check_model(
         max_increase_pct=max_increase_pct,
         passed=worst.ppl_delta_pct <= max_increase_pct,
         forced=False,
-        seconds=round(time.perf_counter() - began, 2),
+        seconds=round(time.perf_counter() - began, 2) if began is not None else 0.0,
         kinds=kinds,
     )
 

@@ -15,9 +15,10 @@ from mlx_lm.models.cache import make_prompt_cache
 from kvrig.bundle.kvcache_json import host_config
 from kvrig.exceptions import DoesNotFitError
 from kvrig.kvcache.caches import make_caches
+from kvrig.models.spec import ModelSpec
 from kvrig.quality import choose
-from kvrig.quality.choose import KV_AUTO, KV_FALLBACK, KV_LIMIT_PCT, choose_kv, rank_fit
-from kvrig.quality.gate import GateTexts
+from kvrig.quality.choose import KV_AUTO, KV_FALLBACK, KV_LIMIT_PCT, SourceWithKV, choose_kv, rank_fit
+from kvrig.quality.gate import GateTexts, kind_perplexities
 from kvrig.quality.perplexity import perplexity
 from kvrig.recipes import parse_kv
 from kvrig.schemas.bundle import Candidate
@@ -34,10 +35,15 @@ def _texts(model: object) -> GateTexts:
     return GateTexts(ids, {k: perplexity(model, p[0], make_prompt_cache(model)).ppl for k, p in ids.items()})
 
 
+def _with_kv(model: object, spec: ModelSpec, texts: GateTexts) -> SourceWithKV:
+    """The source's perplexities through a KV configuration's caches, as the packager measures them."""
+    return lambda kv: kind_perplexities(model, kv, spec.model_type, texts.ids)
+
+
 def test_kv_auto_measures_both_spellings_and_keeps_the_one_that_rises_least() -> None:
     model, spec = tiny()
     texts = _texts(model)
-    kv, candidates, why = choose_kv(model, spec, texts)
+    kv, candidates, why = choose_kv(_with_kv(model, spec, texts), spec, texts)
     by_name = {c.kv: c for c in candidates}
     assert set(by_name) == set(KV_AUTO + KV_FALLBACK)
     # the measurement is the gate's: the worst text's change, recomputed here from the caches themselves
@@ -62,7 +68,8 @@ def test_kv_auto_measures_both_spellings_and_keeps_the_one_that_rises_least() ->
 def test_kv_auto_measures_larger_specs_only_when_no_smaller_one_passes(monkeypatch: pytest.MonkeyPatch) -> None:
     model, spec = tiny()
     monkeypatch.setattr(choose, "KV_LIMIT_PCT", -1.0)  # nothing passes, so every group is measured in turn
-    kv, candidates, _ = choose_kv(model, spec, _texts(model))
+    texts = _texts(model)
+    kv, candidates, _ = choose_kv(_with_kv(model, spec, texts), spec, texts)
     assert [c.kv for c in candidates] == list(KV_AUTO + KV_FALLBACK)
     assert all(c.verdict == "over the limit" and c.ppl_delta_pct is not None for c in candidates)
     assert kv.name == "fp16"
@@ -70,7 +77,8 @@ def test_kv_auto_measures_larger_specs_only_when_no_smaller_one_passes(monkeypat
 
 def test_kv_auto_says_why_a_rotation_is_unavailable() -> None:
     model, spec = tiny(head_dim=96)  # no Hadamard matrix of size 96 is its own inverse; 32 divides it
-    _, candidates, _ = choose_kv(model, spec, _texts(model))
+    texts = _texts(model)
+    _, candidates, _ = choose_kv(_with_kv(model, spec, texts), spec, texts)
     rotated = next(c for c in candidates if c.kv == "k8v4+rot")
     assert rotated.verdict == "unavailable" and rotated.reason  # the typed error's message, not a traceback
 
