@@ -13,7 +13,7 @@ import click
 
 from kvrig.cli.output import OUTPUT
 from kvrig.exceptions import KvrigError, Terminated
-from kvrig.version import __version__
+from kvrig.version import DEPENDENCIES, __version__, dependency_versions
 
 # command name -> "module:attribute"; the module is imported only when the command runs.
 COMMANDS: dict[str, str] = {
@@ -37,6 +37,7 @@ COMMANDS: dict[str, str] = {
     "demo": "kvrig.cli.demo:demo",
     "calibrate": "kvrig.cli.calibrate:calibrate",
     "export": "kvrig.cli.export:export",
+    "docs": "kvrig.cli.docs:docs",
 }
 
 
@@ -52,24 +53,14 @@ class LazyGroup(click.Group):
         return getattr(importlib.import_module(module_name), attr)
 
 
-# The packages whose versions decide what kvrig does (bytes, caches, wire formats); read from their metadata,
-# so `--version` imports none of them.
-DEPENDENCIES = ("mlx", "mlx-lm", "pymobiledevice3", "coremltools")
-
 # A bug in kvrig, not an error it reports (BSD's EX_SOFTWARE): CI can tell it from every kvrig exit code.
 UNEXPECTED_EXIT = 70
 
 
 def _versions() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    def one(name: str) -> str:
-        try:
-            return f"{name} {version(name)}"
-        except PackageNotFoundError:
-            return f"{name} not installed"
-
-    return f"kvrig {__version__} (Python {sys.version.split()[0]}; " + ", ".join(map(one, DEPENDENCIES)) + ")"
+    found = dependency_versions()
+    deps = ", ".join(f"{name} {found[name] or 'not installed'}" for name in DEPENDENCIES)
+    return f"kvrig {__version__} (Python {found['python']}; {deps})"
 
 
 def _show_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
