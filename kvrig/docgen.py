@@ -138,7 +138,12 @@ def render_docs(root: Path) -> dict[Path, str]:
             except jinja2.TemplateNotFound:
                 raise InputError("no such template", file=page, field=section.template) from None
             except jinja2.UndefinedError as exc:
-                raise InputError(f"{exc.message}", file=root / TEMPLATES / section.template) from None
+                raise InputError(
+                    f"{exc.message}",
+                    file=root / TEMPLATES / section.template,
+                    expected=f"a field the benchmark printed; for a name of {BENCHMARKS} absent from {DATA}, "
+                    "`kvrig docs measure NAME` first",
+                ) from None
             text = text[: section.start] + body.rstrip("\n") + "\n" + text[section.end :]
         if found:
             rendered[page] = text

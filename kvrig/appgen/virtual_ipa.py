@@ -14,7 +14,7 @@ from pathlib import Path
 
 from kvrig.appgen.build import read_project
 from kvrig.exceptions import InputError
-from kvrig.schemas.keys import VIRTUAL_RUNTIME_KEY
+from kvrig.schemas.keys import ENTITLEMENTS_FILE, VIRTUAL_RUNTIME_KEY
 
 VIRTUAL_RUNTIME_LLM = "llm"
 VIRTUAL_RUNTIME_SWIFT = "swift"
@@ -34,7 +34,8 @@ def default_app_runtime() -> str:
     return choice
 
 
-def _project_settings(project: Path) -> tuple[str, str]:
+def _project_settings(project: Path) -> tuple[str, str, Path | None]:
+    """The target's name, bundle id and entitlements file (None: the project declares none)."""
     spec_file = project / "project.yml"
     spec, name = read_project(project)
     try:
@@ -44,7 +45,8 @@ def _project_settings(project: Path) -> tuple[str, str]:
         raise InputError(
             "missing", file=spec_file, field=f"targets.{name}.settings.base.PRODUCT_BUNDLE_IDENTIFIER"
         ) from None
-    return name, str(bundle_id)
+    entitlements = settings.get("CODE_SIGN_ENTITLEMENTS")
+    return name, str(bundle_id), project / entitlements if entitlements else None
 
 
 def build_virtual_ipa(project: str | Path, output: str | Path | None = None, runtime: str | None = None) -> Path:
@@ -52,7 +54,7 @@ def build_virtual_ipa(project: str | Path, output: str | Path | None = None, run
     `runtime`: an Info.plist value (`swift`, `llm`); default: see `default_app_runtime`."""
     project = Path(project)
     runtime = runtime or APP_RUNTIMES[default_app_runtime()]
-    name, bundle_id = _project_settings(project)
+    name, bundle_id, entitlements = _project_settings(project)
     info_file = project / "App" / "Info.plist"
     try:
         info = plistlib.loads(info_file.read_bytes())
@@ -72,5 +74,8 @@ def build_virtual_ipa(project: str | Path, output: str | Path | None = None, run
             f"Payload/{name}.app/{name}",
             f"kvrig virtual build: the virtual iPhone runs this app with the {runtime!r} runtime.\n",
         )
+        if entitlements is not None and entitlements.is_file():
+            # a phone states the increased memory limit only for an app that declares it
+            ipa.write(entitlements, f"Payload/{name}.app/{ENTITLEMENTS_FILE}")
     tmp.replace(out)
     return out

@@ -11,3 +11,6 @@ COREML_MODEL_KEY = "KvrigCoreMLModel"
 """The Core ML resource an app rendered with `kvrig app --coreml` ships (checked by `kvrig soak --backend`)."""
 VIRTUAL_KEY = "KvrigVirtualDevice"
 """A lockdown value only kvrig's virtual iPhone sends; real phones never have it."""
+ENTITLEMENTS_FILE = "archived-expanded-entitlements.xcent"
+"""Where Xcode leaves an app's signed entitlements in the .app: `kvrig build --virtual` writes the project's there
+and the virtual iPhone, which runs no signed binary, reads them."""

@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvrig.schemas.keys import ENTITLEMENTS_FILE
+
 # ProductVersion -> BuildVersion of the releases the emulator imitates. iOS 27 from AppleDB's records
 # (littlebyteorg/appledb, osFiles/iOS/24x - 27.x): 27.0.1 is 24A446 (released 2026-09-28); 24B5099f is the 27.2
 # build of the third 27.2 seed (2026-10-05), the newest 27.x those records list, and the release whose remoted
@@ -225,9 +227,6 @@ class DeviceState:
         for name in CONTAINER_DIRS:
             (root / name).mkdir(parents=True, exist_ok=True)
         return root
-
-
-ENTITLEMENTS_FILE = "archived-expanded-entitlements.xcent"
 
 
 def _entitlements(app: Path) -> dict[str, Any] | None:

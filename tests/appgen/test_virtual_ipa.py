@@ -44,7 +44,10 @@ def test_virtual_iphone_installs_it_through_pymobiledevice3(
 
     app = run(on_device(emulator.udid, job))
     assert app.executable == "SmolLM2Chat"
-    assert emulator.device.state.user_apps()["com.example.smollm2"][VIRTUAL_RUNTIME_KEY] == "llm"
+    installed = emulator.device.state.user_apps()["com.example.smollm2"]
+    assert installed[VIRTUAL_RUNTIME_KEY] == "llm"
+    # the project's entitlements, as a signed app carries them: the phone then states the increased limit
+    assert installed["Entitlements"]["com.apple.developer.kernel.increased-memory-limit"] is True
 
 
 def test_cli_build_virtual_works_on_linux(reference_project: Path, tmp_path: Path) -> None:
