@@ -54,6 +54,7 @@ HEAVY_FILES = (
     "tests/lab/test_lab_runs.py",
     "tests/coreml/test_coreml_cli.py",
     "tests/virtual/test_cli.py",
+    "tests/test_docs_commands.py",
     "tests/coreml/test_coreml_export.py",
 )
 
