@@ -14,7 +14,7 @@ DEBIAN_PACKAGES := libopenblas0-pthread libimobiledevice-utils ideviceinstaller 
 	fortunes libc6-dev libpython3-stdlib python3-doc debian-reference-en \
 	libblas-dev liblapacke-dev libopenblas-dev liblapack-dev gfortran g++
 
-.PHONY: setup test demo lint typecheck clean
+.PHONY: setup test demo docs docs-measure lint typecheck clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,14 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/kvrig demo -o build/demo
+
+# The docs' measured figures: docs-measure reruns every benchmark docs/benchmarks.yaml names (tens of minutes on
+# 2 cores) into docs/data; docs renders the pages' generated sections from that JSON (seconds).
+docs-measure: $(STAMP)
+	$(BIN)/kvrig docs measure --all
+
+docs: $(STAMP)
+	$(BIN)/kvrig docs render
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvrig tests
