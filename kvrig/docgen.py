@@ -86,12 +86,23 @@ def measure(root: Path, name: str) -> Measurement:
             platform=platform.platform(),
         ),
         versions=dependency_versions(),
+        commit=_commit(root),
         result=result,
     )
     out = root / DATA / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(out, measurement.model_dump_json(by_alias=True, indent=2) + "\n")
     return measurement
+
+
+def _commit(root: Path) -> str | None:
+    """HEAD of the checkout, with `+` when its tracked files differ from it; None outside git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=root, capture_output=True)
+    except OSError:
+        return None
+    return head.stdout.strip() + ("+" if dirty.returncode else "") if head.returncode == 0 else None
 
 
 def _load() -> tuple[float, float, float]:
@@ -199,6 +210,8 @@ def _environment(root: Path) -> jinja2.Environment:
 def _measured_line(m: Measurement) -> str:
     """The line beside every generated figure: what ran, when, on what."""
     versions = ", ".join(f"{k} {m.versions.get(k) or 'absent'}" for k in ("kvrig", "mlx", "mlx-lm"))
+    if m.commit:
+        versions += f" at {m.commit}"
     before = "".join(f"`{c}`, then " for c in m.before)
     return (
         f"Measured by {before}`{m.command}` on {m.date:%Y-%m-%d} ({m.seconds:.0f} s; {versions}; "

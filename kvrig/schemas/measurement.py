@@ -42,5 +42,7 @@ class Measurement(StrictModel):
     seconds: float
     host: Host
     versions: dict[str, str | None]
+    # the checkout's commit as the benchmark ran (kvrig's version number does not move with its code)
+    commit: str | None = None
     # the benchmark's own --json, as it printed it (its command defines the shape; templates read it)
     result: JsonValue
