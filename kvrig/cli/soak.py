@@ -45,6 +45,13 @@ from kvrig.device.loop import run_async
     "uncapped and never emptied, as an app kvrig did not write runs (planned with `kvrig plan --app uncapped`). "
     "Overrides the plan file's.",
 )
+@click.option(
+    "--on-critical",
+    type=click.Choice(["stop_and_save", "continue"]),
+    default=None,
+    help="What the app does at critical memory pressure: stop and save as its bundle's pressure policy says (the "
+    "default), or keep growing into the kernel's limit to find where jetsam kills it. Overrides the plan file's.",
+)
 @click.option("--bundle", "bundle_name", default=None, help="Name of the model bundle the app runs (recorded).")
 @click.option("--scheme", default="default", show_default=True, help="KV scheme name recorded with the run.")
 @seconds_option(
@@ -101,6 +108,7 @@ def soak(
     backend: str | None,
     weights_residency: str | None,
     buffer_cache: str | None,
+    on_critical: str | None,
     bundle_name: str | None,
     scheme: str,
     hang_after: float,
@@ -144,6 +152,8 @@ def soak(
     if buffer_cache is not None:
         # A schema-4 field: an older plan file is carried forward with it.
         plan = SoakPlan.model_validate({**plan.model_dump(by_alias=True), "schema": 4, "buffer_cache": buffer_cache})
+    if on_critical is not None:
+        plan = plan.model_copy(update={"on_critical": on_critical})
     echo = None if as_json else info
     options = SoakOptions(
         hang_after_s=hang_after,

@@ -26,6 +26,7 @@ from kvrig.exceptions import SoakFailedError
 from kvrig.lab.gates import failures
 from kvrig.planner import plan as make_memory_plan
 from kvrig.runtime.blas import find_openblas
+from kvrig.schemas.results import SoakResult
 from kvrig.schemas.telemetry import TelemetryEvent
 from kvrig.soaking.driver import SoakOptions, run_soak
 from kvrig.soaking.plan import make_plan
@@ -111,9 +112,14 @@ def _soak(phones: Phones, device: VirtualDevice, plan, out: Path, app_id: str = 
 
 
 def test_real_bundle_soaks_into_jetsam(phones: Phones, tmp_path: Path) -> None:
-    plan = make_plan(max_tokens=4096, step_tokens=256, decode_tokens=2, scheme="k8v4")
-    plan = plan.model_copy(update={"on_critical": "continue"})  # run into the kernel, as a soak should
-    result = _soak(phones, phones.small, plan, tmp_path)
+    """`kvrig soak --on-critical continue` as a user runs it: the app grows past critical pressure (where its
+    bundle's policy would stop it: test_critical_pressure_stops_and_saves) into the kernel's limit."""
+    env = dict(os.environ, USBMUXD_SOCKET_ADDRESS=phones.host.address)
+    args = ["soak", "--app-id", APP_ID, "--udid", phones.small.identity.udid, "--max-tokens", "4096", "--step", "256"]
+    args += ["--decode-tokens", "2", "--scheme", "k8v4", "--on-critical", "continue", "-o", str(tmp_path)]
+    proc = subprocess.run([sys.executable, "-m", "kvrig", *args], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    result = SoakResult.model_validate(json.loads((tmp_path / "results.json").read_text())["runs"][0])
 
     assert result.outcome == "jetsam", result.outcome_detail
     # The app computed with Debian's OpenBLAS (preloaded before MLX loads), not the wheel's reference BLAS.
