@@ -126,4 +126,5 @@ def test_the_lab_predicts_against_the_limit_the_phone_build_stated(tmp_path: Pat
 
     elsewhere = phone.model_copy(update={"build_version": "23B85"})  # a build the registry has not seen
     profile = predictor.predict(entry, entry.schemes[0], "iphone-15-pro", device, phone=elsewhere)
-    assert profile is not None and profile.limit_source is None and profile.limit_bytes != 200 * MIB
+    assert profile is not None and profile.limit_bytes != 200 * MIB
+    assert profile.limit_source is not None and profile.limit_source.startswith("iphone-15-pro's default limit")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -40,7 +41,13 @@ def _socket_option(func):  # type: ignore[no-untyped-def]
     required=True,
     help="State folder (apps, containers, crash reports); kept across restarts.",
 )
-@click.option("--limit-mb", type=int, default=None, help="App memory limit in MiB (default: the profile's).")
+@click.option(
+    "--limit-mb",
+    type=int,
+    default=None,
+    help="App memory limit in MiB, every app's (default: the profile's, as iOS gives it: the entitled limit to an "
+    "app with the increased-memory-limit entitlement where the profile knows one, the default limit to others).",
+)
 @click.option(
     "--baseline-mb", type=float, default=None, help="App footprint before weights and KV, MiB (default: the profile's)."
 )
@@ -210,10 +217,13 @@ def start(
             click.echo(f"USBMUXD_SOCKET_ADDRESS={exported}")
             if tcp_address:
                 click.echo(f"USBMUXD_SOCKET_ADDRESS={tcp_address}")
-            click.echo(
-                f"{result['udid']}  {result['product_type']}  iOS {result['ios']}  "
-                f"limit {human_bytes(result['limit_bytes'])}"
-            )
+            click.echo(f"{result['udid']}  {result['product_type']}  iOS {result['ios']}  limit {_limits(result)}")
+
+
+def _limits(device: dict[str, Any]) -> str:
+    """The default limit, and the entitled one where an app with the entitlement gets another."""
+    default, entitled = device["limit_bytes"], device.get("entitled_limit_bytes") or device["limit_bytes"]
+    return human_bytes(default) + (f" (entitled {human_bytes(entitled)})" if entitled != default else "")
 
 
 @virtual.command()
@@ -255,7 +265,7 @@ def status(address: str, as_json: bool) -> None:
             d["udid"],
             d["product_type"],
             d["ios"],
-            human_bytes(d["limit_bytes"]),
+            _limits(d),
             str(d["plugged"]),
             "on" if d["developer_mode"] else "off",
             "mounted" if d["image_mounted"] else "missing",

@@ -1,29 +1,47 @@
 """The planner's prediction for a run: per (model, profile, limit, plan options, scheme), cached; MLX is
 imported only here, and only when an entry names a model.
 
-The limit planned against: the lab file's `limit_bytes` for the phone when it gives one, else the limit the
-phone's ProductType × OS build × entitlement stated in a limits registry (`kvrig lab run --limits`), else the
-device profile's; the prediction's `limit_source` says which."""
+The limit planned against: the lab file's `limit_bytes` for the phone when it gives one (every app's, as on a
+virtual iPhone started with a limit), else the limit the phone's ProductType × OS build × entitlement stated in a
+limits registry (`kvrig lab run --limits`), else the device profile's. Which of the profile's two limits, and which
+entitlement to look up, is the limit the app gets (`plan.limit: app`, iOS's rule): the entitled limit when the app
+declares com.apple.developer.kernel.increased-memory-limit and the profile knows one, else the default. The
+prediction's `limit_source` says which limit was used and why."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
-from kvrig.exceptions import QuantizationError, SchemaError
+from kvrig.appgen.entitlements import app_entitlements
+from kvrig.device.apps import list_apps
+from kvrig.device.discovery import connect
+from kvrig.device.hosts import UsbmuxHost
+from kvrig.exceptions import KvrigError, QuantizationError, SchemaError
 from kvrig.models import load_model_spec
 from kvrig.planner import PlanRequest, bundle_recipe, plan_memory
 from kvrig.planner.limits import describe, load_limits, lookup
-from kvrig.profiles import RAM_SUFFIX_RE, AppMemoryLimit, SourcedInt, load_profile
+from kvrig.profiles import (
+    INCREASED_MEMORY_LIMIT,
+    RAM_SUFFIX_RE,
+    AppMemoryLimit,
+    DeviceProfile,
+    SourcedInt,
+    load_profile,
+)
 from kvrig.recipes import AUTO, parse_kv
 from kvrig.schemas import load_model_file
 from kvrig.schemas.kvcache import KVCACHE_NAME, KVCacheConfig, WeightsResidency
-from kvrig.schemas.lab import LabDevice, MatrixEntry, SchemeSpec
+from kvrig.schemas.lab import LabDevice, LimitChoice, MatrixEntry, SchemeSpec
 from kvrig.schemas.limits import MeasuredLimit
 from kvrig.schemas.results import DeviceRef, Prediction
 
 if TYPE_CHECKING:
+    from kvrig.lab.targets import Target
     from kvrig.planner.transient import Backend
+
+LimitKind = Literal["default", "entitled"]
+LAB_FILE_LIMIT = "lab file: limit_bytes"
 
 
 class Predictor:
@@ -44,10 +62,12 @@ class Predictor:
         virtual: bool = False,
         residency: WeightsResidency | None = None,
         phone: DeviceRef | None = None,
+        entitled: bool | None = None,
     ) -> Prediction | None:
         """`virtual`: kvrig's virtual iPhone, whose app runs MLX on the host's CPU; it is planned on the `cpu`
         backend (no fused attention, so prefill materializes the scores), a real phone on `metal`.
-        `residency`: the run's (None: the bundle's layout)."""
+        `residency`: the run's (None: the bundle's layout). `entitled`: whether the entry's app declares the
+        increased-memory-limit entitlement (`app_entitled`; None: not known)."""
         source = entry.model_source
         if source is None or profile is None or self.unavailable:
             return None
@@ -78,16 +98,18 @@ class Predictor:
             if note not in self.notes:
                 self.notes.append(note)
             weights_residency = "loaded"
-        measured = self._measured(phone, entry.plan.limit) if device.limit_bytes is None else None
-        key += (entry.plan.model_dump_json(), planner_scheme, backend, weights_residency)
+        device_profile = _device_profile(profile, device)
+        kind, why = limit_kind(entry.plan.limit, entitled, entry.app_id, device_profile)
+        measured = self._measured(phone, kind) if device.limit_bytes is None else None
+        key += (entry.plan.model_dump_json(), planner_scheme, backend, weights_residency, kind, why)
         key += (measured.model_dump_json() if measured is not None else "",)
         if key not in self._cache:
             self._cache[key] = self._plan(
-                source, profile, device, entry, planner_scheme, backend, weights_residency, measured
+                source, device_profile, device, entry, planner_scheme, backend, weights_residency, (kind, why), measured
             )
         return self._cache[key]
 
-    def _measured(self, phone: DeviceRef | None, limit: str) -> MeasuredLimit | None:
+    def _measured(self, phone: DeviceRef | None, limit: LimitKind) -> MeasuredLimit | None:
         """The registry's limit for this phone's ProductType and build (only that build: a phone on another
         build is planned with its profile), with the entitlement the entry plans for."""
         if self.limits is None or phone is None or phone.product_type is None or phone.build_version is None:
@@ -97,33 +119,21 @@ class Predictor:
     def _plan(
         self,
         source: Path,
-        profile_ref: str,
+        profile: DeviceProfile,
         device: LabDevice,
         entry: MatrixEntry,
         scheme: str,
         backend: Backend,
         residency: WeightsResidency,
+        limit: tuple[LimitKind, str],
         measured: MeasuredLimit | None = None,
     ) -> Prediction | None:
-        limit_source = None
+        kind, limit_source = limit
         try:
-            profile = load_profile(profile_ref)
-            # The phone says its ProductType, not its RAM: a lab file's `profile: REF@16GB` names the configuration.
-            sized = RAM_SUFFIX_RE.match(device.profile or "")
-            if sized is not None:
-                profile = profile.with_ram(int(sized["gb"]))
-            # A phone whose limit or baseline the lab knows better than the profile (a virtual iPhone).
-            if device.limit_bytes is not None:
-                limit_source = "lab file: limit_bytes"
-                given = SourcedInt(value=device.limit_bytes, basis="reported", source="lab file: limit_bytes")
-                profile = profile.model_copy(update={"app_memory_limit": AppMemoryLimit(default_bytes=given)})
-            if device.baseline_bytes is not None:
-                given = SourcedInt(value=device.baseline_bytes, basis="reported", source="lab file: baseline_bytes")
-                profile = profile.model_copy(update={"app_baseline_bytes": given})
             opts = entry.plan
             if measured is not None:
                 assert self.limits_file is not None
-                limit_source = f"measured: {describe(measured, self.limits_file)}"
+                limit_source = f"measured: {describe(measured, self.limits_file)} ({limit_source})"
                 note = f"predictions for {measured.product_type} build {measured.build_version} use {limit_source}"
                 if note not in self.notes:
                     self.notes.append(note)
@@ -134,7 +144,7 @@ class Predictor:
                     schemes=(scheme,),
                     weights=opts.weights or bundle_recipe(entry.bundle_path) or AUTO,
                     margin=opts.margin,
-                    limit=opts.limit,
+                    limit=kind,
                     prefill_step=opts.prefill_step,
                     contexts=(1024,),
                     backend=backend,
@@ -153,6 +163,87 @@ class Predictor:
             footprint_at_max_context_bytes=plan.budget_at_max_context[scheme].total_bytes,
             limit_source=limit_source,
         )
+
+
+def _device_profile(profile_ref: str, device: LabDevice) -> DeviceProfile:
+    """The profile the phone is planned with: its RAM configuration, and the limit and baseline the lab file
+    knows better (a virtual iPhone started with a small limit gives it to every app)."""
+    profile = load_profile(profile_ref)
+    # The phone says its ProductType, not its RAM: a lab file's `profile: REF@16GB` names the configuration.
+    sized = RAM_SUFFIX_RE.match(device.profile or "")
+    if sized is not None:
+        profile = profile.with_ram(int(sized["gb"]))
+    if device.limit_bytes is not None:
+        given = SourcedInt(value=device.limit_bytes, basis="reported", source=LAB_FILE_LIMIT)
+        profile = profile.model_copy(update={"app_memory_limit": AppMemoryLimit(default_bytes=given)})
+    if device.baseline_bytes is not None:
+        given = SourcedInt(value=device.baseline_bytes, basis="reported", source="lab file: baseline_bytes")
+        profile = profile.model_copy(update={"app_baseline_bytes": given})
+    return profile
+
+
+def limit_kind(asked: LimitChoice, entitled: bool | None, app_id: str, profile: DeviceProfile) -> tuple[LimitKind, str]:
+    """The profile limit a run is planned against, and why (the prediction's `limit_source`). `app`: the one iOS
+    gives the app: entitled when it declares increased-memory-limit and the device has a larger limit, else default."""
+    if profile.app_memory_limit.default_bytes.source == LAB_FILE_LIMIT:
+        return "default", f"{LAB_FILE_LIMIT}, every app's whatever its entitlements"
+    has_entitled = profile.limit_entitled is not None
+    if asked == "default":
+        return "default", f"{profile.name}'s default limit (plan.limit: default)"
+    if asked == "entitled":
+        if has_entitled:
+            return "entitled", f"{profile.name}'s entitled limit (plan.limit: entitled)"
+        return (
+            "default",
+            f"{profile.name}'s default limit: plan.limit is entitled, but the profile knows no entitled limit",
+        )
+    if entitled is None:
+        return "default", (
+            f"{profile.name}'s default limit: whether {app_id} declares {INCREASED_MEMORY_LIMIT} is not known "
+            "(no .ipa in the lab file and the phone lists no entitlements; plan.limit: entitled if it does)"
+        )
+    if not entitled:
+        return "default", f"{profile.name}'s default limit: {app_id} does not declare {INCREASED_MEMORY_LIMIT}"
+    if not has_entitled:
+        return "default", (
+            f"{profile.name}'s default limit: {app_id} declares {INCREASED_MEMORY_LIMIT}, but the profile knows no "
+            "entitled limit for this device"
+        )
+    return "entitled", f"{profile.name}'s entitled limit: {app_id} declares {INCREASED_MEMORY_LIMIT}"
+
+
+def ipa_entitlements(matrix: list[MatrixEntry]) -> dict[str, bool]:
+    """App id -> whether the .ipa the lab installs for it declares the increased-memory-limit entitlement."""
+    found: dict[str, bool] = {}
+    for entry in matrix:
+        if entry.ipa is not None and entry.app_id not in found:
+            declared = app_entitlements(entry.ipa) or {}
+            found[entry.app_id] = declared.get(INCREASED_MEMORY_LIMIT) is True
+    return found
+
+
+async def installed_entitlements(
+    matrix: list[MatrixEntry], targets: list[Target], hosts: list[UsbmuxHost]
+) -> dict[tuple[str, str], bool | None]:
+    """(UDID, app id) -> whether the app installed on the phone declares increased-memory-limit, as
+    installation_proxy lists it, for the apps `plan.limit: app` predicts and the lab installs no .ipa for. A phone
+    that cannot be asked, or lacks the app, is left out (its prediction says the entitlement is unknown)."""
+    asked = {e.app_id for e in matrix if e.plan.limit == "app" and e.model_source is not None}
+    wanted = asked - set(ipa_entitlements(matrix))
+    address = {h.name: h.address for h in hosts}
+    only = hosts[0].address if len(hosts) == 1 else None
+    found: dict[tuple[str, str], bool | None] = {}
+    for target in targets if wanted else []:
+        if target.problem is not None or target.spec.limit_bytes is not None:  # the lab file's limit: every app's
+            continue
+        try:
+            device = await connect(target.udid, usbmux_address=address.get(target.host or "", only))
+            async with device:
+                listed = {a.bundle_id: a.entitled for a in await list_apps(device)}
+        except KvrigError:
+            continue
+        found.update({(target.udid, app_id): listed[app_id] for app_id in wanted if app_id in listed})
+    return found
 
 
 def _bundle_layout(entry: MatrixEntry) -> WeightsResidency | None:

@@ -20,7 +20,7 @@ from typing import Any
 from kvrig.device.hosts import UsbmuxHost, list_devices_on, local_host
 from kvrig.exceptions import LabError, LabOutputExistsError, OutputWriteError
 from kvrig.lab.model import JUNIT_FILE, RUNS_DIR, Event, LabResults, LabRun, device_ref, new_run
-from kvrig.lab.predict import Predictor
+from kvrig.lab.predict import Predictor, installed_entitlements, ipa_entitlements
 from kvrig.lab.report import IMAGES_DIR, REPORT_FILE, write_report
 from kvrig.lab.save import save_results
 from kvrig.lab.targets import Shard, Target, select_targets
@@ -77,9 +77,12 @@ class Scheduler:
         for run, saved in zip(self.results.runs, results.runs, strict=True):
             run.result.gates = saved.gates
 
-    def plan_runs(self, targets: list[Target]) -> dict[str, list[LabRun]]:
+    async def plan_runs(self, targets: list[Target]) -> dict[str, list[LabRun]]:
+        """Each phone's runs, predicted against the limit each run's app gets there."""
         predictor = Predictor(self.results.notes, limits=self.limits)
+        listed = await installed_entitlements(self.lab.matrix, targets, self.hosts)
         only_host = self.hosts[0].name if len(self.hosts) == 1 else None
+        from_ipa = ipa_entitlements(self.lab.matrix)  # the .ipa the lab installs says what the app will declare
         per_device: dict[str, list[LabRun]] = {}
         for target in targets:
             ref = device_ref(target.udid, target.info, target.host or only_host)
@@ -90,8 +93,16 @@ class Scheduler:
                         predicted = None
                         if target.problem is None:
                             virtual = bool(target.info and target.info.virtual)
+                            entitled = from_ipa.get(entry.app_id, listed.get((target.udid, entry.app_id)))
                             predicted = predictor.predict(
-                                entry, scheme, ref.profile, target.spec, virtual=virtual, residency=residency, phone=ref
+                                entry,
+                                scheme,
+                                ref.profile,
+                                target.spec,
+                                virtual=virtual,
+                                residency=residency,
+                                phone=ref,
+                                entitled=entitled,
                             )
                         run = new_run(entry, scheme, ref, self.stamp, predicted, residency)
                         if target.problem is not None:
@@ -106,7 +117,7 @@ class Scheduler:
             self.results.notes.append(f"host {host}: {why}")
             self.say(f"host {host}: {why}")
         targets = select_targets(self.lab, attached, shard=shard, devices=devices)
-        per_device = self.plan_runs(targets)
+        per_device = await self.plan_runs(targets)
         self.save()
         if not targets and shard is not None and select_targets(self.lab, attached, devices=devices):
             # Hashing leaves some shards without phones (3 phones, 4 shards): nothing to do is not a failure.

@@ -11,7 +11,7 @@ gates CI fails on. YAML (or JSON); paths in it are relative to the file.
     gates: {min_max_safe_context: 2048, min_decode_tps_at: {1024: 20}}
 
 Still schema 1: `residencies` is an optional key a person adds to a file, and a lab without it reads and runs
-as before.
+as before; `plan.limit: app` is a new value, the default, and a file's `default` or `entitled` means what it did.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from kvrig.schemas.kvcache import WeightsResidency
 
 LAB_SCHEMA_VERSION: Final = 1
 ANY_DEVICE = "any"
+LimitChoice = Literal["app", "default", "entitled"]
 
 
 class LabDevice(StrictModel):
@@ -79,7 +80,13 @@ class PlanOptions(StrictModel):
         "auto as kvrig plan counts it",
     )
     margin: float = Field(default=0.0, ge=0, lt=1, description="0: predict the context at the limit itself")
-    limit: Literal["default", "entitled"] = "default"
+    limit: LimitChoice = Field(
+        default="app",
+        description="the limit to predict against; app: the one iOS gives the run's app: the device's entitled limit "
+        "when the app declares com.apple.developer.kernel.increased-memory-limit (read from the entry's .ipa, else "
+        "as the phone lists the installed app) and the profile knows one, else the default limit (a phone's "
+        "limit_bytes in this file is every app's); default or entitled: that one",
+    )
     prefill_step: int = Field(default=512, ge=1)
 
 

@@ -83,8 +83,10 @@ class Prediction(StrictModel):
     footprint_at_max_context_bytes: int | None = Field(default=None, ge=0)
     limit_source: str | None = Field(
         default=None,
-        description="where limit_bytes comes from: `measured: <limits registry entry>` (a limit the phone stated), "
-        "`lab file: limit_bytes`; None: the device profile's (schema 4)",
+        description="where limit_bytes comes from and why that one: `measured: <limits registry entry>` (a limit "
+        "the phone stated), `lab file: limit_bytes`, or the device profile's default or entitled limit, with the "
+        "reason (the app declares increased-memory-limit or not, or the lab file's plan.limit); None: the device "
+        "profile's, in files written before it said so (schema 4)",
     )
 
 

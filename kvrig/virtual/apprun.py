@@ -26,6 +26,9 @@ The emulator answers each measurement only if the app survives it: when the step
 it SIGKILLs the process and writes a JetsamEvent report showing the footprint at the page that crossed it;
 the faults that end an app (crash, hang, GPU from the background, watchdog, vanish) fire here too.
 
+An app runs under the limit iOS gives it (`VirtualDevice.app_limit_bytes`): the profile's entitled limit when its
+entitlements include increased-memory-limit, else the default; the log line, the kill and the report follow it.
+
 The device log reads as a real phone's: runningboardd states the app's memory limits at launch
 (`[KVSoak:812] Memory Limits: active 160 inactive 160`, MiB), and a jetsam kill is told by the kernel
 (`memorystatus: KVSoak [812] exceeded mem limit: ActiveHard 160 MB (fatal)`, then `killing_specific_process`),
@@ -114,6 +117,8 @@ class AppHost(Protocol):
     @property
     def faults(self) -> FaultPlan: ...
 
+    def app_limit_bytes(self, entitlements: object) -> int: ...
+
 
 class AppRunner:
     def __init__(self, device: AppHost, *, python: str | None = None) -> None:
@@ -166,6 +171,7 @@ class AppRunner:
             await self.kill_bundle(bundle_id)
         container = state.container(bundle_id)
         bundle = state.app_bundle(bundle_id)
+        limit_bytes = self.device.app_limit_bytes(record.get("Entitlements"))
         source_root = str(Path(__file__).resolve().parents[2])  # the folder holding the kvrig package
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [source_root, env.get("PYTHONPATH")]))
@@ -179,7 +185,7 @@ class AppRunner:
                 "KVRIG_BUNDLE_ID": bundle_id,
                 "KVRIG_PRODUCT_TYPE": ident.product_type,
                 "KVRIG_OS_VERSION": ident.product_version,
-                "KVRIG_LIMIT_BYTES": str(ident.limit_bytes),
+                "KVRIG_LIMIT_BYTES": str(limit_bytes),
                 "KVRIG_SUPPORTED_RESOURCES": supported_resources(ident, self.device.background_gpu),
             }
         )
@@ -204,14 +210,14 @@ class AppRunner:
         )
         name = str(record.get("CFBundleExecutable") or bundle_id.rsplit(".", 1)[-1])
         account = FootprintAccount(
-            limit_bytes=ident.limit_bytes, page_size=ident.page_size, baseline_bytes=self.device.baseline_bytes
+            limit_bytes=limit_bytes, page_size=ident.page_size, baseline_bytes=self.device.baseline_bytes
         )
         process = AppProcess(proc.pid, bundle_id, name, proc, account)
         self.processes[proc.pid] = process
         if start_suspended:
             os.kill(proc.pid, signal.SIGSTOP)
         self.device.syslog.emit("SpringBoard", f"Launching {bundle_id} pid {proc.pid}")
-        limit_mb = ident.limit_bytes // MIB
+        limit_mb = limit_bytes // MIB
         self.device.syslog.emit(
             "runningboardd", f"[{name}:{proc.pid}] Memory Limits: active {limit_mb} inactive {limit_mb}"
         )

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from pymobiledevice3.lockdown import SERVICE_PORT as LOCKDOWN_PORT
 
 from kvrig.exceptions import InputError
-from kvrig.profiles import load_profile
+from kvrig.profiles import INCREASED_MEMORY_LIMIT, load_profile
 from kvrig.virtual.apprun import AppRunner
 from kvrig.virtual.battery import Battery
 from kvrig.virtual.faults import FaultPlan
@@ -54,15 +54,21 @@ class DeviceProfile:
     limit_bytes: int
     page_size: int
     baseline_bytes: int
+    entitled_limit_bytes: int | None = None  # None: the profile does not know it
 
 
 def _profile_for(ref: str) -> DeviceProfile:
-    """The device profile for a ProductType (or profile name): marketing name, default limit, page size."""
+    """The device profile for a ProductType, profile name or profile file: marketing name, limits, page size."""
 
     profile = load_profile(ref)
     product_type = ref if ref in profile.product_types else profile.product_types[0]
     return DeviceProfile(
-        product_type, profile.marketing_name, profile.limit_default, profile.page_size, profile.baseline
+        product_type,
+        profile.marketing_name,
+        profile.limit_default,
+        profile.page_size,
+        profile.baseline,
+        profile.limit_entitled,
     )
 
 
@@ -91,6 +97,12 @@ class VirtualDevice:
             limit_bytes=limit_bytes if limit_bytes is not None else spec.limit_bytes,
             page_size=spec.page_size,
         )
+        # iOS gives an app with the increased-memory-limit entitlement the larger limit where the device has one;
+        # a limit given at start (a small one, for a quick soak) is every app's.
+        if limit_bytes is not None:
+            self.entitled_limit_bytes = limit_bytes
+        else:
+            self.entitled_limit_bytes = spec.entitled_limit_bytes or spec.limit_bytes
         # The app's footprint before weights and KV: the profile's baseline (the planner uses the same one).
         self.baseline_bytes = baseline_bytes if baseline_bytes is not None else spec.baseline_bytes
         self.pairing = Pairing.load_or_create(self.state.pairing_dir, self.identity.wifi_mac)
@@ -120,6 +132,12 @@ class VirtualDevice:
         self._links: set[Link] = set()
 
         self.apps: AppRunner = AppRunner(self, python=python)
+
+    def app_limit_bytes(self, entitlements: object) -> int:
+        """The jetsam limit an app with these entitlements (installation_proxy's `Entitlements`) runs under."""
+        if isinstance(entitlements, dict) and entitlements.get(INCREASED_MEMORY_LIMIT) is True:
+            return self.entitled_limit_bytes
+        return self.identity.limit_bytes
 
     @property
     def ios_major(self) -> int:
@@ -267,6 +285,7 @@ class VirtualDevice:
             "ios": self.identity.product_version,
             "state": str(self.state.root),
             "limit_bytes": self.identity.limit_bytes,
+            "entitled_limit_bytes": self.entitled_limit_bytes,
             "plugged": self.plugged,
             "faults": self.faults.to_json(),
             "developer_mode": self.state.developer().developer_mode,

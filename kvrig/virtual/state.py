@@ -14,7 +14,6 @@ ddi/                   the developer disk image files a host mounts this phone w
 from __future__ import annotations
 
 import json
-import plistlib
 import secrets
 import shutil
 import uuid
@@ -22,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvrig.schemas.keys import ENTITLEMENTS_FILE
+from kvrig.appgen.entitlements import app_entitlements
 
 # ProductVersion -> BuildVersion of the releases the emulator imitates. iOS 27 from AppleDB's records
 # (littlebyteorg/appledb, osFiles/iOS/24x - 27.x): 27.0.1 is 24A446 (released 2026-09-28); 24B5099f is the 27.2
@@ -230,13 +229,5 @@ class DeviceState:
 
 
 def _entitlements(app: Path) -> dict[str, Any] | None:
-    """The app's entitlements, as installation_proxy lists them. A phone reads them from the code signature;
-    the virtual iPhone, which runs no signed binary, from the plist Xcode writes beside it in the .app."""
-    path = app / ENTITLEMENTS_FILE
-    if not path.is_file():
-        return None
-    try:
-        data = plistlib.loads(path.read_bytes())
-    except Exception:  # a broken file is an app without entitlements, as an unsigned one
-        return None
-    return data if isinstance(data, dict) else None
+    """The app's entitlements, as installation_proxy lists them (its signature's, else its .xcent's)."""
+    return app_entitlements(app)

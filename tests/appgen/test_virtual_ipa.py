@@ -8,6 +8,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+from kvrig.appgen.entitlements import app_entitlements
 from kvrig.appgen.virtual_ipa import VIRTUAL_RUNTIME_KEY, build_virtual_ipa
 from kvrig.device import apps
 from kvrig.virtual import swiftapp
@@ -46,8 +47,10 @@ def test_virtual_iphone_installs_it_through_pymobiledevice3(
     assert app.executable == "SmolLM2Chat"
     installed = emulator.device.state.user_apps()["com.example.smollm2"]
     assert installed[VIRTUAL_RUNTIME_KEY] == "llm"
-    # the project's entitlements, as a signed app carries them: the phone then states the increased limit
+    # the project's entitlements, as a signed app carries them: the phone then states the increased limit, and
+    # kvrig's own reader of the .ipa (the lab predicts with the limit it gives) reads the same
     assert installed["Entitlements"]["com.apple.developer.kernel.increased-memory-limit"] is True
+    assert app.entitled is True and app_entitlements(ipa) == installed["Entitlements"]
 
 
 def test_cli_build_virtual_works_on_linux(reference_project: Path, tmp_path: Path) -> None:
@@ -78,3 +81,18 @@ def test_app_runtime_option_names_what_the_virtual_iphone_runs(reference_project
         )
         assert proc.returncode == 0, proc.stderr
         assert _info(out / f"{reference_project.name}-virtual.ipa")[VIRTUAL_RUNTIME_KEY] == value
+
+
+def test_a_signed_apps_entitlements_are_read_from_its_code_signature(tmp_path: Path) -> None:
+    """A phone lists what the signature's entitlements blob says, whatever an .xcent beside it says."""
+    app = tmp_path / "Signed.app"
+    app.mkdir()
+    (app / "Info.plist").write_bytes(plistlib.dumps({"CFBundleExecutable": "Signed"}, fmt=plistlib.FMT_BINARY))
+    signed = plistlib.dumps({"com.apple.developer.kernel.increased-memory-limit": True})
+    blob = bytes.fromhex("fade7171") + (8 + len(signed)).to_bytes(4, "big") + signed
+    (app / "Signed").write_bytes(b"\xcf\xfa\xed\xfe" + bytes(64) + blob + bytes(16))
+    (app / "archived-expanded-entitlements.xcent").write_bytes(plistlib.dumps({"get-task-allow": True}))
+    assert app_entitlements(app) == {"com.apple.developer.kernel.increased-memory-limit": True}
+    (app / "Signed").write_bytes(b"\xcf\xfa\xed\xfe" + bytes(64))  # unsigned: the .xcent, as Xcode left it
+    assert app_entitlements(app) == {"get-task-allow": True}
+    assert app_entitlements(tmp_path / "missing.ipa") is None

@@ -10,7 +10,7 @@ import pytest
 from kvrig.lab.predict import Predictor
 from kvrig.models import load_model_spec
 from kvrig.planner import MemoryPlan, PlanRequest, plan_memory
-from kvrig.profiles import AppMemoryLimit, SourcedInt, load_profile
+from kvrig.profiles import AppMemoryLimit, SourcedInt, list_profiles, load_profile
 from kvrig.schemas.lab import LabDevice, MatrixEntry, PlanOptions
 from tests.appgen.conftest import REFERENCE_KVCACHE
 
@@ -33,7 +33,7 @@ def reference(backend: str, model: Path = MODEL, limit_bytes: int = 160 * MIB) -
     profile = profile.model_copy(
         update={"app_memory_limit": AppMemoryLimit(default_bytes=limit), "app_baseline_bytes": baseline}
     )
-    opts = PlanOptions()  # the lab's defaults: no margin, the default limit
+    opts = PlanOptions()  # the lab's defaults: no margin
     return plan_memory(
         load_model_spec(model),
         profile,
@@ -41,7 +41,7 @@ def reference(backend: str, model: Path = MODEL, limit_bytes: int = 160 * MIB) -
             schemes=("fp16",),
             weights=opts.weights or "auto",  # an entry without a bundle is planned as kvrig plan does
             margin=opts.margin,
-            limit=opts.limit,
+            limit="default",  # the lab file's limit_bytes: every app's, whatever it declares
             prefill_step=opts.prefill_step,
             contexts=(1024,),
             backend=backend,  # type: ignore[arg-type]
@@ -93,3 +93,40 @@ def test_a_run_is_planned_with_its_weights_where_the_app_holds_them(tmp_path: Pa
     said = [n for n in notes if "mapped weights asked of a bundle laid out to load" in n]
     assert len(said) == (0 if layout == "mapped" else 1), notes
     assert all(n.startswith(f"{entry.label}/fp16: ") for n in said), said
+
+
+@pytest.mark.parametrize(
+    ("asked", "entitled", "kind", "why"),
+    [
+        ("app", True, "entitled", "declares com.apple.developer.kernel.increased-memory-limit"),
+        ("app", False, "default", "does not declare"),
+        ("app", None, "default", "is not known"),
+        ("default", True, "default", "plan.limit: default"),
+        ("entitled", False, "entitled", "plan.limit: entitled"),
+    ],
+)
+def test_a_run_is_predicted_against_the_limit_its_app_gets(
+    asked: str, entitled: bool | None, kind: str, why: str
+) -> None:
+    entry = MatrixEntry.model_validate(
+        {"app_id": "com.example.app", "model": str(MODEL), "schemes": ["fp16"], "plan": {"limit": asked}}
+    )
+    profile = load_profile("iphone-15-pro")
+    assert profile.limit_entitled is not None and profile.limit_entitled > profile.limit_default
+    device = LabDevice(udid="any", baseline_bytes=48 * MIB)  # no limit of the lab file's: the profile's
+    got = Predictor([]).predict(entry, entry.schemes[0], "iphone-15-pro", device, entitled=entitled)
+    assert got is not None and got.limit_source is not None
+    assert got.limit_bytes == (profile.limit_entitled if kind == "entitled" else profile.limit_default)
+    assert f"iphone-15-pro's {kind} limit" in got.limit_source and why in got.limit_source, got.limit_source
+
+
+def test_an_entitled_app_gets_the_default_limit_where_the_profile_knows_no_other() -> None:
+    entry = MatrixEntry.model_validate({"app_id": "com.example.app", "model": str(MODEL), "schemes": ["fp16"]})
+    profile = next(p for p in list_profiles() if p.limit_entitled is None)
+    got = Predictor([]).predict(entry, entry.schemes[0], profile.name, LabDevice(udid="any"), entitled=True)
+    assert got is not None and got.limit_bytes == profile.limit_default
+    assert got.limit_source is not None and "knows no entitled limit" in got.limit_source
+    # A lab file's limit_bytes (a virtual iPhone started with one) is every app's.
+    pinned = LabDevice(udid="any", limit_bytes=160 * MIB)
+    got = Predictor([]).predict(entry, entry.schemes[0], "iphone-15-pro", pinned, entitled=True)
+    assert got is not None and got.limit_bytes == 160 * MIB and "every app's" in (got.limit_source or "")

@@ -20,13 +20,18 @@ from typing import Any
 import pytest
 import yaml
 
+from kvrig.device import apps
 from kvrig.device.discovery import list_devices
+from kvrig.device.hosts import UsbmuxHost, list_devices_on
 from kvrig.device.loop import run_async
 from kvrig.lab.model import RUNS_DIR, LabResults
-from kvrig.lab.schedule import run_lab
+from kvrig.lab.schedule import Scheduler, run_lab
+from kvrig.lab.targets import select_targets
+from kvrig.profiles import INCREASED_MEMORY_LIMIT, load_profile
 from kvrig.schemas import load_model_file
-from kvrig.schemas.lab import load_lab, slug
+from kvrig.schemas.lab import Lab, load_lab, slug
 from kvrig.schemas.results import ResultsFile, SoakResult
+from tests.device.conftest import make_ipa, on_device, run
 from tests.lab.conftest import BUNDLE_ID, FAST, MIB, ROOT, Phones, phones, short_entry
 from tests.lab.test_lab_predict import reference_plan
 from tests.raw_telemetry import raw_steps
@@ -155,8 +160,49 @@ def test_predictions_use_the_lab_limit_or_the_profile(matrix_lab: tuple[LabResul
     profile = yaml.safe_load((ROOT / "device_profiles" / "iphone-13-pro.yaml").read_text())
     pro13 = runs[phones.pro13.identity.udid, "grow", "fp16"].predicted
     assert pro13 is not None and pro13.limit_bytes == profile["app_memory_limit"]["default_bytes"]["value"]
+    assert pro13.limit_source is not None and f"{BUNDLE_ID} does not declare" in pro13.limit_source
     # entries without a model get no prediction
     assert runs[phones.pro15.identity.udid, "short", "fp16"].predicted is None
+
+
+def test_the_lab_predicts_the_limit_each_app_gets_from_its_ipa_or_the_phones_listing(
+    phones: Phones, tmp_path: Path
+) -> None:
+    """plan.limit: app (the default): the .ipa the lab installs says whether the app declares increased-memory-limit,
+    else the phone's installation_proxy listing of the installed app."""
+    entitlements = {INCREASED_MEMORY_LIMIT: True}
+    to_install = make_ipa(tmp_path / "e.ipa", "dev.kvrig.entitled", "KVEntitled", entitlements=entitlements)
+    installed = make_ipa(tmp_path / "l.ipa", "dev.kvrig.listed", "KVListed", entitlements=entitlements)
+    udid = phones.pro15.identity.udid
+    run(on_device(udid, lambda d: apps.install(d, installed)))  # there before the lab, which installs no .ipa of it
+    entry = {"model": str(MODEL), "schemes": ["fp16"]}
+    lab = Lab.model_validate(
+        {
+            "schema": 1,
+            "devices": [{"udid": udid, "baseline_bytes": 48 * MIB}],  # no limit_bytes: the profile's limits
+            "matrix": [
+                {"name": "from-ipa", "app_id": "dev.kvrig.entitled", "ipa": str(to_install), **entry},
+                {"name": "listed", "app_id": "dev.kvrig.listed", **entry},
+                {"name": "plain", "app_id": BUNDLE_ID, "ipa": str(phones.ipa), **entry},
+                {"name": "forced", "app_id": BUNDLE_ID, "plan": {"limit": "entitled"}, **entry},
+            ],
+        }
+    )
+    hosts = [UsbmuxHost("lab", phones.address)]
+    scheduler = Scheduler(lab, tmp_path / "out", None, hosts)
+    attached, _ = run_async(list_devices_on(hosts))
+    planned = run_async(scheduler.plan_runs(select_targets(lab, attached)))
+    predicted = {r.entry.label: r.result.predicted for r in planned[udid]}
+    profile = load_profile("iPhone16,1")
+    assert profile.limit_entitled is not None
+    for name, limit, why in (
+        ("from-ipa", profile.limit_entitled, "dev.kvrig.entitled declares"),
+        ("listed", profile.limit_entitled, "dev.kvrig.listed declares"),
+        ("plain", profile.limit_default, f"{BUNDLE_ID} does not declare"),
+        ("forced", profile.limit_entitled, "plan.limit: entitled"),
+    ):
+        got = predicted[name]
+        assert got is not None and got.limit_bytes == limit and why in (got.limit_source or ""), (name, got)
 
 
 def test_junit_xml_one_suite_per_device_one_case_per_entry_and_scheme(
