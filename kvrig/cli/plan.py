@@ -266,6 +266,8 @@ def _measured_limit(request, device: str, limits_file: Path, os_build: str | Non
 def render_plan(p) -> None:  # type: ignore[no-untyped-def]
     from rich.table import Table
 
+    from kvrig.profiles import INCREASED_MEMORY_LIMIT
+
     out = console()
     m, d = p.model, p.device
     out.print(
@@ -289,10 +291,24 @@ def render_plan(p) -> None:  # type: ignore[no-untyped-def]
         out.print(said, markup=False)
     else:
         out.print("  the limit is the device profile's: no limit a phone stated for it (`--limits FILE`) is used")
+    # iOS's rule, in the words the lab's limit_source uses (kvrig.lab.predict.limit_kind).
     if p.limit_requires:
         out.print(
-            f"  the entitled limit needs the app to declare {p.limit_requires} (kvrig app's projects do); "
-            "--limit default plans without it"
+            f"  the entitled limit: an app gets it when it declares {p.limit_requires} (kvrig app's projects do); "
+            "--limit default plans for an app that does not",
+            markup=False,
+        )
+    elif d.limit_entitled_bytes:
+        out.print(
+            f"  the default limit: an app gets it when it does not declare {INCREASED_MEMORY_LIMIT}; "
+            "--limit entitled plans for one that does (kvrig app's projects do)",
+            markup=False,
+        )
+    else:
+        out.print(
+            f"  the default limit: the profile knows no entitled limit, so an app declaring {INCREASED_MEMORY_LIMIT} "
+            "is planned with the default one too",
+            markup=False,
         )
     rt = p.runtime
     cache = (
