@@ -10,6 +10,8 @@ prediction's `limit_source` says which limit was used and why."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
 
 LimitKind = Literal["default", "entitled"]
 LAB_FILE_LIMIT = "lab file: limit_bytes"
+LISTING_TIMEOUT_S = 20.0  # a phone that does not list its apps by then is predicted without its entitlement
 
 
 class Predictor:
@@ -223,24 +226,28 @@ def ipa_entitlements(matrix: list[MatrixEntry]) -> dict[str, bool]:
 
 
 async def installed_entitlements(
-    matrix: list[MatrixEntry], targets: list[Target], hosts: list[UsbmuxHost]
+    matrix: list[MatrixEntry], targets: list[Target], hosts: list[UsbmuxHost], known: Iterable[str] = ()
 ) -> dict[tuple[str, str], bool | None]:
     """(UDID, app id) -> whether the app installed on the phone declares increased-memory-limit, as
-    installation_proxy lists it, for the apps `plan.limit: app` predicts and the lab installs no .ipa for. A phone
-    that cannot be asked, or lacks the app, is left out (its prediction says the entitlement is unknown)."""
-    asked = {e.app_id for e in matrix if e.plan.limit == "app" and e.model_source is not None}
-    wanted = asked - set(ipa_entitlements(matrix))
+    installation_proxy lists it, for the apps `plan.limit: app` predicts whose entitlement is not `known` (from
+    the .ipa the lab installs). A phone that cannot be asked in time, or lacks the app, is left out (its prediction
+    says the entitlement is unknown)."""
+    wanted = {e.app_id for e in matrix if e.plan.limit == "app" and e.model_source is not None} - set(known)
     address = {h.name: h.address for h in hosts}
     only = hosts[0].address if len(hosts) == 1 else None
     found: dict[tuple[str, str], bool | None] = {}
+
+    async def listing(target: Target) -> dict[str, bool | None]:
+        device = await connect(target.udid, usbmux_address=address.get(target.host or "", only))
+        async with device:
+            return {a.bundle_id: a.entitled for a in await list_apps(device)}
+
     for target in targets if wanted else []:
         if target.problem is not None or target.spec.limit_bytes is not None:  # the lab file's limit: every app's
             continue
         try:
-            device = await connect(target.udid, usbmux_address=address.get(target.host or "", only))
-            async with device:
-                listed = {a.bundle_id: a.entitled for a in await list_apps(device)}
-        except KvrigError:
+            listed = await asyncio.wait_for(listing(target), LISTING_TIMEOUT_S)
+        except (KvrigError, OSError, TimeoutError):
             continue
         found.update({(target.udid, app_id): listed[app_id] for app_id in wanted if app_id in listed})
     return found

@@ -80,9 +80,9 @@ class Scheduler:
     async def plan_runs(self, targets: list[Target]) -> dict[str, list[LabRun]]:
         """Each phone's runs, predicted against the limit each run's app gets there."""
         predictor = Predictor(self.results.notes, limits=self.limits)
-        listed = await installed_entitlements(self.lab.matrix, targets, self.hosts)
-        only_host = self.hosts[0].name if len(self.hosts) == 1 else None
         from_ipa = ipa_entitlements(self.lab.matrix)  # the .ipa the lab installs says what the app will declare
+        listed = await installed_entitlements(self.lab.matrix, targets, self.hosts, known=from_ipa)
+        only_host = self.hosts[0].name if len(self.hosts) == 1 else None
         per_device: dict[str, list[LabRun]] = {}
         for target in targets:
             ref = device_ref(target.udid, target.info, target.host or only_host)
