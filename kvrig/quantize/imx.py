@@ -106,9 +106,19 @@ def grid_search(x: np.ndarray, wt: np.ndarray, bits: int, dtype: str) -> tuple[n
     if threads == 1:
         run(0)
     else:
-        with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(run, range(threads)))
+        list(_pool().map(run, range(threads)))
     return s, b
+
+
+_POOL: list[ThreadPoolExecutor] = []
+
+
+def _pool() -> ThreadPoolExecutor:
+    """One thread per core for the whole process: gpx searches a few groups at a time, thousands of times, and
+    starting threads for each search cost more than the search on a loaded machine."""
+    if not _POOL:
+        _POOL.append(ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="kvrig-grid"))
+    return _POOL[0]
 
 
 def grid_levels(x: np.ndarray, s: np.ndarray, b: np.ndarray, top: int) -> np.ndarray:
