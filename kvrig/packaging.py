@@ -45,7 +45,7 @@ from kvrig.quality.gate import GateTexts, check_model, enforce, gate_tokens, jud
 from kvrig.quality.kv_sensitivity import resolve_for_source
 from kvrig.quality.measured import Measurements, cache_root, ids_digest, source_digest
 from kvrig.quantize.base import load_source_model
-from kvrig.quantize.recipes import apply_recipe, calibration_tokens
+from kvrig.quantize.recipes import CalibrationStatistics, apply_recipe, calibration_tokens
 from kvrig.recipes import AUTO, WEIGHT_CANDIDATES, KVSpec, WeightRecipe, parse_kv, parse_weights
 from kvrig.runtime.host import load_bundle_model, prepare_for_host
 from kvrig.schemas.bundle import (
@@ -156,6 +156,8 @@ class _Job:
         self.config: dict[str, Any] = json.loads(self.config_path.read_text())
         self._source: Any = None
         self._texts: GateTexts | None = None
+        # What calibrated recipes measure on the source, measured once for every recipe this call tries.
+        self.statistics = CalibrationStatistics()
         self.say = options.progress
         self._measurements: Measurements | None = None
 
@@ -324,7 +326,9 @@ def _stage(job: _Job, recipe: WeightRecipe, kv: KVSpec, plan: PlanView | None) -
             tmp.mkdir()
             job.say(f"quantizing the weights ({recipe}) ...")
             # Calibrated recipes (imx, gpx) name each layer as it is done: minutes on a big model.
-            q_config = _write_weights(job.src_dir, tmp, recipe, lambda path: job.say(f"  quantized {path}"))
+            q_config = _write_weights(
+                job.src_dir, tmp, recipe, lambda path: job.say(f"  quantized {path}"), job.statistics
+            )
             if job.options.weights_layout == "mapped":
                 for weights in sorted(tmp.glob("*.safetensors")):
                     align_file(weights, PAGE_BYTES)
@@ -602,7 +606,8 @@ def _measure_weights(job: _Job, names: tuple[str, ...]) -> dict[str, float]:
         used = calibration if recipe.calibrated else None
 
         def measure(recipe: WeightRecipe = recipe, used: Any = used) -> dict[str, float]:
-            model, _ = apply_recipe(load_source_model(job.src_dir)[0], dict(job.config), recipe, used)
+            source = load_source_model(job.src_dir)[0]
+            model, _ = apply_recipe(source, dict(job.config), recipe, used, statistics=job.statistics)
             return kind_perplexities(prepare_for_host(model), fp16, job.spec.model_type, texts.ids)
 
         # The calibration tokens come from texts on this machine: another machine's may differ.
@@ -698,14 +703,18 @@ class _WeightsWriteFailed(Exception):
 
 
 def _write_weights(
-    src_dir: Path, dst: Path, recipe: WeightRecipe, progress: Callable[[str], None] | None = None
+    src_dir: Path,
+    dst: Path,
+    recipe: WeightRecipe,
+    progress: Callable[[str], None] | None = None,
+    statistics: CalibrationStatistics | None = None,
 ) -> dict[str, Any]:
     import mlx.core as mx
     from mlx_lm.utils import load_tokenizer, save_config, save_model
 
     model, config = load_source_model(src_dir)
     calibration = calibration_tokens(load_tokenizer(src_dir)) if recipe.calibrated else None
-    model, config = apply_recipe(model, config, recipe, calibration, progress or (lambda _: None))
+    model, config = apply_recipe(model, config, recipe, calibration, progress or (lambda _: None), statistics)
     mx.eval(model.parameters())  # computed here, so a RuntimeError from the save below is the write's
     try:
         save_model(dst, model, donate_model=True)

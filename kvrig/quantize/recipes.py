@@ -12,6 +12,7 @@ import contextlib
 import re
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from kvrig.exceptions import QuantizationError
@@ -43,17 +44,31 @@ def calibration_files() -> dict[str, list[str]]:
     return {k: read_kind(k)[1] for k in CALIBRATION_KINDS}
 
 
+@dataclass
+class CalibrationStatistics:
+    """What kvrig's quantizers measure on one float model over one set of calibration rows, by layer path: kept
+    by a caller that quantizes that model with several recipes (`kvrig package` trying gpx-q4, then gpx-4.6,
+    then writing the one it keeps), so the calibration's forward passes run once."""
+
+    hessians: dict[str, Any] | None = None
+    """gpx's XᵀX / tokens (`gpx.input_hessians`)."""
+    importance: dict[str, Any] | None = None
+    """imx's mean x² per channel (`imx.activation_importance`)."""
+
+
 def apply_recipe(
     model: Any,
     config: dict[str, Any],
     recipe: WeightRecipe,
     calibration: Any = None,
     progress: Callable[[str], None] = lambda _: None,
+    statistics: CalibrationStatistics | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """Quantizes `model` (float weights, loaded by `load_source_model`) as the recipe says; returns the model
     and its config with an explicit `quantization` block. Calibrated methods need `calibration` tokens.
     `progress` gets the path of each layer kvrig's own quantizers (imx, gpx) finish; mlx-lm's print their
-    own progress bars to stderr."""
+    own progress bars to stderr. `statistics`, when given, holds (or gets) what imx and gpx measured on this
+    model and calibration before."""
 
     if not recipe.calibrated:
         return quantize(model, config, recipe)
@@ -77,7 +92,7 @@ def apply_recipe(
         elif recipe.method == "awq":
             model, config = _awq(model, config, recipe, calibration, dtype)
         elif recipe.method in ("imx", "gpx"):
-            model, config = _imx(model, config, recipe, calibration, dtype, progress)
+            model, config = _imx(model, config, recipe, calibration, dtype, progress, statistics)
         else:
             model, config = _dynamic(model, config, recipe, calibration)
     model.set_dtype(dtype)  # floating parameters only: packed weights stay uint32
@@ -112,8 +127,9 @@ def _imx(
     calibration: Any,
     dtype: Any,
     progress: Callable[[str], None],
+    statistics: CalibrationStatistics | None,
 ) -> tuple[Any, dict[str, Any]]:
-    shared = {"dtype": dtype, "feedback": recipe.method == "gpx", "progress": progress}
+    shared = {"dtype": dtype, "feedback": recipe.method == "gpx", "progress": progress, "statistics": statistics}
     if recipe.target_bpw is None:
         assert recipe.bits is not None
         return quantize_weighted(model, config, recipe.bits, calibration, group_size=recipe.group_size, **shared)
@@ -252,6 +268,7 @@ def quantize_weighted(
     dtype: Any = None,
     feedback: bool = False,
     progress: Callable[[str], None] = lambda _: None,
+    statistics: CalibrationStatistics | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """Quantizes a float model with mlx-lm's `quantize_model` in the planner's layout (planner/layout.py: qN's
     at `group_size`, or MLP projections of the last layers at group 32 for `target_bpw`), then refits every
@@ -259,16 +276,22 @@ def quantize_weighted(
     `feedback`, every layer is quantized with GPTQ-style error feedback instead (`gpx.fit_feedback`, the float
     model's input Hessians); a tied embedding with heavy damping (its rows are also looked up, where error moved
     onto other columns hurts). Layers that read the same input at the same grid (q/k/v) are fitted as one
-    stacked matrix; `progress` gets each layer's path as it is done."""
+    stacked matrix; `progress` gets each layer's path as it is done. `statistics` keeps the calibration's
+    measurements for the next recipe (see `CalibrationStatistics`)."""
     import mlx.core as mx
     import mlx.nn as nn
 
     dtype = dtype or mx.float16
+    statistics = statistics or CalibrationStatistics()
     if feedback:
-        hessians = input_hessians(model, calibration)
+        if statistics.hessians is None:
+            statistics.hessians = input_hessians(model, calibration)
+        hessians = statistics.hessians
         importance = {p: None if h is None else mx.diagonal(h) for p, h in hessians.items()}
     else:
-        hessians, importance = {}, activation_importance(model, calibration)
+        if statistics.importance is None:
+            statistics.importance = activation_importance(model, calibration)
+        hessians, importance = {}, statistics.importance
     floats = {p: m.weight for p, m in model.named_modules() if hasattr(m, "to_quantized") and "weight" in m}
     # The layout is the planner's (planner/layout.py): qN's, or qN's with MLP projections at group 32.
     recipe = WeightRecipe("gpx" if feedback else "imx", bits, group_size, target_bpw=target_bpw)

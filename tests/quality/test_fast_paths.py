@@ -12,11 +12,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
-from kvrig.quantize import gpx
+from kvrig.quantize import gpx, recipes
 from kvrig.quantize.gpx import feedback, input_hessians, inverse_factor
 from kvrig.quantize.imx import activation_importance, dtype_name, fit_grid, round_scales
-from kvrig.quantize.recipes import apply_recipe
+from kvrig.quantize.recipes import CalibrationStatistics, apply_recipe
 from kvrig.recipes import parse_weights
 from tests.quality import reference_quant as ref
 from tests.quality.test_recipes_weighted import CONFIG, tiny
@@ -145,3 +146,20 @@ def test_progress_names_every_quantized_layer_once(recipe: str) -> None:
     quantized = [p for p, m in model.named_modules() if isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding)]
     assert sorted(seen) == sorted(quantized)
     assert seen.index("model.layers.0.mlp.down_proj") < seen.index("model.layers.3.mlp.down_proj")
+
+
+def test_statistics_kept_for_the_next_recipe_are_measured_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvrig package` trying gpx-q4 then gpx-4.6 on one source: the Hessians are measured for the first only,
+    and the second recipe writes what it writes when it measures them itself."""
+    measured: list[int] = []
+    real = recipes.input_hessians
+    monkeypatch.setattr(recipes, "input_hessians", lambda *a, **k: measured.append(1) or real(*a, **k))
+    calibration = mx.random.randint(0, 256, (4, 16))
+    kept = CalibrationStatistics()
+    apply_recipe(tiny(), dict(CONFIG), parse_weights("gpx-q4"), calibration, statistics=kept)
+    again, _ = apply_recipe(tiny(), dict(CONFIG), parse_weights("gpx-4.6"), calibration, statistics=kept)
+    assert len(measured) == 1
+    alone, _ = apply_recipe(tiny(), dict(CONFIG), parse_weights("gpx-4.6"), calibration)
+    assert len(measured) == 2
+    for (path, a), (_, b) in zip(tree_flatten(again.parameters()), tree_flatten(alone.parameters()), strict=True):
+        assert mx.array_equal(a, b), path
