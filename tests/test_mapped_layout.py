@@ -11,6 +11,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 from kvrig.bundle.manifest import check_bundle
 from kvrig.bundle.mapped import PAGE_BYTES, align_file
@@ -91,10 +92,14 @@ def test_mlx_lm_loads_a_mapped_bundle_as_it_loads_a_plain_one(mapped_bundle: Pat
 
     plain = tmp_path / "plain"
     package(converted_source_dir(mapped_bundle), plain, PackageOptions(weights="q4", kv="k8v4", quality_gate=False))
-    tokens = mx.array([[1, 504, 3029, 314, 260, 1142]])
-    mapped_model, _ = load(str(mapped_bundle))
-    plain_model, _ = load(str(plain))
-    np.testing.assert_array_equal(np.array(mapped_model(tokens)), np.array(plain_model(tokens)))
+    # Every array mlx-lm builds from the mapped file equals the plain bundle's: the same model. (A forward pass
+    # adds nothing to that, and costs seconds per token in mlx-lm's float16 on a CPU.)
+    mapped = dict(tree_flatten(load(str(mapped_bundle))[0].parameters()))
+    reference = dict(tree_flatten(load(str(plain))[0].parameters()))
+    assert mapped.keys() == reference.keys()
+    for name, array in mapped.items():
+        assert array.dtype == reference[name].dtype, name
+        np.testing.assert_array_equal(np.array(array), np.array(reference[name]), err_msg=name)
 
 
 def test_verify_names_a_tensor_off_its_page(mapped_bundle: Path, tmp_path: Path) -> None:
