@@ -3,10 +3,11 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvrig-setup-3
-# pytest workers (pytest-xdist): tests spend much of their time waiting on subprocesses and virtual phones, so two
-# workers pay off even on two cores. Each test file stays on one worker, so module fixtures are built once; files
-# go out in collection order (tests/conftest.py puts the longest first), not xdist's most-tests-first.
-PYTEST_WORKERS ?= 2
+# pytest workers (pytest-xdist): tests spend much of their time waiting on subprocesses, virtual phones and their
+# deadlines, so a third worker fills the cores while two wait, even on two cores. Each test file stays on one
+# worker, so module fixtures are built once; files go out in collection order (tests/conftest.py puts the longest
+# first), not xdist's most-tests-first.
+PYTEST_WORKERS ?= 3
 # libopenblas0-pthread: MLX CPU matmul; libimobiledevice: the device tools; fortunes, libc6-dev,
 # libpython3-stdlib, python3-doc, debian-reference-en: the kinds of text quality is calibrated and measured on (kvrig/texts.py);
 # the rest: the Linux build of the Swift engine where MLX Swift resolves (BLAS/LAPACK; g++ for MLX's compile JIT).
