@@ -38,6 +38,7 @@ def measurement_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None
 # Most expensive first (each a minute or more with its module fixtures; `make test`'s --durations shows them).
 HEAVY_FILES = (
     "tests/quality/test_quality_model.py",
+    "tests/quality/test_gate_model.py",
     "tests/outcomes/test_planned_vs_killed.py",
     "tests/lab/test_shards.py",
     "tests/plan/test_plan.py",

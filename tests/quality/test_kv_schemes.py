@@ -175,7 +175,7 @@ def test_cache_bytes_equal_the_plan(name: str) -> None:
 
 def test_k8v8_keeps_greedy_tokens_on_a_tiny_model() -> None:
     """Greedy tokens through the scheme cache at 8 bits (rotated) match an fp cache's (see also the SmolLM2
-    test in test_quality_model.py)."""
+    test in test_gate_model.py)."""
     model, spec = tiny()
     prompt = mx.array([[5, 9, 13, 2, 77, 40, 41, 3]])
 

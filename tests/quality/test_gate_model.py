@@ -1,0 +1,70 @@
+"""Quality on the real SmolLM2-135M, beside test_quality_model.py: 8-bit KV keeps the greedy tokens, and `kvrig
+package`'s quality gate refuses a deliberately broken bundle (2-bit weights) with exit code 45, leaves nothing
+behind, and records a forced failure in manifest.json."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from kvrig.bundle.options import PackageOptions
+from kvrig.exceptions import QualityGateError
+from kvrig.kvcache.kv_cache import SchemeKVCache
+from kvrig.models import load_model_spec
+from kvrig.packaging import package
+from kvrig.quality.schemes import make_kv_caches
+from kvrig.quantize.base import load_source_model
+from kvrig.recipes import parse_kv
+from kvrig.runtime.host import prepare_for_host
+from tests.bundle_fixtures import converted_source
+
+PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return converted_source(tmp_path_factory)
+
+
+def test_k8v8_greedy_tokens_equal_fp16(source: Path) -> None:
+    """The first greedy tokens through mlx-lm's 8-bit cache and kvrig's rotated 8-bit scheme cache equal those
+    through an unquantized cache (the reference: mlx-lm's own KVCache)."""
+    from mlx_lm.utils import load_tokenizer
+
+    model = prepare_for_host(load_source_model(source)[0])
+    spec = load_model_spec(source / "config.json")
+    ids = mx.array(load_tokenizer(source).encode(PROMPT))[None]
+
+    def greedy(caches: list[object], n: int = 8) -> list[int]:
+        logits = model(ids, cache=caches)
+        out = []
+        for _ in range(n):
+            out.append(int(mx.argmax(logits[0, -1]).item()))
+            logits = model(mx.array([[out[-1]]]), cache=caches)
+        return out
+
+    ref = greedy(make_kv_caches(model, spec, parse_kv("fp16")))
+    assert greedy(make_kv_caches(model, spec, parse_kv("k8v8"))) == ref
+    rotated = make_kv_caches(model, spec, parse_kv("k8v8+rot"))
+    assert all(type(c) is SchemeKVCache for c in rotated)
+    assert greedy(rotated) == ref
+
+
+def test_gate_refuses_a_broken_bundle(source: Path, tmp_path: Path) -> None:
+    out = tmp_path / "q2"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvrig", "package", str(source), "--weights", "q2", "--kv", "k8v4", "-o", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == QualityGateError.exit_code == 45, proc.stderr
+    assert "quality gate" in proc.stderr and "Traceback" not in proc.stderr
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".q2")]
+
+    forced = package(source, out, PackageOptions(weights="q2", kv="k8v4", quality_gate=True, ignore_gate=True))
+    q = forced.manifest.quality
+    assert q is not None and not q.passed and q.forced and q.ppl_delta_pct > 10
