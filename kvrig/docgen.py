@@ -57,13 +57,18 @@ def load_benchmarks(root: Path) -> dict[str, Benchmark]:
     return validate_data(Benchmarks, read_data(path, kind="yaml", mapping="name: {run, before}"), file=path).root
 
 
-def measure(root: Path, name: str) -> Measurement:
-    """Runs benchmark `name` (its `before` commands first, in a fresh temporary folder) with this Python's kvrig
-    from `root`, and writes docs/data/NAME.json: the JSON the benchmark printed, never a figure typed in."""
+def benchmark(root: Path, name: str) -> Benchmark:
+    """The benchmark docs/benchmarks.yaml names `name`; InputError naming the known ones when it names none."""
     benchmarks = load_benchmarks(root)
     if name not in benchmarks:
         raise InputError(f"no benchmark {name!r}", file=root / BENCHMARKS, expected=", ".join(sorted(benchmarks)))
-    bench = benchmarks[name]
+    return benchmarks[name]
+
+
+def measure(root: Path, name: str) -> Measurement:
+    """Runs benchmark `name` (its `before` commands first, in a fresh temporary folder) with this Python's kvrig
+    from `root`, and writes docs/data/NAME.json: the JSON the benchmark printed, never a figure typed in."""
+    bench = benchmark(root, name)
     load_before, started, clock = _load(), datetime.now(UTC), time.monotonic()
     with tempfile.TemporaryDirectory(prefix="kvrig-measure-") as tmp:
         for command in bench.before:

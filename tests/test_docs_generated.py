@@ -162,3 +162,17 @@ def test_a_measurement_records_what_the_benchmark_printed(checkout: Path) -> Non
     assert saved["result"] == json.loads(printed) == done.result
     assert saved["command"] == "kvrig profiles show iPhone16,1 --json" and saved["before"] == []
     assert {"kvrig", "mlx", "mlx-lm"} <= set(saved["versions"]) and len(saved["host"]["load_before"]) == 3
+
+
+def test_an_unknown_benchmark_name_is_refused_before_any_runs(checkout: Path) -> None:
+    """`kvrig docs measure GOOD TYPO`: the typo is refused (exit 3, naming the registry and the names it has) before
+    GOOD spends its minutes, and nothing is written."""
+    (checkout / "docs" / "benchmarks.yaml").write_text("profile:\n  run: kvrig profiles show iPhone16,1 --json\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvrig", "docs", "measure", "profile", "profil", "--root", str(checkout)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 3, proc.stderr
+    assert "benchmarks.yaml: no benchmark 'profil'" in proc.stderr and "expected profile" in proc.stderr
+    assert "measuring" not in proc.stderr and not (checkout / "docs" / "data" / "profile.json").exists()
