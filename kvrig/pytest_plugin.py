@@ -200,7 +200,8 @@ def kvrig_soak(
     # The lab's own scheduler: the soak runs in a worker process of its own, and OUT gets results.json too.
     tunnel = str(TunnelMode.parse(pytestconfig.getoption("kvrig_tunnel")))
     scheduler = Scheduler(kvrig_lab, out, None, [UsbmuxHost(phone.host or "local", phone.address)], tunnel)
-    run = new_run(deployed, scheme, device_ref(phone.udid, phone.info, phone.host), scheduler.stamp)
+    ref = device_ref(phone.udid, phone.info, phone.host)
+    run = new_run(deployed, scheme, ref, scheduler.stamp, on_critical=kvrig_lab.on_critical_for(entry))
     scheduler.results.runs = [run]
     run_async(scheduler.drive([PhoneJob(kvrig_lab, out, phone.udid, phone.address, [run], tunnel)]))
     soaked = run.result

@@ -12,6 +12,7 @@ from kvrig.lab import gates as gate_checks
 from kvrig.schemas.kvcache import WeightsResidency
 from kvrig.schemas.lab import Lab, LabRecord, MatrixEntry, SchemeSpec, slug
 from kvrig.schemas.results import DeviceRef, Prediction, ResultsFile, SoakResult, short_udid
+from kvrig.schemas.soakplan import OnCritical
 from kvrig.version import __version__
 
 JUNIT_FILE = "junit.xml"
@@ -61,6 +62,7 @@ def new_run(
     stamp: str,
     predicted: Prediction | None = None,
     residency: WeightsResidency | None = None,
+    on_critical: OnCritical | None = None,
 ) -> LabRun:
     """A run not made yet: its folder under runs/, its id, and a result with no outcome. A residency the entry
     lists gets a folder (and a part of the id) of its own below the scheme's."""
@@ -76,6 +78,7 @@ def new_run(
         bundle=entry.bundle_name,
         scheme=scheme.name,
         weights_residency_requested=residency,
+        on_critical=on_critical,
         entry=entry.label,
         predicted=predicted,
     )

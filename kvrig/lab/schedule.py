@@ -104,7 +104,8 @@ class Scheduler:
                                 phone=ref,
                                 entitled=entitled,
                             )
-                        run = new_run(entry, scheme, ref, self.stamp, predicted, residency)
+                        on_critical = self.lab.on_critical_for(entry)
+                        run = new_run(entry, scheme, ref, self.stamp, predicted, residency, on_critical)
                         if target.problem is not None:
                             run.result.error = f"device: {target.problem}"
                         runs.append(run)

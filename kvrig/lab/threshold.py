@@ -95,6 +95,7 @@ async def soak(
         max_seconds=s.max_seconds,
         backend=run.entry.backend,
         weights_residency=run.residency,
+        on_critical=bench.lab.on_critical_for(run.entry),
     )
     t = bench.lab.timeouts
     options = SoakOptions(

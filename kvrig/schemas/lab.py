@@ -8,10 +8,14 @@ gates CI fails on. YAML (or JSON); paths in it are relative to the file.
         schemes: [fp16]
         residencies: [loaded, mapped]   # optional: the same bundle both ways, side by side in the report
         soak: {step_tokens: 512, max_tokens: 65536}
+        on_critical: continue           # optional: past critical pressure into jetsam (default: the lab's)
+    on_critical: stop_and_save          # optional: the lab's default, as `kvrig soak --on-critical`
     gates: {min_max_safe_context: 2048, min_decode_tps_at: {1024: 20}}
 
 Still schema 1: `residencies` is an optional key a person adds to a file, and a lab without it reads and runs
 as before; `plan.limit: app` is a new value, the default, and a file's `default` or `entitled` means what it did.
+`on_critical` (the lab's and an entry's) is optional too: without it every run stops and saves at critical pressure,
+as the soak plan's default always did.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from kvrig.exceptions import SchemaError
 from kvrig.fileio import read_data
 from kvrig.schemas import StrictModel, validate_data
 from kvrig.schemas.kvcache import WeightsResidency
+from kvrig.schemas.soakplan import OnCritical
 
 LAB_SCHEMA_VERSION: Final = 1
 ANY_DEVICE = "any"
@@ -129,6 +134,12 @@ class MatrixEntry(StrictModel):
         "bundle says",
     )
     soak: SoakSchedule = Field(default_factory=SoakSchedule)
+    on_critical: OnCritical | None = Field(
+        default=None,
+        description="what the app does at critical memory pressure in this entry's runs (the soak plan's on_critical, "
+        "as `kvrig soak --on-critical`): stop_and_save as its bundle's policy says, or continue into the kernel's "
+        "limit; default: the lab's",
+    )
     gates: Gates | None = Field(default=None, description="override the lab's gates for this entry")
 
     @field_validator("schemes", mode="before")
@@ -190,6 +201,11 @@ class Lab(StrictModel):
     gates: Gates = Field(default_factory=Gates)
     threshold: ThresholdSearch = Field(default_factory=ThresholdSearch)
     timeouts: Timeouts = Field(default_factory=Timeouts)
+    on_critical: OnCritical = Field(
+        default="stop_and_save",
+        description="what the app does at critical memory pressure in every entry's runs that do not set their own: "
+        "stop_and_save as its bundle's policy says, or continue into the kernel's limit (a jetsam to measure)",
+    )
 
     @model_validator(mode="after")
     def _unique(self) -> Lab:
@@ -200,6 +216,10 @@ class Lab(StrictModel):
         if len(set(udids)) != len(udids):
             raise ValueError(f"a UDID is listed twice: {udids}")
         return self
+
+    def on_critical_for(self, entry: MatrixEntry) -> OnCritical:
+        """The entry's own choice, else the lab's."""
+        return entry.on_critical or self.on_critical
 
     def resolve_paths(self, base: Path) -> Lab:
         """Paths in the file are relative to the file's folder."""

@@ -14,12 +14,14 @@ from pydantic import Field, model_validator
 from kvrig.schemas import StrictModel
 from kvrig.schemas.kvcache import WeightsResidency
 from kvrig.schemas.lab import LabRecord
+from kvrig.schemas.soakplan import OnCritical
 
 # 2: the tunnel a run used, battery samples, interruptions (tunnel drops) and what was lost.
 # 3: how each run held the weights (loaded, or mapped from the bundle's file) and how many bytes it mapped.
 # 4: the memory limit the phone stated in its log (with the OS build and the app's entitlement), the evidence of
 #    how a run ended, and the ends told apart: jetsam_log, gpu_background, watchdog, vanished; the soak's background
-#    steps (issue 26, the same unreleased schema).
+#    steps (issue 26, the same unreleased schema); what the soak plan told the app to do at critical pressure
+#    (`on_critical`, issue 22: the lab file sets it per entry).
 RESULTS_SCHEMA_VERSION: Final = 4
 RESIDENCY_FIELDS: Final = (
     "weights_residency_requested",
@@ -27,7 +29,7 @@ RESIDENCY_FIELDS: Final = (
     "mapped_weight_bytes",
     "residency_note",
 )
-SCHEMA_4_FIELDS: Final = ("stated_limit", "evidence", "background")
+SCHEMA_4_FIELDS: Final = ("stated_limit", "evidence", "background", "on_critical")
 RESULTS_FILE = "results.json"
 
 Outcome = Literal[
@@ -235,6 +237,11 @@ class SoakResult(StrictModel):
     )
     residency_note: str | None = Field(
         default=None, description="why the app loaded the weights although mapping was asked for (its start record)"
+    )
+    on_critical: OnCritical | None = Field(
+        default=None,
+        description="what the soak plan told the app to do at critical memory pressure (schema 4; `kvrig soak "
+        "--on-critical`, the lab file's `on_critical`): stop_and_save, or continue into jetsam; None: not recorded",
     )
     entry: str | None = Field(default=None, description="the lab matrix entry this run belongs to")
     outcome: Outcome | None = Field(default=None, description="None while running or when a step failed")

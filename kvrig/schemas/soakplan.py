@@ -9,6 +9,9 @@ from pydantic import Field, model_validator
 from kvrig.schemas import StrictModel
 from kvrig.schemas.kvcache import WeightsResidency
 
+OnCritical = Literal["stop_and_save", "continue"]
+"""What the app does at critical memory pressure: stop_and_save as its bundle's pressure policy says (kvrig's default
+policy stops and saves), or continue: keep growing into the kernel's limit, to find where jetsam kills it."""
 BufferCacheMode = Literal["capped", "uncapped"]
 """capped: MLX's buffer cache capped at kvcache.json's buffer_cache_limit_bytes and emptied after an eviction (kvrig's
 app); uncapped: the app never sets the cap (MLX's default: its memory limit) nor empties the cache, as an app grown
@@ -45,7 +48,7 @@ class SoakPlan(StrictModel):
     stop: StopConditions = StopConditions()
     text: str = Field(description="fed repeatedly to grow the context")
     telemetry_file: str = "telemetry.jsonl"
-    on_critical: Literal["stop_and_save", "continue"] = "stop_and_save"
+    on_critical: OnCritical = "stop_and_save"
     backend: Literal["mlx", "coreml"] = Field(
         default="mlx", description="the runtime the app soaks: MLX, or KvrigModel.mlpackage (`kvrig app --coreml`)"
     )

@@ -157,6 +157,7 @@ async def run_soak(
         scheme=plan.scheme,
         backend=plan.backend,
         weights_residency_requested=plan.weights_residency,
+        on_critical=plan.on_critical,
         predicted=opts.predicted,
         started=time.time(),
         tunnel=tunnel_ref(device),

@@ -7,7 +7,7 @@ import uuid
 from typing import Literal
 
 from kvrig.schemas.kvcache import WeightsResidency
-from kvrig.schemas.soakplan import BufferCacheMode, GrowthSchedule, SoakPlan, StopConditions
+from kvrig.schemas.soakplan import BufferCacheMode, GrowthSchedule, OnCritical, SoakPlan, StopConditions
 
 # Fed repeatedly to grow the context: plain prose, so tokenizers see ordinary text.
 DEFAULT_TEXT = (
@@ -29,6 +29,7 @@ def make_plan(
     backend: Literal["mlx", "coreml"] = "mlx",
     weights_residency: WeightsResidency | None = None,
     buffer_cache: BufferCacheMode | None = None,
+    on_critical: OnCritical = "stop_and_save",
 ) -> SoakPlan:
     return SoakPlan(
         run_id=run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}",
@@ -44,4 +45,5 @@ def make_plan(
         backend=backend,
         weights_residency=weights_residency,
         buffer_cache=buffer_cache,
+        on_critical=on_critical,
     )

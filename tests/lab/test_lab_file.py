@@ -37,6 +37,17 @@ def test_an_entry_runs_each_residency_it_lists(tmp_path: Path) -> None:
     assert entry.residencies is None and entry.runs_residencies == [None]  # one run, as the bundle says
 
 
+def test_on_critical_is_the_labs_unless_an_entry_sets_its_own(tmp_path: Path) -> None:
+    path = tmp_path / "lab.yaml"
+    path.write_text(MINIMAL)
+    lab = load_lab(path)
+    assert lab.on_critical == "stop_and_save" and lab.on_critical_for(lab.matrix[0]) == "stop_and_save"
+    path.write_text(MINIMAL + "  - app_id: dev.kvrig.other\n    schemes: [fp16]\n    on_critical: stop_and_save\n")
+    path.write_text(path.read_text() + "on_critical: continue\n")
+    lab = load_lab(path)
+    assert [lab.on_critical_for(e) for e in lab.matrix] == ["continue", "stop_and_save"]
+
+
 def test_example_lab_loads_with_paths_from_its_folder() -> None:
     lab = load_lab(ROOT / "examples" / "lab-virtual.yaml")
     assert {d.profile for d in lab.devices} == {"iphone-15-pro", "iphone-13-pro"}
@@ -61,6 +72,8 @@ def test_example_lab_loads_with_paths_from_its_folder() -> None:
         (MINIMAL + "    residencies: [wired]\n", "matrix.0.residencies.0", "'loaded' or 'mapped'"),
         (MINIMAL + "    residencies: []\n", "matrix.0.residencies", "at least 1"),
         (MINIMAL + "    backend: coreml\n    residencies: [mapped]\n", "matrix.0", "the MLX app's"),
+        (MINIMAL + "    on_critical: stop\n", "matrix.0.on_critical", "'stop_and_save' or 'continue'"),
+        (MINIMAL + "on_critical: keep_going\n", "on_critical", "'stop_and_save' or 'continue'"),
     ],
 )
 def test_bad_lab_file_names_file_and_field(tmp_path: Path, text: str, field: str, words: str) -> None:
