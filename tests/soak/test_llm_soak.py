@@ -122,6 +122,7 @@ def test_real_bundle_soaks_into_jetsam(phones: Phones, tmp_path: Path) -> None:
     result = SoakResult.model_validate(json.loads((tmp_path / "results.json").read_text())["runs"][0])
 
     assert result.outcome == "jetsam", result.outcome_detail
+    assert result.on_critical == "continue"  # what the soak plan told the app, recorded with the run
     # The app computed with Debian's OpenBLAS (preloaded before MLX loads), not the wheel's reference BLAS.
     ready = [line.message for line in phones.small.syslog.history if line.message.startswith("ready: ")]
     assert ready and all(f"OpenBLAS {'on' if find_openblas() else 'off'};" in m for m in ready), ready
@@ -201,6 +202,7 @@ def test_critical_pressure_stops_and_saves(phones: Phones, tmp_path: Path) -> No
     plan = make_plan(max_tokens=4096, step_tokens=256, decode_tokens=2, scheme="k8v4")  # on_critical: stop
     result = _soak(phones, phones.small, plan, tmp_path)
     assert result.outcome == "completed" and result.files.jetsam_reports == []
+    assert result.on_critical == "stop_and_save"
     events = _events(tmp_path / "telemetry.jsonl")
     critical = [e for e in events if e["event"] == "memory_pressure" and e["level"] == "critical"]
     assert critical
