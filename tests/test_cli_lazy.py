@@ -10,7 +10,7 @@ try:
     main(["--help"])
 except SystemExit:
     pass
-heavy = sorted(m for m in sys.modules if m.split('.')[0] in {'mlx', 'mlx_lm', 'coremltools', 'transformers'})
+heavy = sorted(m for m in sys.modules if m.split('.')[0] in {'mlx', 'mlx_lm', 'coremltools', 'transformers', 'numba'})
 print('HEAVY=' + ','.join(heavy))
 """
 

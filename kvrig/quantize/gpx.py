@@ -7,27 +7,26 @@ The written arrays are MLX's affine layout (`pack`), so bytes and loaders are th
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
 
 from kvrig.exceptions import QuantizationError
-from kvrig.quantize.imx import dtype_name, grid_search, input_statistics, pack
+from kvrig.quantize.imx import BATCH_ROWS, dtype_name, grid_search, input_statistics, on_cores, pack
 from kvrig.recipes import PACKED_BITS
 
 DAMPING = 0.1
 """Added to H's diagonal, as a fraction of its mean: keeps the inverse finite for rarely driven channels, and
 keeps the feedback from fitting the calibration text too closely (SmolLM2 gpx-4.6 on a held-out licence
 text: +3.83 % PPL at 0.01, +2.77 % at 0.1, +3.03 % at 0.3, +3.34 % at 1)."""
-BLOCK = 8
-"""Columns whose errors are fed back one at a time; beyond them a block's errors go on as one matrix product."""
 EMBEDDING_DAMPING = 1.0
 """The same for a tied embedding: its rows are also looked up, where the error feedback moves onto other
 columns only hurts, so H is pulled towards its diagonal (an earlier SmolLM2 gpx-4.6 variant: +4.05 % PPL at 10,
 +2.37 % at 1, +2.58 % at 0.1; at 0.01, all layers at group 64, worse than the plain weighted fit)."""
 
 
-def input_hessians(model: Any, calibration: Any, batch_size: int = 4) -> dict[str, Any]:
+def input_hessians(model: Any, calibration: Any, batch_size: int = BATCH_ROWS) -> dict[str, Any]:
     """XᵀX / tokens of every quantizable layer's inputs over the calibration rows, by path (None for an untied
     embedding)."""
     return input_statistics(model, calibration, lambda x: x.T @ x, batch_size)
@@ -75,18 +74,20 @@ def feedback(
     w: np.ndarray, u: np.ndarray, weights: np.ndarray, group_size: int, bits: int, dtype: str
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(levels (out, in), scales, biases (out, groups)) of float32 `w` (out, in) by GPTQ's error feedback with
-    the factor `u` (`inverse_factor`), in blocks as GPTQ's lazy batch updates: a column's error reaches at once
-    only the few columns left in its block (BLOCK); a finished block's errors reach the rest of its group as
-    one matrix product, and a group, when it starts, gets the errors of every earlier group as one product.
-    Each column sees the same updates as column by column; only the order of the sums differs."""
+    the factor `u` (`inverse_factor`), a group at a time as GPTQ's lazy batch updates: within a group, each
+    column's error reaches the group's later columns at once (`kernels.feed_columns`); a group, when it starts,
+    gets the errors of every earlier group as one matrix product. Each column sees the same updates as column by
+    column; only the order of the sums differs. Output rows are independent: they are split over the cores."""
     import mlx.core as mx
 
-    top = 2**bits - 1
+    from kvrig.quantize.kernels import feed_columns
+
     cur = np.ascontiguousarray(w.T)  # column i of w is row i here, contiguous
     n, out = cur.shape
     q = np.empty_like(cur)
     scales = np.empty((n // group_size, out), np.float32)
     biases = np.empty_like(scales)
+    u = np.ascontiguousarray(u, np.float32)
     # The errors live in an MLX array written through a numpy view (MLX's documented zero-copy view): the group
     # products read them where they are. They are MLX's: its BLAS (OpenBLAS) is several times numpy's wheel's.
     factor, shared = mx.array(u), mx.zeros((n, out), mx.float32)
@@ -95,19 +96,8 @@ def feedback(
     for g, g0 in enumerate(range(0, n, group_size)):
         g1 = g0 + group_size
         if g0:
-            cur[g0:g1] -= np.array(factor[:g0, g0:g1].T @ shared[:g0])
-        s, b = grid_search(
-            np.ascontiguousarray(cur[g0:g1].T), np.broadcast_to(weights[g0:g1], (out, group_size)), bits, dtype
-        )
-        safe = np.where(s == 0, np.float32(1), s)
-        for k0 in range(g0, g1, BLOCK):
-            k1 = min(k0 + BLOCK, g1)
-            for i in range(k0, k1):
-                level = np.clip(np.rint((cur[i] - b) / safe), 0, top)
-                e = (cur[i] - (s * level + b)) / u[i, i]
-                cur[i + 1 : k1] -= u[i, i + 1 : k1, None] * e
-                q[i], errors[i] = level, e
-            # einsum: numpy's matmul would start its wheel's BLAS threads for this small product, 16x slower
-            cur[k1:g1] -= np.einsum("ki,ko->io", u[k0:k1, k1:g1], errors[k0:k1])
+            cur[g0:g1] -= np.array(factor[:g0, g0:g1].T @ shared[:g0], copy=False)
+        s, b = grid_search(np.ascontiguousarray(cur[g0:g1].T), weights[None, g0:g1], bits, dtype)
+        on_cores(out, functools.partial(feed_columns, cur, u, s, b, bits, g0, g1, levels=q, errors=errors))
         scales[g], biases[g] = s, b
     return np.ascontiguousarray(q.T), np.ascontiguousarray(scales.T), np.ascontiguousarray(biases.T)

@@ -8,7 +8,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from kvrig.quantize.imx import SCALE_STEPS
+from kvrig.quantize.kernels import SCALE_STEPS
 
 
 def levels(x: Any, s: Any, b: Any, top: int) -> Any:

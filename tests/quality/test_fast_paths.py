@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from kvrig.quantize import gpx, recipes
+from kvrig.quantize import gpx, imx, recipes
 from kvrig.quantize.gpx import feedback, input_hessians, inverse_factor
-from kvrig.quantize.imx import activation_importance, dtype_name, fit_grid, round_scales
+from kvrig.quantize.imx import activation_importance, dtype_name, fit_grid
+from kvrig.quantize.kernels import DTYPES, round_all
 from kvrig.quantize.recipes import CalibrationStatistics, apply_recipe
 from kvrig.recipes import parse_weights
 from tests.quality import reference_quant as ref
@@ -78,18 +79,21 @@ def test_blocked_feedback_is_the_column_by_column_update(out: int, n: int, group
     assert abs(fast - slow) <= 0.01 * slow
 
 
-def test_feedback_block_size_changes_only_the_order_of_sums(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One column at a time (BLOCK 1: every error goes on as a matrix product) and a whole group at a time give
-    the levels of the default blocking."""
+def test_rows_split_over_threads_change_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Output rows are independent in the grid search and the feedback: parts of 8 rows on every thread give the
+    levels, scales and biases of one part, bit for bit."""
     mx.random.seed(5)
     n = 128
     x = mx.random.normal((256, n)) @ (mx.eye(n) + 0.2 * mx.random.normal((n, n)))
-    w = np.array(0.05 * mx.random.normal((32, n)))
+    w = np.array(0.05 * mx.random.normal((96, n)))
     u, importance = inverse_factor(x.T @ x / 256, gpx.DAMPING)
-    default = feedback(w, u, importance, 64, 4, "float16")[0]
-    for block in (1, 64):
-        monkeypatch.setattr(gpx, "BLOCK", block)
-        assert np.mean(feedback(w, u, importance, 64, 4, "float16")[0] == default) >= 0.99
+    monkeypatch.setattr(imx, "MIN_PART", 10**6)
+    whole = feedback(w, u, importance, 64, 4, "float16")
+    monkeypatch.setattr(imx, "MIN_PART", 8)
+    monkeypatch.setattr(imx.os, "cpu_count", lambda: 12)
+    monkeypatch.setattr(imx, "_POOL", [])
+    split = feedback(w, u, importance, 64, 4, "float16")
+    assert all(np.array_equal(a, b) for a, b in zip(whole, split, strict=True))
 
 
 def test_inverse_factor_is_the_cholesky_factor_of_the_inverse() -> None:
@@ -111,9 +115,11 @@ def test_scales_round_as_mlx_casts(dtype: Any) -> None:
     v = mx.concatenate([mx.random.normal((4096,)) * 0.01, mx.random.uniform(-3, 3, (4096,))])
     # halfway cases of bfloat16 (the low 16 bits exactly 0x8000) and of float16
     ties = mx.array(np.array([0x3F808000, 0x3F818000, 0xBF808000], np.uint32).view(np.float32))
-    v = mx.concatenate([v, ties, mx.array([1 + 2**-11, 1 + 3 * 2**-11], mx.float32)])
+    # float16's ties, its subnormals (below 2^-14, some halfway), what rounds to its largest value or past it
+    edges = [1 + 2**-11, 1 + 3 * 2**-11, 3e-5, -(2**-20), 2.5 * 2**-24, 3.5 * 2**-24, 1e-9, 65504, 65519, 65520, 7e4]
+    v = mx.concatenate([v, ties, mx.array(edges, mx.float32)])
     expected = np.array(v.astype(dtype).astype(mx.float32))
-    assert np.array_equal(round_scales(np.array(v), dtype_name(dtype)), expected)
+    assert np.array_equal(round_all(np.array(v), DTYPES[dtype_name(dtype)]), expected)
 
 
 def test_layers_reading_one_input_share_one_array() -> None:
