@@ -140,3 +140,23 @@ def test_version_names_the_packages_that_decide_behaviour() -> None:
     for name in ("mlx", "mlx-lm", "pymobiledevice3", "coremltools"):
         assert f"{name} {version(name)}" in shown, (name, shown)
     assert f"Python {sys.version.split()[0]}" in shown
+
+
+def test_a_blocked_sigint_is_unblocked_and_an_ignored_one_kept() -> None:
+    """A child inherits its parent's signal mask through exec: a parent that blocks SIGINT (a thread that was
+    spawning, say) would leave kvrig's Ctrl-C pending forever. An ignored SIGINT (nohup, a shell's `&`) is meant."""
+    probe = (
+        "import signal, sys\n"
+        "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})\n"
+        "if sys.argv[1] == 'ignored': signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "from kvrig.cli import main\n"
+        "try:\n"
+        "    main(['--version'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])\n"
+        "print(blocked, signal.getsignal(signal.SIGINT) is signal.SIG_IGN)\n"
+    )
+    for how, expected in (("blocked", "False False"), ("ignored", "False True")):
+        proc = subprocess.run([sys.executable, "-c", probe, how], capture_output=True, text=True, check=True)
+        assert proc.stdout.strip().splitlines()[-1] == expected, (how, proc.stdout, proc.stderr)

@@ -101,6 +101,10 @@ def main(argv: list[str] | None = None) -> None:
     OUTPUT.verbosity, OUTPUT.color = 0, True  # a fresh invocation (tests call main() many times in one process)
     # SIGTERM unwinds like Ctrl-C, so every `finally` runs: a package's hidden folders go, a soak stops its app.
     signal.signal(signal.SIGTERM, _terminate)
+    # A signal mask is inherited through exec: a parent that started kvrig from a thread blocking SIGINT would
+    # leave Ctrl-C pending forever (an ignored SIGINT, as `nohup` or a shell's `&` set it, is kept: that is meant).
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
         cli.main(args=argv, prog_name="kvrig", standalone_mode=False)
     except click.exceptions.Abort as exc:

@@ -5,6 +5,7 @@ half-written; a malformed phone is that phone's outcome."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -12,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,40 @@ def _start(phones: Phones, lab: Path, out: Path, **popen: Any) -> subprocess.Pop
         text=True,
         **popen,
     )
+
+
+def _signal_state(pid: int) -> dict[str, str]:
+    """The kernel's view of a process's signals (hex masks: blocked, ignored, caught, pending) and what each of its
+    threads waits in: what a lab that does not stop on SIGINT was doing, for the failure message."""
+    state = {}
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("SigBlk", "SigIgn", "SigCgt", "SigPnd", "ShdPnd"):
+                state[key] = value.strip()
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                state[f"thread {task.name}"] = (task / "wchan").read_text()
+    return state
+
+
+def _catches(pid: int, signum: int) -> bool:
+    state = _signal_state(pid)
+    return bool(int(state.get("SigCgt", "0"), 16) >> (signum - 1) & 1) and not (
+        int(state.get("SigBlk", "0"), 16) >> (signum - 1) & 1
+    )
+
+
+def _interrupted(proc: subprocess.Popen[str], send: Callable[[], None]) -> str:
+    """Sends SIGINT (through `send`) to a lab that catches it; its stderr once it has ended."""
+    assert _catches(proc.pid, signal.SIGINT), f"the lab cannot see SIGINT: {_signal_state(proc.pid)}"
+    send()
+    try:
+        return proc.communicate(timeout=120)[1]
+    except subprocess.TimeoutExpired:
+        state = _signal_state(proc.pid)
+        proc.kill()
+        raise AssertionError(f"the lab did not end 120 s after SIGINT; its signals and threads then: {state}") from None
 
 
 def _children(parent: int) -> set[int]:
@@ -142,8 +177,7 @@ def test_workers_die_with_their_parent_and_stop_their_apps(hung: Phones, tmp_pat
 def test_ctrl_c_stops_every_app_and_saves_what_it_learned(hung: Phones, tmp_path: Path) -> None:
     proc, workers, out = _mid_soak(hung, tmp_path, start_new_session=True)
     start = time.monotonic()
-    os.killpg(proc.pid, signal.SIGINT)
-    _, stderr = proc.communicate(timeout=120)
+    stderr = _interrupted(proc, lambda: os.killpg(proc.pid, signal.SIGINT))
     assert proc.returncode == 130, stderr
     assert time.monotonic() - start < STOPPED_WITHIN_S
     assert "Traceback" not in stderr
@@ -158,8 +192,7 @@ def test_ctrl_c_stops_every_app_and_saves_what_it_learned(hung: Phones, tmp_path
 def test_sigint_to_the_parent_alone_stops_the_lab_quickly(hung: Phones, tmp_path: Path) -> None:
     proc, workers, _ = _mid_soak(hung, tmp_path)
     start = time.monotonic()
-    proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=120)
+    stderr = _interrupted(proc, lambda: proc.send_signal(signal.SIGINT))
     assert proc.returncode == 130, stderr
     assert time.monotonic() - start < STOPPED_WITHIN_S
     assert not any(_apps(hung))
