@@ -13,6 +13,7 @@ import errno
 import json
 import os
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -41,7 +42,7 @@ from kvrig.planner import PlanRequest, plan_memory
 from kvrig.planner.kv import check_dims
 from kvrig.profiles import list_profiles, load_profile
 from kvrig.quality.choose import FIT_KV, choose_kv, measure_kv, rank_fit
-from kvrig.quality.gate import GateTexts, check_model, enforce, gate_tokens, judge, kind_perplexities
+from kvrig.quality.gate import GateTexts, enforce, gate_tokens, judge, kind_perplexities
 from kvrig.quality.kv_sensitivity import resolve_for_source
 from kvrig.quality.measured import Measurements, cache_root, ids_digest, source_digest
 from kvrig.quantize.base import load_source_model
@@ -349,14 +350,16 @@ def _gate(job: _Job, staged: _Staged, recipe: WeightRecipe, kv: KVSpec, *, enfor
     try:
         texts = job.texts()
         job.drop_source()
-        model, _, config = load_bundle_model(staged.path)
-        check = check_model(
-            model,
-            staged.kvcache,
-            str(config.get("model_type", "")),
-            texts,
-            max_increase_pct=job.options.max_ppl_increase_pct,
-        )
+        began = time.perf_counter()
+
+        def measure() -> dict[str, float]:
+            model, _, config = load_bundle_model(staged.path)
+            return kind_perplexities(model, staged.kvcache, str(config.get("model_type", "")), texts.ids)
+
+        # Keyed by every file of the staged bundle: the same weights and kvcache.json measure the same (a package
+        # run again, --fit and auto trying a recipe another run tried).
+        ppl = job.measured(f"the {recipe.name} bundle", {"bundle": source_digest(staged.path)}, texts.ids, measure)
+        check = judge(ppl, texts, max_increase_pct=job.options.max_ppl_increase_pct, began=began)
         job.say(
             f"  quality gate: {check.ppl_delta_pct:+.2f} % on the worst text ({'passed' if check.passed else 'failed'})"
         )

@@ -148,7 +148,8 @@ def test_a_blocked_sigint_is_unblocked_and_an_ignored_one_kept() -> None:
     probe = (
         "import signal, sys\n"
         "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})\n"
-        "if sys.argv[1] == 'ignored': signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "handler = signal.SIG_IGN if sys.argv[1] == 'ignored' else signal.default_int_handler\n"
+        "signal.signal(signal.SIGINT, handler)  # whatever this test process inherited\n"
         "from kvrig.cli import main\n"
         "try:\n"
         "    main(['--version'])\n"

@@ -44,10 +44,18 @@ def _lab(path: Path, entry: dict[str, Any], **timeouts: float) -> Path:
     return path
 
 
+# As a terminal starts a command in the foreground: SIGINT at its default, whatever this test process inherited (a
+# suite run as a shell's background job ignores SIGINT, and so would every child it starts); exec keeps the pid.
+FOREGROUND = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv(sys.executable, [sys.executable, '-m', 'kvrig', *sys.argv[1:]])"
+)
+
+
 def _start(phones: Phones, lab: Path, out: Path, **popen: Any) -> subprocess.Popen[str]:
     env = {**os.environ, "USBMUXD_SOCKET_ADDRESS": phones.address}
     return subprocess.Popen(
-        [sys.executable, "-m", "kvrig", "lab", "run", str(lab), "-o", str(out)],
+        [sys.executable, "-c", FOREGROUND, "lab", "run", str(lab), "-o", str(out)],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,

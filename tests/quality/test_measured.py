@@ -81,13 +81,14 @@ def test_a_folder_sources_digest_follows_its_files(tmp_path: Path) -> None:
 def test_the_next_package_reads_what_the_first_measured(
     tmp_path_factory: pytest.TempPathFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Two packages of one tiny source (SmolLM2's tokenizer, so the gate reads real text): the second reads the
-    source's perplexities and `--kv auto`'s from the cache, and they equal what `--no-cache` measures afresh."""
+    """Packages of one tiny source (SmolLM2's tokenizer, so the gate reads real text): the next reads the source's
+    perplexities and `--kv auto`'s from the cache, a bundle of other weights is measured, the same bundle again is
+    read (its gate too), and all of it equals what `--no-cache` measures afresh."""
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     tokenizer = converted_source(tmp_path_factory) / "tokenizer.json"
     tiny = tiny_source(tmp_path / "tiny", tokenizer, "llama", vocab_size=49152, head_dim=64)
 
-    def run(name: str, **options: object) -> tuple[list[str], dict[str, float], dict[str, float | None]]:
+    def run(name: str, **options: object) -> tuple[list[str], dict[str, float], dict[str, float | None], list[float]]:
         said: list[str] = []
         opts = PackageOptions(weights="q8", kv="auto", ignore_gate=True, progress=said.append, **options)  # type: ignore[arg-type]
         manifest = package(tiny, tmp_path / name, opts).manifest
@@ -96,15 +97,22 @@ def test_the_next_package_reads_what_the_first_measured(
             said,
             {k.kind: k.source_ppl for k in manifest.quality.kinds},
             {c.kv: c.ppl_delta_pct for c in manifest.choice.kv},
+            [k.bundle_ppl for k in manifest.quality.kinds],
         )
 
-    said, source_ppl, kv_delta = run("first")
+    said, source_ppl, kv_delta, bundle_ppl = run("first")
     assert "measuring the unquantized model on the gate's texts ..." in said
+    assert "measuring the q8 bundle on the gate's texts ..." in said
     assert not [line for line in said if "measured before" in line]
-    said_again, source_again, kv_again = run("second", group_size=32)
+    said_other, source_other, kv_other, _ = run("other-weights", group_size=32)
+    measuring = [line for line in said_other if line.startswith("measuring")]
+    assert measuring == ["measuring the q8g32 bundle on the gate's texts ..."]
+    assert len([line for line in said_other if "measured before" in line]) == 3  # the source, k8v4, k8v4+rot
+    said_again, source_again, kv_again, bundle_again = run("again")
     assert not [line for line in said_again if line.startswith("measuring")]
-    assert len([line for line in said_again if "measured before" in line]) == 3  # the source, k8v4, k8v4+rot
-    fresh_said, fresh, kv_fresh = run("fresh", cache=False)
+    assert "the q8 bundle on the gate's texts: measured before" in " ".join(said_again)
+    fresh_said, fresh, kv_fresh, bundle_fresh = run("fresh", cache=False)
     assert "measuring the unquantized model on the gate's texts ..." in fresh_said
-    assert source_again == source_ppl == fresh and kv_again == kv_delta == kv_fresh
-    assert len(list((tmp_path / "cache").rglob("*.json"))) == 3
+    assert source_other == source_again == source_ppl == fresh and kv_other == kv_again == kv_delta == kv_fresh
+    assert bundle_again == bundle_ppl == bundle_fresh
+    assert len(list((tmp_path / "cache").rglob("*.json"))) == 5  # the source, two KV specs, two bundles
