@@ -73,8 +73,9 @@ def _error(x: np.ndarray, w: np.ndarray, s: Any, b: Any, top: Any) -> Any:
             d = x[j] - b
             e += w[j] * d * d
         return e
+    inv = np.float32(1.0) / s  # one division: a vector division costs several multiplications
     for j in range(x.shape[0]):
-        t = (x[j] - b) / s
+        t = (x[j] - b) * inv
         d = t - min(max(np.rint(t), np.float32(0.0)), top)
         e += w[j] * d * d
     return e * (s * s)
@@ -145,9 +146,9 @@ def search_groups(
                 if e < best_e:
                     best_s, best_b, best_e = s, b, e
         for _ in range(3):
-            safe = best_s if best_s != 0 else np.float32(1.0)
+            inv = np.float32(1.0) / (best_s if best_s != 0 else np.float32(1.0))
             for j in range(k):
-                q[j] = min(max(np.rint((xs[j] - best_b) / safe), np.float32(0.0)), top)
+                q[j] = min(max(np.rint((xs[j] - best_b) * inv), np.float32(0.0)), top)
             s, b = _refit(q, w, wx, sw, sx)
             s, b = rounded(s, dtype), rounded(b, dtype)
             e = _error(xs, w, s, b, top)
@@ -183,11 +184,13 @@ def feed_columns(
     o1, on their group's grid s, b (out,): each column's levels and its error divided by U[i, i] into `levels`
     and `errors` (in, out), the error moved onto the group's later columns times U[i, j] (U: gpx.inverse_factor)."""
     top = np.float32(2**bits - 1)
+    inv = np.empty(o1 - o0, np.float32)  # each grid's 1 / scale, once: the columns multiply by it
+    for o in range(o0, o1):
+        inv[o - o0] = np.float32(1.0) / (s[o] if s[o] != 0 else np.float32(1.0))
     for i in range(g0, g1):
         pivot = u[i, i]
         for o in range(o0, o1):
-            safe = s[o] if s[o] != 0 else np.float32(1.0)
-            level = min(max(np.rint((cur[i, o] - b[o]) / safe), np.float32(0.0)), top)
+            level = min(max(np.rint((cur[i, o] - b[o]) * inv[o - o0]), np.float32(0.0)), top)
             levels[i, o] = level
             errors[i, o] = (cur[i, o] - (s[o] * level + b[o])) / pivot
         for j in range(i + 1, g1):
