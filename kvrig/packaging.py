@@ -391,6 +391,7 @@ def _finish(
                     bits=staged.quant_config.get("quantization", {}).get("bits"),
                     group_size=recipe.group_size,
                     kv_scheme=kv.scheme,
+                    kv=kv.name,
                     key_bits=kv.key_bits,
                     value_bits=kv.value_bits,
                     kv_group_size=kv.group_size,

@@ -30,6 +30,7 @@ from kvrig.exceptions import (
 )
 from kvrig.models.gguf import embedded_default_model
 from kvrig.packaging import package
+from kvrig.recipes import parse_kv
 from kvrig.schemas import load_model_file
 from kvrig.schemas.bundle import Manifest
 from kvrig.schemas.kvcache import KVCacheConfig
@@ -312,8 +313,24 @@ def test_top_layer_keys_are_measured_and_written_per_layer(source_dir: Path, tmp
     kv = load_model_file(KVCacheConfig, out / "kvcache.json")
     wide = [e.layer for e in kv.layers if e.key_bits == 8]
     assert len(wide) == 2 and all(e.key_bits == 4 and e.value_bits == 4 for e in kv.layers if e.layer not in wide)
-    assert result.manifest.recipe.kv_scheme == f"k4v4+k8@{wide[0]}.{wide[1]}"
+    assert result.manifest.recipe.kv_scheme == result.manifest.recipe.kv == f"k4v4+k8@{wide[0]}.{wide[1]}"
     verify_bundle(out)
+
+
+def test_the_manifest_records_the_kv_spec_whole(source_dir: Path, tmp_path: Path) -> None:
+    """`--kv k8v4+rot+s4+w64`: the manifest records the spec as given (kv_scheme is its memory layout alone), and
+    it parses back to what kvcache.json holds."""
+    tiny = tiny_source(tmp_path / "tiny", source_dir / "tokenizer.json", "llama", vocab_size=49152, head_dim=64)
+    result = package(tiny, tmp_path / "b", PackageOptions(weights="q8", kv="k8v4+rot+s4+w64", quality_gate=False))
+    recipe = result.manifest.recipe
+    assert (recipe.kv, recipe.kv_scheme) == ("k8v4+rot+s4+w64", "k8v4")
+    spec, written = parse_kv(recipe.kv), load_model_file(KVCacheConfig, tmp_path / "b" / "kvcache.json")
+    assert (written.scheme, written.rotation, written.sink_tokens, written.recent_tokens) == (
+        spec.scheme,
+        "hadamard",
+        spec.sink_tokens,
+        spec.recent_tokens,
+    )
 
 
 def _llama(head_dim: int, model_type: str = "llama") -> dict[str, object]:

@@ -176,7 +176,7 @@ def _render_one(result: DemoResult) -> None:
             f"{human_bytes(result.buffer_cache_limit_bytes)}",
         ),
         ("developer services through", soak.tunnel.kind if soak.tunnel else "-"),
-        ("KV scheme, prefill step, soak step", f"{result.kv}, {result.prefill_step}, {result.step_tokens} tokens"),
+        ("KV spec, prefill step, soak step", f"{result.kv}, {result.prefill_step}, {result.step_tokens} tokens"),
         ("outcome", f"{soak.outcome} ({soak.outcome_detail})"),
         ("planned max context (no margin)", str(result.predicted_max_context)),
         (f"  with the plan's {result.margin:.0%} margin", str(result.predicted_max_context_with_margin)),

@@ -151,7 +151,7 @@ def package(
     click.echo(f"  source   {m.source.kind} {m.source.name} ({m.source.architecture})")
     click.echo(f"  weights  {m.recipe.weights}, group size {m.recipe.group_size}")
     click.echo(
-        f"  kv       {m.recipe.kv_scheme}, group size {m.recipe.kv_group_size}, "
+        f"  kv       {m.recipe.kv or m.recipe.kv_scheme}, group size {m.recipe.kv_group_size}, "
         f"max context {result.kvcache.max_context}"
     )
     if m.quality is not None:

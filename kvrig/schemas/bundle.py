@@ -35,6 +35,11 @@ class Recipe(StrictModel):
     group_size: int
     mode: Literal["affine"] = "affine"
     kv_scheme: str
+    kv: str = Field(
+        default="",
+        description="the KV spec in full, as `--kv` takes it (k8v4+rot+s4+w64): kv_scheme and the extras kvcache.json "
+        "holds (rotation, sink tokens, recent window); empty in bundles written before it was recorded",
+    )
     key_bits: int | None
     value_bits: int | None
     kv_group_size: int
