@@ -323,6 +323,7 @@ def test_the_manifest_records_the_kv_spec_whole(source_dir: Path, tmp_path: Path
     tiny = tiny_source(tmp_path / "tiny", source_dir / "tokenizer.json", "llama", vocab_size=49152, head_dim=64)
     result = package(tiny, tmp_path / "b", PackageOptions(weights="q8", kv="k8v4+rot+s4+w64", quality_gate=False))
     recipe = result.manifest.recipe
+    assert result.manifest.schema_version == 3
     assert (recipe.kv, recipe.kv_scheme) == ("k8v4+rot+s4+w64", "k8v4")
     spec, written = parse_kv(recipe.kv), load_model_file(KVCacheConfig, tmp_path / "b" / "kvcache.json")
     assert (written.scheme, written.rotation, written.sink_tokens, written.recent_tokens) == (
@@ -331,6 +332,12 @@ def test_the_manifest_records_the_kv_spec_whole(source_dir: Path, tmp_path: Path
         spec.sink_tokens,
         spec.recent_tokens,
     )
+    # A bundle written before the field: schema 2, no `kv`; it reads, the spec unknown beyond its scheme.
+    data = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    data["schema"] = 2
+    del data["recipe"]["kv"]
+    older = Manifest.model_validate(data)
+    assert older.schema_version == 2 and older.recipe.kv == "" and older.recipe.kv_scheme == "k8v4"
 
 
 def _llama(head_dim: int, model_type: str = "llama") -> dict[str, object]:

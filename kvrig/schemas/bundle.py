@@ -9,9 +9,9 @@ from pydantic import Field
 
 from kvrig.schemas import StrictModel
 
-MANIFEST_SCHEMA_VERSION: Final = 2
+MANIFEST_SCHEMA_VERSION: Final = 3
 """2: the quality check names each gate kind's perplexity (`quality.kinds`) and `--weights auto` / `--kv auto`
-record what they tried (`choice`)."""
+record what they tried (`choice`). 3: `recipe.kv`, the KV spec whole (a schema-2 manifest reads with it empty)."""
 MANIFEST_NAME = "manifest.json"
 
 
@@ -114,7 +114,7 @@ class Choice(StrictModel):
 
 
 class Manifest(StrictModel):
-    schema_version: Literal[1, 2] = Field(default=MANIFEST_SCHEMA_VERSION, alias="schema")
+    schema_version: Literal[1, 2, 3] = Field(default=MANIFEST_SCHEMA_VERSION, alias="schema")
     tool: str = "kvrig"
     tool_version: str
     created: str = Field(description="ISO 8601, UTC")
