@@ -35,6 +35,7 @@ from kvrig.exceptions import (
     QuantizationError,
 )
 from kvrig.fileio import scratch_dir, swap_in, sweep_scratch
+from kvrig.kvcache.caches import cache_settings
 from kvrig.models import load_model_spec, spec_from_config
 from kvrig.models.gguf import embedded_default_model
 from kvrig.models.source import CONVERT_PREFIX, source_dir
@@ -207,7 +208,7 @@ class _Job:
         return self.measured(
             f"the unquantized weights with {kv.scheme} KV"
             + (f" ({kv.rotation} rotation)" if kv.rotation != "none" else ""),
-            {"kv": kv.model_dump(mode="json", by_alias=True)},
+            {"kv": cache_settings(kv)},
             self.texts().ids,
             lambda: kind_perplexities(self.source(), kv, self.spec.model_type, self.texts().ids),
         )
@@ -356,9 +357,11 @@ def _gate(job: _Job, staged: _Staged, recipe: WeightRecipe, kv: KVSpec, *, enfor
             model, _, config = load_bundle_model(staged.path)
             return kind_perplexities(model, staged.kvcache, str(config.get("model_type", "")), texts.ids)
 
-        # Keyed by every file of the staged bundle: the same weights and kvcache.json measure the same (a package
-        # run again, --fit and auto trying a recipe another run tried).
-        ppl = job.measured(f"the {recipe.name} bundle", {"bundle": source_digest(staged.path)}, texts.ids, measure)
+        # Keyed by the staged bundle's files but kvcache.json, and what of kvcache.json its caches read: the same
+        # weights with the same KV spec measure the same, whatever device or prefill step the plan was for.
+        weights = source_digest(staged.path, skip=frozenset({KVCACHE_NAME, MANIFEST_NAME}))
+        what = {"bundle": weights, "kv": cache_settings(staged.kvcache)}
+        ppl = job.measured(f"the {recipe.name} bundle", what, texts.ids, measure)
         check = judge(ppl, texts, max_increase_pct=job.options.max_ppl_increase_pct, began=began)
         job.say(
             f"  quality gate: {check.ppl_delta_pct:+.2f} % on the worst text ({'passed' if check.passed else 'failed'})"

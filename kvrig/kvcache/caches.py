@@ -9,6 +9,17 @@ from kvrig.kvcache.families import NO_QUANTIZED_ATTENTION
 from kvrig.kvcache.kv_cache import DequantizingKVCache, SchemeKVCache, install_attention
 from kvrig.schemas.kvcache import KVCacheConfig
 
+CACHE_SETTINGS = frozenset(
+    {"key_bits", "value_bits", "group_size", "quantized_kv_start", "rotation", "sink_tokens", "recent_tokens", "layers"}
+)
+"""The kvcache.json fields `make_caches` reads. The rest (limits, paging, prefill step) never change what a cache
+computes, so a measurement keyed by these holds for every plan of the same KV spec."""
+
+
+def cache_settings(kv: KVCacheConfig) -> dict[str, Any]:
+    """What of `kv` the caches `make_caches` builds depend on, as JSON."""
+    return kv.model_dump(mode="json", include=set(CACHE_SETTINGS))
+
 
 def make_caches(model: Any, kv: KVCacheConfig, model_type: str = "") -> list[Any]:
     """One cache per cache-holding layer (shared layers read another layer's). Full-attention layers get the

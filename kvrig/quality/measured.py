@@ -63,12 +63,13 @@ def code_digest() -> str:
     return digest.hexdigest()
 
 
-def source_digest(source: Path, sha256: str | None = None) -> str:
-    """A GGUF file's sha256 (given when already known), or a folder's: every file at its top, by name."""
+def source_digest(source: Path, sha256: str | None = None, *, skip: frozenset[str] = frozenset()) -> str:
+    """A GGUF file's sha256 (given when already known), or a folder's: every file at its top but those named in
+    `skip`, by name."""
     if source.is_file():
         return sha256 or sha256_file(source)
     digest = hashlib.sha256()
-    for path in sorted(p for p in source.iterdir() if p.is_file()):
+    for path in sorted(p for p in source.iterdir() if p.is_file() and p.name not in skip):
         digest.update(path.name.encode() + b"\0" + sha256_file(path).encode() + b"\0")
     return digest.hexdigest()
 

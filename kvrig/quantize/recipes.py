@@ -12,7 +12,7 @@ import contextlib
 import re
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvrig.exceptions import QuantizationError
@@ -57,6 +57,10 @@ class CalibrationStatistics:
     """gpx's XᵀX / tokens (`gpx.input_hessians`)."""
     importance: dict[str, Any] | None = None
     """imx's mean x² per channel (`imx.activation_importance`)."""
+    fits: dict[tuple[Any, ...], tuple[Any, Any, Any]] = field(default_factory=dict)
+    """Each layer stack's packed weight, scales and biases by (paths, group size, bits, feedback, dtype): a stack
+    is fitted from its float weights and these statistics alone, so gpx-4.6 reuses every gpx-q4 stack it keeps
+    at q4's grid."""
 
 
 def apply_recipe(
@@ -313,12 +317,17 @@ def quantize_weighted(
         stacks.setdefault(key, []).append(path)
     for paths in stacks.values():
         first = modules[paths[0]]
-        w = mx.concatenate([floats[p] for p in paths]) if len(paths) > 1 else floats[paths[0]]
-        if feedback and hessians.get(paths[0]) is not None:
-            damping = EMBEDDING_DAMPING if isinstance(first, nn.QuantizedEmbedding) else DAMPING
-            q = fit_feedback(w, hessians[paths[0]], first.group_size, first.bits, dtype, damping)
-        else:
-            q = fit_affine(w, first.group_size, first.bits, importance.get(paths[0]), dtype)
+        # A stack's rows are fitted together (one matrix product per group), so a stack is reused whole: the
+        # same paths at the same grid, as another recipe's layout stacked them.
+        fit = (tuple(paths), first.group_size, first.bits, feedback, str(dtype))
+        if (q := statistics.fits.get(fit)) is None:
+            w = mx.concatenate([floats[p] for p in paths]) if len(paths) > 1 else floats[paths[0]]
+            if feedback and hessians.get(paths[0]) is not None:
+                damping = EMBEDDING_DAMPING if isinstance(first, nn.QuantizedEmbedding) else DAMPING
+                q = fit_feedback(w, hessians[paths[0]], first.group_size, first.bits, dtype, damping)
+            else:
+                q = fit_affine(w, first.group_size, first.bits, importance.get(paths[0]), dtype)
+            statistics.fits[fit] = q
         start = 0
         for path in paths:
             rows = floats[path].shape[0]

@@ -156,16 +156,27 @@ def test_progress_names_every_quantized_layer_once(recipe: str) -> None:
 
 def test_statistics_kept_for_the_next_recipe_are_measured_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """`kvrig package` trying gpx-q4 then gpx-4.6 on one source: the Hessians are measured for the first only,
-    and the second recipe writes what it writes when it measures them itself."""
+    the second fits only what it does not keep at q4's grid (stacks of layers as q4 stacked them), and it writes
+    what it writes when it measures and fits everything itself."""
     measured: list[int] = []
     real = recipes.input_hessians
     monkeypatch.setattr(recipes, "input_hessians", lambda *a, **k: measured.append(1) or real(*a, **k))
+    fitted: list[tuple[int, int]] = []
+    real_fit = recipes.fit_feedback
+    monkeypatch.setattr(
+        recipes, "fit_feedback", lambda w, h, g, b, *a: fitted.append((g, b)) or real_fit(w, h, g, b, *a)
+    )
     calibration = mx.random.randint(0, 256, (4, 16))
     kept = CalibrationStatistics()
     apply_recipe(tiny(), dict(CONFIG), parse_weights("gpx-q4"), calibration, statistics=kept)
+    assert set(fitted) == {(64, 4)}
+    fitted.clear()
     again, _ = apply_recipe(tiny(), dict(CONFIG), parse_weights("gpx-4.6"), calibration, statistics=kept)
     assert len(measured) == 1
+    fitted_after_q4 = len(fitted)
+    fitted.clear()
     alone, _ = apply_recipe(tiny(), dict(CONFIG), parse_weights("gpx-4.6"), calibration)
     assert len(measured) == 2
+    assert 0 < fitted_after_q4 < len(fitted)  # gpx-q4's stacks were reused, not fitted again
     for (path, a), (_, b) in zip(tree_flatten(again.parameters()), tree_flatten(alone.parameters()), strict=True):
         assert mx.array_equal(a, b), path

@@ -259,3 +259,27 @@ def test_per_query_window_reads_chunks_as_decoding_reads_them(name: str) -> None
     chunked = perplexity(model, tokens, caches(False), chunk=32).ppl
     assert per_query == pytest.approx(decoded, rel=1e-5)
     assert abs(chunked / decoded - 1) > 1e-4
+
+
+class _Reads:
+    """A kvcache.json config that notes every field read from it."""
+
+    def __init__(self, config: object) -> None:
+        self.config, self.read = config, set()
+
+    def __getattr__(self, key: str) -> object:
+        self.read.add(key)
+        return getattr(self.config, key)
+
+
+@pytest.mark.parametrize("name", ["k8v4", "k8v8", "k4v4+rot+s4+w16", "k4v4+k8@1", "fp16"])
+@pytest.mark.parametrize("start", [0, 2])
+def test_caches_read_only_the_settings_measurements_are_keyed_by(name: str, start: int) -> None:
+    """The measurement cache keys a bundle's gate by `cache_settings` (kvcache.json without its plan): every field
+    `make_caches` reads, watched while it builds the caches and a forward pass fills them, is one of those."""
+    from kvrig.kvcache.caches import CACHE_SETTINGS
+
+    model, spec = tiny()
+    config = _Reads(host_config(spec, parse_kv(name)).model_copy(update={"quantized_kv_start": start}))
+    model(mx.array([[1, 2, 3, 4]]), cache=make_caches(model, config, "llama"))  # type: ignore[arg-type]
+    assert config.read and config.read <= CACHE_SETTINGS, sorted(config.read - CACHE_SETTINGS)

@@ -83,7 +83,8 @@ def test_the_next_package_reads_what_the_first_measured(
 ) -> None:
     """Packages of one tiny source (SmolLM2's tokenizer, so the gate reads real text): the next reads the source's
     perplexities and `--kv auto`'s from the cache, a bundle of other weights is measured, the same bundle again is
-    read (its gate too), and all of it equals what `--no-cache` measures afresh."""
+    read (its gate too), also when only its plan differs (kvcache.json's prefill step and context), and all of it
+    equals what `--no-cache` measures afresh."""
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     tokenizer = converted_source(tmp_path_factory) / "tokenizer.json"
     tiny = tiny_source(tmp_path / "tiny", tokenizer, "llama", vocab_size=49152, head_dim=64)
@@ -111,6 +112,10 @@ def test_the_next_package_reads_what_the_first_measured(
     said_again, source_again, kv_again, bundle_again = run("again")
     assert not [line for line in said_again if line.startswith("measuring")]
     assert "the q8 bundle on the gate's texts: measured before" in " ".join(said_again)
+    said_plan, _, _, bundle_plan = run("other-plan", prefill_step_size=128, max_context=1024)
+    kvcache = [json.loads((tmp_path / name / "kvcache.json").read_text()) for name in ("first", "other-plan")]
+    assert [(k["prefill_step_size"], k["max_context"]) for k in kvcache] != [(128, 1024)] * 2
+    assert not [line for line in said_plan if line.startswith("measuring")] and bundle_plan == bundle_ppl
     fresh_said, fresh, kv_fresh, bundle_fresh = run("fresh", cache=False)
     assert "measuring the unquantized model on the gate's texts ..." in fresh_said
     assert source_other == source_again == source_ppl == fresh and kv_other == kv_again == kv_delta == kv_fresh
