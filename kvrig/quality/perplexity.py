@@ -28,25 +28,46 @@ def perplexity(
 ) -> PerplexityResult:
     """exp(mean NLL) of tokens[1:] given their prefixes. The caches start empty; `contexts` are the offsets at
     which the caches' bytes are recorded (they must fall on chunk boundaries)."""
-    import mlx.core as mx
-
     if len(tokens) < 2:
         raise ValueError("perplexity needs at least two tokens")
-    ids = mx.array(tokens)
+    nll, n, seen = _nll(model, [tokens], caches, chunk, contexts, after_chunk)
+    return PerplexityResult(math.exp(nll / n), n, seen)
+
+
+def rows_nll(model: Any, rows: list[list[int]], caches: list[Any], *, chunk: int = 256) -> tuple[float, int]:
+    """The summed NLL and the number of predicted tokens of equal-length `rows` read side by side (one batch)
+    from empty caches: each row's numbers as `perplexity` gives them alone, to float rounding, in fewer and
+    larger matrix products (a quantized weight is dequantized once per chunk, not once per row)."""
+    if len({len(r) for r in rows}) != 1 or len(rows[0]) < 2:
+        raise ValueError("rows_nll needs rows of one length, at least two tokens")
+    nll, n, _ = _nll(model, rows, caches, chunk, (), None)
+    return nll, n
+
+
+def _nll(
+    model: Any,
+    rows: list[list[int]],
+    caches: list[Any],
+    chunk: int,
+    contexts: tuple[int, ...],
+    after_chunk: Callable[[list[Any]], None] | None,
+) -> tuple[float, int, dict[int, int]]:
+    import mlx.core as mx
+
+    ids = mx.array(rows)
     total = mx.array(0.0, dtype=mx.float32)
-    n = len(tokens) - 1
+    n = ids.shape[1] - 1
     seen: dict[int, int] = {}
     for start in range(0, n, chunk):
         end = min(start + chunk, n)
-        logits = model(ids[None, start:end], cache=caches)[0].astype(mx.float32)
-        targets = ids[start + 1 : end + 1]
+        logits = model(ids[:, start:end], cache=caches).astype(mx.float32)
+        targets = ids[:, start + 1 : end + 1]
         logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        total = total - mx.take_along_axis(logp, targets[:, None], axis=-1).sum()
+        total = total - mx.take_along_axis(logp, targets[..., None], axis=-1).sum()
         mx.eval(total, [c.state for c in caches])
         if after_chunk is not None:
             after_chunk(caches)
         if end in contexts:
             seen[end] = sum(int(c.nbytes) for c in caches)
         mx.clear_cache()
-    nll = float(total.item())  # type: ignore[arg-type]
-    return PerplexityResult(math.exp(nll / n), n, seen)
+    return float(total.item()), n * len(rows), seen  # type: ignore[arg-type]

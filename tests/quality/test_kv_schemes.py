@@ -4,12 +4,14 @@ arguments; expected values from MLX itself (nbytes, mx.fast.scaled_dot_product_a
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models import llama
+from mlx_lm.models.cache import make_prompt_cache
 
 from kvrig.bundle.kvcache_json import host_config
 from kvrig.exceptions import KVSchemeError, QuantizationError
@@ -283,3 +285,26 @@ def test_caches_read_only_the_settings_measurements_are_keyed_by(name: str, star
     config = _Reads(host_config(spec, parse_kv(name)).model_copy(update={"quantized_kv_start": start}))
     model(mx.array([[1, 2, 3, 4]]), cache=make_caches(model, config, "llama"))  # type: ignore[arg-type]
     assert config.read and config.read <= CACHE_SETTINGS, sorted(config.read - CACHE_SETTINGS)
+
+
+@pytest.mark.parametrize("name", [None, "k8v4", "k8v8", "k4v4+rot+s4+w16", "k3v4+rotk+w8", "k4v4+k8@1"])
+def test_the_gate_reads_passages_side_by_side_as_it_reads_them_alone(name: str | None) -> None:
+    """kind_perplexity batches a kind's equal-length passages: the perplexity equals the one of each passage read
+    alone through fresh caches (`perplexity`, one row), to float rounding, for every kind of cache; a passage of
+    another length is read on its own."""
+    from kvrig.quality.gate import kind_perplexity
+    from kvrig.quality.perplexity import perplexity
+
+    model, spec = tiny()
+    kv = None if name is None else host_config(spec, parse_kv(name))
+
+    def caches() -> list[object]:
+        return make_prompt_cache(model) if kv is None else make_caches(model, kv, "llama")
+
+    rng = np.random.default_rng(5)
+    passages = [rng.integers(1, CONFIG["vocab_size"], 40).tolist() for _ in range(3)] + [[5, 9, 2, 7, 1, 3]]
+    alone = [(math.log(perplexity(model, p, caches()).ppl), len(p) - 1) for p in passages]
+    expected = math.exp(sum(nll * n for nll, n in alone) / sum(n for _, n in alone))
+    # A batch's matrix products round differently (OpenBLAS picks kernels by shape), and a 4-bit key near a level
+    # boundary then lands on the other level: 1e-4 here. A batch that mixed its rows would be off by far more.
+    assert kind_perplexity(model, passages, caches) == pytest.approx(expected, rel=1e-5 if kv is None else 1e-3)
