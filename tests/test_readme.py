@@ -1,6 +1,7 @@
-"""The README's claims, checked: every `kvrig ...` command it names exists with the options it gives it, its
-exit-code table is the one the exceptions carry (both ways) and the CLI exits with, and every exit code its text
-names is in the table."""
+"""The README's claims, checked: every `kvrig ...` command it names exists with the options it gives it, the
+exit-code table (docs/exit-codes.md; the README groups its codes by area) is the one the exceptions carry (both ways)
+and the CLI exits with, the README's summary names every code in it and no other, every exit code the docs' text
+names is in the table, and every relative link resolves."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from kvrig.cli import COMMANDS, cli, main
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+EXIT_CODES = ROOT / "docs" / "exit-codes.md"  # the full table; README.md's "### Exit codes" summarises it by area
 
 
 def _docs_text() -> str:
@@ -24,19 +26,17 @@ def _docs_text() -> str:
 
 
 def _exit_code_rows() -> dict[str, int]:
-    text = README.read_text()
-    section = text[text.index("### Exit codes") :]
-    rows = re.findall(r"^\| (\d+) \| `(\w+)` \|", section, flags=re.M)
+    rows = re.findall(r"^\| (\d+) \| `(\w+)` \|", EXIT_CODES.read_text(), flags=re.M)
     return {name: int(code) for code, name in rows}
 
 
 def test_exit_code_table_matches_the_exceptions() -> None:
     rows = _exit_code_rows()
-    assert rows, "README has no exit-code table"
+    assert rows, "docs/exit-codes.md has no exit-code table"
     for name, code in rows.items():
         cls = getattr(exceptions, name, None)
-        assert isinstance(cls, type) and issubclass(cls, exceptions.KvrigError), f"README names {name}"
-        assert cls.exit_code == code, f"README says {name} exits {code}, it exits {cls.exit_code}"
+        assert isinstance(cls, type) and issubclass(cls, exceptions.KvrigError), f"docs/exit-codes.md names {name}"
+        assert cls.exit_code == code, f"docs/exit-codes.md says {name} exits {code}, it exits {cls.exit_code}"
     raised = {
         obj.__name__: obj.exit_code
         for obj in vars(exceptions).values()
@@ -102,9 +102,7 @@ def test_the_options_the_readme_gives_a_command_are_its_own() -> None:
 
 def _other_exit_rows() -> dict[str, int]:
     """The rows that are not kvrig's errors: click's usage errors and a bug."""
-    text = README.read_text()
-    section = text[text.index("### Exit codes") :]
-    rows = re.findall(r"^\| (\d+) \| (`click\.\w+`|\(unexpected\)) \|", section, flags=re.M)
+    rows = re.findall(r"^\| (\d+) \| (`click\.\w+`|\(unexpected\)) \|", EXIT_CODES.read_text(), flags=re.M)
     return {name.strip("`"): int(code) for code, name in rows}
 
 
@@ -113,6 +111,48 @@ def test_every_exit_code_the_text_names_is_in_the_table() -> None:
     assert named, "the README names no exit code in its text"
     listed = set(_exit_code_rows().values()) | set(_other_exit_rows().values()) | {0}  # 0: success
     assert named <= listed, sorted(named - listed)
+
+
+def _readme_summary_codes() -> list[int]:
+    """The codes README.md's "### Exit codes" groups by area: `| 4–8, 36, 37 | ... |` rows, ranges expanded."""
+    text = README.read_text()
+    section = text[text.index("### Exit codes") :].split("\n## ", 1)[0]
+    codes = []
+    for cell in re.findall(r"^\| ([\d–, ]+) \|", section, flags=re.M):
+        for part in cell.split(","):
+            low, _, high = part.strip().partition("–")
+            codes.extend(range(int(low), int(high or low) + 1))
+    return codes
+
+
+def test_the_readme_summary_names_every_code_of_the_table_once() -> None:
+    """The README's summary by area and docs/exit-codes.md's table list the same codes: a code added to one and not
+    the other fails, as does a code the summary gives twice or one that does not exist; 130 and 143 are Ctrl-C and
+    SIGTERM."""
+    from kvrig.exceptions import Terminated
+
+    summary = _readme_summary_codes()
+    assert len(summary) == len(set(summary)), sorted(c for c in summary if summary.count(c) > 1)
+    table = set(_exit_code_rows().values()) | set(_other_exit_rows().values())
+    expected = table | {130, Terminated.exit_code}
+    assert set(summary) == expected, sorted(set(summary) ^ expected)
+    assert "[docs/exit-codes.md](docs/exit-codes.md)" in README.read_text()
+
+
+def test_every_relative_link_resolves() -> None:
+    """`[text](path)` in README.md, docs/ and examples/README.md, and every docs/*.md the README names, exist."""
+    paths = [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "examples" / "README.md"]
+    missing = []
+    for page in paths:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z][\w+.-]*:|#", target):  # a URL or an anchor on the same page
+                continue
+            if not (page.parent / target.split("#", 1)[0]).exists():
+                missing.append(f"{page.relative_to(ROOT)}: {target}")
+    named = set(re.findall(r"(?<![\w/])(docs/[\w.-]+\.md)", README.read_text()))
+    assert len(named) > 10, named
+    missing += [f"README.md: {name}" for name in sorted(named) if not (ROOT / name).exists()]
+    assert not missing, missing
 
 
 def test_the_usage_and_bug_rows_are_what_the_cli_exits_with(capsys: pytest.CaptureFixture[str]) -> None:
