@@ -40,7 +40,7 @@ STATUS_FILE = "status.json"
 # refusing them must not hold `make test` for ever.
 RESOLVE_TIMEOUT_S = 1800.0
 # MLX's C++ core optimized even in the debug build: at -O0 it prefills SmolLM2 at a few tokens/s, too slow to
-# soak; -O2 costs some build time once and leaves the Swift code (the app's own) a debug build. README: numbers.
+# soak; -O2 costs some build time once and leaves the Swift code (the app's own) a debug build.
 CXX_FLAGS = ("-Xcxx", "-O2")
 ENGINE_OPTIONS = AppOptions(name="kvrig engine", bundle_id="dev.kvrig.engine")
 LINUX_FIXES_DOC = "docs/engine-linux.md"

@@ -4,7 +4,7 @@ One function, `main`, with a dynamic token count: prefill passes the prompt (or 
 token, both against the same KV states. coremltools 8/9 can also write multifunction packages, but each
 function's fixed shapes would need a copy of the deduplication logic to keep the weights written once; a
 RangeDim input keeps one program, one copy of the weights and exact bytes. (Fixed shapes would suit the Neural
-Engine better; that is a later option — see the README.)
+Engine better; that is a later option — see docs/coreml.md.)
 
 Inputs: `input_ids` int32 [1, T] (1 ≤ T ≤ context) and `position` int32 [1] (tokens already in the cache).
 States: `keys_{i}` / `values_{i}` fp16 [1, kv_heads, context, head_dim] per layer. Output: `logits` fp16
