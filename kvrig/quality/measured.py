@@ -11,12 +11,13 @@ mlx-lm versions. A change to any of them is a new key; an unreadable entry is me
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -24,6 +25,7 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
+from kvrig.exceptions import OutputWriteError
 from kvrig.fileio import atomic_write, sha256_file
 from kvrig.schemas import StrictModel
 
@@ -96,16 +98,41 @@ class Measurements:
         key_material = {"source": self.source, "code": code_digest(), "ids": ids_digest(ids), **what}
         key = hashlib.sha256(json.dumps(key_material, sort_keys=True).encode()).hexdigest()
         path = self.root / "perplexity" / key[:2] / f"{key}.json"
-        try:
-            entry = Entry.model_validate_json(path.read_bytes())
-            if set(entry.perplexity) == set(ids):
-                return entry.perplexity, True
-        except (OSError, ValidationError):
-            pass  # absent, unreadable or from another format: measured again below
-        values = measure()
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write(path, Entry(what=key_material, perplexity=values).model_dump_json(indent=1) + "\n")
-        except OSError:
-            pass  # a read-only or full cache folder costs the next run a measurement, never this one its result
+        if (found := _read(path, ids)) is not None:
+            return found, True
+        # Packages of one source at once (parallel CI jobs, a lab host) measure it once: the others wait for the
+        # first one's entry and read it.
+        with _locked(path):
+            if (found := _read(path, ids)) is not None:
+                return found, True
+            values = measure()
+            # A read-only or full cache folder costs the next run a measurement, never this one its result.
+            with contextlib.suppress(OSError, OutputWriteError):
+                atomic_write(path, Entry(what=key_material, perplexity=values).model_dump_json(indent=1) + "\n")
         return values, False
+
+
+def _read(path: Path, ids: dict[str, list[list[int]]]) -> dict[str, float] | None:
+    try:
+        entry = Entry.model_validate_json(path.read_bytes())
+    except (OSError, ValidationError):
+        return None  # absent, unreadable or from another format: measured again
+    return entry.perplexity if set(entry.perplexity) == set(ids) else None
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock beside `path`'s entry, or none where the folder cannot hold one."""
+    from filelock import FileLock
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(f"{path}.lock")
+        lock.acquire()
+    except OSError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        lock.release()

@@ -121,3 +121,31 @@ def test_the_next_package_reads_what_the_first_measured(
     assert source_other == source_again == source_ppl == fresh and kv_other == kv_again == kv_delta == kv_fresh
     assert bundle_again == bundle_ppl == bundle_fresh
     assert len(list((tmp_path / "cache").rglob("*.json"))) == 5  # the source, two KV specs, two bundles
+
+
+def test_packages_measuring_at_once_measure_once(tmp_path: Path) -> None:
+    """Two packages of one source at once: the second waits for the first's measurement and reads it."""
+    import threading
+    import time
+
+    calls: list[int] = []
+
+    def slow() -> dict[str, float]:
+        calls.append(1)
+        time.sleep(0.3)
+        return {"prose": 1.5, "manual": 2.5}
+
+    got: list[tuple[dict[str, float], bool]] = []
+    runs = [
+        threading.Thread(target=lambda: got.append(Measurements(tmp_path, "source-a").perplexities({}, IDS, slow)))
+        for _ in range(2)
+    ]
+    for run in runs:
+        run.start()
+    for run in runs:
+        run.join()
+    assert len(calls) == 1
+    assert sorted(cached for _, cached in got) == [False, True] and got[0][0] == got[1][0] == {
+        "prose": 1.5,
+        "manual": 2.5,
+    }
