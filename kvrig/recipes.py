@@ -9,8 +9,8 @@ Weight recipes::
     mixed_X_Y                               mlx-lm's mixed recipes (X bits, Y for the layers it picks)
     awq-qN[gG] | gptq-qN[gG]                mlx-lm's calibrated quantizers, qN's layout
     imx-qN[gG] | gpx-qN[gG]                 importance-weighted grids (gpx: with error feedback), qN's layout
-    imx-BPW | gpx-BPW | dq-BPW              a target bits per weight (imx/gpx: 4-bit, MLP up/down of the last
-                                            layers at group 32; dq: mlx-lm's dynamic 4/6-bit)
+    imx-BPW | gpx-BPW | dq-BPW              a target bits per weight (imx/gpx: 4-bit, k/v projections then MLP
+                                            down/up of the last layers at group 32; dq: mlx-lm's dynamic 4/6-bit)
 
 KV specs::
 

@@ -5,8 +5,9 @@ methods only choose the values), so a plan's bytes are the packaged bytes.
 
     qN[gG], and awq-/gptq-/imx-/gpx-qN[gG]   mlx-lm's default layout (the model's own quant_predicate)
     mixed_X_Y                               mlx-lm's mixed predicate
-    imx-BPW | gpx-BPW                       4 bits everywhere, MLP up/down projections of the last layers at
-                                            group 32 until the target (`mlp_g32_layout`)
+    imx-BPW | gpx-BPW                       4 bits everywhere; attention key/value projections, then MLP
+                                            down/up projections of the last layers, at group 32 until the
+                                            target (`g32_layout`)
     dq-BPW                                  none before quantizing: mlx-lm's sensitivity measurement picks it
 
 The rule only needs module shapes, so it runs on a lazily built model (nothing evaluated).
@@ -26,7 +27,8 @@ from kvrig.recipes import WeightRecipe
 Predicate = Callable[[str, Any], bool | dict[str, Any]]
 """What mlx-lm's quantize_model takes as quant_predicate: per layer, False, True or to_quantized's params."""
 
-_MLP_G32 = re.compile(r"layers\.(\d+)\.mlp\.(up_proj|down_proj)$")
+_KV_G32 = re.compile(r"layers\.(\d+)\.self_attn\.(k_proj|v_proj)$")
+_MLP_G32 = re.compile(r"layers\.(\d+)\.mlp\.(down_proj|up_proj)$")
 
 
 def unplannable_reason(recipe: WeightRecipe) -> str | None:
@@ -58,10 +60,11 @@ def unavailable_reason(recipe: WeightRecipe, model_type: str) -> str | None:
     return unplannable_reason(recipe)
 
 
-def mlp_g32_layout(model: Any, target_bpw: float, bits: int, scale_bytes: int) -> dict[str, int]:
-    """Group size by quantizable path: 64, and 32 for MLP up/down projections from the last layer backwards
-    while the model's bits per weight (as mlx-lm's compute_bits_per_weight counts them: every array's bytes
-    over the parameter count) stays within `target_bpw`."""
+def g32_layout(model: Any, target_bpw: float, bits: int, scale_bytes: int) -> dict[str, int]:
+    """Group size by quantizable path: 64, and 32 for the key/value projections of every layer, then the MLP
+    down/up projections from the last layer backwards, while the model's bits per weight (as mlx-lm's
+    compute_bits_per_weight counts them: every array's bytes over the parameter count) stays within
+    `target_bpw`."""
     from mlx.utils import tree_flatten
 
     quantizable = {p: m for p, m in model.named_modules() if hasattr(m, "to_quantized") and "weight" in m}
@@ -75,8 +78,11 @@ def mlp_g32_layout(model: Any, target_bpw: float, bits: int, scale_bytes: int) -
     total = other_bits + sum(per[64] * n for n in q_size.values())
     if total / params > target_bpw:
         raise QuantizationError(f"{bits}-bit group-64 weights alone exceed {target_bpw} bits per weight")
-    mlp = sorted(((int(m.group(1)), p) for p in quantizable if (m := _MLP_G32.search(p))), reverse=True)
-    for _, path in mlp:
+    # Per bit spent, group 32 bought the most on the small k/v projections, then on the MLP's down and up
+    # projections of the last layers (SmolLM2 gpx-4.6, perplexity on texts neither calibrated nor evaluated on).
+    kv = sorted((int(m.group(1)), p) for p in quantizable if (m := _KV_G32.search(p)))
+    mlp = sorted((-int(m.group(1)), m.group(2) != "down_proj", p) for p in quantizable if (m := _MLP_G32.search(p)))
+    for path in [p for *_, p in kv] + [p for *_, p in mlp]:
         extra = (per[32] - per[64]) * q_size[path]
         if (total + extra) / params > target_bpw:
             break
@@ -101,7 +107,7 @@ def layout_predicate(model: Any, recipe: WeightRecipe, scale_bytes: int) -> Pred
     if recipe.target_bpw is None:
         return None
     assert recipe.bits is not None
-    groups = mlp_g32_layout(model, recipe.target_bpw, recipe.bits, scale_bytes)
+    groups = g32_layout(model, recipe.target_bpw, recipe.bits, scale_bytes)
     bits = recipe.bits
 
     # 4 bits everywhere, as the target was counted: the model's own quant_predicate (a router gate at 8 bits)

@@ -4,7 +4,8 @@ x² per channel, llama.cpp's "imatrix" idea), instead of MLX's round-to-nearest 
 
 The packed layout is MLX's own (same `weight`/`scales`/`biases` arrays `quantize_model` makes), so the planner
 and the Swift loader see an ordinary affine-quantized model; only the values differ. The mixed variant gives
-the MLP up/down projections of the last layers group size 32 until a bits-per-weight target is met."""
+the attention k/v projections, then the MLP down/up projections of the last layers, group size 32 until a
+bits-per-weight target is met."""
 
 from __future__ import annotations
 

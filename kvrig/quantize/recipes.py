@@ -278,7 +278,7 @@ def quantize_weighted(
     statistics: CalibrationStatistics | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """Quantizes a float model with mlx-lm's `quantize_model` in the planner's layout (planner/layout.py: qN's
-    at `group_size`, or MLP projections of the last layers at group 32 for `target_bpw`), then refits every
+    at `group_size`, or k/v and the last layers' MLP projections at group 32 for `target_bpw`), then refits every
     layer's grid with `fit_affine` and the activation importance of the float model on `calibration`. With
     `feedback`, every layer is quantized with GPTQ-style error feedback instead (`gpx.fit_feedback`, the float
     model's input Hessians); a tied embedding with heavy damping (its rows are also looked up, where error moved
@@ -300,7 +300,7 @@ def quantize_weighted(
             statistics.importance = activation_importance(model, calibration)
         hessians, importance = {}, statistics.importance
     floats = {p: m.weight for p, m in model.named_modules() if hasattr(m, "to_quantized") and "weight" in m}
-    # The layout is the planner's (planner/layout.py): qN's, or qN's with MLP projections at group 32.
+    # The layout is the planner's (planner/layout.py): qN's, or qN's with k/v and MLP projections at group 32.
     recipe = WeightRecipe("gpx" if feedback else "imx", bits, group_size, target_bpw=target_bpw)
     model, config = quantize_layout(model, dict(config), recipe, mx.zeros((), dtype=dtype).itemsize)
     modules = {

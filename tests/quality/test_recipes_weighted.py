@@ -19,7 +19,7 @@ from mlx_lm.utils import compute_bits_per_weight, quantize_model
 
 from kvrig.exceptions import QuantizationError
 from kvrig.models import spec_from_config
-from kvrig.planner.layout import mlp_g32_layout
+from kvrig.planner.layout import g32_layout
 from kvrig.planner.weights import account_weights
 from kvrig.quantize.imx import activation_importance, fit_affine, pack
 from kvrig.quantize.recipes import apply_recipe
@@ -135,18 +135,20 @@ def test_imx_q4_bytes_equal_the_planners_q4() -> None:
 
 
 def test_imx_target_layout_meets_the_target_and_matches_mlx_lm() -> None:
-    """The mixed recipe: MLP up/down projections of the last layers at group 32, bits per weight (mlx-lm's
-    count) within the target, and the bytes mlx-lm's quantize_model gives for the config's per-layer entries."""
-    target = 4.6
+    """The mixed recipe: every k/v projection, then MLP down/up projections of the last layers, at group 32,
+    bits per weight (mlx-lm's count) within the target, and the bytes mlx-lm's quantize_model gives for the
+    config's per-layer entries."""
+    target = 4.7  # the tiny model's k/v projections and two layers' MLP down/up projections fit
     model, config = apply_recipe(
         tiny(), dict(CONFIG), parse_weights(f"imx-{target}"), mx.random.randint(0, 256, (4, 16))
     )
     bpw = compute_bits_per_weight(model)
     assert bpw <= target
     groups = {p: m.group_size for p, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)}
-    assert groups["model.layers.3.mlp.down_proj"] == 32 and groups["model.layers.3.mlp.up_proj"] == 32
-    assert groups["model.layers.0.mlp.up_proj"] == 64
-    assert groups["model.layers.3.self_attn.q_proj"] == 64
+    assert all(groups[f"model.layers.{i}.self_attn.{p}"] == 32 for i in range(4) for p in ("k_proj", "v_proj"))
+    assert all(groups[f"model.layers.{i}.mlp.{p}"] == 32 for i in (2, 3) for p in ("down_proj", "up_proj"))
+    assert groups["model.layers.1.mlp.down_proj"] == 64 and groups["model.layers.0.mlp.up_proj"] == 64
+    assert groups["model.layers.3.self_attn.q_proj"] == 64 and groups["model.layers.3.mlp.gate_proj"] == 64
 
     reference = tiny()
     reference.set_dtype(mx.float16)
@@ -159,7 +161,7 @@ def test_imx_target_layout_meets_the_target_and_matches_mlx_lm() -> None:
         quantize_model(reference, copy.deepcopy(CONFIG), 64, 4, quant_predicate=predicate)  # type: ignore[arg-type]
     assert nbytes(model) == nbytes(reference)
     # the layout spends the budget: the next MLP projection in line would cross the target
-    layout = mlp_g32_layout(tiny(), target, 4, 2)
+    layout = g32_layout(tiny(), target, 4, 2)
     assert layout == groups | {"model.embed_tokens": 64}
     left = sorted((p for p, g in groups.items() if g == 64 and ("mlp.up" in p or "mlp.down" in p)), reverse=True)
     params = sum(v.size for _, v in tree_flatten(tiny().parameters()))
@@ -173,7 +175,7 @@ def test_smollm2_layout_is_within_4_6_bits_per_weight() -> None:
 
     config = gguf_config_from_header(read_gguf_header(embedded_default_model()))
     spec = spec_from_config(config)
-    layout = mlp_g32_layout(spec.weights_model("float16"), 4.6, 4, 2)
+    layout = g32_layout(spec.weights_model("float16"), 4.6, 4, 2)
     model = spec.weights_model("float16")
     with redirect_stdout(io.StringIO()):
         quantize_model(
