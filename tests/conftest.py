@@ -40,6 +40,7 @@ HEAVY_FILES = (
     "tests/quality/test_quality_model.py",
     "tests/quality/test_gate_model.py",
     "tests/outcomes/test_planned_vs_killed.py",
+    "tests/test_docs_commands.py",
     "tests/lab/test_shards.py",
     "tests/plan/test_plan.py",
     "tests/outcomes/test_mapped_residency.py",
@@ -55,7 +56,6 @@ HEAVY_FILES = (
     "tests/lab/test_lab_runs.py",
     "tests/coreml/test_coreml_cli.py",
     "tests/virtual/test_cli.py",
-    "tests/test_docs_commands.py",
     "tests/coreml/test_coreml_export.py",
 )
 

@@ -2,7 +2,7 @@
 line would parse it today, and runs as the block claims. An HTML comment right before each block with kvrig
 commands names the block and says, one line per kvrig command in order, what the command does:
 
-    <!-- docs-test NAME [slow]
+    <!-- docs-test NAME [bash]
     exit 0, "a fact of its output"           run in a temp folder after the block's setup (SETUPS below)
     with --max-tokens 8: exit 0, "tok/s"     run with those options added: a smaller size than the doc's
     instead: WHY                             not run: the setup makes what it makes (a bundle the session built)
@@ -11,8 +11,8 @@ commands names the block and says, one line per kvrig command in order, what the
     phone: WHY                               needs a real iPhone
     -->
 
-Blocks run in this process, on the embedded model and a virtual iPhone, except `slow` ones (pytest -m slow),
-which bash runs line by line as a reader would."""
+Blocks run in this process, on the embedded model and a virtual iPhone, except `bash` ones (shell variables,
+background jobs, `$(...)`: the labs on virtual phones), which bash runs line by line as a reader would."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ SHELL = {"bash", "sh", "shell", "console"}
 OPERATORS = {";", "&", "&&", "||", "|"}
 MIB = 2**20
 VARIABLE = re.compile(r"\$\{(\w+)\}|\$(\w+)")
-ANNOTATION = re.compile(r"<!-- docs-test (?P<name>[\w-]+)(?P<slow> slow)?\n(?P<lines>.*?)-->\n$", re.S)
+ANNOTATION = re.compile(r"<!-- docs-test (?P<name>[\w-]+)(?P<bash> bash)?\n(?P<lines>.*?)-->\n$", re.S)
 EXPECT = re.compile(
     r"^(?:with (?P<extra>[^:]+): )?exit (?P<code>\d+)(?P<facts>(?:, \"[^\"]*\")*)$"
     r"|^(?P<kind>instead|covered|measured|phone): (?P<note>.+)$"
@@ -76,7 +76,7 @@ class Block:
     text: str
     commands: tuple[Documented, ...]
     name: str = ""
-    slow: bool = False
+    bash: bool = False
     expects: tuple[Expect, ...] = ()
 
     def __str__(self) -> str:
@@ -117,7 +117,7 @@ def _block(path: Path, start: int, text: str, before: str) -> Block:
         else:
             facts = tuple(re.findall(r'"([^"]*)"', m["facts"]))
             expects.append(Expect("exit", int(m["code"]), facts, tuple(shlex.split(m["extra"] or ""))))
-    return Block(file, start, text, commands, found["name"], bool(found["slow"]), tuple(expects))
+    return Block(file, start, text, commands, found["name"], bool(found["bash"]), tuple(expects))
 
 
 def _commands(file: str, start: int, text: str) -> Iterator[Documented]:
@@ -326,7 +326,7 @@ def source_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _runnable() -> list[pytest.ParameterSet]:
     return [
-        pytest.param(block, marks=[pytest.mark.slow] if block.slow else [], id=str(block))
+        pytest.param(block, id=str(block))
         for block in BLOCKS
         if block.name and any(e.kind == "exit" for e in block.expects)
     ]
@@ -342,7 +342,7 @@ def test_a_documented_block_runs_as_it_claims(
 ) -> None:
     with SETUPS[block.name](request, tmp_path) as setup:
         monkeypatch.chdir(setup.cwd)
-        if block.slow:
+        if block.bash:
             _in_bash(block, setup)
             return
         for command, expect in zip(block.commands, block.expects, strict=True):
