@@ -2,7 +2,7 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.kvrig-setup-4
+STAMP := $(VENV)/.kvrig-setup-5
 # pytest workers (pytest-xdist): tests spend much of their time waiting on subprocesses, virtual phones and their
 # deadlines, so a third worker fills the cores while two wait, even on two cores. Each test file stays on one
 # worker, so module fixtures are built once; files go out in collection order (tests/conftest.py puts the longest
