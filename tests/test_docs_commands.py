@@ -280,18 +280,6 @@ def _examples_ipa(request: pytest.FixtureRequest, cwd: Path) -> Iterator[Setup]:
 
 
 @contextlib.contextmanager
-def _lab_phones(request: pytest.FixtureRequest, cwd: Path) -> Iterator[Setup]:
-    """The README's lab on the two virtual iPhones examples/README.md starts (its limits are the lab file's)."""
-    from tests.virtual.conftest import emulator_host
-
-    with _examples_ipa(request, cwd) as setup, emulator_host(cwd, "lab") as host:
-        host.add_device(cwd / "pro15", profile="iPhone16,1", limit_bytes=160 * MIB, baseline_bytes=48 * MIB)
-        host.add_device(cwd / "pro13", profile="iPhone14,2", limit_bytes=128 * MIB, baseline_bytes=48 * MIB)
-        setup.env["USBMUXD_SOCKET_ADDRESS"] = os.environ["USBMUXD_SOCKET_ADDRESS"]
-        yield setup
-
-
-@contextlib.contextmanager
 def _nothing(request: pytest.FixtureRequest, cwd: Path) -> Iterator[Setup]:
     yield Setup(cwd)
 
@@ -299,7 +287,7 @@ def _nothing(request: pytest.FixtureRequest, cwd: Path) -> Iterator[Setup]:
 SETUPS: dict[str, SetupFn] = {
     "five-minutes": _with_bundle,
     "real-iphone": _real_iphone,
-    "lab": _lab_phones,
+    "lab": _nothing,  # covered by the lab-virtual block
     "lab-virtual": _examples,
     "lab-two-hosts": _examples_ipa,
     "planning": _planning,
