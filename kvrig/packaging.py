@@ -43,7 +43,7 @@ from kvrig.planner import PlanRequest, plan_memory
 from kvrig.planner.kv import check_dims
 from kvrig.profiles import list_profiles, load_profile
 from kvrig.quality.choose import FIT_KV, choose_kv, measure_kv, rank_fit
-from kvrig.quality.gate import GateTexts, enforce, gate_tokens, judge, kind_perplexities
+from kvrig.quality.gate import Enough, GateTexts, enforce, gate_tokens, judge, kind_perplexities, over_limit
 from kvrig.quality.kv_sensitivity import resolve_for_source
 from kvrig.quality.measured import Measurements, cache_root, ids_digest, source_digest
 from kvrig.quantize.base import load_source_model
@@ -176,15 +176,21 @@ class _Job:
         return self._measurements
 
     def measured(
-        self, what: str, extra: dict[str, Any], ids: dict[str, list[list[int]]], measure: Callable[[], dict[str, float]]
+        self,
+        what: str,
+        extra: dict[str, Any],
+        ids: dict[str, list[list[int]]],
+        measure: Callable[[], dict[str, float]],
+        enough: Enough | None = None,
     ) -> dict[str, float]:
-        """Per-kind perplexities of `what` on the passages `ids`: measured, or read from the cache."""
+        """Per-kind perplexities of `what` on the passages `ids`: measured, or read from the cache (`enough`:
+        gate.kind_perplexities', which `measure` must pass on)."""
 
         def run() -> dict[str, float]:
             self.say(f"measuring {what} on the gate's texts ...")
             return measure()
 
-        values, cached = self.measurements().perplexities({"measured": what, **extra}, ids, run)
+        values, cached = self.measurements().perplexities({"measured": what, **extra}, ids, run, enough=enough)
         if cached:
             self.say(f"{what} on the gate's texts: measured before ({self.measurements().root})")
         return values
@@ -345,31 +351,49 @@ def _stage(job: _Job, recipe: WeightRecipe, kv: KVSpec, plan: PlanView | None) -
 
 def _gate(job: _Job, staged: _Staged, recipe: WeightRecipe, kv: KVSpec, *, enforce_it: bool) -> QualityCheck | None:
     """The quality gate on the staged bundle (None when turned off); with `enforce_it` a failure raises
-    (QualityGateError, unless forced) and the staged folder is removed."""
+    (QualityGateError, unless forced) and the staged folder is removed. Without it (a candidate of `--weights
+    auto`) the measurement stops at the first text over the limit: the candidate has failed, and the next one
+    is measured instead."""
     if not job.options.quality_gate:
         return None
     try:
         texts = job.texts()
         job.drop_source()
         began = time.perf_counter()
+        limit = job.options.max_ppl_increase_pct
+        enough = None if enforce_it else over_limit(texts, limit)
 
         def measure() -> dict[str, float]:
             model, _, config = load_bundle_model(staged.path)
-            return kind_perplexities(model, staged.kvcache, str(config.get("model_type", "")), texts.ids)
+            model_type = str(config.get("model_type", ""))
+            return kind_perplexities(model, staged.kvcache, model_type, texts.ids, enough=enough)
 
         # Keyed by the staged bundle's files but kvcache.json, and what of kvcache.json its caches read: the same
         # weights with the same KV spec measure the same, whatever device or prefill step the plan was for.
         weights = source_digest(staged.path, skip=frozenset({KVCACHE_NAME, MANIFEST_NAME}))
         what = {"bundle": weights, "kv": cache_settings(staged.kvcache)}
-        ppl = job.measured(f"the {recipe.name} bundle", what, texts.ids, measure)
-        check = judge(ppl, texts, max_increase_pct=job.options.max_ppl_increase_pct, began=began)
+        ppl = job.measured(f"the {recipe.name} bundle", what, texts.ids, measure, enough)
+        check = judge(ppl, texts, max_increase_pct=limit, began=began)
+        unmeasured = [kind for kind in texts.ids if kind not in ppl]
+        stopped = f"; {', '.join(unmeasured)} not measured" if unmeasured else ""
         job.say(
-            f"  quality gate: {check.ppl_delta_pct:+.2f} % on the worst text ({'passed' if check.passed else 'failed'})"
+            f"  quality gate: {check.ppl_delta_pct:+.2f} % on the worst text "
+            f"({'passed' if check.passed else 'failed'}{stopped})"
         )
         return enforce(check, force=job.options.ignore_gate, recipe=recipe.name, kv=kv.name) if enforce_it else check
     except BaseException:
         shutil.rmtree(staged.path, ignore_errors=True)
         raise
+
+
+def _unmeasured_reason(check: QualityCheck, texts: GateTexts) -> str:
+    """A failed candidate measured only up to its first text over the limit says so (its figure is that text's)."""
+    measured = {k.kind for k in check.kinds}
+    unmeasured = [kind for kind in texts.ids if kind not in measured]
+    if not unmeasured:
+        return ""
+    worst = max(check.kinds, key=lambda k: k.ppl_delta_pct).kind
+    return f"over the limit on {worst}; {', '.join(unmeasured)} not measured"
 
 
 def _finish(
@@ -445,6 +469,7 @@ def _package_auto_weights(job: _Job, kv: KVSpec, choice: Choice | None) -> Packa
             bits_per_weight=_bits_per_weight(staged.path),
             ppl_delta_pct=check.ppl_delta_pct,
             verdict="passed" if check.passed else "failed gate",
+            reason=_unmeasured_reason(check, job.texts()),
         )
         if check.passed:
             tried.append(entry.model_copy(update={"verdict": "chosen"}))
@@ -497,9 +522,10 @@ def _package_fit(job: _Job, context: int) -> PackageResult:
         check = _gate(job, staged, recipe, kv, enforce_it=False)
         assert check is not None
         if not check.passed:
-            candidates[(best.weights, best.kv)] = best.model_copy(
-                update={"verdict": "failed gate", "reason": f"combined {check.ppl_delta_pct:+.2f} % on its worst text"}
-            )
+            reason = f"combined {check.ppl_delta_pct:+.2f} % on its worst text"
+            if stopped := _unmeasured_reason(check, job.texts()):
+                reason += f" ({stopped})"
+            candidates[(best.weights, best.kv)] = best.model_copy(update={"verdict": "failed gate", "reason": reason})
             shutil.rmtree(staged.path, ignore_errors=True)
             continue
         candidates[(best.weights, best.kv)] = best.model_copy(update={"verdict": "chosen"})

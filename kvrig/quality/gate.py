@@ -75,17 +75,37 @@ def measure_source(source: Any, tokenizer: Any) -> GateTexts:
     return GateTexts(ids, kind_perplexities(source, None, "", ids))
 
 
+Enough = Callable[[dict[str, float]], bool]
+"""Given the perplexities of the kinds measured so far, whether the rest can be left unmeasured."""
+
+
 def kind_perplexities(
-    model: Any, kv: KVCacheConfig | None, model_type: str, ids: dict[str, list[list[int]]]
+    model: Any,
+    kv: KVCacheConfig | None,
+    model_type: str,
+    ids: dict[str, list[list[int]]],
+    *,
+    enough: Enough | None = None,
 ) -> dict[str, float]:
     """`model`'s perplexity on each kind's passages through the caches `kv` makes (None: mlx-lm's own
-    unquantized cache, the reference every change is measured against)."""
+    unquantized cache, the reference every change is measured against), kind by kind in order; `enough` may end
+    it after any kind (a candidate already over its limit on one kind fails whatever the others measure)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     def caches() -> list[Any]:
         return make_prompt_cache(model) if kv is None else make_caches(model, kv, model_type)
 
-    return {kind: kind_perplexity(model, passages, caches) for kind, passages in ids.items()}
+    out: dict[str, float] = {}
+    for kind, passages in ids.items():
+        out[kind] = kind_perplexity(model, passages, caches)
+        if enough is not None and len(out) < len(ids) and enough(out):
+            break
+    return out
+
+
+def over_limit(texts: GateTexts, max_increase_pct: float) -> Enough:
+    """`enough` for a candidate judged against `max_increase_pct`: some kind already measured above it."""
+    return lambda ppl: any(100.0 * (v / texts.source_ppl[k] - 1.0) > max_increase_pct for k, v in ppl.items())
 
 
 def check_model(
@@ -111,9 +131,12 @@ def judge(
     began: float | None = None,
 ) -> QualityCheck:
     """The gate's verdict on perplexities measured on `texts`' passages, kind by kind against the source's
-    (`began`: when the measurement began, for the seconds it took; None: it was read, not measured)."""
+    (`began`: when the measurement began, for the seconds it took; None: it was read, not measured). Kinds
+    missing from `ppl` were left unmeasured (`over_limit`): the text names them and the gate cannot pass."""
     kinds = []
     for kind, passages in texts.ids.items():
+        if kind not in ppl:
+            continue
         base = texts.source_ppl[kind]
         delta = 100.0 * (ppl[kind] / base - 1.0)
         kinds.append(
@@ -126,14 +149,16 @@ def judge(
             )
         )
     worst = max(kinds, key=lambda k: k.ppl_delta_pct)
+    unmeasured = [kind for kind in texts.ids if kind not in ppl]
     return QualityCheck(
-        text=f"kvrig gate texts ({', '.join(texts.ids)}); worst: {worst.kind}",
+        text=f"kvrig gate texts ({', '.join(texts.ids)}); worst: {worst.kind}"
+        + (f"; not measured once over the limit: {', '.join(unmeasured)}" if unmeasured else ""),
         tokens=sum(k.tokens for k in kinds),
         source_ppl=worst.source_ppl,
         bundle_ppl=worst.bundle_ppl,
         ppl_delta_pct=worst.ppl_delta_pct,
         max_increase_pct=max_increase_pct,
-        passed=worst.ppl_delta_pct <= max_increase_pct,
+        passed=worst.ppl_delta_pct <= max_increase_pct and not unmeasured,
         forced=False,
         seconds=round(time.perf_counter() - began, 2) if began is not None else 0.0,
         kinds=kinds,

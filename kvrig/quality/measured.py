@@ -89,21 +89,27 @@ class Measurements:
     """The source's digest (`source_digest`)."""
 
     def perplexities(
-        self, what: dict[str, Any], ids: dict[str, list[list[int]]], measure: Callable[[], dict[str, float]]
+        self,
+        what: dict[str, Any],
+        ids: dict[str, list[list[int]]],
+        measure: Callable[[], dict[str, float]],
+        *,
+        enough: Callable[[dict[str, float]], bool] | None = None,
     ) -> tuple[dict[str, float], bool]:
         """Per-kind perplexities of `what` on `ids`, and whether they came from the cache; `measure` runs on a
-        miss and its result is kept."""
+        miss and its result is kept. `measure` may stop before the last kind (gate.kind_perplexities' `enough`):
+        such an entry serves a caller whose `enough` accepts those kinds, and any other caller measures again."""
         if self.root is None:
             return measure(), False
         key_material = {"source": self.source, "code": code_digest(), "ids": ids_digest(ids), **what}
         key = hashlib.sha256(json.dumps(key_material, sort_keys=True).encode()).hexdigest()
         path = self.root / "perplexity" / key[:2] / f"{key}.json"
-        if (found := _read(path, ids)) is not None:
+        if (found := _read(path, ids, enough)) is not None:
             return found, True
         # Packages of one source at once (parallel CI jobs, a lab host) measure it once: the others wait for the
         # first one's entry and read it.
         with _locked(path):
-            if (found := _read(path, ids)) is not None:
+            if (found := _read(path, ids, enough)) is not None:
                 return found, True
             values = measure()
             # A read-only or full cache folder costs the next run a measurement, never this one its result.
@@ -112,12 +118,18 @@ class Measurements:
         return values, False
 
 
-def _read(path: Path, ids: dict[str, list[list[int]]]) -> dict[str, float] | None:
+def _read(
+    path: Path, ids: dict[str, list[list[int]]], enough: Callable[[dict[str, float]], bool] | None
+) -> dict[str, float] | None:
     try:
         entry = Entry.model_validate_json(path.read_bytes())
     except (OSError, ValidationError):
         return None  # absent, unreadable or from another format: measured again
-    return entry.perplexity if set(entry.perplexity) == set(ids) else None
+    found = entry.perplexity
+    if set(found) == set(ids):
+        return found
+    partial = bool(found) and set(found) < set(ids)
+    return found if partial and enough is not None and enough(found) else None
 
 
 @contextlib.contextmanager

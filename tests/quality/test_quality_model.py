@@ -51,6 +51,11 @@ def test_defaults_choose_the_smallest_recipe_that_passes_the_gate(default_bundle
         v == "not tried" for _, v in verdicts[chosen + 1 :]
     )
     assert manifest.recipe.weights == verdicts[chosen][0]
+    # A failed candidate's gate stopped at its first text over the limit, or measured them all: its figure is over
+    # the limit either way, and what it left unmeasured is named.
+    limit = PackageOptions().max_ppl_increase_pct
+    for c in choice.weights[:chosen]:
+        assert (c.ppl_delta_pct or 0.0) > limit and (c.reason == "" or c.reason.endswith("not measured")), c
     # <= 4.6 bits per weight, by mlx-lm's own count of the bundle as mlx-lm loads it (the host runtime widens
     # some arrays for the CPU, which is not what the phone holds)
     bpw = compute_bits_per_weight(load_model(default_bundle)[0])
