@@ -209,14 +209,15 @@ class _Job:
             self._texts = GateTexts(ids, ppl)
         return self._texts
 
-    def source_with_kv(self, kv: KVCacheConfig) -> dict[str, float]:
+    def source_with_kv(self, kv: KVCacheConfig, enough: Enough | None = None) -> dict[str, float]:
         """The source's perplexities through the caches `kv` makes (`--kv auto`, `--fit`)."""
         return self.measured(
             f"the unquantized weights with {kv.scheme} KV"
             + (f" ({kv.rotation} rotation)" if kv.rotation != "none" else ""),
             {"kv": cache_settings(kv)},
             self.texts().ids,
-            lambda: kind_perplexities(self.source(), kv, self.spec.model_type, self.texts().ids),
+            lambda: kind_perplexities(self.source(), kv, self.spec.model_type, self.texts().ids, enough=enough),
+            enough,
         )
 
     def drop_source(self) -> None:

@@ -190,6 +190,7 @@ def _print_choice(choice: object) -> None:
             k = human_bytes(c.kv_bytes) if c.kv_bytes else "-"
             ctx = str(c.max_context) if c.max_context is not None else "-"
             ppl = f"{c.ppl_delta_pct:+.2f}%" if c.ppl_delta_pct is not None else "-"
-            reason = f" ({c.reason})" if c.reason and c.verdict in ("unavailable", "failed gate") else ""
+            said = ("unavailable", "failed gate", "over the limit")
+            reason = f" ({c.reason})" if c.reason and c.verdict in said else ""
             click.echo(f"    {c.weights:10}{c.kv:18}{w:>11}{k:>10}{ctx:>9}{ppl:>9}  {c.verdict}{reason}")
         click.echo(f"    why: {why}")

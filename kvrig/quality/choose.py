@@ -21,7 +21,7 @@ from kvrig.bundle.kvcache_json import host_config
 from kvrig.exceptions import QuantizationError
 from kvrig.models.spec import ModelSpec
 from kvrig.planner.kv import check_dims, context_schedule, kv_bytes
-from kvrig.quality.gate import GateTexts, judge
+from kvrig.quality.gate import Enough, GateTexts, judge, over_limit
 from kvrig.recipes import KVSpec, parse_kv
 from kvrig.schemas.bundle import Candidate
 from kvrig.schemas.kvcache import KVCacheConfig
@@ -49,23 +49,31 @@ def kv_reference_bytes(spec: ModelSpec, kv: KVSpec) -> int:
     return kv_bytes(spec, replace(kv, dtype="float16"), context_schedule(REFERENCE_CONTEXT, 512))
 
 
-SourceWithKV = Callable[[KVCacheConfig], dict[str, float]]
-"""The unquantized source's perplexity per gate kind through the caches a KV configuration makes (the packager
-measures it, or reads what it measured before: quality/measured.py)."""
+SourceWithKV = Callable[[KVCacheConfig, Enough | None], dict[str, float]]
+"""The unquantized source's perplexity per gate kind through the caches a KV configuration makes, kind by kind
+until `enough` says so (gate.kind_perplexities; the packager measures it, or reads what it measured before:
+quality/measured.py)."""
 
 
-def measure_kv(source: SourceWithKV, spec: ModelSpec, texts: GateTexts, names: tuple[str, ...]) -> list[Candidate]:
+def measure_kv(
+    source: SourceWithKV, spec: ModelSpec, texts: GateTexts, names: tuple[str, ...], *, limit_pct: float | None = None
+) -> list[Candidate]:
     """Each KV spec with the source weights: its bytes and its worst-kind perplexity change, or why the model
-    cannot take it (head dims the group does not divide, a rotation that needs a power-of-two head dim)."""
+    cannot take it (head dims the group does not divide, a rotation that needs a power-of-two head dim). With
+    `limit_pct`, a spec's measurement stops at its first text above it (its change is that text's, and its reason
+    names the texts left unmeasured); without, every text is measured (`--fit` ranks by the full change)."""
+    enough = over_limit(texts, limit_pct) if limit_pct is not None else None
     out = []
     for name in names:
         kv = parse_kv(name)
         try:
             check_dims(spec, kv)
-            check = judge(source(host_config(spec, kv)), texts, max_increase_pct=100.0)
+            ppl = source(host_config(spec, kv), enough)
         except QuantizationError as exc:
             out.append(Candidate(weights="source", kv=name, verdict="unavailable", reason=str(exc)))
             continue
+        check = judge(ppl, texts, max_increase_pct=100.0)
+        unmeasured = [kind for kind in texts.ids if kind not in ppl]
         out.append(
             Candidate(
                 weights="source",
@@ -73,6 +81,7 @@ def measure_kv(source: SourceWithKV, spec: ModelSpec, texts: GateTexts, names: t
                 kv_bytes=kv_reference_bytes(spec, kv),
                 ppl_delta_pct=check.ppl_delta_pct,
                 verdict="passed",
+                reason=f"{', '.join(unmeasured)} not measured" if unmeasured else "",
             )
         )
     return out
@@ -89,8 +98,13 @@ def choose_kv(source: SourceWithKV, spec: ModelSpec, texts: GateTexts) -> tuple[
         measured = [
             c
             if c.verdict == "unavailable" or (c.ppl_delta_pct or 0.0) <= KV_LIMIT_PCT
-            else c.model_copy(update={"verdict": "over the limit", "reason": f"above +{KV_LIMIT_PCT:g} %"})
-            for c in measure_kv(source, spec, texts, group)
+            else c.model_copy(
+                update={
+                    "verdict": "over the limit",
+                    "reason": "; ".join(filter(None, [f"above +{KV_LIMIT_PCT:g} %", c.reason])),
+                }
+            )
+            for c in measure_kv(source, spec, texts, group, limit_pct=KV_LIMIT_PCT)
         ]
         passing = [c for c in measured if c.verdict == "passed"]
         if not passing:
