@@ -43,7 +43,16 @@ from kvrig.planner import PlanRequest, plan_memory
 from kvrig.planner.kv import check_dims
 from kvrig.profiles import list_profiles, load_profile
 from kvrig.quality.choose import FIT_KV, choose_kv, measure_kv, rank_fit
-from kvrig.quality.gate import Enough, GateTexts, enforce, gate_tokens, judge, kind_perplexities, over_limit
+from kvrig.quality.gate import (
+    Enough,
+    GateTexts,
+    enforce,
+    gate_tokens,
+    judge,
+    kind_perplexities,
+    over_limit,
+    unmeasured,
+)
 from kvrig.quality.kv_sensitivity import resolve_for_source
 from kvrig.quality.measured import Measurements, cache_root, ids_digest, source_digest
 from kvrig.quantize.base import load_source_model
@@ -375,8 +384,8 @@ def _gate(job: _Job, staged: _Staged, recipe: WeightRecipe, kv: KVSpec, *, enfor
         what = {"bundle": weights, "kv": cache_settings(staged.kvcache)}
         ppl = job.measured(f"the {recipe.name} bundle", what, texts.ids, measure, enough)
         check = judge(ppl, texts, max_increase_pct=limit, began=began)
-        unmeasured = [kind for kind in texts.ids if kind not in ppl]
-        stopped = f"; {', '.join(unmeasured)} not measured" if unmeasured else ""
+        left = unmeasured(texts, ppl)
+        stopped = f"; {', '.join(left)} not measured" if left else ""
         job.say(
             f"  quality gate: {check.ppl_delta_pct:+.2f} % on the worst text "
             f"({'passed' if check.passed else 'failed'}{stopped})"
@@ -389,12 +398,11 @@ def _gate(job: _Job, staged: _Staged, recipe: WeightRecipe, kv: KVSpec, *, enfor
 
 def _unmeasured_reason(check: QualityCheck, texts: GateTexts) -> str:
     """A failed candidate measured only up to its first text over the limit says so (its figure is that text's)."""
-    measured = {k.kind for k in check.kinds}
-    unmeasured = [kind for kind in texts.ids if kind not in measured]
-    if not unmeasured:
+    left = unmeasured(texts, (k.kind for k in check.kinds))
+    if not left:
         return ""
     worst = max(check.kinds, key=lambda k: k.ppl_delta_pct).kind
-    return f"over the limit on {worst}; {', '.join(unmeasured)} not measured"
+    return f"over the limit on {worst}; {', '.join(left)} not measured"
 
 
 def _finish(

@@ -21,7 +21,7 @@ from kvrig.bundle.kvcache_json import host_config
 from kvrig.exceptions import QuantizationError
 from kvrig.models.spec import ModelSpec
 from kvrig.planner.kv import check_dims, context_schedule, kv_bytes
-from kvrig.quality.gate import Enough, GateTexts, judge, over_limit
+from kvrig.quality.gate import Enough, GateTexts, judge, over_limit, unmeasured
 from kvrig.recipes import KVSpec, parse_kv
 from kvrig.schemas.bundle import Candidate
 from kvrig.schemas.kvcache import KVCacheConfig
@@ -73,7 +73,7 @@ def measure_kv(
             out.append(Candidate(weights="source", kv=name, verdict="unavailable", reason=str(exc)))
             continue
         check = judge(ppl, texts, max_increase_pct=100.0)
-        unmeasured = [kind for kind in texts.ids if kind not in ppl]
+        left = unmeasured(texts, ppl)
         out.append(
             Candidate(
                 weights="source",
@@ -81,7 +81,7 @@ def measure_kv(
                 kv_bytes=kv_reference_bytes(spec, kv),
                 ppl_delta_pct=check.ppl_delta_pct,
                 verdict="passed",
-                reason=f"{', '.join(unmeasured)} not measured" if unmeasured else "",
+                reason=f"{', '.join(left)} not measured" if left else "",
             )
         )
     return out

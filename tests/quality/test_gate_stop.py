@@ -68,3 +68,12 @@ def test_a_partial_entry_serves_only_a_caller_that_would_stop_there(tmp_path: Pa
     stop_at_25 = over_limit(texts, 25.0)
     assert cache.perplexities({"measured": "x"}, ids, lambda: dict(full), enough=stop_at_25) == (full, False)
     assert cache.perplexities({"measured": "x"}, ids, lambda: {}) == (full, True)
+
+
+def test_a_change_the_gate_rounds_to_its_limit_does_not_stop() -> None:
+    """The stop compares the figure the gate judges (rounded to 0.001 %): +10.0004 % is +10.0 %, a pass."""
+    ids = {kind: [[1, 2, 3]] for kind in KINDS}
+    texts = GateTexts(ids, {"a": 10.0, "b": 10.0, "c": 10.0})
+    at_limit = {"a": 11.00004}
+    assert not over_limit(texts, 10.0)(at_limit) and over_limit(texts, 10.0)({"a": 11.0001})
+    assert judge({**at_limit, "b": 10.0, "c": 10.0}, texts, max_increase_pct=10.0).passed
