@@ -58,7 +58,10 @@ def _cpu_case(scheme: str) -> dict[str, int]:
     spec = spec_from_config(CONFIG)
     before = kv_bytes(spec, parsed, [CHUNK] * (CONTEXT // CHUNK - 1))
     return {
-        "measured": _measured_chunk(parsed.key_bits),
+        # The largest of three: MLX frees some of a chunk's buffers early or late depending on how its stream
+        # and Python interleave, so one reading of the same chunk came out 8 % under the usual one under load
+        # (22.2 against 24.1 MB); the peak a phone must hold is the largest.
+        "measured": max(_measured_chunk(parsed.key_bits) for _ in range(3)),
         "planned": _peak_bytes(spec, parsed, CONTEXT, 0, CHUNK, "float32", "cpu").total_bytes - before,
         "scores": prefill_scores_bytes(spec, CHUNK, CONTEXT, "float32", scheme=parsed, backend="cpu"),
         "metal": _peak_bytes(spec, parsed, CONTEXT, 0, CHUNK, "float32", "metal").total_bytes - before,
