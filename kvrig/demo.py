@@ -55,6 +55,9 @@ class DemoOptions:
     ios: str = "18.6"
     app_runtime: str = "auto"
     """`auto` (the app's Swift engine when it can be built here, else the Python runtime), `swift`, `python`."""
+    quality_gate: bool = True
+    """Packaging measures the bundle against the quality gate (False: `kvrig package --no-quality-gate`, which
+    needs a weight recipe: `auto` chooses by the gate). With a recipe given, the gate only checks it."""
 
 
 @dataclass
@@ -125,6 +128,7 @@ def run_demo(options: DemoOptions, on_event: Event | None = None) -> DemoResult:
             weights=options.weights,
             kv=options.kv,
             prefill_step_size=options.prefill_step,
+            quality_gate=options.quality_gate,
             # The demo measures where jetsam strikes: an app that evicted under pressure would move it.
             pressure=PressurePolicy(warning="none", critical="none"),
             progress=lambda line: _say(on_event, line),
