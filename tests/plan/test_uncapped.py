@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 
-from kvrig.bundle.options import PackageOptions
 from kvrig.models import load_model_spec
 from kvrig.planner import plan
 from kvrig.planner.allocator import Allocator, AllocatorPolicy, Generation, chat_run, trace_run
 from kvrig.recipes import parse_kv
 from kvrig.runtime.generate import uncapped_cache
-from tests.bundle_fixtures import packaged
+from tests.bundle_fixtures import converted_source
+from tests.cli_run import run as run_kvrig
 
 MIB = 1024 * 1024
 PREFILL_STEP = 512
@@ -30,26 +30,36 @@ TOLERANCE = 0.05
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return packaged(tmp_path_factory, "smollm2-q4-fp16", PackageOptions(weights="q4", group_size=64, kv="fp16"))
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # The real SmolLM2 as the session's shared source folder: run and planned in float32, it holds the bytes a
+    # dequantized bundle would, without packaging one for this file.
+    return converted_source(tmp_path_factory)
 
 
-def _measure(bundle: Path, run: Sequence[tuple[int, int]]) -> list[dict[str, int]]:
-    """mlx-lm's generation loop on the real SmolLM2 (dequantized to float32, the host's fast path), MLX's
-    cache uncapped and never emptied, over `run` ((prompt, decoded) per generation, each on new caches); MLX's
-    counters after every prefill chunk and every decoded token, less what MLX held before the run beside the
-    model (other tests' arrays)."""
+@pytest.fixture(scope="module")
+def model(smollm2: Path) -> tuple[Any, Any]:
+    """SmolLM2 in float32 (the host's fast path) and its tokenizer, loaded once for the module's two runs."""
+    import mlx.core as mx
+    from mlx_lm.utils import load
+
+    model, tokenizer = load(str(smollm2))[:2]
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return model, tokenizer
+
+
+def _measure(loaded: tuple[Any, Any], run: Sequence[tuple[int, int]]) -> list[dict[str, int]]:
+    """mlx-lm's generation loop on the real SmolLM2 (`loaded`: float32), MLX's cache uncapped and never
+    emptied, over `run` ((prompt, decoded) per generation, each on new caches); MLX's counters after every
+    prefill chunk and every decoded token, less what MLX held before the run beside the model (other tests'
+    arrays)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.sample_utils import make_sampler
-    from mlx_lm.utils import dequantize_model, load
 
-    model, tokenizer = load(str(bundle))[:2]
-    model = dequantize_model(model)
-    model.set_dtype(mx.float32)
-    mx.eval(model.parameters())
+    model, tokenizer = loaded
     params: list[tuple[str, Any]] = tree_flatten(model.parameters())  # type: ignore[assignment]
     weights = sum(v.nbytes for _, v in params)
     text = list(tokenizer.encode(Path("/usr/share/common-licenses/GPL-3").read_text()))
@@ -92,13 +102,13 @@ def _measure(bundle: Path, run: Sequence[tuple[int, int]]) -> list[dict[str, int
 
 
 @pytest.fixture(scope="module")
-def measured(bundle: Path) -> list[dict[str, int]]:
-    return _measure(bundle, RUN)
+def measured(model: tuple[Any, Any]) -> list[dict[str, int]]:
+    return _measure(model, RUN)
 
 
-def test_uncapped_plan_within_5_percent_of_mlx_at_every_step(bundle: Path, measured: list[dict[str, int]]) -> None:
-    spec = load_model_spec(bundle)
-    weights = plan(bundle, "iPhone16,1", schemes=("fp32",), weights="fp32", recipes=("fp32",), dtype="float32")
+def test_uncapped_plan_within_5_percent_of_mlx_at_every_step(smollm2: Path, measured: list[dict[str, int]]) -> None:
+    spec = load_model_spec(smollm2)
+    weights = plan(smollm2, "iPhone16,1", schemes=("fp32",), weights="fp32", recipes=("fp32",), dtype="float32")
     run = [Generation.of(p, d, PREFILL_STEP) for p, d in RUN]
     trace = trace_run(
         spec,
@@ -120,12 +130,12 @@ def test_uncapped_plan_within_5_percent_of_mlx_at_every_step(bundle: Path, measu
     print(f"uncapped plan vs MLX active + cache: {len(measured)} steps, worst {worst:.1%}")
 
 
-def test_a_capped_cache_would_miss_what_mlx_keeps(bundle: Path, measured: list[dict[str, int]]) -> None:
+def test_a_capped_cache_would_miss_what_mlx_keeps(smollm2: Path, measured: list[dict[str, int]]) -> None:
     """The check can fail: counted as kvrig's app counts its cache (its 20 MiB cap, in full) with the KV the run
     ends on (MLX's nbytes, answered lazily by the planner), the last step is well over 5 % short."""
     from kvrig.planner.kv import context_schedule, kv_bytes
 
-    spec = load_model_spec(bundle)
+    spec = load_model_spec(smollm2)
     prompt, decode = RUN[-1]
     kv = kv_bytes(spec, parse_kv("fp32"), context_schedule(prompt + decode, PREFILL_STEP, prompt))
     last = measured[-1]
@@ -168,13 +178,13 @@ def test_allocator_replica_matches_mlx_buffer_for_buffer() -> None:
             mx.clear_cache()
 
 
-def test_kvrig_plan_uncapped_peak_is_what_mlx_holds(bundle: Path) -> None:
+def test_kvrig_plan_uncapped_peak_is_what_mlx_holds(smollm2: Path, model: tuple[Any, Any]) -> None:
     """The plan a user reads (`plan(..., app="uncapped")`: the cache it lists at a context) against mlx-lm run the
     way the plan models the app: 3 generations in a row growing evenly to 1100 tokens, 10 decoded in each."""
     context, generations, decode = 1100, 3, 10
     run = chat_run(context, generations, decode, PREFILL_STEP)
     got = plan(
-        bundle,
+        smollm2,
         "iPhone16,1",
         schemes=("fp32",),
         weights="fp32",
@@ -189,7 +199,7 @@ def test_kvrig_plan_uncapped_peak_is_what_mlx_holds(bundle: Path) -> None:
     )
     assert got.runtime.app == "uncapped"
     shape = [(sum(g.updates) - min(decode, sum(g.updates) - 1), min(decode, sum(g.updates) - 1)) for g in run]
-    steps = _measure(bundle, shape)
+    steps = _measure(model, shape)
     # The cache the plan lists at that context against MLX's when its active + cache was highest.
     listed = got.buffer_cache_by_context["fp32"][str(context)]
     at_high = max(steps, key=lambda s: s["total"])["cache"]
@@ -197,24 +207,20 @@ def test_kvrig_plan_uncapped_peak_is_what_mlx_holds(bundle: Path) -> None:
     assert abs(listed - at_high) <= TOLERANCE * at_high, (listed, at_high)
 
 
-def test_cli_plans_an_uncapped_app_and_says_so() -> None:
+def test_cli_plans_an_uncapped_app_and_says_so(capsys: pytest.CaptureFixture[str]) -> None:
     """`--buffer-cache-mb uncapped` is `--app uncapped`: the JSON names the app model and lists the cache held."""
     import json
-    import subprocess
-    import sys
 
+    # In this process (kvrig.cli.main, as the installed command runs it): the claim is the option's meaning, and
+    # three interpreters importing kvrig were most of this test's time.
     args = ["plan", "--device", "iPhone16,1", "--schemes", "k8v4", "--contexts", "2048", "--json"]
-    runs = {
-        flag: subprocess.run([sys.executable, "-m", "kvrig", *args, *flag], capture_output=True, text=True, check=True)
-        for flag in ((), ("--buffer-cache-mb", "uncapped", "--generations", "2"))
-    }
-    capped, uncapped = (json.loads(r.stdout) for r in runs.values())
+    runs = [run_kvrig(capsys, *args, *flag) for flag in ((), ("--buffer-cache-mb", "uncapped", "--generations", "2"))]
+    assert [code for code, _, _ in runs] == [0, 0], runs
+    capped, uncapped = (json.loads(out) for _, out, _ in runs)
     assert capped["runtime"]["app"] == "kvrig" and capped["buffer_cache_by_context"] == {}
     assert uncapped["runtime"]["app"] == "uncapped" and uncapped["runtime"]["generations"] == 2
     assert uncapped["runtime"]["buffer_cache_bytes"] == 0
     assert uncapped["buffer_cache_by_context"]["k8v4"]["2048"] > 0
     assert any(n.startswith("App model uncapped") for n in uncapped["notes"])
-    bad = subprocess.run(
-        [sys.executable, "-m", "kvrig", *args, "--buffer-cache-mb", "lots"], capture_output=True, text=True
-    )
-    assert bad.returncode == 2 and "--buffer-cache-mb" in bad.stderr
+    code, _, err = run_kvrig(capsys, *args, "--buffer-cache-mb", "lots")
+    assert code == 2 and "--buffer-cache-mb" in err
