@@ -53,7 +53,17 @@ def converted_source(factory: pytest.TempPathFactory) -> Path:
     return _shared(factory, "source-smollm2", lambda out: convert_gguf(embedded_default_model(), out))
 
 
+# SmolLM2 bundles several files read, each packaged once per test session (without the gate) whoever asks first.
 Q4_K8V8 = PackageOptions(weights="q4", group_size=64, kv="k8v8")
+Q4_K8V4 = PackageOptions(weights="q4", group_size=64, kv="k8v4")
+
+
+def smollm2_q4_k8v8(factory: pytest.TempPathFactory) -> Path:
+    return packaged(factory, "smollm2-q4-k8v8", Q4_K8V8)
+
+
+def smollm2_q4_k8v4(factory: pytest.TempPathFactory) -> Path:
+    return packaged(factory, "smollm2-q4-k8v4", Q4_K8V4)
 
 
 def tiny_source(root: Path, tokenizer: Path, model_type: str, **extra: Any) -> Path:

@@ -19,7 +19,6 @@ from click.testing import CliRunner
 
 from kvrig.appgen.render import AppOptions, render_app
 from kvrig.appgen.virtual_ipa import build_virtual_ipa
-from kvrig.bundle.options import PackageOptions
 from kvrig.calibration import calibrate
 from kvrig.cli import cli, main
 from kvrig.device.deploy import deploy
@@ -33,7 +32,7 @@ from kvrig.schemas.results import ResultsFile, SoakResult
 from kvrig.soaking.driver import SoakOptions, soak
 from kvrig.soaking.plan import make_plan
 from kvrig.virtual.host import EmulatorHost
-from tests.bundle_fixtures import packaged
+from tests.bundle_fixtures import smollm2_q4_k8v4
 
 PROFILE = "iPhone16,1"
 APP_ID = "dev.kvrig.calibrate"
@@ -52,7 +51,7 @@ class Soaked:
 
 @pytest.fixture(scope="module")
 def soaked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Soaked]:
-    bundle = packaged(tmp_path_factory, "smollm2-q4-k8v4", PackageOptions(weights="q4", group_size=64, kv="k8v4"))
+    bundle = smollm2_q4_k8v4(tmp_path_factory)
     root = tmp_path_factory.mktemp("calibrate")
     kv = load_model_file(KVCacheConfig, bundle / KVCACHE_NAME)
     # The limit: the plan's own peak footprint at ROOM_TOKENS on a phone with the true baseline (weights, KV,

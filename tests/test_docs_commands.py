@@ -300,11 +300,11 @@ SETUPS: dict[str, SetupFn] = {
 
 @pytest.fixture(scope="module")
 def q4_k8v8_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.bundle_fixtures import Q4_K8V8, packaged
+    from tests.bundle_fixtures import smollm2_q4_k8v8
 
     # The name test_runtime, test_package and test_plan_auto package these options under: one SmolLM2 packaging
     # per session, not two (~6.5 s of CPU); every block here only reads it.
-    return packaged(tmp_path_factory, "smollm2-q4", Q4_K8V8)
+    return smollm2_q4_k8v8(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

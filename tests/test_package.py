@@ -34,7 +34,7 @@ from kvrig.recipes import parse_kv
 from kvrig.schemas import load_model_file
 from kvrig.schemas.bundle import Manifest
 from kvrig.schemas.kvcache import KVCacheConfig
-from tests.bundle_fixtures import Q4_K8V8, converted_source, packaged, tiny_source
+from tests.bundle_fixtures import converted_source, smollm2_q4_k8v8, tiny_source
 from tests.gguf_writer import write_gguf
 
 PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
@@ -47,7 +47,7 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def q4_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return packaged(tmp_path_factory, "smollm2-q4", Q4_K8V8)
+    return smollm2_q4_k8v8(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 from kvrig.models.gguf_convert import convert_gguf
-from tests.bundle_fixtures import Q4_K8V8, converted_source, packaged
+from tests.bundle_fixtures import converted_source, smollm2_q4_k8v8
 from tests.gguf_writer import write_gguf
 
 QUESTION = "What is the capital of France?"
@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="session")
 def q4_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return packaged(tmp_path_factory, "smollm2-q4", Q4_K8V8)
+    return smollm2_q4_k8v8(tmp_path_factory)
 
 
 def test_run_matches_plain_mlx_lm(q4_bundle: Path) -> None:

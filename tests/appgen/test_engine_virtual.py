@@ -20,7 +20,6 @@ import pytest
 from kvrig.appgen.render import AppOptions, render_app
 from kvrig.appgen.virtual_ipa import build_virtual_ipa
 from kvrig.bundle.options import DEFAULT_BUFFER_CACHE_LIMIT as CACHE_CAP  # the bundle's buffer_cache_limit_bytes
-from kvrig.bundle.options import PackageOptions
 from kvrig.device.deploy import deploy
 from kvrig.models import load_model_spec
 from kvrig.planner import PlanRequest, kv_bytes, plan_memory
@@ -31,7 +30,7 @@ from kvrig.soaking.plan import make_plan
 from kvrig.virtual.device import VirtualDevice
 from kvrig.virtual.swiftapp import buffer_cache_held
 from tests.appgen.swift_engine import engine_binary, read_events  # noqa: F401
-from tests.bundle_fixtures import packaged
+from tests.bundle_fixtures import smollm2_q4_k8v4
 from tests.device.conftest import on_device, run
 from tests.virtual.conftest import emulator_host
 
@@ -54,7 +53,7 @@ class Phone:
 @pytest.fixture(scope="module")
 def phone(engine_binary: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Phone]:  # noqa: F811
     # The same bundle (name and options) the Python runtime's soak tests package: made once per session.
-    bundle = packaged(tmp_path_factory, "smollm2-q4-k8v4", PackageOptions(weights="q4", group_size=64, kv=SCHEME))
+    bundle = smollm2_q4_k8v4(tmp_path_factory)
     sizing = plan_memory(
         load_model_spec(bundle),
         load_profile(PROFILE),

@@ -14,7 +14,7 @@ import pytest
 from kvrig.bundle.options import PackageOptions
 from kvrig.coreml.export import ExportResult, export_coreml
 from kvrig.packaging import package
-from tests.bundle_fixtures import Q4_K8V8, packaged, tiny_source
+from tests.bundle_fixtures import smollm2_q4_k8v8, tiny_source
 
 logging.getLogger("coremltools").setLevel(logging.ERROR)
 
@@ -23,7 +23,7 @@ SMOL_CONTEXT = 256
 
 @pytest.fixture(scope="session")
 def smol_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return packaged(tmp_path_factory, "q4_k8v8", Q4_K8V8)
+    return smollm2_q4_k8v8(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

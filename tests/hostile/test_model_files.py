@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from kvrig.models import default_model_path, read_config
-from tests.bundle_fixtures import Q4_K8V8, converted_source, packaged
+from tests.bundle_fixtures import converted_source, smollm2_q4_k8v8
 from tests.hostile.conftest import ROOT, kvrig
 from tests.hostile_suite import hostile
 
@@ -77,7 +77,7 @@ def test_a_config_claiming_a_giant_is_refused_before_it_is_built(claim: str, tmp
 
 def _bundle_copy(factory: pytest.TempPathFactory, tmp_path: Path) -> Path:
     """The shared SmolLM2 q4 bundle, its big files hard-linked (never written through), small ones copied."""
-    shared = packaged(factory, "smollm2-q4", Q4_K8V8)
+    shared = smollm2_q4_k8v8(factory)
     copy = tmp_path / "bundle"
     shutil.copytree(shared, copy, copy_function=os.link)
     for small in copy.glob("*.json"):

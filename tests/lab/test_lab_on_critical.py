@@ -17,17 +17,15 @@ import yaml
 
 from kvrig.appgen.render import AppOptions, render_app
 from kvrig.appgen.virtual_ipa import build_virtual_ipa
-from kvrig.bundle.options import PackageOptions
 from kvrig.device.loop import run_async
 from kvrig.lab.schedule import run_lab
 from kvrig.planner import plan as make_memory_plan
 from kvrig.schemas import load_model_file
 from kvrig.schemas.lab import load_lab
 from kvrig.schemas.results import ResultsFile, SoakResult
-from tests.bundle_fixtures import packaged
+from tests.bundle_fixtures import smollm2_q4_k8v4
 from tests.virtual.conftest import emulator_host
 
-Q4_K8V4 = PackageOptions(weights="q4", group_size=64, kv="k8v4")  # tests/soak/test_llm_soak.py's bundle
 APP_ID = "dev.kvrig.labcritical"
 PROFILE = "iPhone16,1"
 KILL_CONTEXT = 768
@@ -43,7 +41,7 @@ class Soaked:
 
 @pytest.fixture(scope="module")
 def soaked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Soaked]:
-    bundle = packaged(tmp_path_factory, "smollm2-q4-k8v4", Q4_K8V4)
+    bundle = smollm2_q4_k8v4(tmp_path_factory)
     root = tmp_path_factory.mktemp("lab-on-critical")
     memory = make_memory_plan(bundle, PROFILE, schemes=["k8v4"], weights="q4", contexts=[KILL_CONTEXT])
     kv = memory.kv_bytes["k8v4"][str(KILL_CONTEXT)]

@@ -10,12 +10,12 @@ import pytest
 
 from kvrig.planner import plan
 from kvrig.recipes import WEIGHT_CANDIDATES
-from tests.bundle_fixtures import Q4_K8V8, packaged
+from tests.bundle_fixtures import smollm2_q4_k8v8
 
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return packaged(tmp_path_factory, "smollm2-q4", Q4_K8V8)
+    return smollm2_q4_k8v8(tmp_path_factory)
 
 
 def test_a_bundle_is_planned_with_its_own_recipe(bundle: Path) -> None:

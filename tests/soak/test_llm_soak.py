@@ -20,7 +20,6 @@ from pydantic import TypeAdapter
 
 from kvrig.appgen.render import AppOptions, render_app
 from kvrig.appgen.virtual_ipa import build_virtual_ipa
-from kvrig.bundle.options import PackageOptions
 from kvrig.device.deploy import deploy
 from kvrig.exceptions import SoakFailedError
 from kvrig.lab.gates import failures
@@ -32,11 +31,10 @@ from kvrig.soaking.driver import SoakOptions, run_soak
 from kvrig.soaking.plan import make_plan
 from kvrig.virtual.device import VirtualDevice
 from kvrig.virtual.host import EmulatorHost
-from tests.bundle_fixtures import packaged
+from tests.bundle_fixtures import smollm2_q4_k8v4
 from tests.device.conftest import on_device, run
 from tests.virtual.conftest import emulator_host
 
-Q4_K8V4 = PackageOptions(weights="q4", group_size=64, kv="k8v4")
 APP_ID = "dev.kvrig.llmsoak"
 EMPTY_APP_ID = "dev.kvrig.nobundle"
 PROFILE = "iPhone16,1"
@@ -58,7 +56,7 @@ class Phones:
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return packaged(tmp_path_factory, "smollm2-q4-k8v4", Q4_K8V4)
+    return smollm2_q4_k8v4(tmp_path_factory)
 
 
 def _ipa(bundle: Path, out: Path, bundle_id: str) -> Path:
