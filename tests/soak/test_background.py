@@ -47,7 +47,9 @@ def phone(installed: Emulator) -> Iterator[Emulator]:
 
 
 def test_paused_in_prefill_and_in_decode_then_resumed(phone: Emulator, tmp_path: Path) -> None:
-    plan = make_plan(max_tokens=64 * 9, step_tokens=64, decode_tokens=1, scheme="fp16")
+    # Prefill is sent away in step 2 and decode in step 3 (step 4 if the return ran late): 4 steps hold both, each
+    # at least 2 * PHASE_S long; the 5 more steps of a 9-step run proved nothing more.
+    plan = make_plan(max_tokens=64 * 4, step_tokens=64, decode_tokens=1, scheme="fp16")
     opts = options("prefill", "decode", extra_arguments=("--phase-s", str(PHASE_S)))
     result = run(on_device(phone.udid, lambda d: run_soak(d, BUNDLE_ID, plan, tmp_path, opts)))
 
@@ -77,7 +79,10 @@ def test_an_app_that_ignores_its_scene_is_aborted_for_gpu_work_from_the_backgrou
     phone: Emulator, tmp_path: Path
 ) -> None:
     plan = make_plan(max_tokens=1_000_000, step_tokens=64, decode_tokens=1, scheme="fp16")
-    opts = options("prefill", extra_arguments=("--phase-s", str(PHASE_S), "--ignore-scene"))
+    # This app never looks at its phase, so nothing aims at one: short phases (steps of ~0.6 s, not 2.4 s) only
+    # bring the measurement past the one in flight, which gets it aborted, sooner; the steps stay paced so the
+    # app cannot grow into its limit before it is sent away.
+    opts = options("prefill", extra_arguments=("--phase-s", str(PHASE_S / 4), "--ignore-scene"))
     opts.background_s = 6.0  # long enough for the app to submit GPU work past the step in flight
     result = run(on_device(phone.udid, lambda d: run_soak(d, BUNDLE_ID, plan, tmp_path, opts)))
 
