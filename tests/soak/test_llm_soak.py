@@ -67,13 +67,14 @@ def _ipa(bundle: Path, out: Path, bundle_id: str) -> Path:
 @pytest.fixture(scope="module")
 def phones(bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Phones]:
     root = tmp_path_factory.mktemp("llmsoak")
-    memory = make_memory_plan(bundle, PROFILE, schemes=["k8v4"], weights="q4", contexts=[KILL_CONTEXT, 512])
+    memory = make_memory_plan(bundle, PROFILE, schemes=["k8v4"], weights="q4", contexts=[KILL_CONTEXT, 256])
     model_bytes = memory.weights_bytes + memory.runtime.buffer_cache_bytes
     kill_kv = memory.kv_bytes["k8v4"][str(KILL_CONTEXT)]
     small_limit = memory.runtime.baseline_bytes + model_bytes + kill_kv + TRANSIENT_ROOM
     # No baseline, and the warning level (80% of the limit) reached by the footprint after a prefill chunk
-    # (MLX's buffer cache full) once the KV has grown past 512 tokens: room to evict.
-    roomy_limit = int((model_bytes + memory.kv_bytes["k8v4"]["512"] + 2**20) / 0.8)
+    # (MLX's buffer cache full) once the KV has grown past 256 tokens, the first step MLX grows it by (a page
+    # and the kept tokens fit below it: room to evict).
+    roomy_limit = int((model_bytes + memory.kv_bytes["k8v4"]["256"] + 2**20) / 0.8)
     with emulator_host(root, "llm") as host:
         small = host.add_device(root / "small", profile=PROFILE, limit_bytes=small_limit)
         large = host.add_device(root / "large", profile=PROFILE)
@@ -159,7 +160,8 @@ def test_real_bundle_soaks_into_jetsam(phones: Phones, tmp_path: Path) -> None:
 
 
 def test_large_limit_completes(phones: Phones, tmp_path: Path) -> None:
-    plan = make_plan(max_tokens=512, step_tokens=256, decode_tokens=2, scheme="k8v4")
+    # Two targets show each one reached; 128-token steps prove it as 256-token ones did, at half the prefill.
+    plan = make_plan(max_tokens=256, step_tokens=128, decode_tokens=2, scheme="k8v4")
     result = _soak(phones, phones.large, plan, tmp_path)
     assert result.outcome == "completed", result.outcome_detail
     assert result.files.jetsam_reports == []
@@ -167,12 +169,14 @@ def test_large_limit_completes(phones: Phones, tmp_path: Path) -> None:
     assert events[-1]["event"] == "end" and events[-1]["reason"] == "completed"
     steps = [e for e in events if e["event"] == "step"]
     # Each target is reached, then decode_tokens more are generated.
-    assert [s["context_tokens"] for s in steps] == [258, 514]
-    assert events[-1]["context_tokens"] == 514
+    assert [s["context_tokens"] for s in steps] == [130, 258]
+    assert events[-1]["context_tokens"] == 258
 
 
 def test_warning_evicts_the_oldest_page(phones: Phones, tmp_path: Path) -> None:
-    plan = make_plan(max_tokens=768, step_tokens=256, decode_tokens=2, scheme="k8v4")
+    # A first target below the warning (a step to compare the eviction with), then one past 256 tokens where the
+    # warning comes with a page to evict: 384 tokens prefilled where 256-token steps to 768 took twice that.
+    plan = make_plan(max_tokens=384, start_tokens=128, step_tokens=256, decode_tokens=2, scheme="k8v4")
     result = _soak(phones, phones.roomy, plan, tmp_path)
     assert result.outcome == "completed", result.outcome_detail
     events = _events(tmp_path / "telemetry.jsonl")
@@ -193,7 +197,7 @@ def test_warning_evicts_the_oldest_page(phones: Phones, tmp_path: Path) -> None:
             assert e["context_tokens"] == pressure["context_tokens"] - 256
     steps = [e for e in events if e["event"] == "step"]
     assert events[-1]["event"] == "end" and events[-1]["reason"] == "completed"
-    assert events[-1]["context_tokens"] == steps[-1]["context_tokens"] < 768
+    assert events[-1]["context_tokens"] == steps[-1]["context_tokens"] < 384
 
 
 def test_critical_pressure_stops_and_saves(phones: Phones, tmp_path: Path) -> None:
