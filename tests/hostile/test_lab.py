@@ -111,6 +111,14 @@ def _children(parent: int) -> set[int]:
     return found
 
 
+def _state(pid: int) -> str | None:
+    """A process's state letter from /proc (R, S, T for stopped, Z), None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
 def _alive(pids: set[int]) -> set[int]:
     alive = set()
     for pid in pids:
@@ -160,7 +168,8 @@ def _mid_soak(phones: Phones, tmp_path: Path, **popen: Any) -> tuple[subprocess.
     proc = _start(phones, lab, out, **popen)
     assert _wait(lambda: all(_apps(phones)) or proc.poll() is not None, 120), "the apps never started"
     assert proc.poll() is None, proc.communicate()
-    time.sleep(1.0)  # both at their hang: alive, and the lab waiting on them
+    # Both at their hang (the fault SIGSTOPs the app: state T), alive, and the lab waiting on them; seen, not slept.
+    assert _wait(lambda: all(_state(pid) == "T" for pid in _apps(phones)) or proc.poll() is not None, 60), _apps(phones)
     workers = _children(proc.pid)
     assert len(_alive(workers)) >= 2, workers
     return proc, workers, out
