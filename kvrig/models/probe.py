@@ -11,6 +11,7 @@ updated that way (recurrent state: ArraysCache, Mamba) hold what the step left i
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import io
 from collections.abc import Callable, Iterator, Sequence
@@ -317,18 +318,63 @@ def _replay(
         return held, held, held
     key = _memo_key(slot, schedule, make)
     if key not in _MEMO:
-        cache = next(c for s, c in probe.fresh(make) if s is slot)
-        peak = 0
-        for n in schedule:
+        # A plan's searches ask for [p] * k + [r] at many k (thousands of chunks at a long context): a replay
+        # resumes from the cache as it stood after the longest run of p-token updates replayed before.
+        run = next((i for i, n in enumerate(schedule) if n != schedule[0]), len(schedule))
+        points = _CHECKPOINTS.setdefault((slot.signature, key[2], schedule[:1]), {})
+        start = max((k for k in points if k <= run), default=0)
+        if start:
+            saved, peak = points[start]
+            cache = _snapshot(saved)  # a copy: the checkpoint stays as it was
+        else:
+            cache, peak = next(c for s, c in probe.fresh(make) if s is slot), 0
+        for i, n in enumerate(schedule[start:], start + 1):
             for name in slot.before:
                 getattr(cache, name)()
             for update in slot.updates:
                 cache.update_and_fetch(*update.arrays(n))
             peak = max(peak, cache.nbytes)
+            checkpoint = i <= run and i % CHECKPOINT_EVERY == 0 and i not in points
+            if checkpoint and (saved := _snapshot(cache)) is not None:
+                points[i] = (saved, peak)
         # The buffers themselves (a cache's `state` may be a view trimmed to its offset).
         _MEMO[key] = (cache.nbytes, peak, max((a.nbytes for a in _buffers(cache)), default=0))
     replayed: tuple[int, int, int] = _MEMO[key]
     return replayed
+
+
+CHECKPOINT_EVERY = 16
+"""A replay keeps the cache after every 16th update of its leading run: a later replay redoes at most 15."""
+
+
+def _snapshot(cache: Any) -> Any:
+    """A copy of a cache that later updates of either leave alone: its arrays as new, still unevaluated arrays
+    (MLX writes a slice assignment into the array object itself), its containers rebuilt, its numbers shared.
+    None for a cache holding anything else (its state could not be told apart from the original's)."""
+    import mlx.core as mx
+
+    unsupported = object()
+
+    def copied(value: Any) -> Any:
+        if isinstance(value, mx.array):
+            return copy.copy(value)
+        if value is None or isinstance(value, int | float | str | mx.Dtype):
+            return value
+        if isinstance(value, tuple | list):
+            items = [copied(v) for v in value]
+            if any(v is unsupported for v in items):
+                return unsupported
+            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+        return unsupported
+
+    if not hasattr(cache, "__dict__") or hasattr(cache, "__slots__"):
+        return None
+    state = {name: copied(value) for name, value in vars(cache).items()}
+    if any(v is unsupported for v in state.values()):
+        return None
+    out = copy.copy(cache)
+    vars(out).update(state)
+    return out
 
 
 @dataclass(frozen=True)
@@ -397,6 +443,9 @@ def _memo_key(slot: Slot, schedule: tuple[int, ...], make: Callable[[Slot], Any]
 
 # Replays keyed by what determines them (cache class, update shapes, schedule, scheme): layers alike share one.
 _MEMO: dict[Any, Any] = {}
+# Caches part-way through a replay, by (slot signature, the cache `make` gives, first update size): update count
+# -> (the cache, its peak bytes so far).
+_CHECKPOINTS: dict[Any, dict[int, tuple[Any, int]]] = {}
 
 
 def quantized_step_runs(probe: CacheProbe, model_type: str) -> bool:
@@ -459,4 +508,5 @@ def layer_specs(probe: CacheProbe) -> list[Any]:
 def forget_replays() -> None:
     """Drops remembered replays (a benchmark measures answering from scratch)."""
     _MEMO.clear()
+    _CHECKPOINTS.clear()
     _zeros.cache_clear()

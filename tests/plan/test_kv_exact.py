@@ -17,7 +17,7 @@ from kvrig.compat.mlx_lm_classes import model_classes
 from kvrig.exceptions import QuantizationError
 from kvrig.kvcache.caches import make_kv_caches
 from kvrig.models import spec_from_config
-from kvrig.planner.kv import bytes_per_token, check_dims, kv_bytes
+from kvrig.planner.kv import bytes_per_token, check_dims, kv_bytes, kv_bytes_detail
 from kvrig.recipes import parse_kv
 
 # The phone keeps activations (and so caches) in fp16; a few families run that way here. The rest run in
@@ -120,3 +120,34 @@ def test_llama4_chunked_caches_trim_as_planned(scheme_name: str) -> None:
         fed.append(n)
         assert kv_bytes(spec, scheme, fed) == sum(c.nbytes for c in caches), f"{scheme_name} after {sum(fed)}"
     assert sum(fed) > 2 * chunk  # the chunked caches were trimmed more than once
+
+
+@pytest.mark.parametrize(
+    ("family", "scheme_name"),
+    [("llama", "fp32"), ("llama", "k4v4"), ("llama", "k8v4+rot+s4+w16"), ("gemma3_text", "k8v8")],
+)
+def test_replays_resumed_midway_equal_mlx_nbytes(family: str, scheme_name: str) -> None:
+    """The planner resumes a replay from a cache it kept part-way through an earlier one (every
+    probe.CHECKPOINT_EVERY updates of a schedule's leading run): asked in a search's order — a long schedule, then
+    shorter ones that resume from its checkpoints — its bytes equal MLX's `nbytes` of the caches the host runtime
+    makes for the scheme, fed the same chunks of real tokens (plain, mlx-lm's quantized, kvrig's rotated with sink
+    and window, and a model with sliding-window layers)."""
+    from kvrig.models.probe import CHECKPOINT_EVERY, forget_replays
+    from kvrig.quality.schemes import make_kv_caches as runtime_caches
+
+    model, spec, dtype = build(family, quantized=True)  # float32: fast here, and the caches' width
+    scheme = parse_kv(scheme_name, dtype=dtype)
+    forget_replays()
+    chunk, tail = 64, 23
+    for runs in (2 * CHECKPOINT_EVERY + 8, CHECKPOINT_EVERY + 4, 2 * CHECKPOINT_EVERY + 5, CHECKPOINT_EVERY + 1, 3):
+        schedule = [chunk] * runs + [tail]
+        caches = runtime_caches(model, spec, scheme)
+        peak = 0
+        for n in schedule:
+            mx.eval(model(mx.array([[i % 100 + 1 for i in range(n)]]), cache=caches))
+            peak = max(peak, sum(c.nbytes for c in caches))
+        planned = kv_bytes_detail(spec, scheme, schedule)
+        assert planned.total == sum(c.nbytes for c in caches), runs
+        # The plan's peak adds each cache's own largest size; a sliding cache's comes mid-schedule, the others' at
+        # the end, so only a model without one peaks where the sum does.
+        assert planned.peak == peak if family == "llama" else planned.peak >= peak, runs
