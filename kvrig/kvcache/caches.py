@@ -138,28 +138,3 @@ def maybe_quantize(caches: list[Any], kv: KVCacheConfig, model_type: str = "") -
             caches[i] = SchemeKVCache.from_kv_cache(cache, target)
         else:
             caches[i] = cache.to_quantized(group_size=kv.group_size, bits=entry.key_bits)
-
-
-def make_kv_caches(model: Any, spec: Any, key_bits: int | None, value_bits: int | None, group_size: int) -> list[Any]:
-    """Like `make_caches`, from a ModelSpec and one scheme instead of kvcache.json: the model's own caches
-    with its full-attention caches quantized (sliding rings, linear state and MLA latents stay as mlx-lm
-    makes them). Shared layers hold no cache, so caches pair with the non-shared layers in order."""
-    from mlx_lm.models import cache as mlx_cache
-
-    base = mlx_cache.make_prompt_cache(model)
-    if key_bits is None or value_bits is None:
-        return base
-    owners = [layer for layer in spec.layers if layer.kind != "shared"]
-    if len(owners) != len(base):
-        raise QuantizationError(
-            f"the model made {len(base)} caches but its spec has {len(owners)} cache-holding layers"
-        )
-    caches = [
-        quantized_cache(key_bits, value_bits, group_size, spec.model_type)
-        if layer.kind == "full" and type(cache) is mlx_cache.KVCache
-        else cache
-        for layer, cache in zip(owners, base, strict=True)
-    ]
-    if any(_is_scheme_cache(c) for c in caches):
-        install_attention(model)
-    return caches

@@ -15,9 +15,9 @@ from tiny_configs import TINY_CONFIGS
 
 from kvrig.compat.mlx_lm_classes import model_classes
 from kvrig.exceptions import QuantizationError
-from kvrig.kvcache.caches import make_kv_caches
 from kvrig.models import spec_from_config
 from kvrig.planner.kv import bytes_per_token, check_dims, kv_bytes, kv_bytes_detail
+from kvrig.quality.schemes import make_kv_caches
 from kvrig.recipes import parse_kv
 
 # The phone keeps activations (and so caches) in fp16; a few families run that way here. The rest run in
@@ -68,7 +68,7 @@ def test_planned_kv_bytes_equal_mlx_nbytes(family: str, scheme_name: str) -> Non
         check_dims(spec, scheme)
     except QuantizationError:  # MLA's rope key (32 wide) needs a smaller group, as the planner says
         scheme = parse_kv(scheme_name, group_size=32, dtype=dtype)
-    caches = make_kv_caches(model, spec, scheme.key_bits, scheme.value_bits, scheme.group_size)
+    caches = make_kv_caches(model, spec, scheme)
     fed: list[int] = []
     token = 1
     for n in SCHEDULE:
@@ -86,7 +86,7 @@ def test_bytes_per_token_is_the_growth_of_full_caches(family: str) -> None:
     """Steady-state bytes/token: the difference MLX shows between two step-aligned contexts, per token."""
     model, spec, dtype = build(family)
     scheme = parse_kv("k8v4", group_size=32, dtype=dtype)
-    caches = make_kv_caches(model, spec, scheme.key_bits, scheme.value_bits, scheme.group_size)
+    caches = make_kv_caches(model, spec, scheme)
     owners = [layer for layer in spec.layers if layer.kind != "shared"]
     growing = [c for layer, c in zip(owners, caches, strict=True) if layer.grows]
 
@@ -111,7 +111,7 @@ def test_llama4_chunked_caches_trim_as_planned(scheme_name: str) -> None:
     mx.eval(model.parameters())
     spec = spec_from_config(config)
     scheme = parse_kv(scheme_name, dtype="float32")
-    caches = make_kv_caches(model, spec, scheme.key_bits, scheme.value_bits, scheme.group_size)
+    caches = make_kv_caches(model, spec, scheme)
     chunk = config["text_config"]["attention_chunk_size"]
     assert [layer.quantizable for layer in spec.layers] == [False, False, False, True]
     fed: list[int] = []
@@ -133,7 +133,6 @@ def test_replays_resumed_midway_equal_mlx_nbytes(family: str, scheme_name: str) 
     makes for the scheme, fed the same chunks of real tokens (plain, mlx-lm's quantized, kvrig's rotated with sink
     and window, and a model with sliding-window layers)."""
     from kvrig.models.probe import CHECKPOINT_EVERY, forget_replays
-    from kvrig.quality.schemes import make_kv_caches as runtime_caches
 
     model, spec, dtype = build(family, quantized=True)  # float32: fast here, and the caches' width
     scheme = parse_kv(scheme_name, dtype=dtype)
@@ -141,7 +140,7 @@ def test_replays_resumed_midway_equal_mlx_nbytes(family: str, scheme_name: str) 
     chunk, tail = 64, 23
     for runs in (2 * CHECKPOINT_EVERY + 8, CHECKPOINT_EVERY + 4, 2 * CHECKPOINT_EVERY + 5, CHECKPOINT_EVERY + 1, 3):
         schedule = [chunk] * runs + [tail]
-        caches = runtime_caches(model, spec, scheme)
+        caches = make_kv_caches(model, spec, scheme)
         peak = 0
         for n in schedule:
             mx.eval(model(mx.array([[i % 100 + 1 for i in range(n)]]), cache=caches))

@@ -13,12 +13,12 @@ from tiny_configs import TINY_CONFIGS
 
 from kvrig.compat.mlx_lm_classes import model_classes
 from kvrig.exceptions import ModelConfigError, PlanInputError, QuantizationError, UnsupportedArchitectureError
-from kvrig.kvcache.caches import make_kv_caches
 from kvrig.models import load_model_spec, spec_from_config
 from kvrig.planner import plan
 from kvrig.planner.kv import context_schedule, kv_bytes
 from kvrig.planner.memory import _peak_bytes, recommend
 from kvrig.profiles import load_profile
+from kvrig.quality.schemes import make_kv_caches
 from kvrig.recipes import parse_kv
 
 
@@ -36,7 +36,7 @@ def test_real_smollm2_kv_bytes_match_mlx(smollm2_plan) -> None:
     model.set_dtype(mx.float16)
     for name in ("fp16", "k8v8", "k8v4"):
         scheme = parse_kv(name)
-        caches = make_kv_caches(model, spec, scheme.key_bits, scheme.value_bits, scheme.group_size)
+        caches = make_kv_caches(model, spec, scheme)
         for chunk in context_schedule(40, 512):
             model(mx.array([[7] * chunk]), cache=caches)
             mx.eval([c.state for c in caches])  # only the caches: the logits are not needed
