@@ -183,7 +183,8 @@ def extra_bytes(spec: ModelSpec, scheme: KVSpec) -> int:
 class KVBytes:
     total: int
     peak: int
-    """largest total at any point of the schedule (a rotating cache briefly holds window-1+n tokens)."""
+    """each cache's own largest size over the schedule, summed (a rotating cache briefly holds window-1+n tokens):
+    the largest total where every cache only grows; above it where a sliding cache peaks before the end."""
     largest_cache: int
     """bytes of the largest single cache at the end (one layer's buffer: what a growth copy duplicates)."""
     largest_array: int
