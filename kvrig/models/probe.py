@@ -14,6 +14,7 @@ import contextlib
 import copy
 import functools
 import io
+from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -284,6 +285,11 @@ class CacheProbe:
 
     def slot_peak(self, slot: Slot, schedule: Sequence[int], make: Callable[[Slot], Any] | None = None) -> int:
         """The most bytes one slot's cache held after any update of `schedule`."""
+        return max(_replay(self, slot, tuple(schedule), make)[1], default=0)
+
+    def slot_series(self, slot: Slot, schedule: Sequence[int], make: Callable[[Slot], Any] | None = None) -> array[int]:
+        """The bytes one slot's cache held after each update of `schedule`: the caches of a model peak together
+        at the update where their sum does, which is not each one's own peak where a sliding cache peaks early."""
         return _replay(self, slot, tuple(schedule), make)[1]
 
     def slot_largest_array(self, slot: Slot, schedule: Sequence[int], make: Callable[[Slot], Any] | None = None) -> int:
@@ -312,34 +318,35 @@ class CacheProbe:
 
 def _replay(
     probe: CacheProbe, slot: Slot, schedule: tuple[int, ...], make: Callable[[Slot], Any] | None
-) -> tuple[int, int, int]:
+) -> tuple[int, array[int], int]:
+    """(bytes at the end, bytes after each update, the largest array at the end) of one slot's cache."""
     if not slot.updates:
         held = slot.state_bytes if schedule else 0
-        return held, held, held
+        return held, array("q", [held]) * len(schedule), held
     key = _memo_key(slot, schedule, make)
     if key not in _MEMO:
         # A plan's searches ask for [p] * k + [r] at many k (thousands of chunks at a long context): a replay
         # resumes from the cache as it stood after the longest run of p-token updates replayed before.
         run = next((i for i, n in enumerate(schedule) if n != schedule[0]), len(schedule))
-        points = _CHECKPOINTS.setdefault((slot.signature, key[2], schedule[:1]), {})
-        start = max((k for k in points if k <= run), default=0)
-        if start:
-            saved, peak = points[start]
-            cache = _snapshot(saved)  # a copy: the checkpoint stays as it was
-        else:
-            cache, peak = next(c for s, c in probe.fresh(make) if s is slot), 0
+        lead = _CHECKPOINTS.setdefault((slot.signature, key[2], schedule[:1]), _Lead())
+        start = max((k for k in lead.caches if k <= run), default=0)
+        # A checkpoint resumes as a copy, so it stays as it was.
+        cache = _snapshot(lead.caches[start]) if start else next(c for s, c in probe.fresh(make) if s is slot)
+        series = lead.nbytes[:start]
         for i, n in enumerate(schedule[start:], start + 1):
             for name in slot.before:
                 getattr(cache, name)()
             for update in slot.updates:
                 cache.update_and_fetch(*update.arrays(n))
-            peak = max(peak, cache.nbytes)
-            checkpoint = i <= run and i % CHECKPOINT_EVERY == 0 and i not in points
+            series.append(cache.nbytes)
+            if i <= run and i == len(lead.nbytes) + 1:
+                lead.nbytes.append(cache.nbytes)
+            checkpoint = i <= run and i % CHECKPOINT_EVERY == 0 and i not in lead.caches
             if checkpoint and (saved := _snapshot(cache)) is not None:
-                points[i] = (saved, peak)
+                lead.caches[i] = saved
         # The buffers themselves (a cache's `state` may be a view trimmed to its offset).
-        _MEMO[key] = (cache.nbytes, peak, max((a.nbytes for a in _buffers(cache)), default=0))
-    replayed: tuple[int, int, int] = _MEMO[key]
+        _MEMO[key] = (cache.nbytes, series, max((a.nbytes for a in _buffers(cache)), default=0))
+    replayed: tuple[int, array[int], int] = _MEMO[key]
     return replayed
 
 
@@ -443,9 +450,19 @@ def _memo_key(slot: Slot, schedule: tuple[int, ...], make: Callable[[Slot], Any]
 
 # Replays keyed by what determines them (cache class, update shapes, schedule, scheme): layers alike share one.
 _MEMO: dict[Any, Any] = {}
-# Caches part-way through a replay, by (slot signature, the cache `make` gives, first update size): update count
-# -> (the cache, its peak bytes so far).
-_CHECKPOINTS: dict[Any, dict[int, tuple[Any, int]]] = {}
+
+
+@dataclass
+class _Lead:
+    """What replays starting with a run of one update size share: the cache after every CHECKPOINT_EVERY-th
+    update of that run, and its bytes after each update of the run, as far as any replay went."""
+
+    caches: dict[int, Any] = field(default_factory=dict)
+    nbytes: array[int] = field(default_factory=lambda: array("q"))
+
+
+# By (slot signature, the cache `make` gives, first update size).
+_CHECKPOINTS: dict[Any, _Lead] = {}
 
 
 def quantized_step_runs(probe: CacheProbe, model_type: str) -> bool:

@@ -183,8 +183,8 @@ def extra_bytes(spec: ModelSpec, scheme: KVSpec) -> int:
 class KVBytes:
     total: int
     peak: int
-    """each cache's own largest size over the schedule, summed (a rotating cache briefly holds window-1+n tokens):
-    the largest total where every cache only grows; above it where a sliding cache peaks before the end."""
+    """the most the caches held together after any update of the schedule (a rotating cache briefly holds
+    window-1+n tokens, so a model with sliding layers can peak before the end)."""
     largest_cache: int
     """bytes of the largest single cache at the end (one layer's buffer: what a growth copy duplicates)."""
     largest_array: int
@@ -199,10 +199,14 @@ def kv_bytes_detail(spec: ModelSpec, scheme: KVSpec, schedule: Sequence[int]) ->
         raise PlanInputError(f"update sizes must be positive token counts, got {min(sched)}", field="schedule")
     groups = probe.groups(make)
     finals = [(probe.slot_bytes(slot, sched, make), n) for slot, n in groups]
-    peaks = [probe.slot_peak(slot, sched, make) * n for slot, n in groups]
+    series = [(probe.slot_series(slot, sched, make), n) for slot, n in groups]
+    if all(max(b, default=0) == b[-1] for b, _ in series if b):  # every cache is largest at the end
+        together = [sum(b * n for b, n in finals)]
+    else:
+        together = [sum(b[i] * n for b, n in series) for i in range(len(sched))]
     largest = max((probe.slot_largest_array(slot, sched, make) for slot, _ in groups), default=0)
     extras = extra_bytes(spec, scheme) if sched else 0
-    total, peak = sum(b * n for b, n in finals) + extras, sum(peaks) + extras
+    total, peak = sum(b * n for b, n in finals) + extras, max(together, default=0) + extras
     return KVBytes(total, peak, max((b for b, _ in finals), default=0), largest)
 
 
