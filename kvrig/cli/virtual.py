@@ -87,6 +87,7 @@ def _socket_option(func):  # type: ignore[no-untyped-def]
     "--tunnel-drop-after-bytes", type=int, default=None, help="Fault: the CoreDeviceProxy tunnel drops after N bytes."
 )
 @click.option("--handshake-timeout", is_flag=True, help="Fault: the CDTunnel handshake is never answered.")
+@click.option("--rsd-silent", is_flag=True, help="Fault: RSD, inside the tunnel, never starts its handshake.")
 @click.option("--launch-errors", type=int, default=0, help="Fault: the next N launches fail (transient NSError).")
 @click.option(
     "--claim-size",
@@ -141,6 +142,7 @@ def start(
     image_missing: bool,
     tunnel_drop_after_bytes: int | None,
     handshake_timeout: bool,
+    rsd_silent: bool,
     launch_errors: int,
     claim_size: tuple[str, ...],
     endless_reads: tuple[str, ...],
@@ -178,6 +180,7 @@ def start(
         image_missing=image_missing,
         tunnel_drop_after_bytes=tunnel_drop_after_bytes,
         handshake_timeout=handshake_timeout,
+        rsd_silent=rsd_silent,
         launch_errors=launch_errors,
         claim_sizes=pairs(claim_size, "--claim-size", int),
         endless_reads=list(endless_reads),

@@ -198,9 +198,14 @@ class Tunnel:
             self.rsd = await asyncio.wait_for(self._open(), self.handshake_timeout_s)
         except (TimeoutError, pmd3.RemoteXPCHandshakeTimeoutError) as exc:
             await self.close()
+            # pymobiledevice3 bounds some handshake steps itself (a few seconds): its timeout can fire before ours.
+            if isinstance(exc, pmd3.RemoteXPCHandshakeTimeoutError):
+                waited = f"(pymobiledevice3 stopped waiting: {exc})"
+            else:
+                waited = f"within {self.handshake_timeout_s:g} s"
             raise TunnelHandshakeTimeoutError(
-                f"{what} to {self.udid}: the phone accepted it but did not finish the handshake within "
-                f"{self.handshake_timeout_s:g} s; unplug and replug it (or restart it) and try again"
+                f"{what} to {self.udid}: the phone accepted it but did not finish the handshake {waited}; unplug and "
+                "replug it (or restart it) and try again"
             ) from exc
         except pmd3.UserspaceTunnelUnavailableError as exc:
             await self.close()

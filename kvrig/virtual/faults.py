@@ -44,6 +44,7 @@ class FaultPlan:
     image_missing: bool = False
     tunnel_drop_after_bytes: int | None = None
     handshake_timeout: bool = False
+    rsd_silent: bool = False  # RSD, inside the tunnel, takes the connection and never sends its HTTP/2 settings
     launch_errors: int = 0
     claim_sizes: dict[str, int] = field(default_factory=dict)  # file-name pattern -> the st_size stat answers
     endless_reads: list[str] = field(default_factory=list)  # file-name patterns whose reads never reach the end
@@ -69,7 +70,8 @@ class FaultPlan:
         """Refuses faults a phone of this iOS version cannot have."""
 
         version = tuple(int(part) for part in ios.split(".")[:2])
-        if (self.tunnel_drop_after_bytes is not None or self.handshake_timeout) and version < (17, 4):
+        tunnel_faults = self.tunnel_drop_after_bytes is not None or self.handshake_timeout or self.rsd_silent
+        if tunnel_faults and version < (17, 4):
             raise VirtualFaultError(
                 f"iOS {ios} has no CoreDeviceProxy tunnel to fault",
                 field="faults",

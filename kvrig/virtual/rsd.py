@@ -154,6 +154,10 @@ async def serve_rsd(link: Link) -> None:
     preface = await link.recv_exactly(len(HTTP2_MAGIC))
     if preface != HTTP2_MAGIC:
         raise ProtocolViolation("not an HTTP/2 preface")
+    if link.device.faults.rsd_silent:
+        while await link.reader.read(65536):  # the host has to give up by itself
+            pass
+        return
     settings = {SettingsFrame.MAX_CONCURRENT_STREAMS: 100, SettingsFrame.INITIAL_WINDOW_SIZE: WINDOW}
     await _send_frame(link, SettingsFrame(settings=settings))
     await _send_frame(link, WindowUpdateFrame(stream_id=0, window_increment=WINDOW - 65535))

@@ -237,6 +237,15 @@ def test_handshake_timeout(clean: Phones, tmp_path: Path) -> None:
     with pytest.raises(TunnelHandshakeTimeoutError) as stalled:
         session(phone, handshake_timeout_s=1.0)
     assert stalled.value.exit_code == 27
+    assert "within 1 s" in str(stalled.value) and "pymobiledevice3" not in str(stalled.value)
+    # RSD silent inside the tunnel: pymobiledevice3's own bound on its first HTTP/2 frame (a few seconds) fires
+    # before ours, and the message names it, not a wait that never happened.
+    phone.faults = FaultPlan(rsd_silent=True)
+    began = time.monotonic()
+    with pytest.raises(TunnelHandshakeTimeoutError) as stalled:
+        session(phone, handshake_timeout_s=60.0)
+    assert time.monotonic() - began < 30
+    assert "pymobiledevice3 stopped waiting" in str(stalled.value) and "within 60" not in str(stalled.value)
     soak = cli(
         clean, "soak", "--app-id", BUNDLE_ID, "--udid", udid(phone), "--handshake-timeout", "1", "-o", str(tmp_path)
     )
