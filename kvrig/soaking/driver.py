@@ -278,9 +278,9 @@ async def run_soak(
         result.lost = watch.lost_cause
         if watch.lost_cause == "tunnel":
             detail = (
-                f"tunnel lost: the phone stayed attached but its tunnel did not come back within "
-                f"{opts.reconnect_s:g} s (the app may still run: kvrig cannot stop it without one); everything "
-                "learned until then is kept"
+                "tunnel lost: the phone stayed attached but its tunnel did not come back in "
+                f"{watch.gave_up_after_s:g} s of trying (--reconnect {opts.reconnect_s:g}; the app may still run: "
+                "kvrig cannot stop it without one); everything learned until then is kept"
             )
     result.outcome_detail = detail
     result.finished = time.time()
@@ -404,6 +404,9 @@ class _Watch:
         self.local, self.remote, self.opts = local, remote, opts
         self.interruptions: list[Interruption] = []
         self.lost_cause: Literal["tunnel", "device"] | None = None
+        # How long recovery tried before giving up: a try that began before the deadline (pymobiledevice3's own
+        # handshake bounds are seconds long) can end well after it.
+        self.gave_up_after_s = 0.0
         self.pid = 0
         self.end_seen = self.hung = self.timed_out = self.lost = self.pulled = False
         self.end_reason: str | None = None
@@ -539,6 +542,7 @@ class _Watch:
             except (DeviceLostError, DeviceNotFoundError, NoTunnelError):
                 if time.monotonic() >= deadline:
                     self.lost_cause = cause or "device"
+                    self.gave_up_after_s = round(time.monotonic() - began, 1)
                     self.interruptions.append(Interruption(t=noticed, cause=self.lost_cause, resumed=False))
                     return False
                 await asyncio.sleep(min(1.0, self.opts.poll_interval_s * 2))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -346,6 +347,9 @@ def test_tunnel_that_does_not_come_back_is_tunnel_lost(clean: Phones, tmp_path: 
     cable.join()
     assert lost.returncode == 29, lost.stderr
     assert "tunnel lost" in lost.stderr and "Traceback" not in lost.stderr
+    # The time it says recovery tried is the time it took, at least the --reconnect it was given.
+    tried = re.search(r"did not come back in ([\d.]+) s of trying \(--reconnect 3;", lost.stderr)
+    assert tried is not None and float(tried.group(1)) >= 3, lost.stderr
     saved = load_model_file(ResultsFile, tmp_path / "results.json").runs[0]
     assert saved.outcome == "device_lost" and saved.lost == "tunnel"
     assert saved.interruptions and saved.interruptions[-1].cause == "tunnel" and not saved.interruptions[-1].resumed
