@@ -149,9 +149,10 @@ def test_kvrig_virtual_rejects_unknown_ios(tmp_path: Path, ios: str) -> None:
     assert result.returncode == 2 and "17.4" in result.stderr
 
 
-def test_kvrig_virtual_refuses_a_tunnel_fault_on_a_phone_without_tunnel(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fault", ["--handshake-timeout", "--rsd-silent"])
+def test_kvrig_virtual_refuses_a_tunnel_fault_on_a_phone_without_tunnel(tmp_path: Path, fault: str) -> None:
     address = str(tmp_path / "t.sock")
-    result = kvrig("virtual", "start", "--socket", address, "--state", str(tmp_path / "s"), "--handshake-timeout")
+    result = kvrig("virtual", "start", "--socket", address, "--state", str(tmp_path / "s"), fault)
     assert result.returncode == 49, result.stderr
     assert "CoreDeviceProxy" in result.stderr and "Traceback" not in result.stderr
 
