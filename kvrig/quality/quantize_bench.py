@@ -29,6 +29,7 @@ from typing import Any
 
 from kvrig.exceptions import KvrigError
 from kvrig.models import load_model_spec
+from kvrig.models.gguf import embedded_default_model
 from kvrig.quality.bench import bench_source, load_weights
 from kvrig.quality.perplexity import perplexity
 from kvrig.quality.schemes import make_kv_caches
@@ -46,6 +47,9 @@ SCALING_HIDDEN = (256, 512)
 """Hidden sizes of the two tiny models of the scaling check (intermediate 3x, 4 layers, 4096-token vocabulary)."""
 SCALING_RECIPES = ("imx-q4", "gpx-q4")
 SCALING_VOCAB = 4096
+GOAL_SECONDS = 20.0
+"""The goal for kvrig's own recipes (imx, gpx) on the embedded SmolLM2: quantized within this many seconds, wall
+time, calibration included."""
 
 
 @dataclass
@@ -91,9 +95,44 @@ class QuantizeReport:
     cpus: int = 0
     load_average: list[float] = field(default_factory=list)
     """The machine's 1-minute load average at the start and at the end of the run."""
+    embedded: bool = False
+    """The model is the embedded SmolLM2, which the time goal is set on."""
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "goals": self.goals()}
+
+    def goals(self) -> list[dict[str, Any]]:
+        """The goals this run can judge, each {goal, met, best}: kvrig's recipes within GOAL_SECONDS on the
+        embedded SmolLM2 (one over its budget counts as missed), and each scaled recipe's time growing no faster
+        than parameters x hidden size."""
+        out: list[dict[str, Any]] = []
+        ours = [r for r in self.runs if r.by == "kvrig"]
+        if self.embedded and ours:
+            timed = [r for r in ours if r.seconds is not None]
+            out.append(
+                {
+                    "goal": f"kvrig's recipes (imx, gpx) quantize the embedded SmolLM2 in <= {GOAL_SECONDS:g} s "
+                    f"(wall, calibration included; {self.cpus} CPUs)",
+                    "met": len(timed) == len(ours) and all((r.seconds or 0) <= GOAL_SECONDS for r in timed),
+                    "best": ", ".join(
+                        f"{r.recipe} {r.seconds:.1f} s" if r.seconds is not None else f"{r.recipe} skipped"
+                        for r in ours
+                    ),
+                }
+            )
+        if len(self.scaling) == 2:
+            a, b = self.scaling
+            growth = b.params * b.hidden / (a.params * a.hidden)
+            for name in a.seconds:
+                ratio = b.seconds[name] / a.seconds[name]
+                out.append(
+                    {
+                        "goal": f"{name}'s time grows no faster than parameters x hidden size (x{growth:.2f})",
+                        "met": ratio <= growth,
+                        "best": f"hidden {a.hidden} -> {b.hidden}: x{ratio:.2f}",
+                    }
+                )
+        return out
 
     def lines(self) -> list[str]:
         """The report as text: one row per recipe (perplexity and its change per evaluation kind), then the
@@ -135,6 +174,9 @@ class QuantizeReport:
                 ratio = b.seconds[name] / a.seconds[name]
                 verdict = "no faster than params x hidden" if ratio <= growth else "FASTER than params x hidden"
                 out.append(f"  {name:10} {a.seconds[name]:6.2f} s -> {b.seconds[name]:6.2f} s: x{ratio:.2f}, {verdict}")
+        if goals := self.goals():
+            out += ["", "The goals this run judged:"]
+            out += [f"- [{'met' if g['met'] else 'MISSED'}] {g['goal']}: {g['best']}" for g in goals]
         return out
 
 
@@ -185,6 +227,7 @@ def run_quantize_bench(
         points,
         os.cpu_count() or 0,
         load,
+        embedded=model is None or Path(model).resolve() == embedded_default_model().resolve(),
     )
 
 

@@ -61,6 +61,33 @@ def test_every_recipe_is_measured_or_named_as_skipped(tiny: Path, monkeypatch: p
     assert len(report["load_average"]) == 2 and report["cpus"] >= 1
     assert [p["hidden"] for p in report["scaling"]] == [64, 128]
     assert all(set(p["seconds"]) == set(quantize_bench.SCALING_RECIPES) for p in report["scaling"])
+    # Not the embedded model: only the scaling goals are judged, one per scaled recipe.
+    judged = [g["goal"] for g in report["goals"]]
+    assert len(judged) == len(quantize_bench.SCALING_RECIPES) and all("parameters x hidden" in g for g in judged)
+
+
+def test_goals_judge_the_time_and_the_scaling() -> None:
+    """The time goal holds only when every kvrig recipe finished within GOAL_SECONDS (one stopped at its budget
+    is a miss; mlx-lm's are not judged); a recipe whose time grew more than parameters x hidden misses its goal."""
+    from kvrig.quality.quantize_bench import GOAL_SECONDS, QuantizeReport, RecipeRun, ScalingPoint
+
+    def report(runs: list[RecipeRun], scaling: list[ScalingPoint]) -> QuantizeReport:
+        return QuantizeReport("m", {}, {}, 8, {}, 600.0, runs, scaling, 2, [0.0, 0.0], embedded=True)
+
+    fast = [RecipeRun("gpx-q4", "kvrig", seconds=GOAL_SECONDS - 1), RecipeRun("gptq-q4", "mlx-lm", seconds=99.0)]
+    # hidden 64 -> 128 with params x 3: params x hidden grows x6
+    scaling = [ScalingPoint(64, 1000, {"gpx-q4": 1.0}), ScalingPoint(128, 3000, {"gpx-q4": 7.0})]
+    time_goal, scale_goal = report(fast, scaling).goals()
+    assert time_goal["met"] and time_goal["best"] == f"gpx-q4 {GOAL_SECONDS - 1:.1f} s"
+    assert not scale_goal["met"] and "x6.00" in scale_goal["goal"] and "x7.00" in scale_goal["best"]
+    slow = [RecipeRun("gpx-q4", "kvrig", seconds=GOAL_SECONDS + 1)]
+    assert not report(slow, []).goals()[0]["met"]
+    stopped = [RecipeRun("gpx-q4", "kvrig", seconds=5.0), RecipeRun("gpx-4.6", "kvrig", skipped="did not finish")]
+    (goal,) = report(stopped, []).goals()
+    assert not goal["met"] and goal["best"] == "gpx-q4 5.0 s, gpx-4.6 skipped"
+    lines = report(fast, scaling).lines()
+    assert f"- [met] {time_goal['goal']}: {time_goal['best']}" in lines
+    assert any(line.startswith("- [MISSED] gpx-q4's time grows") for line in lines)
 
 
 def test_a_recipe_over_its_budget_is_stopped_and_named(tiny: Path) -> None:
