@@ -283,10 +283,6 @@ class CacheProbe:
         """Bytes one slot's cache holds after `schedule` (token counts per update)."""
         return _replay(self, slot, tuple(schedule), make)[0]
 
-    def slot_peak(self, slot: Slot, schedule: Sequence[int], make: Callable[[Slot], Any] | None = None) -> int:
-        """The most bytes one slot's cache held after any update of `schedule`."""
-        return max(_replay(self, slot, tuple(schedule), make)[1], default=0)
-
     def slot_series(self, slot: Slot, schedule: Sequence[int], make: Callable[[Slot], Any] | None = None) -> array[int]:
         """The bytes one slot's cache held after each update of `schedule`: the caches of a model peak together
         at the update where their sum does, which is not each one's own peak where a sliding cache peaks early."""
