@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvrig.exceptions import KvrigError
+from kvrig.exceptions import KvrigError, ModelConfigError
 from kvrig.models import load_model_spec
 from kvrig.models.gguf import embedded_default_model
 from kvrig.quality.bench import bench_source, load_weights
@@ -120,19 +120,26 @@ class QuantizeReport:
                     ),
                 }
             )
-        if len(self.scaling) == 2:
+        if (scaled := self.scaling_ratios()) is not None:
+            growth, ratios = scaled
             a, b = self.scaling
-            growth = b.params * b.hidden / (a.params * a.hidden)
-            for name in a.seconds:
-                ratio = b.seconds[name] / a.seconds[name]
-                out.append(
-                    {
-                        "goal": f"{name}'s time grows no faster than parameters x hidden size (x{growth:.2f})",
-                        "met": ratio <= growth,
-                        "best": f"hidden {a.hidden} -> {b.hidden}: x{ratio:.2f}",
-                    }
-                )
+            out += [
+                {
+                    "goal": f"{name}'s time grows no faster than parameters x hidden size (x{growth:.2f})",
+                    "met": ratio <= growth,
+                    "best": f"hidden {a.hidden} -> {b.hidden}: x{ratio:.2f}",
+                }
+                for name, ratio in ratios.items()
+            ]
         return out
+
+    def scaling_ratios(self) -> tuple[float, dict[str, float]] | None:
+        """(how much parameters x hidden size grew, how much each recipe's time grew) between the two scaling
+        points; None without them."""
+        if len(self.scaling) != 2:
+            return None
+        a, b = self.scaling
+        return b.params * b.hidden / (a.params * a.hidden), {n: b.seconds[n] / a.seconds[n] for n in a.seconds}
 
     def lines(self) -> list[str]:
         """The report as text: one row per recipe (perplexity and its change per evaluation kind), then the
@@ -162,18 +169,18 @@ class QuantizeReport:
                 + f"{(r.peak_rss_bytes or 0) / 2**30:9.2f}G"
                 + (f"  ({r.note})" if r.note else "")
             )
-        if len(self.scaling) == 2:
+        if (scaled := self.scaling_ratios()) is not None:
+            growth, ratios = scaled
             a, b = self.scaling
-            growth = b.params * b.hidden / (a.params * a.hidden)
             out += [
                 "",
                 f"scaling: hidden {a.hidden} -> {b.hidden}: params x{b.params / a.params:.2f}, "
                 f"params x hidden x{growth:.2f}",
             ]
-            for name in a.seconds:
-                ratio = b.seconds[name] / a.seconds[name]
-                verdict = "no faster than params x hidden" if ratio <= growth else "FASTER than params x hidden"
-                out.append(f"  {name:10} {a.seconds[name]:6.2f} s -> {b.seconds[name]:6.2f} s: x{ratio:.2f}, {verdict}")
+            out += [
+                f"  {name:10} {a.seconds[name]:6.2f} s -> {b.seconds[name]:6.2f} s: x{ratio:.2f}"
+                for name, ratio in ratios.items()
+            ]
         if goals := self.goals():
             out += ["", "The goals this run judged:"]
             out += [f"- [{'met' if g['met'] else 'MISSED'}] {g['goal']}: {g['best']}" for g in goals]
@@ -195,6 +202,7 @@ def run_quantize_bench(
     from mlx_lm.utils import load_tokenizer
 
     load = [os.getloadavg()[0]]
+    embedded = model is None or _is_embedded(Path(model))
     with bench_source(model) as (src, name, _):
         tokenizer = load_tokenizer(src)
         ids = {k: kind_tokens(tokenizer, k, tokens + 1) for k in EVALUATION_KINDS}
@@ -227,8 +235,16 @@ def run_quantize_bench(
         points,
         os.cpu_count() or 0,
         load,
-        embedded=model is None or Path(model).resolve() == embedded_default_model().resolve(),
+        embedded=embedded,
     )
+
+
+def _is_embedded(path: Path) -> bool:
+    """Whether `path` is the embedded SmolLM2 (False where it is not installed: the path is another model)."""
+    try:
+        return path.resolve() == embedded_default_model().resolve()
+    except ModelConfigError:
+        return False
 
 
 def method_of(recipe: str) -> str:

