@@ -56,7 +56,7 @@ from kvrig.quality.gate import (
 from kvrig.quality.kv_sensitivity import resolve_for_source
 from kvrig.quality.measured import Measurements, cache_root, ids_digest, source_digest
 from kvrig.quantize.base import load_source_model
-from kvrig.quantize.recipes import CalibrationStatistics, apply_recipe, calibration_tokens
+from kvrig.quantize.recipes import CalibrationStatistics, apply_recipe, calibration_rows, calibration_tokens
 from kvrig.recipes import AUTO, WEIGHT_CANDIDATES, KVSpec, WeightRecipe, parse_kv, parse_weights
 from kvrig.runtime.host import load_bundle_model, prepare_for_host
 from kvrig.schemas.bundle import (
@@ -344,9 +344,7 @@ def _stage(job: _Job, recipe: WeightRecipe, kv: KVSpec, plan: PlanView | None) -
             tmp.mkdir()
             job.say(f"quantizing the weights ({recipe}) ...")
             # Calibrated recipes (imx, gpx) name each layer as it is done: minutes on a big model.
-            q_config = _write_weights(
-                job.src_dir, tmp, recipe, lambda path: job.say(f"  quantized {path}"), job.statistics
-            )
+            q_config = _write_weights(job.src_dir, tmp, recipe, lambda line: job.say(f"  {line}"), job.statistics)
             if job.options.weights_layout == "mapped":
                 for weights in sorted(tmp.glob("*.safetensors")):
                     align_file(weights, PAGE_BYTES)
@@ -639,13 +637,12 @@ def _measure_weights(job: _Job, names: tuple[str, ...]) -> dict[str, float]:
 
     texts = job.texts()
     fp16 = host_config(job.spec, parse_kv("fp16"))
-    calibration: Any = None
+    recipes = {name: parse_weights(name) for name in names}
+    rows = max((calibration_rows(r) for r in recipes.values() if r.calibrated), default=0)
+    calibration: Any = calibration_tokens(load_tokenizer(job.src_dir), samples=rows) if rows else None
     out = {}
-    for name in names:
-        recipe = parse_weights(name)
-        if recipe.calibrated and calibration is None:
-            calibration = calibration_tokens(load_tokenizer(job.src_dir))
-        used = calibration if recipe.calibrated else None
+    for name, recipe in recipes.items():
+        used = calibration[: calibration_rows(recipe)] if recipe.calibrated else None
 
         def measure(recipe: WeightRecipe = recipe, used: Any = used) -> dict[str, float]:
             source = load_source_model(job.src_dir)[0]
@@ -755,7 +752,9 @@ def _write_weights(
     from mlx_lm.utils import load_tokenizer, save_config, save_model
 
     model, config = load_source_model(src_dir)
-    calibration = calibration_tokens(load_tokenizer(src_dir)) if recipe.calibrated else None
+    calibration = (
+        calibration_tokens(load_tokenizer(src_dir), samples=calibration_rows(recipe)) if recipe.calibrated else None
+    )
     model, config = apply_recipe(model, config, recipe, calibration, progress or (lambda _: None), statistics)
     mx.eval(model.parameters())  # computed here, so a RuntimeError from the save below is the write's
     try:

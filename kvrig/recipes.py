@@ -11,6 +11,8 @@ Weight recipes::
     imx-qN[gG] | gpx-qN[gG]                 importance-weighted grids (gpx: with error feedback), qN's layout
     imx-BPW | gpx-BPW | dq-BPW              a target bits per weight (imx/gpx: 4-bit, k/v projections then MLP
                                             down/up of the last layers at group 32; dq: mlx-lm's dynamic 4/6-bit)
+    ... +kd[N]                              any quantized recipe, its scales and biases then distilled against
+                                            the float model for N steps (default 40); same layout and bytes
 
 KV specs::
 
@@ -44,6 +46,8 @@ PACKED_BITS: Final = (2, 3, 4, 5, 6, 8)  # what kvrig's importance-weighted grid
 GPTQ_BITS: Final = (2, 4, 8)  # what mlx-lm's GPTQ packs
 MIXED_RECIPES: Final = ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6")
 TARGET_BITS: Final = 4  # the low width of the target-bpw recipes
+DISTILL_STEPS: Final = 40  # `+kd` without a count
+_DISTILL = re.compile(r"^kd(\d*)$")
 _WEIGHTS = re.compile(
     r"^(?:(?P<method>awq|gptq|imx|gpx)-)?q(?P<bits>\d)(?:g(?P<group>\d+))?$"
     r"|^(?P<target_method>dq|imx|gpx)-(?P<bpw>\d+(?:\.\d+)?)$"
@@ -64,9 +68,17 @@ class WeightRecipe:
     target_bpw: float | None = None
     dtype: str | None = None
     """fp16/bf16/fp32: the dtype the weights keep."""
+    distill_steps: int = 0
+    """`+kdN`: steps of distillation after the method's own fit (0: none)."""
 
     @property
     def name(self) -> str:
+        if not self.distill_steps:
+            return self._base_name
+        return f"{self._base_name}+kd{'' if self.distill_steps == DISTILL_STEPS else self.distill_steps}"
+
+    @property
+    def _base_name(self) -> str:
         if self.dtype is not None:
             return next(short for short, long in UNQUANTIZED.items() if long == self.dtype)
         if self.mixed is not None:
@@ -87,25 +99,48 @@ class WeightRecipe:
     @property
     def calibrated(self) -> bool:
         """Needs calibration tokens (and the float model) to be applied."""
-        return self.method not in ("none", "rtn")
+        return self.method not in ("none", "rtn") or self.distill_steps > 0
 
     @property
     def layout(self) -> WeightRecipe | None:
-        """The round-to-nearest recipe with the same arrays and bytes (awq-q4 → q4), None for a target-bpw
-        recipe (its layout depends on the model)."""
+        """The round-to-nearest recipe with the same arrays and bytes (awq-q4 → q4, q4+kd → q4), None for a
+        target-bpw recipe (its layout depends on the model)."""
         if self.target_bpw is not None:
             return None
-        return replace(self, method="none" if self.dtype else "rtn")
+        return replace(self, method="none" if self.dtype else "rtn", distill_steps=0)
+
+    @property
+    def undistilled(self) -> WeightRecipe:
+        """The recipe without its `+kd` (what is fitted before the distillation starts)."""
+        return replace(self, distill_steps=0)
 
 
 def parse_weights(text: str, group_size: int = DEFAULT_GROUP_SIZE) -> WeightRecipe:
     """A weight recipe from its text; `group_size` applies where the text names none (`q4` vs `q4g32`)."""
-    name = text.strip().lower()
+    base, *parts = text.strip().lower().split("+")
+    steps = 0
+    for part in parts:
+        kd = _DISTILL.match(part)
+        if kd is None or steps:
+            raise QuantizationError(
+                f"weight recipe '{text}': unexpected part '+{part}' (expected one +kd or +kdN, N distillation steps)"
+            )
+        steps = int(kd[1]) if kd[1] else DISTILL_STEPS
+        if steps < 1:
+            raise QuantizationError(f"weight recipe '{text}': +kd{kd[1]} distils for no step (N >= 1)")
+    recipe = _parse_base_weights(base, text, group_size)
+    if steps and not recipe.quantized:
+        raise QuantizationError(f"weight recipe '{text}': +kd distils a quantized recipe's scales; {base} has none")
+    return replace(recipe, distill_steps=steps)
+
+
+def _parse_base_weights(name: str, text: str, group_size: int) -> WeightRecipe:
     m = _WEIGHTS.match(name)
     if not m:
         raise QuantizationError(
             f"unknown weight recipe '{text}': expected fp16, bf16, fp32, qN[gG], mixed_X_Y, awq-qN[gG], "
-            "gptq-qN[gG], imx-qN[gG], gpx-qN[gG], imx-BPW, gpx-BPW or dq-BPW (e.g. q4, q4g32, gpx-4.6)"
+            "gptq-qN[gG], imx-qN[gG], gpx-qN[gG], imx-BPW, gpx-BPW or dq-BPW, each quantized one optionally "
+            "with +kd[N] (e.g. q4, q4g32, gpx-4.6, gpx-4.6+kd)"
         )
     if m["plain"] in UNQUANTIZED:
         return WeightRecipe("none", None, _group(group_size, text), dtype=UNQUANTIZED[m["plain"]])

@@ -27,7 +27,7 @@ from kvrig.quality.kv_sensitivity import resolve_variant, sensitivity_tokens
 from kvrig.quality.perplexity import perplexity
 from kvrig.quality.schemes import make_kv_caches
 from kvrig.quantize.base import load_source_model
-from kvrig.quantize.recipes import apply_recipe, calibration_files, calibration_tokens
+from kvrig.quantize.recipes import apply_recipe, calibration_files, calibration_rows, calibration_tokens
 from kvrig.recipes import KVSpec, parse_kv, parse_weights
 from kvrig.runtime.generate import encode_prompt, generate_tokens
 from kvrig.runtime.host import load_bundle_model, prepare_for_host
@@ -137,7 +137,9 @@ def load_weights(src: Path, recipe: str, calibration: Any) -> tuple[Any, float |
     model, config = load_source_model(src)
     bpw = None
     if recipe != "source":
-        model, config = apply_recipe(model, config, parse_weights(recipe), calibration)
+        weights = parse_weights(recipe)
+        rows = calibration[: calibration_rows(weights)] if calibration is not None else None
+        model, config = apply_recipe(model, config, weights, rows)
         bpw = float(compute_bits_per_weight(model))
     return prepare_for_host(model), bpw
 
@@ -264,8 +266,12 @@ def run_quality_bench(
             body, used = read_kind(k)
             ids[k] = tokens_of(tokenizer, body, n, what=f"the {k} text", source=", ".join(used))
             text[k] = used
-        needs_calibration = any(r.calibrated for r in weights_recipes)
-        calibration = calibration_tokens(tokenizer) if needs_calibration else None
+        calibrated = [r for r in weights_recipes if r.calibrated]
+        if factual_recipe and parse_weights(factual_recipe).calibrated:
+            calibrated.append(parse_weights(factual_recipe))
+        needs_calibration = bool(calibrated)
+        samples = max((calibration_rows(r) for r in calibrated), default=0)
+        calibration = calibration_tokens(tokenizer, samples=samples) if needs_calibration else None
         report = QualityReport(name, text, calibration_files() if needs_calibration else {}, {}, [], [])
         report.kv_reads = kv_reads
         source, _ = load_weights(src, "source", None)

@@ -66,7 +66,7 @@ class RecipeRun:
     """Perplexity by evaluation kind."""
     ppl_delta_pct: dict[str, float] | None = None
     layers: int = 0
-    """Layers kvrig's quantizers reported done (progress lines)."""
+    """Quantized layers of the result."""
     peak_rss_bytes: int | None = None
     note: str = ""
     skipped: str | None = None
@@ -329,21 +329,20 @@ def _measure(job: dict[str, Any]) -> RecipeRun:
     import mlx.core as mx
     from mlx_lm.utils import compute_bits_per_weight, load_tokenizer
 
+    from kvrig.planner.layout import quantized_layout
     from kvrig.quantize.base import load_source_model
-    from kvrig.quantize.recipes import apply_recipe, calibration_tokens, distill_dwq
+    from kvrig.quantize.recipes import apply_recipe, calibration_rows, calibration_tokens, distill_dwq
     from kvrig.runtime.host import prepare_for_host
 
     src, recipe, budget = Path(job["source"]), job["recipe"], float(job["budget"])
     run = RecipeRun(recipe, method_of(recipe))
     tokenizer = load_tokenizer(src)
     model, config = load_source_model(src)
-    done: list[str] = []
     last = [""]  # what the quantizer said last, for a recipe stopped at its budget
 
-    def progress(path: str) -> None:
-        done.append(path)
-        last[0] = f"last: {path} at {time.perf_counter() - wall:.0f} s"
-        print(f"  {recipe}: quantized {path}", file=sys.stderr, flush=True)
+    def progress(line: str) -> None:
+        last[0] = f"last: {line} at {time.perf_counter() - wall:.0f} s"
+        print(f"  {recipe}: {line}", file=sys.stderr, flush=True)
 
     def dwq_progress(line: str) -> None:
         last[0] = f"last: {line} started at {time.perf_counter() - wall:.0f} s"
@@ -357,14 +356,16 @@ def _measure(job: dict[str, Any]) -> RecipeRun:
                 model, config, parse_weights(recipe[4:]), rows[:16], rows[16:], progress=dwq_progress
             )
         else:
-            calibration = calibration_tokens(tokenizer) if parse_weights(recipe).calibrated else None
-            model, config = apply_recipe(model, config, parse_weights(recipe), calibration, progress)
+            weights = parse_weights(recipe)
+            rows = calibration_rows(weights)
+            calibration = calibration_tokens(tokenizer, samples=rows) if weights.calibrated else None
+            model, config = apply_recipe(model, config, weights, calibration, progress)
         mx.eval(model.parameters())
         run.seconds, run.cpu_seconds = time.perf_counter() - wall, time.process_time() - cpu
     if recipe.startswith("dwq-"):
         hours = run.seconds / steps * DWQ_DEFAULT_STEPS * 4 / 3600
         run.note = f"{steps} steps over the calibration rows; mlx-lm's defaults would take ~{hours:.0f} h here"
-    run.layers = len(done)
+    run.layers = len(quantized_layout(model))
     run.bits_per_weight = float(compute_bits_per_weight(model))
     host = prepare_for_host(model)
     spec = load_model_spec(src / "config.json")

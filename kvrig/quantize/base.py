@@ -27,10 +27,13 @@ def load_source_model(model_dir: Path) -> tuple[Any, dict[str, Any]]:
     return model, config
 
 
-def quantize(model: Any, config: dict[str, Any], recipe: WeightRecipe) -> tuple[Any, dict[str, Any]]:
-    """Casts floats to the model's dtype and quantizes linear/embedding layers round-to-nearest as the recipe's
-    layout says (qN, mixed_X_Y, fp16; calibrated recipes go through `quantize.recipes.apply_recipe`). Returns
-    the model and the config with an explicit `quantization` block."""
+def quantize(
+    model: Any, config: dict[str, Any], recipe: WeightRecipe, *, work_dtype: str | None = None
+) -> tuple[Any, dict[str, Any]]:
+    """Casts floats to the model's dtype (or `work_dtype`, for a caller that casts afterwards: the layout is
+    the model's dtype's) and quantizes linear/embedding layers round-to-nearest as the recipe's layout says
+    (qN, mixed_X_Y, fp16; calibrated recipes go through `quantize.recipes.apply_recipe`). Returns the model and
+    the config with an explicit `quantization` block."""
     if recipe.calibrated:
         raise QuantizationError(f"recipe {recipe} needs calibration: apply it with quantize.recipes.apply_recipe")
     import mlx.core as mx
@@ -48,10 +51,11 @@ def quantize(model: Any, config: dict[str, Any], recipe: WeightRecipe) -> tuple[
     if dtype_name not in ("float16", "bfloat16", "float32"):
         dtype_name = "float16"
     dtype = getattr(mx, dtype_name)
+    work = getattr(mx, work_dtype) if work_dtype else dtype
     cast_predicate = getattr(model, "cast_predicate", lambda _: True)
 
     def cast(path: str, v: Any) -> Any:
-        return v.astype(dtype) if cast_predicate(path) and mx.issubdtype(v.dtype, mx.floating) else v
+        return v.astype(work) if cast_predicate(path) and mx.issubdtype(v.dtype, mx.floating) else v
 
     model.update(tree_map_with_path(cast, model.parameters()))
     if not recipe.quantized:

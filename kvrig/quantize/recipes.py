@@ -18,16 +18,26 @@ from typing import Any
 from kvrig.exceptions import QuantizationError
 from kvrig.planner.layout import awq_unavailable_reason, quantize_layout, quantized_layout, recipe_layout
 from kvrig.quantize.base import quantize
+from kvrig.quantize.distill import BATCH_ROWS as DISTILL_BATCH_ROWS
+from kvrig.quantize.distill import distill
 from kvrig.quantize.gpx import DAMPING, EMBEDDING_DAMPING, fit_feedback, input_hessians
 from kvrig.quantize.imx import activation_importance, fit_affine
 from kvrig.recipes import TARGET_BITS, WeightRecipe, parse_weights
 from kvrig.texts import CALIBRATION_KINDS, kind_tokens, read_kind
 
+CALIBRATION_ROWS = 8
+"""Rows of `calibration_tokens` the quantizers measure on (the first rows of a longer call are these)."""
 
-def calibration_tokens(tokenizer: Any, *, samples: int = 8, length: int = 256) -> Any:
+
+def calibration_rows(recipe: WeightRecipe) -> int:
+    """How many calibration rows applying `recipe` reads: the quantizers', or a distillation's steps' worth."""
+    return max(CALIBRATION_ROWS, recipe.distill_steps * DISTILL_BATCH_ROWS)
+
+
+def calibration_tokens(tokenizer: Any, *, samples: int = CALIBRATION_ROWS, length: int = 256) -> Any:
     """`samples` rows of `length` consecutive tokens, the calibration kinds taken in turn (Python's tutorial,
-    Python source, C headers; texts.py), each kind's rows in order: the same rows on every run, and no kind of text
-    the quality bench evaluates on."""
+    Python source, C headers; texts.py), each kind's rows in order: the same rows on every run (the first rows of
+    a longer call are a shorter call's), and no kind of text the quality bench evaluates on."""
     import mlx.core as mx
 
     # The forward passes over these rows (and gpx's Hessians) were half of imx's and gpx's time at 16 rows;
@@ -72,10 +82,12 @@ def apply_recipe(
     statistics: CalibrationStatistics | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """Quantizes `model` (float weights, loaded by `load_source_model`) as the recipe says; returns the model
-    and its config with an explicit `quantization` block. Calibrated methods need `calibration` tokens.
-    `progress` gets the path of each layer kvrig's own quantizers (imx, gpx) finish; mlx-lm's print their
-    own progress bars to stderr. `statistics`, when given, holds (or gets) what imx and gpx measured on this
-    model and calibration before."""
+    and its config with an explicit `quantization` block. Calibrated methods need `calibration` tokens
+    (`calibration_tokens`, `calibration_rows(recipe)` of them: the quantizers measure on the first
+    CALIBRATION_ROWS, a `+kd` distillation reads them all). `progress` hears of each layer kvrig's own
+    quantizers (imx, gpx) finish and of each distillation step, a line each; mlx-lm's print their own progress
+    bars to stderr. `statistics`, when given, holds (or gets) what imx and gpx measured on this model and
+    calibration before."""
 
     if not recipe.calibrated:
         return quantize(model, config, recipe)
@@ -93,15 +105,21 @@ def apply_recipe(
     kept = {p: v.dtype for p, v in flat if mx.issubdtype(v.dtype, mx.floating) and v.dtype != dtype}
     model.set_dtype(mx.float32)
     mx.eval(model.parameters())
+    fitted, rows = recipe.undistilled, calibration[:CALIBRATION_ROWS]
+    teacher = dict(tree_flatten(model.parameters())) if recipe.distill_steps else {}
     with contextlib.redirect_stdout(sys.stderr), contextlib.redirect_stderr(sys.stderr):
-        if recipe.method == "gptq":
-            model, config = _gptq(model, config, recipe, calibration, dtype)
-        elif recipe.method == "awq":
-            model, config = _awq(model, config, recipe, calibration, dtype)
-        elif recipe.method in ("imx", "gpx"):
-            model, config = _imx(model, config, recipe, calibration, dtype, progress, statistics)
-        else:
-            model, config = _dynamic(model, config, recipe, calibration)
+        if fitted.method == "gptq":
+            model, config = _gptq(model, config, fitted, rows, dtype)
+        elif fitted.method == "awq":
+            model, config = _awq(model, config, fitted, rows, dtype)
+        elif fitted.method in ("imx", "gpx"):
+            model, config = _imx(model, config, fitted, rows, dtype, progress, statistics)
+        elif fitted.method == "dq":
+            model, config = _dynamic(model, config, fitted, rows)
+        else:  # round-to-nearest, kept in float32 for the distillation
+            model, config = quantize(model, config, fitted, work_dtype="float32")
+    if recipe.distill_steps:
+        distill(model, teacher, calibration, recipe.distill_steps, progress=progress)
     model.set_dtype(dtype)  # floating parameters only: packed weights stay uint32
     model.update(
         tree_map_with_path(
@@ -283,7 +301,7 @@ def quantize_weighted(
     `feedback`, every layer is quantized with GPTQ-style error feedback instead (`gpx.fit_feedback`, the float
     model's input Hessians); a tied embedding with heavy damping (its rows are also looked up, where error moved
     onto other columns hurts). Layers that read the same input at the same grid (q/k/v) are fitted as one
-    stacked matrix; `progress` gets each layer's path as it is done. `statistics` keeps the calibration's
+    stacked matrix; `progress` hears of each layer as it is done. `statistics` keeps the calibration's
     measurements for the next recipe (see `CalibrationStatistics`)."""
     import mlx.core as mx
     import mlx.nn as nn
@@ -335,7 +353,7 @@ def quantize_weighted(
             module.weight, module.scales, module.biases = (a[start : start + rows] for a in q)
             mx.eval(module.parameters())
             start += rows
-            progress(path)
+            progress(f"quantized {path}")
     config["quantization_config"] = config["quantization"]
     return model, config
 
