@@ -409,3 +409,21 @@ def test_top_layer_keys_on_dims_the_group_does_not_divide_are_refused_before_mea
     done = subprocess.run([sys.executable, "-m", "kvrig", *args], capture_output=True, text=True)
     assert done.returncode == QuantizationError.exit_code, done.stderr
     assert "head dim 32 is not divisible by KV group size 64" in done.stderr and "use group size 32" in done.stderr
+
+
+def test_a_distilled_recipe_packages_with_its_recipes_arrays(source_dir: Path, tmp_path: Path) -> None:
+    """`--weights gpx-q4+kd2`: the manifest records the recipe as given, the bundle verifies, and its arrays are
+    gpx-q4's (same names, shapes, dtypes and packed levels: the plan's bytes) with distilled scales."""
+    tiny = tiny_source(tmp_path / "tiny", source_dir / "tokenizer.json", "llama", vocab_size=49152, head_dim=64)
+    bundles = {}
+    for weights in ("gpx-q4", "gpx-q4+kd2"):
+        result = package(tiny, tmp_path / weights, PackageOptions(weights=weights, kv="k8v4", quality_gate=False))
+        assert result.manifest.recipe.weights == weights
+        verify_bundle(tmp_path / weights)
+        bundles[weights] = mx.load(str(tmp_path / weights / "model.safetensors"))
+    plain, distilled = bundles["gpx-q4"], bundles["gpx-q4+kd2"]
+    assert {k: (v.shape, v.dtype) for k, v in distilled.items()} == {k: (v.shape, v.dtype) for k, v in plain.items()}
+    assert all(
+        mx.array_equal(distilled[k], plain[k]) for k in plain if k.endswith(".weight") and plain[k].dtype == mx.uint32
+    )
+    assert not all(mx.array_equal(distilled[k], plain[k]) for k in plain if k.endswith(".scales"))

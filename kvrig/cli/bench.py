@@ -78,7 +78,8 @@ def _csv(text: str) -> tuple[str, ...]:
     "--recipes",
     default="q4,q4g32,q8,mixed_4_6,gptq-q4,dq-4.6,imx-4.6,gpx-q4,gpx-4.6",
     show_default=True,
-    help="Weight recipes: qN[gG], awq-qN, gptq-qN, imx-qN, gpx-qN, dq-BPW, imx-BPW, gpx-BPW, mixed_X_Y.",
+    help="Weight recipes: qN[gG], awq-qN, gptq-qN, imx-qN, gpx-qN, dq-BPW, imx-BPW, gpx-BPW, mixed_X_Y; each "
+    "quantized one optionally +kd[N] (distilled).",
 )
 @click.option(
     "--kv",

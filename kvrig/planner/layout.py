@@ -9,6 +9,7 @@ methods only choose the values), so a plan's bytes are the packaged bytes.
                                             down/up projections of the last layers, at group 32 until the
                                             target (`g32_layout`)
     dq-BPW                                  none before quantizing: mlx-lm's sensitivity measurement picks it
+    R+kd[N]                                 R's (the distillation trains scales, biases and norms only)
 
 The rule only needs module shapes, so it runs on a lazily built model (nothing evaluated).
 """

@@ -130,8 +130,11 @@ def bench_source(model: str | Path | None) -> Iterator[tuple[Path, str, Path | N
         yield src, path.name, bundle
 
 
-def load_weights(src: Path, recipe: str, calibration: Any) -> tuple[Any, float | None]:
-    """Source weights quantized by `recipe` ("source": unquantized), prepared for the host."""
+def load_weights(
+    src: Path, recipe: str, calibration: Any, progress: Callable[[str], None] = lambda _: None
+) -> tuple[Any, float | None]:
+    """Source weights quantized by `recipe` ("source": unquantized), prepared for the host; `progress` hears what
+    the quantizer reports (`apply_recipe`)."""
     from mlx_lm.utils import compute_bits_per_weight
 
     model, config = load_source_model(src)
@@ -139,7 +142,7 @@ def load_weights(src: Path, recipe: str, calibration: Any) -> tuple[Any, float |
     if recipe != "source":
         weights = parse_weights(recipe)
         rows = calibration[: calibration_rows(weights)] if calibration is not None else None
-        model, config = apply_recipe(model, config, weights, rows)
+        model, config = apply_recipe(model, config, weights, rows, progress)
         bpw = float(compute_bits_per_weight(model))
     return prepare_for_host(model), bpw
 
@@ -337,7 +340,7 @@ def _weight_rows(
             m = load_bundle_model(bundle)[0]
             bpw: float | None = float(compute_bits_per_weight(m))
         else:
-            m, bpw = load_weights(src, recipe, calibration)
+            m, bpw = load_weights(src, recipe, calibration, lambda line: progress(f"  {line}"))
         quantized = time.perf_counter() - t0
         for k, kind_ids in ids.items():
             ppl = perplexity(m, kind_ids[: tokens + 1], make_kv_caches(m, spec, fp)).ppl
