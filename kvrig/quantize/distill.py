@@ -7,7 +7,8 @@ thousands of rows; `+kd` starts from any recipe's grids, the closest kvrig fits,
 
 The student runs as a float model whose weights are levels × scale + bias: MLX's CPU quantized matmul is a plain
 loop, several times slower than the float matmul (and its gradients) on OpenBLAS. Levels, scales and biases keep
-their arrays and layout, so the bytes are the undistilled recipe's."""
+their arrays and layout, so the bytes are the undistilled recipe's. Quantized layers other than MLX's Linear and
+Embedding (MoE experts, MLA's per-head projections) are not trained, and run quantized in the teacher too."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def distill(
     import mlx.core as mx
     import mlx.nn as nn
     import mlx.optimizers as optim
-    from mlx.utils import tree_unflatten
+    from mlx.utils import tree_flatten, tree_unflatten
 
     quantized: dict[str, Any] = {
         p: m
@@ -57,8 +58,12 @@ def distill(
         "grids": {p: {"scales": m.scales.astype(f32), "biases": m.biases.astype(f32)} for p, m in quantized.items()},
         "norms": {p + ".weight": m.weight for p, m in model.named_modules() if _is_norm(m)},
     }
-    teacher_params = tree_unflatten(list(teacher.items()))
     model.update_modules(tree_unflatten([(p, _float_module(m)) for p, m in quantized.items()]))
+    # Quantized layers of other kinds (MoE experts' SwitchLinear, MLA's MultiLinear) stay as fitted, in the
+    # teacher too: their float weights would not fit the quantized modules that hold them.
+    current = dict(tree_flatten(model.parameters()))
+    floating = {p for p, v in current.items() if mx.issubdtype(v.dtype, mx.floating)}
+    teacher_params = tree_unflatten([(p, v) for p, v in teacher.items() if p in floating])
 
     def student(params: dict[str, Any]) -> list[tuple[str, Any]]:
         weights = [(p + ".weight", _weights(levels[p], g["scales"], g["biases"])) for p, g in params["grids"].items()]

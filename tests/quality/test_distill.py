@@ -96,3 +96,27 @@ def test_kd_on_round_to_nearest_needs_its_calibration_rows() -> None:
     model, config = apply_recipe(tiny(), dict(CONFIG), parse_weights("q4+kd2"), mx.random.randint(0, 256, (8, 16)))
     assert config["quantization"]["bits"] == 4 and config.get("torch_dtype") == "float16"
     assert all(m.scales.dtype == mx.float16 for m in quantized(model).values())
+
+
+def test_moe_experts_stay_as_fitted() -> None:
+    """A tiny mixtral: its experts (SwitchLinear, quantized by mlx-lm as QuantizedSwitchLinear) are not trained and
+    run quantized in the teacher too; the attention projections and the embedding are distilled."""
+    from mlx_lm.models.mixtral import Model as Mixtral
+    from mlx_lm.models.mixtral import ModelArgs as MixtralArgs
+
+    args = {**CONFIG, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}
+    mx.random.seed(0)
+    float_model = Mixtral(MixtralArgs.from_dict(args))
+    mx.eval(float_model.parameters())
+    teacher = dict(tree_flatten(float_model.parameters()))
+    model = Mixtral(MixtralArgs.from_dict(args))
+    model.update(float_model.parameters())
+    nn.quantize(model, 64, 4)
+    experts = model.model.layers[0].block_sparse_moe.switch_mlp.up_proj
+    fitted = (experts.weight, experts.scales, experts.biases)
+    q_proj = model.model.layers[0].self_attn.q_proj.scales
+    distill(model, teacher, mx.random.randint(0, 256, (8, 16)), 2)
+    assert type(model.model.layers[0].block_sparse_moe.switch_mlp.up_proj) is type(experts)
+    after = (experts.weight, experts.scales, experts.biases)
+    assert all(mx.array_equal(a, b) for a, b in zip(after, fitted, strict=True))
+    assert not mx.array_equal(model.model.layers[0].self_attn.q_proj.scales, q_proj)
