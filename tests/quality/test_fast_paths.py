@@ -143,15 +143,20 @@ def test_layers_reading_one_input_share_one_array() -> None:
     assert mx.allclose(imp[p + "mlp.up_proj"], (x * x).mean(0), rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("recipe", ["gpx-q4", "imx-4.6"])
+@pytest.mark.parametrize("recipe", ["gpx-q4", "imx-4.6", "gpx-q4+kd2"])
 def test_progress_names_every_quantized_layer_once(recipe: str) -> None:
+    """A line per layer as it is done, then (`+kd`) one per distillation step."""
     seen: list[str] = []
     model, _ = apply_recipe(
-        tiny(), dict(CONFIG), parse_weights(recipe), mx.random.randint(0, 256, (4, 16)), progress=seen.append
+        tiny(), dict(CONFIG), parse_weights(recipe), mx.random.randint(0, 256, (8, 16)), progress=seen.append
     )
     quantized = [p for p, m in model.named_modules() if isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding)]
-    assert sorted(seen) == sorted(quantized)
-    assert seen.index("model.layers.0.mlp.down_proj") < seen.index("model.layers.3.mlp.down_proj")
+    steps = parse_weights(recipe).distill_steps
+    layers, distilled = seen[: len(seen) - steps], seen[len(seen) - steps :]
+    assert sorted(layers) == sorted(f"quantized {p}" for p in quantized)
+    first, last = (f"quantized model.layers.{i}.mlp.down_proj" for i in (0, 3))
+    assert layers.index(first) < layers.index(last)
+    assert [line.split(":")[0] for line in distilled] == [f"distilled step {i + 1}/{steps}" for i in range(steps)]
 
 
 def test_statistics_kept_for_the_next_recipe_are_measured_once(monkeypatch: pytest.MonkeyPatch) -> None:
