@@ -9,8 +9,10 @@ Weight recipes::
     mixed_X_Y                               mlx-lm's mixed recipes (X bits, Y for the layers it picks)
     awq-qN[gG] | gptq-qN[gG]                mlx-lm's calibrated quantizers, qN's layout
     imx-qN[gG] | gpx-qN[gG]                 importance-weighted grids (gpx: with error feedback), qN's layout
-    imx-BPW | gpx-BPW | dq-BPW              a target bits per weight (imx/gpx: 4-bit, k/v projections then MLP
-                                            down/up of the last layers at group 32; dq: mlx-lm's dynamic 4/6-bit)
+    imx-BPW | gpx-BPW | dq-BPW              a target bits per weight (imx/gpx from 4.5: 4-bit, k/v projections
+                                            then MLP down/up of the last layers at group 32; below 4.5: 3-bit,
+                                            the embedding and head, then those, at 4 bits; dq: mlx-lm's dynamic
+                                            4/6-bit, from 4.5)
     ... +kd[N]                              any quantized recipe, its scales and biases then distilled against
                                             the float model for N steps (default 40); same layout and bytes
 
@@ -45,7 +47,8 @@ RTN_BITS: Final = (2, 3, 4, 5, 6, 8)
 PACKED_BITS: Final = (2, 3, 4, 5, 6, 8)  # what kvrig's importance-weighted grids pack
 GPTQ_BITS: Final = (2, 4, 8)  # what mlx-lm's GPTQ packs
 MIXED_RECIPES: Final = ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6")
-TARGET_BITS: Final = 4  # the low width of the target-bpw recipes
+TARGET_BITS: Final = 4  # the low width of the target-bpw recipes from 4.5 bits per weight (4 bits at group 64)
+LOW_TARGET_BITS: Final = 3  # imx-/gpx-BPW's low width below 4.5 (their layers upgraded to TARGET_BITS)
 DISTILL_STEPS: Final = 40  # `+kd` without a count
 _DISTILL = re.compile(r"^kd(\d*)$")
 _WEIGHTS = re.compile(
@@ -84,7 +87,8 @@ class WeightRecipe:
         if self.mixed is not None:
             return self.mixed
         if self.target_bpw is not None:
-            return f"{self.method}-{self.target_bpw:g}"
+            bpw = f"{self.target_bpw:g}"
+            return f"{self.method}-{bpw if '.' in bpw else bpw + '.0'}"  # gpx-4.0: read as bits per weight
         group = "" if self.group_size == DEFAULT_GROUP_SIZE else f"g{self.group_size}"
         prefix = "" if self.method == "rtn" else f"{self.method}-"
         return f"{prefix}q{self.bits}{group}"
@@ -149,10 +153,13 @@ def _parse_base_weights(name: str, text: str, group_size: int) -> WeightRecipe:
             raise QuantizationError(f"unknown weight recipe '{text}': mlx-lm's mixed recipes are {MIXED_RECIPES}")
         return WeightRecipe("rtn", int(m["plain"].split("_")[1]), _group(group_size, text), mixed=m["plain"])
     if m["bpw"]:
-        bpw = float(m["bpw"])
-        if not TARGET_BITS <= bpw <= 8:
-            raise QuantizationError(f"recipe '{text}': target bits per weight {bpw:g} outside [{TARGET_BITS}, 8]")
-        return WeightRecipe(cast(WeightMethod, m["target_method"]), TARGET_BITS, DEFAULT_GROUP_SIZE, target_bpw=bpw)
+        bpw, method = float(m["bpw"]), cast(WeightMethod, m["target_method"])
+        # mlx-lm's dynamic quantization mixes 4 and 6 bits only; kvrig's grids go down to 3 bits (3.5 per weight)
+        lowest = TARGET_BITS if method == "dq" else LOW_TARGET_BITS + 0.5
+        if not lowest <= bpw <= 8:
+            raise QuantizationError(f"recipe '{text}': target bits per weight {bpw:g} outside [{lowest:g}, 8]")
+        bits = TARGET_BITS if method == "dq" or bpw >= TARGET_BITS + 0.5 else LOW_TARGET_BITS
+        return WeightRecipe(method, bits, DEFAULT_GROUP_SIZE, target_bpw=bpw)
     method = cast(WeightMethod, m["method"] or "rtn")
     bits = int(m["bits"])
     allowed = {"rtn": RTN_BITS, "awq": RTN_BITS, "gptq": GPTQ_BITS, "imx": PACKED_BITS, "gpx": PACKED_BITS}[method]

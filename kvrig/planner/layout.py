@@ -5,9 +5,10 @@ methods only choose the values), so a plan's bytes are the packaged bytes.
 
     qN[gG], and awq-/gptq-/imx-/gpx-qN[gG]   mlx-lm's default layout (the model's own quant_predicate)
     mixed_X_Y                               mlx-lm's mixed predicate
-    imx-BPW | gpx-BPW                       4 bits everywhere; attention key/value projections, then MLP
-                                            down/up projections of the last layers, at group 32 until the
-                                            target (`g32_layout`)
+    imx-BPW | gpx-BPW                       from 4.5: 4 bits everywhere; attention key/value projections, then
+                                            MLP down/up projections of the last layers, at group 32 until the
+                                            target; below 4.5: 3 bits, and 4 bits for the embedding and head,
+                                            then those same projections (`target_layout`)
     dq-BPW                                  none before quantizing: mlx-lm's sensitivity measurement picks it
     R+kd[N]                                 R's (the distillation trains scales, biases and norms only)
 
@@ -23,13 +24,13 @@ from collections.abc import Callable
 from typing import Any
 
 from kvrig.exceptions import QuantizationError
-from kvrig.recipes import WeightRecipe
+from kvrig.recipes import TARGET_BITS, WeightRecipe
 
 Predicate = Callable[[str, Any], bool | dict[str, Any]]
 """What mlx-lm's quantize_model takes as quant_predicate: per layer, False, True or to_quantized's params."""
 
-_KV_G32 = re.compile(r"layers\.(\d+)\.self_attn\.(k_proj|v_proj)$")
-_MLP_G32 = re.compile(r"layers\.(\d+)\.mlp\.(down_proj|up_proj)$")
+_KV = re.compile(r"layers\.(\d+)\.self_attn\.(k_proj|v_proj)$")
+_LAYER_PROJECTION = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)$")
 
 
 def unplannable_reason(recipe: WeightRecipe) -> str | None:
@@ -61,11 +62,14 @@ def unavailable_reason(recipe: WeightRecipe, model_type: str) -> str | None:
     return unplannable_reason(recipe)
 
 
-def g32_layout(model: Any, target_bpw: float, bits: int, scale_bytes: int) -> dict[str, int]:
-    """Group size by quantizable path: 64, and 32 for the key/value projections of every layer, then the MLP
-    down/up projections from the last layer backwards, while the model's bits per weight (as mlx-lm's
+def target_layout(model: Any, target_bpw: float, bits: int, scale_bytes: int) -> dict[str, tuple[int, int]]:
+    """(bits, group size) by quantizable path for a target bits per weight: `bits` at group 64 everywhere, then
+    layers upgraded one at a time, in a fixed order, while the model's bits per weight (as mlx-lm's
     compute_bits_per_weight counts them: every array's bytes over the parameter count) stays within
-    `target_bpw`."""
+    `target_bpw`. A 4-bit base upgrades to group 32: the key/value projections of every layer, then the MLP
+    down/up projections from the last layer backwards. A 3-bit base upgrades to 4 bits at group 64: the
+    embedding and output head, the key/value projections, then from the last layer backwards the MLP down
+    projections, the attention outputs, the MLP up and gate projections and the attention queries."""
     from mlx.utils import tree_flatten
 
     quantizable = {p: m for p, m in model.named_modules() if hasattr(m, "to_quantized") and "weight" in m}
@@ -74,22 +78,56 @@ def g32_layout(model: Any, target_bpw: float, bits: int, scale_bytes: int) -> di
     q_size = {p: m.weight.size for p, m in quantizable.items()}
     # Everything not quantized (norms, biases) is stored in the scales' float dtype.
     other_bits = 8 * scale_bytes * (params - sum(q_size.values()))
-    per = {32: bits + 16 * scale_bytes / 32, 64: bits + 16 * scale_bytes / 64}
-    layout = dict.fromkeys(quantizable, 64)
-    total = other_bits + sum(per[64] * n for n in q_size.values())
+
+    def cost(grid: tuple[int, int]) -> float:
+        return grid[0] + 16 * scale_bytes / grid[1]
+
+    base = (bits, 64)
+    layout = dict.fromkeys(quantizable, base)
+    total = other_bits + cost(base) * sum(q_size.values())
     if total / params > target_bpw:
         raise QuantizationError(f"{bits}-bit group-64 weights alone exceed {target_bpw} bits per weight")
+    upgrade = (bits, 32) if bits >= TARGET_BITS else (TARGET_BITS, 64)
+    kv_found = sorted((int(m.group(1)), p) for p in quantizable if (m := _KV.search(p)))
+    kv = [p for _, p in kv_found]
     # Per bit spent, group 32 bought the most on the small k/v projections, then on the MLP's down and up
     # projections of the last layers (SmolLM2 gpx-4.6, perplexity on texts neither calibrated nor evaluated on).
-    kv = sorted((int(m.group(1)), p) for p in quantizable if (m := _KV_G32.search(p)))
-    mlp = sorted((-int(m.group(1)), m.group(2) != "down_proj", p) for p in quantizable if (m := _MLP_G32.search(p)))
-    for path in [p for *_, p in kv] + [p for *_, p in mlp]:
-        extra = (per[32] - per[64]) * q_size[path]
+    # From 3 bits, 4 bits bought the most on the tied embedding (also the output head), k/v, every down
+    # projection, then the attention outputs; the MLP's down/up of the last layers in turn did worse (SmolLM2
+    # gpx-4.0, the same texts).
+    if bits >= TARGET_BITS:
+        order = kv + _from_last(quantizable, ("down_proj", "up_proj"))
+    else:
+        later = ("down_proj",), ("o_proj",), ("up_proj",), ("gate_proj",), ("q_proj",)
+        order = _heads(quantizable) + kv + [p for projections in later for p in _from_last(quantizable, projections)]
+    for path in order:
+        extra = (cost(upgrade) - cost(base)) * q_size[path]
         if (total + extra) / params > target_bpw:
             break
-        layout[path] = 32
+        layout[path] = upgrade
         total += extra
     return layout
+
+
+def _from_last(quantizable: dict[str, Any], projections: tuple[str, ...]) -> list[str]:
+    """The layers' `projections` (attention's or the MLP's), from the last layer backwards, in the order named."""
+    found = [(m, p) for p in quantizable if (m := _LAYER_PROJECTION.search(p)) and m.group(2) in projections]
+    return [p for m, p in sorted(found, key=lambda f: (-int(f[0].group(1)), projections.index(f[0].group(2)), f[1]))]
+
+
+def _heads(quantizable: dict[str, Any]) -> list[str]:
+    """The embeddings, and the linear layers outside the decoder layers that map onto a vocabulary (an untied
+    output head, whatever the architecture calls it)."""
+    import mlx.nn as nn
+
+    embeddings = [p for p, m in quantizable.items() if isinstance(m, nn.Embedding)]
+    vocabularies = {quantizable[p].weight.shape[0] for p in embeddings}
+    outputs = [
+        p
+        for p, m in quantizable.items()
+        if isinstance(m, nn.Linear) and m.weight.shape[0] in vocabularies and not _LAYER_PROJECTION.search(p)
+    ]
+    return embeddings + outputs
 
 
 def layout_predicate(model: Any, recipe: WeightRecipe, scale_bytes: int) -> Predicate | None:
@@ -108,13 +146,12 @@ def layout_predicate(model: Any, recipe: WeightRecipe, scale_bytes: int) -> Pred
     if recipe.target_bpw is None:
         return None
     assert recipe.bits is not None
-    groups = g32_layout(model, recipe.target_bpw, recipe.bits, scale_bytes)
-    bits = recipe.bits
+    grids = target_layout(model, recipe.target_bpw, recipe.bits, scale_bytes)
 
-    # 4 bits everywhere, as the target was counted: the model's own quant_predicate (a router gate at 8 bits)
-    # would spend bits the count did not see.
+    # Every layer on its grid, as the target was counted: the model's own quant_predicate (a router gate at 8
+    # bits) would spend bits the count did not see.
     def predicate(path: str, module: Any) -> bool | dict[str, Any]:
-        return {"bits": bits, "group_size": groups[path]} if path in groups else False
+        return {"bits": grids[path][0], "group_size": grids[path][1]} if path in grids else False
 
     return predicate
 

@@ -22,7 +22,7 @@ from kvrig.quantize.distill import BATCH_ROWS as DISTILL_BATCH_ROWS
 from kvrig.quantize.distill import distill
 from kvrig.quantize.gpx import DAMPING, EMBEDDING_DAMPING, fit_feedback, input_hessians
 from kvrig.quantize.imx import activation_importance, fit_affine
-from kvrig.recipes import TARGET_BITS, WeightRecipe, parse_weights
+from kvrig.recipes import WeightRecipe, parse_weights
 from kvrig.texts import CALIBRATION_KINDS, kind_tokens, read_kind
 
 CALIBRATION_ROWS = 8
@@ -155,10 +155,10 @@ def _imx(
     statistics: CalibrationStatistics | None,
 ) -> tuple[Any, dict[str, Any]]:
     shared = {"dtype": dtype, "feedback": recipe.method == "gpx", "progress": progress, "statistics": statistics}
+    assert recipe.bits is not None
     if recipe.target_bpw is None:
-        assert recipe.bits is not None
         return quantize_weighted(model, config, recipe.bits, calibration, group_size=recipe.group_size, **shared)
-    return quantize_weighted(model, config, TARGET_BITS, calibration, target_bpw=recipe.target_bpw, **shared)
+    return quantize_weighted(model, config, recipe.bits, calibration, target_bpw=recipe.target_bpw, **shared)
 
 
 def _awq(
@@ -296,7 +296,7 @@ def quantize_weighted(
     statistics: CalibrationStatistics | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """Quantizes a float model with mlx-lm's `quantize_model` in the planner's layout (planner/layout.py: qN's
-    at `group_size`, or k/v and the last layers' MLP projections at group 32 for `target_bpw`), then refits every
+    at `group_size`, or `target_bpw`'s mix of grids from `bits` upwards), then refits every
     layer's grid with `fit_affine` and the activation importance of the float model on `calibration`. With
     `feedback`, every layer is quantized with GPTQ-style error feedback instead (`gpx.fit_feedback`, the float
     model's input Hessians); a tied embedding with heavy damping (its rows are also looked up, where error moved
@@ -318,7 +318,7 @@ def quantize_weighted(
             statistics.importance = activation_importance(model, calibration)
         hessians, importance = {}, statistics.importance
     floats = {p: m.weight for p, m in model.named_modules() if hasattr(m, "to_quantized") and "weight" in m}
-    # The layout is the planner's (planner/layout.py): qN's, or qN's with k/v and MLP projections at group 32.
+    # The layout is the planner's (planner/layout.py): qN's, or a target's mix of grids.
     recipe = WeightRecipe("gpx" if feedback else "imx", bits, group_size, target_bpw=target_bpw)
     model, config = quantize_layout(model, dict(config), recipe, mx.zeros((), dtype=dtype).itemsize)
     modules = {

@@ -26,7 +26,7 @@ from kvrig.recipes import MIXED_RECIPES, RTN_BITS, WEIGHT_CANDIDATES, parse_weig
 
 DEVICE = "iPhone16,1"
 ROUND_TO_NEAREST = ("q2", "q3", "q4", "q5", "q6", "q8", "q4g32", *MIXED_RECIPES, "fp16")
-CALIBRATED = ("awq-q4", "gptq-q4", "imx-q4", "gpx-q4", "imx-4.6", "gpx-4.6", "q4+kd2")
+CALIBRATED = ("awq-q4", "gptq-q4", "imx-q4", "gpx-q4", "imx-4.6", "gpx-4.6", "gpx-4.0", "q4+kd2")
 # Its layout is chosen by a sensitivity measurement on the weights: listed unavailable, never guessed.
 UNPLANNABLE = ("dq-4.6",)
 EVERY_RECIPE = (*ROUND_TO_NEAREST, *CALIBRATED, *UNPLANNABLE)
@@ -47,7 +47,7 @@ QUANTIZER_FAILS: dict[tuple[str, str], str] = {
     **{
         (arch, recipe): _RECORDERS
         for arch in ("gemma3n", "kimi_k3", "llama4_text", "seed_oss")
-        for recipe in ("imx-q4", "gpx-q4", "imx-4.6", "gpx-4.6")
+        for recipe in ("imx-q4", "gpx-q4", "imx-4.6", "gpx-4.6", "gpx-4.0")
     },
     ("dbrx", "gptq-q4"): "a Linear of dbrx is fed a 1-D input, which mlx-lm's GPTQ capture (x.flatten(0, -2)) "
     "cannot take",
@@ -123,6 +123,7 @@ def test_the_sweep_takes_every_recipe_the_grammar_knows() -> None:
     assert {(r.method, r.target_bpw is None) for r in parsed if r.method in ("imx", "gpx")} == {
         (m, qn) for m in ("imx", "gpx") for qn in (True, False)
     }
+    assert {r.bits for r in parsed if r.target_bpw and r.method != "dq"} == {3, 4}  # both bases of a target
     assert any(r.distill_steps for r in parsed)
     assert set(DEFAULT_RECIPES) <= set(ROUND_TO_NEAREST)
     assert len(architectures()) > 100

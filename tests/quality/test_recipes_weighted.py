@@ -19,7 +19,7 @@ from mlx_lm.utils import compute_bits_per_weight, quantize_model
 
 from kvrig.exceptions import QuantizationError
 from kvrig.models import spec_from_config
-from kvrig.planner.layout import g32_layout
+from kvrig.planner.layout import target_layout
 from kvrig.planner.weights import account_weights
 from kvrig.quantize.imx import activation_importance, fit_affine, pack
 from kvrig.quantize.recipes import apply_recipe
@@ -161,8 +161,8 @@ def test_imx_target_layout_meets_the_target_and_matches_mlx_lm() -> None:
         quantize_model(reference, copy.deepcopy(CONFIG), 64, 4, quant_predicate=predicate)  # type: ignore[arg-type]
     assert nbytes(model) == nbytes(reference)
     # the layout spends the budget: the next MLP projection in line would cross the target
-    layout = g32_layout(tiny(), target, 4, 2)
-    assert layout == groups | {"model.embed_tokens": 64}
+    layout = target_layout(tiny(), target, 4, 2)
+    assert layout == {p: (4, g) for p, g in (groups | {"model.embed_tokens": 64}).items()}
     left = sorted((p for p, g in groups.items() if g == 64 and ("mlp.up" in p or "mlp.down" in p)), reverse=True)
     params = sum(v.size for _, v in tree_flatten(tiny().parameters()))
     assert left and bpw + 0.5 * CONFIG["hidden_size"] * CONFIG["intermediate_size"] / params > target
@@ -175,16 +175,57 @@ def test_smollm2_layout_is_within_4_6_bits_per_weight() -> None:
 
     config = gguf_config_from_header(read_gguf_header(embedded_default_model()))
     spec = spec_from_config(config)
-    layout = g32_layout(spec.weights_model("float16"), 4.6, 4, 2)
+    layout = target_layout(spec.weights_model("float16"), 4.6, 4, 2)
     model = spec.weights_model("float16")
+
+    def grid(path: str, module: Any) -> Any:
+        return {"bits": layout[path][0], "group_size": layout[path][1]} if path in layout else False
+
     with redirect_stdout(io.StringIO()):
-        quantize_model(
-            model,
-            dict(config),
-            64,
-            4,
-            quant_predicate=lambda p, m: {"bits": 4, "group_size": layout[p]} if p in layout else False,  # type: ignore[arg-type]
-        )
+        quantize_model(model, dict(config), 64, 4, quant_predicate=grid)  # type: ignore[arg-type]
     bpw = compute_bits_per_weight(model)
     assert 4.55 < bpw <= 4.6
-    assert sum(g == 32 for g in layout.values()) >= 20
+    assert sum(g == (4, 32) for g in layout.values()) >= 20
+
+
+def test_a_target_below_4_5_bits_starts_from_3_bits() -> None:
+    """gpx-4.0: 3 bits at group 64, and 4 bits for the tied embedding, every k/v projection, then the MLP down
+    projections and the attention outputs from the last layer backwards, while mlx-lm's count of the bits per
+    weight stays within the target; the bytes are the planner's."""
+    r = parse_weights("gpx-4.0")
+    assert (r.method, r.bits, r.target_bpw, str(r)) == ("gpx", 3, 4.0, "gpx-4.0")
+    assert (parse_weights("gpx-4").name, parse_weights("imx-4.5").bits, parse_weights("dq-4.0").bits) == (
+        "gpx-4.0",
+        4,
+        4,
+    )
+    for text in ("gpx-3.4", "imx-3", "dq-3.9"):
+        with pytest.raises(QuantizationError, match="outside"):
+            parse_weights(text)
+    model, _ = apply_recipe(tiny(), dict(CONFIG), r, mx.random.randint(0, 256, (4, 16)))
+    grids = {
+        p: (m.bits, m.group_size)
+        for p, m in model.named_modules()
+        if isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding)
+    }
+    four = {p for p, g in grids.items() if g == (4, 64)}
+    # on this model 4.0 bits per weight pay for the embedding, k/v, and every down projection and output
+    expected = {"model.embed_tokens"} | {
+        f"model.layers.{i}.{p}"
+        for i in range(4)
+        for p in ("self_attn.k_proj", "self_attn.v_proj", "mlp.down_proj", "self_attn.o_proj")
+    }
+    assert four == expected and set(grids.values()) == {(3, 64), (4, 64)}
+    bpw = compute_bits_per_weight(model)
+    params = sum(v.size for _, v in tree_flatten(tiny().parameters()))
+    next_in_line = CONFIG["hidden_size"] * CONFIG["intermediate_size"]  # layer 3's up projection
+    assert bpw <= 4.0 < bpw + next_in_line / params
+    assert nbytes(model) == account_weights(spec_from_config(CONFIG), r, "float16").total_bytes
+
+
+def test_an_untied_output_head_is_upgraded_with_the_embedding() -> None:
+    mx.random.seed(0)
+    untied = Model(ModelArgs.from_dict(CONFIG | {"tie_word_embeddings": False}))
+    layout = target_layout(untied, 3.7, 3, 2)
+    assert layout["lm_head"] == layout["model.embed_tokens"] == (4, 64)
+    assert layout["model.layers.0.self_attn.q_proj"] == (3, 64)
