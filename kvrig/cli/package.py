@@ -22,7 +22,8 @@ from kvrig.recipes import DEFAULT_GROUP_SIZE, WEIGHT_CANDIDATES
     show_default=True,
     callback=checked_specs("weights", auto=True, several=False),
     help="Weight recipe: qN[gG], mixed_X_Y, fp16, awq-qN, gptq-qN, imx-qN, gpx-qN, imx-BPW, gpx-BPW "
-    "(a target bits per weight, 3.5 to 8: gpx-4.6, gpx-4.0), dq-BPW; a quantized one +kd[N] distils its scales against the float model (N steps, minutes on a CPU). "
+    "(a target bits per weight, 3.5 to 8: gpx-4.6, gpx-4.0), dq-BPW; a quantized one +kd[N] distils its scales "
+    "against the float model (N steps, minutes on a CPU). "
     f"auto: the smallest of {', '.join(WEIGHT_CANDIDATES)} whose bundle passes the quality gate, measured here.",
 )
 @click.option(

@@ -30,6 +30,7 @@ Predicate = Callable[[str, Any], bool | dict[str, Any]]
 """What mlx-lm's quantize_model takes as quant_predicate: per layer, False, True or to_quantized's params."""
 
 _KV = re.compile(r"layers\.(\d+)\.self_attn\.(k_proj|v_proj)$")
+_NUMBERED = re.compile(r"(^|\.)\d+\.")
 _LAYER_PROJECTION = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)$")
 
 
@@ -92,9 +93,9 @@ def target_layout(model: Any, target_bpw: float, bits: int, scale_bytes: int) ->
     kv = [p for _, p in kv_found]
     # Per bit spent, group 32 bought the most on the small k/v projections, then on the MLP's down and up
     # projections of the last layers (SmolLM2 gpx-4.6, perplexity on texts neither calibrated nor evaluated on).
-    # From 3 bits, 4 bits bought the most on the tied embedding (also the output head), k/v, every down
-    # projection, then the attention outputs; the MLP's down/up of the last layers in turn did worse (SmolLM2
-    # gpx-4.0, the same texts).
+    # From 3 bits: taking one kind of layer of gpx-q4 down to 3 bits cost the most per bit saved on v, the tied
+    # embedding (also the output head) and down, then o, k and up, then gate and q; at 4.0 bits per weight this
+    # order beat the MLP's down/up of the last layers in turn (SmolLM2, the same texts).
     if bits >= TARGET_BITS:
         order = kv + _from_last(quantizable, ("down_proj", "up_proj"))
     else:
@@ -116,18 +117,16 @@ def _from_last(quantizable: dict[str, Any], projections: tuple[str, ...]) -> lis
 
 
 def _heads(quantizable: dict[str, Any]) -> list[str]:
-    """The embeddings, and the linear layers outside the decoder layers that map onto a vocabulary (an untied
-    output head, whatever the architecture calls it)."""
+    """The token embedding (the widest one: a position embedding is another) and any linear layer outside the
+    numbered blocks that maps onto its vocabulary (an untied output head, whatever the architecture calls it)."""
     import mlx.nn as nn
 
-    embeddings = [p for p, m in quantizable.items() if isinstance(m, nn.Embedding)]
-    vocabularies = {quantizable[p].weight.shape[0] for p in embeddings}
-    outputs = [
-        p
-        for p, m in quantizable.items()
-        if isinstance(m, nn.Linear) and m.weight.shape[0] in vocabularies and not _LAYER_PROJECTION.search(p)
-    ]
-    return embeddings + outputs
+    embeddings = {p: m.weight.shape[0] for p, m in quantizable.items() if isinstance(m, nn.Embedding)}
+    if not embeddings:
+        return []
+    vocabulary = max(embeddings.values())
+    outside = [p for p, m in quantizable.items() if not _NUMBERED.search(p) and m.weight.shape[0] == vocabulary]
+    return [p for p in embeddings if embeddings[p] == vocabulary] + [p for p in outside if p not in embeddings]
 
 
 def layout_predicate(model: Any, recipe: WeightRecipe, scale_bytes: int) -> Predicate | None:

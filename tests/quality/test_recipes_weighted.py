@@ -229,3 +229,13 @@ def test_an_untied_output_head_is_upgraded_with_the_embedding() -> None:
     layout = target_layout(untied, 3.7, 3, 2)
     assert layout["lm_head"] == layout["model.embed_tokens"] == (4, 64)
     assert layout["model.layers.0.self_attn.q_proj"] == (3, 64)
+
+
+def test_a_position_embedding_is_no_head() -> None:
+    """gpt2's token embedding (wte) goes to 4 bits first; its position embedding (wpe) is no output head."""
+    from mlx_lm.models import gpt2
+
+    args = {"n_ctx": 128, "n_embd": 64, "n_head": 2, "n_layer": 2, "n_positions": 128, "layer_norm_epsilon": 1e-5}
+    model = gpt2.Model(gpt2.ModelArgs(model_type="gpt2", vocab_size=512, **args))
+    layout = target_layout(model, 3.9, 3, 2)
+    assert (layout["model.wte"], layout["model.wpe"]) == ((4, 64), (3, 64))
