@@ -497,8 +497,8 @@ def goals(report: QualityReport) -> list[dict[str, Any]]:
 
 
 def write_plots(report: QualityReport, out: Path) -> list[Path]:
-    """kv_memory.png (measured and planned KV bytes against context) and ppl_delta.png (PPL change per weight
-    recipe and per KV variant)."""
+    """kv_memory.png (measured and planned KV bytes against context; with KV variants) and ppl_delta.png (PPL
+    change per weight recipe and per KV variant)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -506,21 +506,22 @@ def write_plots(report: QualityReport, out: Path) -> list[Path]:
 
     out.mkdir(parents=True, exist_ok=True)
     paths = []
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    first_kind = report.kv[0].kind if report.kv else ""
-    for row in (r for r in report.kv if r.kind == first_kind):  # bytes do not depend on the text
-        ctx = sorted(row.phone_kv_bytes)
-        line = ax.plot(ctx, [row.phone_kv_bytes[c] / 2**20 for c in ctx], label=f"{row.kv} (plan, fp16 phone)")[0]
-        m = sorted(row.kv_bytes)
-        ax.scatter(m, [row.kv_bytes[c] / 2**20 / 2 for c in m], color=line.get_color(), marker="x", s=18)
-    ax.set_xlabel("context (tokens)")
-    ax.set_ylabel("KV cache (MiB)")
-    ax.set_title(f"{report.model}: KV memory vs context (x: host-measured bytes / 2)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(out / "kv_memory.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    if report.kv:  # a run without KV variants (--kv '') has no KV memory to plot
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        first_kind = report.kv[0].kind
+        for row in (r for r in report.kv if r.kind == first_kind):  # bytes do not depend on the text
+            ctx = sorted(row.phone_kv_bytes)
+            line = ax.plot(ctx, [row.phone_kv_bytes[c] / 2**20 for c in ctx], label=f"{row.kv} (plan, fp16 phone)")[0]
+            m = sorted(row.kv_bytes)
+            ax.scatter(m, [row.kv_bytes[c] / 2**20 / 2 for c in m], color=line.get_color(), marker="x", s=18)
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("KV cache (MiB)")
+        ax.set_title(f"{report.model}: KV memory vs context (x: host-measured bytes / 2)")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        paths.append(out / "kv_memory.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.5))
     a1.barh([f"{r.recipe} ({r.kind})" for r in report.weights], [r.ppl_delta_pct for r in report.weights])

@@ -96,3 +96,18 @@ def test_default_bundle_answers_facts_as_the_source_does(source: Path, default_b
         run_bundle(loaded, prompt, max_tokens=16, on_text=pieces.append)
         assert pattern.search("".join(pieces)), (prompt, "".join(pieces), answer)
     assert "paris" in known
+
+
+def test_a_run_without_kv_variants_plots_weights_only(tmp_path: Path) -> None:
+    """`--kv ''` measures no KV memory: no empty kv_memory.png (and no matplotlib warning about its legend)."""
+    import warnings
+
+    from kvrig.quality.bench import QualityReport, Row, write_plots
+
+    row = Row("q4", "", "legal", 20.0, 5.0, 512, bits_per_weight=4.5)
+    report = QualityReport("m", {}, {}, {"legal/512": 19.0}, weights=[row], kv=[])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        paths = write_plots(report, tmp_path)
+    names = {p.name: p.stat().st_size for p in paths}
+    assert "kv_memory.png" not in names and names["ppl_delta.png"] > 0
