@@ -29,7 +29,6 @@ from kvrig.recipes import TARGET_BITS, WeightRecipe
 Predicate = Callable[[str, Any], bool | dict[str, Any]]
 """What mlx-lm's quantize_model takes as quant_predicate: per layer, False, True or to_quantized's params."""
 
-_KV = re.compile(r"layers\.(\d+)\.self_attn\.(k_proj|v_proj)$")
 _NUMBERED = re.compile(r"(^|\.)\d+\.")
 _LAYER_PROJECTION = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)$")
 
@@ -89,18 +88,17 @@ def target_layout(model: Any, target_bpw: float, bits: int, scale_bytes: int) ->
     if total / params > target_bpw:
         raise QuantizationError(f"{bits}-bit group-64 weights alone exceed {target_bpw} bits per weight")
     upgrade = (bits, 32) if bits >= TARGET_BITS else (TARGET_BITS, 64)
-    kv_found = sorted((int(m.group(1)), p) for p in quantizable if (m := _KV.search(p)))
-    kv = [p for _, p in kv_found]
+    kv = _by_layer(quantizable, ("k_proj", "v_proj"), from_last=False)
     # Per bit spent, group 32 bought the most on the small k/v projections, then on the MLP's down and up
     # projections of the last layers (SmolLM2 gpx-4.6, perplexity on texts neither calibrated nor evaluated on).
     # From 3 bits: taking one kind of layer of gpx-q4 down to 3 bits cost the most per bit saved on v, the tied
     # embedding (also the output head) and down, then o, k and up, then gate and q; at 4.0 bits per weight this
     # order beat the MLP's down/up of the last layers in turn (SmolLM2, the same texts).
     if bits >= TARGET_BITS:
-        order = kv + _from_last(quantizable, ("down_proj", "up_proj"))
+        order = kv + _by_layer(quantizable, ("down_proj", "up_proj"))
     else:
         later = ("down_proj",), ("o_proj",), ("up_proj",), ("gate_proj",), ("q_proj",)
-        order = _heads(quantizable) + kv + [p for projections in later for p in _from_last(quantizable, projections)]
+        order = _heads(quantizable) + kv + [p for projections in later for p in _by_layer(quantizable, projections)]
     for path in order:
         extra = (cost(upgrade) - cost(base)) * q_size[path]
         if (total + extra) / params > target_bpw:
@@ -110,10 +108,16 @@ def target_layout(model: Any, target_bpw: float, bits: int, scale_bytes: int) ->
     return layout
 
 
-def _from_last(quantizable: dict[str, Any], projections: tuple[str, ...]) -> list[str]:
-    """The layers' `projections` (attention's or the MLP's), from the last layer backwards, in the order named."""
-    found = [(m, p) for p in quantizable if (m := _LAYER_PROJECTION.search(p)) and m.group(2) in projections]
-    return [p for m, p in sorted(found, key=lambda f: (-int(f[0].group(1)), projections.index(f[0].group(2)), f[1]))]
+def _by_layer(quantizable: dict[str, Any], projections: tuple[str, ...], *, from_last: bool = True) -> list[str]:
+    """The layers' `projections` (attention's or the MLP's) layer by layer, from the last layer backwards or from
+    the first, within a layer in the order named."""
+    sign = -1 if from_last else 1
+    found = [
+        (sign * int(m.group(1)), projections.index(m.group(2)), p)
+        for p in quantizable
+        if (m := _LAYER_PROJECTION.search(p)) and m.group(2) in projections
+    ]
+    return [p for *_, p in sorted(found)]
 
 
 def _heads(quantizable: dict[str, Any]) -> list[str]:
