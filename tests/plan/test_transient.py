@@ -7,6 +7,7 @@ never), less what was resident before and what the caches grew by."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ from tiny_configs import TINY_CONFIGS
 from kvrig.compat.mlx_lm_classes import model_classes
 from kvrig.exceptions import PlanInputError
 from kvrig.models import load_model_spec, spec_from_config
-from kvrig.planner import PlanRequest, plan, plan_memory
+from kvrig.planner import PlanRequest, plan, plan_memory, transient
 from kvrig.planner.kv import kv_bytes
 from kvrig.planner.memory import _peak_bytes
 from kvrig.planner.runtime import prefill_scores_bytes
@@ -124,3 +125,51 @@ def test_plan_names_its_backend_and_cpu_holds_less() -> None:
     with pytest.raises(PlanInputError) as caught:
         plan(None, "iPhone16,1", schemes=["fp16"], backend="tpu")  # type: ignore[arg-type]
     assert caught.value.field == "backend"
+
+
+def _fresh(code: str) -> str:
+    """`code`'s last line of output, run in a fresh interpreter with OpenBLAS (a test worker that ran other MLX
+    work first reads lower peaks)."""
+    env = (
+        {**os.environ, "LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"} if sys.platform == "linux" else None
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def test_the_recorded_attention_peaks_are_this_mlx() -> None:
+    """A plan reads MLX's attention peaks from the record (a live probe reads low now and then while other MLX
+    processes run, and the plan changed between runs on it): held here to a live probe of the installed MLX.
+    KVRIG_UPDATE_GOLDEN=1 records the installed MLX first."""
+    if os.environ.get("KVRIG_UPDATE_GOLDEN") == "1":
+        _fresh("from kvrig.planner.transient import record; print(record())")
+        transient.recorded_peaks.cache_clear()
+    code = (
+        "import json; from dataclasses import asdict; from kvrig.planner.transient import measure_attention_peak; "
+        "from kvrig.schemas.kvcache import KV_BITS; "
+        "print(json.dumps({str(b or 'float'): asdict(measure_attention_peak(b)) for b in (None, *KV_BITS)}))"
+    )
+    live = json.loads(_fresh(code))
+    record = transient.recorded_peaks().get(mx.__version__)
+    assert record is not None, f"no record for MLX {mx.__version__}: KVRIG_UPDATE_GOLDEN=1 pytest {__file__}"
+    assert set(record) == set(live) == {"float", "2", "3", "4", "5", "6", "8"}
+    for bits, peak in record.items():
+        for term, value in vars(peak).items():
+            # The probe's noise under load reached 0.03 of an element; a change in MLX's attention moves a term
+            # by a quarter of one or more (per_key is 0.25 an element per key bit).
+            assert abs(value - live[bits][term]) <= 1 / 16, (bits, term, value, live[bits][term])
+
+
+def test_a_plan_reads_the_record_without_probing(monkeypatch: pytest.MonkeyPatch) -> None:
+    def probe(key_bits: int | None) -> transient.AttentionPeak:
+        raise AssertionError(f"probed MLX live for key bits {key_bits}")
+
+    monkeypatch.setattr(transient, "measure_attention_peak", probe)
+    recorded = transient.recorded_peaks()[mx.__version__]
+    for bits in (None, 4, 8):
+        assert transient.attention_peak.__wrapped__(bits) == recorded["float" if bits is None else str(bits)]
+    # An MLX without a record is probed.
+    monkeypatch.setattr(transient, "_mlx_version", lambda: "0.0.0")
+    with pytest.raises(AssertionError, match="probed MLX live for key bits 8"):
+        transient.attention_peak.__wrapped__(8)
