@@ -60,6 +60,12 @@ def _socket_option(func):  # type: ignore[no-untyped-def]
     help="Serve usbmuxd on this TCP address too (port 0: any free one; `status` shows it), for remote labs.",
 )
 @click.option("--unplug-after-afc-bytes", type=int, default=None, help="Fault: unplug after N bytes of AFC.")
+@click.option(
+    "--unplug-on-service",
+    default=None,
+    metavar="SERVICE",
+    help="Fault: unplug when a client asks lockdownd for SERVICE (e.g. com.apple.crashreportmover).",
+)
 @click.option("--refuse-service", multiple=True, help="Fault: lockdownd refuses this service (repeatable).")
 @click.option("--crash-at-tokens", type=int, default=None, help="Fault: the app crashes at N context tokens.")
 @click.option("--hang-at-tokens", type=int, default=None, help="Fault: the app hangs at N context tokens.")
@@ -130,6 +136,7 @@ def start(
     detach: bool,
     tcp: str | None,
     unplug_after_afc_bytes: int | None,
+    unplug_on_service: str | None,
     refuse_service: tuple[str, ...],
     crash_at_tokens: int | None,
     hang_at_tokens: int | None,
@@ -176,6 +183,7 @@ def start(
         crash_at_tokens,
         hang_at_tokens,
         slow_link_bps,
+        unplug_on_service=unplug_on_service,
         developer_mode_off=developer_mode_off,
         image_missing=image_missing,
         tunnel_drop_after_bytes=tunnel_drop_after_bytes,

@@ -237,15 +237,23 @@ async def run_soak(
 
     jetsam_paths: list[Path] = []
     crash_paths: list[Path] = []
+    lost_after: str | None = None
     if not watch.lost:
         with rec.step("pull reports"):
-            jetsam_paths, crash_paths, skipped = await _pull_new_reports(
-                device, before, out / REPORTS_OUT, app.executable, wait_s=opts.report_wait_s if watch.died else 0
-            )
-            result.files.jetsam_reports = [p.relative_to(out).as_posix() for p in jetsam_paths]
-            result.files.crash_reports = [p.relative_to(out).as_posix() for p in crash_paths]
-            result.files.skipped_reports = skipped
-            rec.done("pull reports")
+            try:
+                jetsam_paths, crash_paths, skipped = await _pull_new_reports(
+                    device, before, out / REPORTS_OUT, app.executable, wait_s=opts.report_wait_s if watch.died else 0
+                )
+            except (DeviceLostError, DeviceNotFoundError, NoTunnelError):
+                # The phone went between the watch's end and the reports: a run like any other that lost its
+                # phone (what the telemetry holds is kept), not an error; the reports stay on the phone.
+                lost_after = watch.describe()
+                watch.lost, watch.lost_cause = True, "device"
+            else:
+                result.files.jetsam_reports = [p.relative_to(out).as_posix() for p in jetsam_paths]
+                result.files.crash_reports = [p.relative_to(out).as_posix() for p in crash_paths]
+                result.files.skipped_reports = skipped
+                rec.done("pull reports")
 
     run = telemetry_run(out / TELEMETRY_OUT, plan.run_id)
     if run is not None:
@@ -276,7 +284,12 @@ async def run_soak(
         detail += "; background: " + ", ".join(f"{b.requested} {b.result}" for b in result.background)
     if watch.lost:
         result.lost = watch.lost_cause
-        if watch.lost_cause == "tunnel":
+        if lost_after is not None:
+            detail = (
+                f"the device went away after the watch ended ({lost_after}) and before its crash and JetsamEvent "
+                "reports were pulled; they stay on the phone"
+            )
+        elif watch.lost_cause == "tunnel":
             detail = (
                 "tunnel lost: the phone stayed attached but its tunnel did not come back in "
                 f"{watch.gave_up_after_s:g} s of trying (--reconnect {opts.reconnect_s:g}; the app may still run: "

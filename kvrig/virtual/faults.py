@@ -1,6 +1,7 @@
 """Faults a test or a user injects into a virtual device, by option at start or through the API at run time.
 
-- unplug after N bytes of AFC traffic (the device disappears from usbmuxd mid-transfer; `replug()` returns it)
+- unplug after N bytes of AFC traffic (the device disappears from usbmuxd mid-transfer; `replug()` returns it),
+  or when a client asks lockdownd to start a named service (the cable goes between two steps of a client)
 - refuse a service (lockdownd answers StartService with InvalidService, as a phone without the service does)
 - crash the app when its context reaches N tokens (the process dies of SIGSEGV)
 - stall the app at N tokens (the process is stopped: it hangs, alive, and answers nothing)
@@ -56,6 +57,7 @@ class FaultPlan:
     gpu_background_at_tokens: int | None = None
     watchdog_at_tokens: int | None = None
     vanish_at_tokens: int | None = None
+    unplug_on_service: str | None = None  # lockdownd's StartService for this service pulls the cable instead
 
     def claimed_size(self, device_path: str) -> int | None:
         return next((size for pattern, size in self.claim_sizes.items() if _named(device_path, pattern)), None)

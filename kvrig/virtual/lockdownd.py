@@ -147,6 +147,9 @@ async def serve_lockdownd(link: Link) -> None:
             service = str(request.get("Service", ""))
             if session_id is None:
                 reply["Error"] = "SessionInactive"
+            elif service == device.faults.unplug_on_service:
+                await device.unplug()
+                return
             else:
                 opened = device.open_service(service)
                 reply["Service"] = service

@@ -150,6 +150,33 @@ def test_unplugged_phone_is_device_lost(faults_cleared: Emulator, tmp_path: Path
     assert saved.max_context_reached is not None  # what was pulled before the loss is kept
 
 
+def test_phone_gone_before_the_reports_is_device_lost(faults_cleared: Emulator, tmp_path: Path) -> None:
+    """The app crashes and the cable goes as the driver asks for the crash reports (once the run is under way:
+    the driver flushes them at its start too): the run ends device_lost with its telemetry, not an exception."""
+    emulator = faults_cleared
+    emulator.device.faults = FaultPlan(crash_at_tokens=512)
+    pulled = tmp_path / "telemetry.jsonl"
+
+    def cut_at_the_reports_once_running() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (pulled.exists() and '"event":"step"' in pulled.read_text()):
+            time.sleep(0.05)
+        emulator.device.faults.unplug_on_service = "com.apple.crashreportmover"
+
+    arm = threading.Thread(target=cut_at_the_reports_once_running)
+    arm.start()
+    plan = make_plan(max_tokens=4096, step_tokens=256, decode_tokens=1)
+    result = run(on_device(emulator.udid, lambda d: run_soak(d, BUNDLE_ID, plan, tmp_path, FAST)))
+    arm.join()
+    assert not emulator.device.plugged  # the fault fired: the cable went at the reports
+    assert result.outcome == "device_lost" and result.lost == "device"
+    assert result.outcome_detail is not None and "the app is gone" in result.outcome_detail
+    saved = load_model_file(ResultsFile, tmp_path / "results.json").runs[0]
+    assert saved.outcome == "device_lost" and saved.error is None
+    assert "pull reports" not in saved.steps_done and saved.files.crash_reports == []
+    assert saved.max_context_reached is not None  # the telemetry pulled before is kept
+
+
 def test_missing_app_leaves_partial_results(installed: Emulator, tmp_path: Path) -> None:
     plan = make_plan(max_tokens=512)
     with pytest.raises(AppError):
