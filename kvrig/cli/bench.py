@@ -223,7 +223,8 @@ def _print_quality(report: object, paths: list[Path]) -> None:
             click.echo(f"  {c.prompt}\n    source: {c.source_answer!r}\n    {report.factual_recipe}: {c.answer!r}")
     click.echo("\ngoals")
     for g in report.goals:
-        click.echo(f"  [{'met' if g['met'] else 'MISSED'}] {g['goal']}: {g['best']}")
+        best = g["best"] if g["best"] is not None else "nothing this run measured qualifies"
+        click.echo(f"  [{'met' if g['met'] else 'MISSED'}] {g['goal']}: {best}")
     click.echo("\nwrote " + ", ".join(str(p) for p in paths))
 
 

@@ -130,6 +130,33 @@ def bench_source(model: str | Path | None) -> Iterator[tuple[Path, str, Path | N
         yield src, path.name, bundle
 
 
+class Tally:
+    """The quantizer's progress for a bench that runs many recipes: its line per layer (211 on SmolLM2) and per
+    distillation step become a count shown every `every_s` seconds and once at the end; other lines pass."""
+
+    KINDS = (("quantized ", "layers quantized"), ("distilled step ", "distillation steps"))
+
+    def __init__(self, progress: Callable[[str], None], every_s: float = 10.0) -> None:
+        self.progress, self.every_s = progress, every_s
+        self.counts = {what: 0 for _, what in self.KINDS}
+        self.shown = time.monotonic()
+
+    def __call__(self, line: str) -> None:
+        what = next((what for prefix, what in self.KINDS if line.startswith(prefix)), None)
+        if what is None:
+            self.progress(line)
+            return
+        self.counts[what] += 1
+        if time.monotonic() - self.shown >= self.every_s:
+            self.progress(f"{what}: {self.counts[what]} (last: {line})")
+            self.shown = time.monotonic()
+
+    def close(self) -> None:
+        done = [f"{what}: {n}" for what, n in self.counts.items() if n]
+        if done:
+            self.progress(", ".join(done))
+
+
 def load_weights(
     src: Path, recipe: str, calibration: Any, progress: Callable[[str], None] = lambda _: None
 ) -> tuple[Any, float | None]:
@@ -340,7 +367,9 @@ def _weight_rows(
             m = load_bundle_model(bundle)[0]
             bpw: float | None = float(compute_bits_per_weight(m))
         else:
-            m, bpw = load_weights(src, recipe, calibration, lambda line: progress(f"  {line}"))
+            tally = Tally(lambda line: progress(f"  {line}"))
+            m, bpw = load_weights(src, recipe, calibration, tally)
+            tally.close()
         quantized = time.perf_counter() - t0
         for k, kind_ids in ids.items():
             ppl = perplexity(m, kind_ids[: tokens + 1], make_kv_caches(m, spec, fp)).ppl

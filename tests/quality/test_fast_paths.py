@@ -159,6 +159,42 @@ def test_progress_names_every_quantized_layer_once(recipe: str) -> None:
     assert [line.split(":")[0] for line in distilled] == [f"distilled step {i + 1}/{steps}" for i in range(steps)]
 
 
+def test_a_bench_tallies_the_layers_and_steps() -> None:
+    """`kvrig bench quality` runs many recipes: their line per layer and per step become counts (one at the end,
+    and one every few seconds while they run); the other lines pass as they are."""
+    from kvrig.quality import bench
+
+    seen: list[str] = []
+    tally = bench.Tally(seen.append, every_s=3600)
+    model, _ = apply_recipe(
+        tiny(), dict(CONFIG), parse_weights("gpx-q4+kd2"), mx.random.randint(0, 256, (8, 16)), progress=tally
+    )
+    tally("a line of another kind")
+    assert seen == ["a line of another kind"]
+    tally.close()
+    quantized = [p for p, m in model.named_modules() if isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding)]
+    assert seen[-1] == f"layers quantized: {len(quantized)}, distillation steps: 2"
+    # A slow recipe shows where it is: every line once every_s has passed (here: always).
+    often: list[str] = []
+    running = bench.Tally(often.append, every_s=0)
+    for line in ("quantized model.layers.0.mlp.up_proj", "quantized model.layers.0.mlp.down_proj"):
+        running(line)
+    assert often == [
+        "layers quantized: 1 (last: quantized model.layers.0.mlp.up_proj)",
+        "layers quantized: 2 (last: quantized model.layers.0.mlp.down_proj)",
+    ]
+
+
+def test_a_goal_nothing_qualified_for_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvrig.cli.bench import _print_quality
+    from kvrig.quality import bench
+
+    goal = "a <= 4.0 bits/weight recipe within +10.0 % PPL on every kind (legal)"
+    report = bench.QualityReport("m", {"legal": []}, {}, {}, [], [], goals=[{"goal": goal, "met": False, "best": None}])
+    _print_quality(report, [])
+    assert f"[MISSED] {goal}: nothing this run measured qualifies" in capsys.readouterr().out
+
+
 def test_statistics_kept_for_the_next_recipe_are_measured_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """`kvrig package` trying gpx-q4 then gpx-4.6 on one source: the Hessians are measured for the first only,
     the second fits only what it does not keep at q4's grid (stacks of layers as q4 stacked them), and it writes
