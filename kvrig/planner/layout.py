@@ -8,7 +8,8 @@ methods only choose the values), so a plan's bytes are the packaged bytes.
     imx-BPW | gpx-BPW                       from 4.5: 4 bits everywhere; attention key/value projections, then
                                             MLP down/up projections of the last layers, at group 32 until the
                                             target; below 4.5: 3 bits, and 4 bits for the embedding and head,
-                                            then those same projections (`target_layout`)
+                                            then those same projections; layers of other names last, from the
+                                            last block (`target_layout`)
     dq-BPW                                  none before quantizing: mlx-lm's sensitivity measurement picks it
     R+kd[N]                                 R's (the distillation trains scales, biases and norms only)
 
@@ -29,7 +30,7 @@ from kvrig.recipes import TARGET_BITS, WeightRecipe
 Predicate = Callable[[str, Any], bool | dict[str, Any]]
 """What mlx-lm's quantize_model takes as quant_predicate: per layer, False, True or to_quantized's params."""
 
-_NUMBERED = re.compile(r"(^|\.)\d+\.")
+_NUMBERED = re.compile(r"(?:^|\.)(\d+)\.")  # a numbered block: layers.3., h.3.
 _LAYER_PROJECTION = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)$")
 
 
@@ -69,7 +70,8 @@ def target_layout(model: Any, target_bpw: float, bits: int, scale_bytes: int) ->
     `target_bpw`. A 4-bit base upgrades to group 32: the key/value projections of every layer, then the MLP
     down/up projections from the last layer backwards. A 3-bit base upgrades to 4 bits at group 64: the
     embedding and output head, the key/value projections, then from the last layer backwards the MLP down
-    projections, the attention outputs, the MLP up and gate projections and the attention queries."""
+    projections, the attention outputs, the MLP up and gate projections and the attention queries. Layers
+    those names miss (other architectures' names, experts) come last, block by block from the last."""
     from mlx.utils import tree_flatten
 
     quantizable = {p: m for p, m in model.named_modules() if hasattr(m, "to_quantized") and "weight" in m}
@@ -99,6 +101,10 @@ def target_layout(model: Any, target_bpw: float, bits: int, scale_bytes: int) ->
     else:
         later = ("down_proj",), ("o_proj",), ("up_proj",), ("gate_proj",), ("q_proj",)
         order = _heads(quantizable) + kv + [p for projections in later for p in _by_layer(quantizable, projections)]
+    # Layers the names above do not reach (gpt2's c_attn/c_fc, a MoE's experts), so that any architecture's
+    # target is spent: block by block from the last, then what is outside the blocks.
+    named = set(order)
+    order += sorted((p for p in quantizable if p not in named), key=_from_the_last_block)
     for path in order:
         extra = (cost(upgrade) - cost(base)) * q_size[path]
         if (total + extra) / params > target_bpw:
@@ -118,6 +124,12 @@ def _by_layer(quantizable: dict[str, Any], projections: tuple[str, ...], *, from
         if (m := _LAYER_PROJECTION.search(p)) and m.group(2) in projections
     ]
     return [p for *_, p in sorted(found)]
+
+
+def _from_the_last_block(path: str) -> tuple[int, int]:
+    """Sorts numbered blocks from the last backwards, and paths outside them after every block."""
+    numbers = _NUMBERED.findall(path)
+    return (0, -int(numbers[0])) if numbers else (1, 0)
 
 
 def _heads(quantizable: dict[str, Any]) -> list[str]:

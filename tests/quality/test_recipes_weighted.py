@@ -19,7 +19,7 @@ from mlx_lm.utils import compute_bits_per_weight, quantize_model
 
 from kvrig.exceptions import QuantizationError
 from kvrig.models import spec_from_config
-from kvrig.planner.layout import target_layout
+from kvrig.planner.layout import quantize_layout, target_layout
 from kvrig.planner.weights import account_weights
 from kvrig.quantize.imx import activation_importance, fit_affine, pack
 from kvrig.quantize.recipes import apply_recipe
@@ -231,11 +231,44 @@ def test_an_untied_output_head_is_upgraded_with_the_embedding() -> None:
     assert layout["model.layers.0.self_attn.q_proj"] == (3, 64)
 
 
-def test_a_position_embedding_is_no_head() -> None:
-    """gpt2's token embedding (wte) goes to 4 bits first; its position embedding (wpe) is no output head."""
+GPT2 = {
+    "model_type": "gpt2",
+    "vocab_size": 512,
+    "n_ctx": 128,
+    "n_embd": 128,
+    "n_head": 2,
+    "n_layer": 4,
+    "n_positions": 128,
+    "layer_norm_epsilon": 1e-5,
+}
+
+
+def _gpt2() -> Any:
     from mlx_lm.models import gpt2
 
-    args = {"n_ctx": 128, "n_embd": 64, "n_head": 2, "n_layer": 2, "n_positions": 128, "layer_norm_epsilon": 1e-5}
-    model = gpt2.Model(gpt2.ModelArgs(model_type="gpt2", vocab_size=512, **args))
-    layout = target_layout(model, 3.9, 3, 2)
+    model = gpt2.Model(gpt2.ModelArgs.from_dict(GPT2))
+    model.set_dtype(mx.float16)
+    return model
+
+
+def test_a_position_embedding_is_no_head() -> None:
+    """gpt2's token embedding (wte) goes to 4 bits first; its position embedding (wpe) is no output head."""
+    layout = target_layout(_gpt2(), 3.7, 3, 2)
     assert (layout["model.wte"], layout["model.wpe"]) == ((4, 64), (3, 64))
+
+
+def test_a_target_is_spent_on_layers_of_any_name() -> None:
+    """gpt2 names none of llama's projections: after its embedding, its blocks go to 4 bits from the last one
+    backwards, while mlx-lm's count stays within the target (before, gpx-4.0 stopped at the embedding)."""
+    r = parse_weights("gpx-4.0")
+    model, _ = quantize_layout(_gpt2(), dict(GPT2), r, 2)
+    four = {p for p, m in model.named_modules() if getattr(m, "bits", None) == 4}
+    last_block = {f"model.h.3.{p}" for p in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
+    assert {"model.wte", *last_block} <= four and not any(p.startswith(("model.h.0.", "model.h.1.")) for p in four)
+    bpw = compute_bits_per_weight(model)
+    params = sum(v.size for _, v in tree_flatten(_gpt2().parameters()))
+    sizes = {p: m.weight.size for p, m in _gpt2().named_modules() if hasattr(m, "to_quantized")}
+    # The next layer in line did not fit (one bit more per weight for it), and it is at most the largest left.
+    largest_left = max(sizes[p] for p, m in model.named_modules() if getattr(m, "bits", None) == 3)
+    assert 4.0 - largest_left / params < bpw <= 4.0
+    assert nbytes(model) == account_weights(spec_from_config(GPT2), r, "float16").total_bytes
