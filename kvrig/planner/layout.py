@@ -70,8 +70,9 @@ def target_layout(model: Any, target_bpw: float, bits: int, scale_bytes: int) ->
     `target_bpw`. A 4-bit base upgrades to group 32: the key/value projections of every layer, then the MLP
     down/up projections from the last layer backwards. A 3-bit base upgrades to 4 bits at group 64: the
     embedding and output head, the key/value projections, then from the last layer backwards the MLP down
-    projections, the attention outputs, the MLP up and gate projections and the attention queries. Layers
-    those names miss (other architectures' names, experts) come last, block by block from the last."""
+    projections, the attention outputs, the MLP up and gate projections and the attention queries. Every layer
+    not in that order (other architectures' names, experts; from 4 bits, the other projections too) comes last,
+    block by block from the last."""
     from mlx.utils import tree_flatten
 
     quantizable = {p: m for p, m in model.named_modules() if hasattr(m, "to_quantized") and "weight" in m}
@@ -101,7 +102,7 @@ def target_layout(model: Any, target_bpw: float, bits: int, scale_bytes: int) ->
     else:
         later = ("down_proj",), ("o_proj",), ("up_proj",), ("gate_proj",), ("q_proj",)
         order = _heads(quantizable) + kv + [p for projections in later for p in _by_layer(quantizable, projections)]
-    # Layers the names above do not reach (gpt2's c_attn/c_fc, a MoE's experts), so that any architecture's
+    # Layers the order above does not reach (gpt2's c_attn/c_fc, a MoE's experts), so that any architecture's
     # target is spent: block by block from the last, then what is outside the blocks.
     named = set(order)
     order += sorted((p for p in quantizable if p not in named), key=_from_the_last_block)

@@ -131,8 +131,8 @@ def bench_source(model: str | Path | None) -> Iterator[tuple[Path, str, Path | N
 
 
 class Tally:
-    """The quantizer's progress for a bench that runs many recipes: its line per layer (211 on SmolLM2) and per
-    distillation step become a count shown every `every_s` seconds and once at the end; other lines pass."""
+    """The quantizer's progress for a bench that runs many recipes: its line per layer and per distillation step
+    become a count shown every `every_s` seconds and once at the end; other lines pass."""
 
     KINDS = (("quantized ", "layers quantized"), ("distilled step ", "distillation steps"))
 

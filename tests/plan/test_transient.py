@@ -128,12 +128,10 @@ def test_plan_names_its_backend_and_cpu_holds_less() -> None:
 
 
 def _fresh(code: str) -> str:
-    """`code`'s last line of output, run in a fresh interpreter with OpenBLAS (a test worker that ran other MLX
-    work first reads lower peaks)."""
-    env = (
-        {**os.environ, "LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"} if sys.platform == "linux" else None
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    """`code`'s last line of output, run in a fresh interpreter with OpenBLAS as the CLI has it (a test worker
+    that ran other MLX work first reads lower peaks)."""
+    code = "from kvrig.runtime.blas import load_openblas; load_openblas(); " + code
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout.strip().splitlines()[-1]
 
