@@ -95,7 +95,16 @@ def _csv(text: str) -> tuple[str, ...]:
     help="Kinds of text to evaluate on (texts.py): legal and quotes are kinds calibration never reads; "
     "python-held-out and manual are files it never reads.",
 )
-@click.option("--weights-tokens", default=512, show_default=True, type=int, help="Tokens for the weight rows.")
+@click.option(
+    "--weights-tokens", default=512, show_default=True, type=int, help="Tokens per passage for the weight rows."
+)
+@click.option(
+    "--weights-passages",
+    default=4,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Passages per kind for the weight rows, spread over the kind's files; one perplexity over all of them.",
+)
 @click.option("--kv-tokens", default=2048, show_default=True, type=int, help="Tokens for the KV rows.")
 @click.option("--contexts", default="512,1024,2048,4096", show_default=True, help="Contexts for bytes and decode.")
 @click.option("--decode-steps", default=8, show_default=True, type=int)
@@ -130,6 +139,7 @@ def quality(
     kv_variants: str | None,
     kinds: str,
     weights_tokens: int,
+    weights_passages: int,
     kv_tokens: int,
     contexts: str,
     decode_steps: int,
@@ -155,6 +165,7 @@ def quality(
         kv_variants=DEFAULT_KV if kv_variants is None else _csv(kv_variants),  # '' runs no KV rows
         kinds=_csv(kinds),
         weights_tokens=weights_tokens,
+        weights_passages=weights_passages,
         kv_tokens=kv_tokens,
         contexts=tuple(int(c) for c in _csv(contexts)),
         decode_steps=decode_steps,
@@ -184,7 +195,9 @@ def _print_quality(report: object, paths: list[Path]) -> None:
         + ", ".join(f"{v:.3f} on {k} tokens" for k, v in report.source_ppl.items())
     )
     if report.weights:
-        click.echo(f"\nweight recipes (first {report.weights[0].tokens} tokens of each kind, fp KV): PPL change")
+        w0 = report.weights[0]
+        spread = f"{w0.passages} passages of {w0.tokens} tokens spread over each kind"
+        click.echo(f"\nweight recipes ({spread}, fp KV): PPL change")
         kind_heads = "".join(f"{k:>11}" for k in kinds)
         click.echo(f"{'recipe':16}{'bits/weight':>12}{kind_heads}{'worst':>9}{'seconds':>9}")
         worst = worst_by_name(report.weights, lambda r: r.recipe)

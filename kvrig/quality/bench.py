@@ -2,8 +2,11 @@
 of evaluation text (kinds the calibration never saw, texts.py), KV bytes measured from the caches next to the
 planner's prediction, host decode tok/s by context, plots.
 
-Weight rows run each kind's first `weights_tokens` tokens with an unquantized KV cache; KV rows run the source
-weights (so only the cache differs) over `kv_tokens` tokens of each kind. Every delta is against the source with
+Weight rows run `weights_passages` passages of `weights_tokens` tokens spread over each kind (one passage is a
+noisy sample of a kind: on SmolLM2 a recipe's change moves by several points from one 512-token passage of fortunes
+to the next), with an unquantized KV cache, and report one perplexity per kind over all of them; KV rows run the
+source weights (so only the cache differs) over the first `kv_tokens` tokens of each kind, one run for the
+contexts it measures. Every delta is against the source with
 an unquantized cache on the same tokens, measured in the same run."""
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from kvrig.models import load_model_spec
 from kvrig.models.gguf import embedded_default_model
 from kvrig.models.source import source_dir
 from kvrig.planner.kv import context_schedule, kv_bytes
+from kvrig.quality.gate import kind_perplexity
 from kvrig.quality.kv_sensitivity import resolve_variant, sensitivity_tokens
 from kvrig.quality.perplexity import perplexity
 from kvrig.quality.schemes import make_kv_caches
@@ -32,7 +36,7 @@ from kvrig.recipes import KVSpec, parse_kv, parse_weights
 from kvrig.runtime.generate import encode_prompt, generate_tokens
 from kvrig.runtime.host import load_bundle_model, prepare_for_host
 from kvrig.schemas.bundle import MANIFEST_NAME
-from kvrig.texts import EVALUATION_KINDS, read_kind, tokens_of
+from kvrig.texts import EVALUATION_KINDS, kind_segments, read_kind, tokens_of
 
 # awq-q4 is left out: mlx-lm's AWQ takes ~80 s per layer here (ask for it with --recipes).
 DEFAULT_RECIPES = ("q4", "q4g32", "q8", "mixed_4_6", "gptq-q4", "dq-4.6", "imx-4.6", "gpx-q4", "gpx-4.6")
@@ -72,6 +76,7 @@ class Row:
     ppl: float
     ppl_delta_pct: float
     tokens: int
+    """Tokens per passage."""
     bits_per_weight: float | None = None
     seconds: float = 0.0
     kv_bytes: dict[int, int] = field(default_factory=dict)
@@ -81,6 +86,8 @@ class Row:
     decode_tps: dict[int, float] = field(default_factory=dict)
     kv_scheme: str = ""
     """The planner's scheme the KV row ran (a `+kN@topM` variant names the layers the measurement chose)."""
+    passages: int = 1
+    """Passages of `tokens` tokens the perplexity is over (weight rows: spread over the kind)."""
 
 
 @dataclass
@@ -101,7 +108,8 @@ class QualityReport:
     calibration: dict[str, list[str]]
     """Calibration kind -> the files read (empty when no recipe needed calibration)."""
     source_ppl: dict[str, float]
-    """"KIND/TOKENS" -> the unquantized model's perplexity there."""
+    """"KIND/TOKENS" (KV rows' text) or "KIND/PASSAGESxTOKENS" (weight rows') -> the unquantized model's
+    perplexity there."""
     weights: list[Row]
     kv: list[Row]
     paired_decode_tps: dict[str, float] = field(default_factory=dict)
@@ -273,6 +281,7 @@ def run_quality_bench(
     kv_variants: tuple[str, ...] = DEFAULT_KV,
     kinds: tuple[str, ...] = EVALUATION_KINDS,
     weights_tokens: int = 512,
+    weights_passages: int = 4,
     kv_tokens: int = 2048,
     contexts: tuple[int, ...] = DEFAULT_CONTEXTS,
     decode_steps: int = 8,
@@ -290,11 +299,11 @@ def run_quality_bench(
     with bench_source(model) as (src, name, bundle):
         tokenizer = load_tokenizer(src)
         spec = load_model_spec(src / "config.json")
-        n = max(weights_tokens, kv_tokens) + 1
-        ids, text = {}, {}
+        ids, passages, text = {}, {}, {}
         for k in kinds:
             body, used = read_kind(k)
-            ids[k] = tokens_of(tokenizer, body, n, what=f"the {k} text", source=", ".join(used))
+            ids[k] = tokens_of(tokenizer, body, kv_tokens + 1, what=f"the {k} text", source=", ".join(used))
+            passages[k] = kind_segments(tokenizer, k, weights_passages, weights_tokens + 1)
             text[k] = used
         calibrated = [r for r in weights_recipes if r.calibrated]
         if factual_recipe and parse_weights(factual_recipe).calibrated:
@@ -311,8 +320,7 @@ def run_quality_bench(
             source,
             spec,
             [str(r) for r in weights_recipes],
-            ids,
-            weights_tokens,
+            passages,
             calibration,
             report,
             progress,
@@ -343,18 +351,23 @@ def _weight_rows(
     source: Any,
     spec: Any,
     recipes: list[str],
-    ids: dict[str, list[int]],
-    tokens: int,
+    passages: dict[str, list[list[int]]],
     calibration: Any,
     report: QualityReport,
     progress: Callable[[str], None],
 ) -> list[Row]:
-    """Each recipe quantized once, its perplexity on every kind against the source's (fp KV throughout)."""
+    """Each recipe quantized once, its perplexity over every kind's passages against the source's (fp KV
+    throughout)."""
     fp = parse_kv("fp16")
+
+    def ppl_of(model: Any, kind: str) -> float:
+        return kind_perplexity(model, passages[kind], lambda: make_kv_caches(model, spec, fp))
+
+    shape = {k: (len(p), len(p[0]) - 1) for k, p in passages.items()}  # passages, tokens each
     base = {}
-    for k, kind_ids in ids.items():
-        base[k] = perplexity(source, kind_ids[: tokens + 1], make_kv_caches(source, spec, fp)).ppl
-        report.source_ppl[f"{k}/{tokens}"] = base[k]
+    for k, (count, tokens) in shape.items():
+        base[k] = ppl_of(source, k)
+        report.source_ppl[f"{k}/{count}x{tokens}"] = base[k]
     rows = []
     names = ([f"bundle:{bundle.name}"] if bundle is not None else []) + recipes
     for recipe in names:
@@ -371,9 +384,10 @@ def _weight_rows(
             m, bpw = load_weights(src, recipe, calibration, tally)
             tally.close()
         quantized = time.perf_counter() - t0
-        for k, kind_ids in ids.items():
-            ppl = perplexity(m, kind_ids[: tokens + 1], make_kv_caches(m, spec, fp)).ppl
-            rows.append(Row(recipe, "fp16", k, ppl, 100 * (ppl / base[k] - 1), tokens, bpw, quantized))
+        for k, (count, tokens) in shape.items():
+            ppl = ppl_of(m, k)
+            delta = 100 * (ppl / base[k] - 1)
+            rows.append(Row(recipe, "fp16", k, ppl, delta, tokens, bpw, quantized, passages=count))
             progress(f"  {k}: ppl {ppl:.3f} ({rows[-1].ppl_delta_pct:+.2f} %), {bpw:.3f} bits/weight")
         del m
     return rows

@@ -1,0 +1,66 @@
+"""`kvrig bench quality`'s weight rows on the real SmolLM2: one perplexity per kind over passages spread through
+the kind, equal to mlx-lm's own model read passage by passage (NLL summed by hand here)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from tests.bundle_fixtures import converted_source
+
+PASSAGES, TOKENS = 3, 64
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return converted_source(tmp_path_factory)
+
+
+def _mlx_lm_ppl(model: object, passages: list[list[int]]) -> float:
+    """exp of the mean NLL of every passage's tokens after its first, each passage read alone from no cache."""
+    nll = n = 0.0
+    for ids in passages:
+        x = mx.array([ids])
+        logits = model(x[:, :-1]).astype(mx.float32)  # type: ignore[operator]
+        target = x[:, 1:]
+        picked = mx.take_along_axis(logits, target[..., None], axis=-1)[..., 0]
+        nll += (mx.logsumexp(logits, axis=-1) - picked).sum().item()
+        n += target.size
+    return math.exp(nll / n)
+
+
+def test_weight_rows_measure_passages_spread_over_each_kind(source: Path) -> None:
+    from mlx_lm.utils import load_model, load_tokenizer, quantize_model
+
+    from kvrig.quality.bench import run_quality_bench
+    from kvrig.texts import kind_segments
+
+    report = run_quality_bench(
+        source,
+        recipes=("q4",),
+        kv_variants=(),
+        weights_tokens=TOKENS,
+        weights_passages=PASSAGES,
+        factual_recipe=None,
+    )
+    tokenizer = load_tokenizer(source)
+    reference, config = load_model(source)
+    reference.set_dtype(mx.float32)
+    passages = {k: kind_segments(tokenizer, k, PASSAGES, TOKENS + 1) for k in report.text}
+    assert len(report.text) == 2 and len(report.weights) == 2
+    for kind, kind_passages in passages.items():
+        expected = _mlx_lm_ppl(reference, kind_passages)
+        assert report.source_ppl[f"{kind}/{PASSAGES}x{TOKENS}"] == pytest.approx(expected, rel=2e-3)
+        # the first passage alone is another number: the row is over all of them
+        assert abs(_mlx_lm_ppl(reference, kind_passages[:1]) / expected - 1) > 1e-2
+    # q4 is mlx-lm's round-to-nearest at group 64: its own quantize_model gives the same perplexities
+    quantize_model(reference, config, 64, 4)
+    for row in report.weights:
+        assert (row.recipe, row.passages, row.tokens) == ("q4", PASSAGES, TOKENS)
+        expected = _mlx_lm_ppl(reference, passages[row.kind])
+        assert row.ppl == pytest.approx(expected, rel=2e-3)
+        base = report.source_ppl[f"{row.kind}/{PASSAGES}x{TOKENS}"]
+        assert row.ppl_delta_pct == pytest.approx(100 * (row.ppl / base - 1))
