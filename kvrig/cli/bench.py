@@ -249,13 +249,22 @@ def _print_quality(report: object, paths: list[Path]) -> None:
     show_default=True,
     help="Weight recipes (as kvrig package takes them) and dwq-qN (mlx-lm's DWQ from the qN layout).",
 )
-@click.option("--tokens", default=512, show_default=True, type=int, help="Evaluation tokens.")
+@click.option("--tokens", default=512, show_default=True, type=int, help="Tokens per evaluation passage.")
+@click.option(
+    "--passages",
+    default=4,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Evaluation passages per kind, spread over its files (as bench quality's --weights-passages).",
+)
 @click.option(
     "--budget", default=600.0, show_default=True, type=float, help="Seconds a recipe may take; longer: skipped."
 )
 @click.option("--scaling/--no-scaling", default=True, show_default=True, help="Time kvrig's on two tiny models.")
 @json_option
-def quantize(model: Path | None, recipes: str, tokens: int, budget: float, scaling: bool, as_json: bool) -> None:
+def quantize(
+    model: Path | None, recipes: str, tokens: int, passages: int, budget: float, scaling: bool, as_json: bool
+) -> None:
     """Wall time, bits per weight and perplexity of each recipe on MODEL (default: the embedded SmolLM2),
     kvrig's beside mlx-lm's GPTQ, AWQ and DWQ, each in its own process; calibrated as kvrig package calibrates,
     measured on each kind of text calibration never reads. Minutes on a 2-core CPU; not part of the test suite."""
@@ -268,6 +277,7 @@ def quantize(model: Path | None, recipes: str, tokens: int, budget: float, scali
         model,
         recipes=_csv(recipes),
         tokens=tokens,
+        passages=passages,
         budget=budget,
         scaling=scaling,
         progress=lambda line: click.echo(line, err=True),

@@ -358,15 +358,9 @@ def _weight_rows(
 ) -> list[Row]:
     """Each recipe quantized once, its perplexity over every kind's passages against the source's (fp KV
     throughout)."""
-    fp = parse_kv("fp16")
-
-    def ppl_of(model: Any, kind: str) -> float:
-        return kind_perplexity(model, passages[kind], lambda: make_kv_caches(model, spec, fp))
-
     shape = {k: (len(p), len(p[0]) - 1) for k, p in passages.items()}  # passages, tokens each
-    base = {}
+    base = passages_ppl(source, spec, passages)
     for k, (count, tokens) in shape.items():
-        base[k] = ppl_of(source, k)
         report.source_ppl[f"{k}/{count}x{tokens}"] = base[k]
     rows = []
     names = ([f"bundle:{bundle.name}"] if bundle is not None else []) + recipes
@@ -384,13 +378,20 @@ def _weight_rows(
             m, bpw = load_weights(src, recipe, calibration, tally)
             tally.close()
         quantized = time.perf_counter() - t0
+        measured = passages_ppl(m, spec, passages)
         for k, (count, tokens) in shape.items():
-            ppl = ppl_of(m, k)
+            ppl = measured[k]
             delta = 100 * (ppl / base[k] - 1)
             rows.append(Row(recipe, "fp16", k, ppl, delta, tokens, bpw, quantized, passages=count))
             progress(f"  {k}: ppl {ppl:.3f} ({rows[-1].ppl_delta_pct:+.2f} %), {bpw:.3f} bits/weight")
         del m
     return rows
+
+
+def passages_ppl(model: Any, spec: Any, passages: dict[str, list[list[int]]]) -> dict[str, float]:
+    """`model`'s perplexity over each kind's passages, each read from an empty unquantized cache."""
+    fp = parse_kv("fp16")
+    return {k: kind_perplexity(model, ids, lambda: make_kv_caches(model, spec, fp)) for k, ids in passages.items()}
 
 
 def _kv_rows(

@@ -10,7 +10,8 @@ measuring it are not).
 
 Calibration is what `kvrig package` calibrates on (`quantize.recipes.calibration_tokens`: the calibration kinds
 of kvrig/texts.py); evaluation is each kind of text calibration never reads (`texts.EVALUATION_KINDS`, as `kvrig
-bench quality` judges), perplexity per kind. Nothing downloads."""
+bench quality` judges), perplexity per kind over passages spread over it, the quality bench's weight rows' passages.
+Nothing downloads."""
 
 from __future__ import annotations
 
@@ -30,13 +31,11 @@ from typing import Any
 from kvrig.exceptions import KvrigError, ModelConfigError
 from kvrig.models import load_model_spec
 from kvrig.models.gguf import embedded_default_model
-from kvrig.quality.bench import bench_source, load_weights
-from kvrig.quality.perplexity import perplexity
-from kvrig.quality.schemes import make_kv_caches
+from kvrig.quality.bench import bench_source, load_weights, passages_ppl
 from kvrig.quantize.recipes import calibration_files
-from kvrig.recipes import parse_kv, parse_weights
+from kvrig.recipes import parse_weights
 from kvrig.runtime.blas import preload_env
-from kvrig.texts import EVALUATION_KINDS, kind_tokens, read_kind
+from kvrig.texts import EVALUATION_KINDS, kind_segments, read_kind
 
 DEFAULT_RECIPES = ("imx-q4", "imx-4.6", "gpx-q4", "gpx-4.6", "gptq-q4", "awq-q4", "dwq-q4")
 DEFAULT_BUDGET = 600.0
@@ -88,6 +87,7 @@ class QuantizeReport:
     evaluation: dict[str, list[str]]
     """Evaluation kind (never calibrated on) -> the files read."""
     tokens: int
+    """Tokens per evaluation passage."""
     source_ppl: dict[str, float]
     budget_seconds: float
     runs: list[RecipeRun]
@@ -97,6 +97,8 @@ class QuantizeReport:
     """The machine's 1-minute load average at the start and at the end of the run."""
     embedded: bool = False
     """The model is the embedded SmolLM2, which the time goal is set on."""
+    passages: int = 1
+    """Evaluation passages per kind, spread over its files (as `kvrig bench quality` reads them)."""
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "goals": self.goals()}
@@ -150,7 +152,7 @@ class QuantizeReport:
             f"model {self.model}; {self.cpus} CPUs, load average {' -> '.join(f'{v:.1f}' for v in self.load_average)}",
             *(f"calibration {k}: {', '.join(files)}" for k, files in self.calibration.items()),
             *(
-                f"evaluation {k} (first {self.tokens} tokens): {', '.join(files)}"
+                f"evaluation {k} ({self.passages} passages of {self.tokens} tokens spread over it): {', '.join(files)}"
                 for k, files in self.evaluation.items()
             ),
             "source perplexity " + ", ".join(f"{k} {v:.3f}" for k, v in self.source_ppl.items()),
@@ -193,6 +195,7 @@ def run_quantize_bench(
     *,
     recipes: tuple[str, ...] = DEFAULT_RECIPES,
     tokens: int = 512,
+    passages: int = 4,
     budget: float = DEFAULT_BUDGET,
     scaling: bool = True,
     progress: Callable[[str], None] = lambda _: None,
@@ -206,11 +209,11 @@ def run_quantize_bench(
     embedded = model is None or _is_embedded(Path(model))
     with bench_source(model) as (src, name, _):
         tokenizer = load_tokenizer(src)
-        ids = {k: kind_tokens(tokenizer, k, tokens + 1) for k in EVALUATION_KINDS}
-        progress(f"source: perplexity on {tokens} tokens of each of {', '.join(EVALUATION_KINDS)}")
+        ids = {k: kind_segments(tokenizer, k, passages, tokens + 1) for k in EVALUATION_KINDS}
+        progress(f"source: perplexity on {passages} x {tokens} tokens of each of {', '.join(EVALUATION_KINDS)}")
         source, _ = load_weights(src, "source", None)
         spec = load_model_spec(src / "config.json")
-        base = {k: perplexity(source, v, make_kv_caches(source, spec, parse_kv("fp16"))).ppl for k, v in ids.items()}
+        base = passages_ppl(source, spec, ids)
         del source
         runs = []
         for recipe in recipes:
@@ -237,6 +240,7 @@ def run_quantize_bench(
         os.cpu_count() or 0,
         load,
         embedded=embedded,
+        passages=passages,
     )
 
 
@@ -255,7 +259,7 @@ def method_of(recipe: str) -> str:
     return {"imx": "kvrig", "gpx": "kvrig", "none": "-"}.get(parse_weights(recipe).method, "mlx-lm")
 
 
-def _in_child(src: Path, recipe: str, ids: dict[str, list[int]], budget: float) -> RecipeRun:
+def _in_child(src: Path, recipe: str, ids: dict[str, list[list[int]]], budget: float) -> RecipeRun:
     """One recipe in a child process; its result, or why there is none."""
     try:
         by = method_of(recipe)
@@ -370,7 +374,7 @@ def _measure(job: dict[str, Any]) -> RecipeRun:
     run.bits_per_weight = float(compute_bits_per_weight(model))
     host = prepare_for_host(model)
     spec = load_model_spec(src / "config.json")
-    run.ppl = {k: perplexity(host, v, make_kv_caches(host, spec, parse_kv("fp16"))).ppl for k, v in job["ids"].items()}
+    run.ppl = passages_ppl(host, spec, job["ids"])
     run.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return run
 

@@ -19,7 +19,7 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return converted_source(tmp_path_factory)
 
 
-def _mlx_lm_ppl(model: object, passages: list[list[int]]) -> float:
+def mlx_lm_ppl(model: object, passages: list[list[int]]) -> float:
     """exp of the mean NLL of every passage's tokens after its first, each passage read alone from no cache."""
     nll = n = 0.0
     for ids in passages:
@@ -52,15 +52,15 @@ def test_weight_rows_measure_passages_spread_over_each_kind(source: Path) -> Non
     passages = {k: kind_segments(tokenizer, k, PASSAGES, TOKENS + 1) for k in report.text}
     assert len(report.text) == 2 and len(report.weights) == 2
     for kind, kind_passages in passages.items():
-        expected = _mlx_lm_ppl(reference, kind_passages)
+        expected = mlx_lm_ppl(reference, kind_passages)
         assert report.source_ppl[f"{kind}/{PASSAGES}x{TOKENS}"] == pytest.approx(expected, rel=2e-3)
         # the first passage alone is another number: the row is over all of them
-        assert abs(_mlx_lm_ppl(reference, kind_passages[:1]) / expected - 1) > 1e-2
+        assert abs(mlx_lm_ppl(reference, kind_passages[:1]) / expected - 1) > 1e-2
     # q4 is mlx-lm's round-to-nearest at group 64: its own quantize_model gives the same perplexities
     quantize_model(reference, config, 64, 4)
     for row in report.weights:
         assert (row.recipe, row.passages, row.tokens) == ("q4", PASSAGES, TOKENS)
-        expected = _mlx_lm_ppl(reference, passages[row.kind])
+        expected = mlx_lm_ppl(reference, passages[row.kind])
         assert row.ppl == pytest.approx(expected, rel=2e-3)
         base = report.source_ppl[f"{row.kind}/{PASSAGES}x{TOKENS}"]
         assert row.ppl_delta_pct == pytest.approx(100 * (row.ppl / base - 1))

@@ -37,7 +37,7 @@ def bench(*args: str) -> dict[str, Any]:
 def test_every_recipe_is_measured_or_named_as_skipped(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(quantize_bench, "SCALING_HIDDEN", (64, 128))
     recipes = ["q4", "imx-q4", "gpx-4.6", "gptq-q4", "gptq-q3", "nonsense"]
-    report = bench(str(tiny), "--recipes", ",".join(recipes), "--tokens", "64", "--budget", "600")
+    report = bench(str(tiny), "--recipes", ",".join(recipes), "--tokens", "64", "--passages", "2", "--budget", "600")
     assert [r["recipe"] for r in report["runs"]] == recipes
     runs = {r["recipe"]: r for r in report["runs"]}
     for name in ("q4", "imx-q4", "gpx-4.6", "gptq-q4"):
@@ -55,6 +55,18 @@ def test_every_recipe_is_measured_or_named_as_skipped(tiny: Path, monkeypatch: p
     # Judged on every kind calibration never reads, as the quality bench judges; no file read by both.
     assert set(report["calibration"]) == set(CALIBRATION_KINDS)
     assert set(report["evaluation"]) == set(report["source_ppl"]) == set(EVALUATION_KINDS)
+    # The source's perplexity over 2 passages of 64 tokens spread over each kind, as mlx-lm's own model reads them.
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    from kvrig.texts import kind_segments
+    from tests.quality.test_quality_bench import mlx_lm_ppl
+
+    reference = load_model(tiny)[0]
+    tokenizer = load_tokenizer(tiny)
+    assert (report["passages"], report["tokens"]) == (2, 64)
+    for kind in EVALUATION_KINDS:
+        expected = mlx_lm_ppl(reference, kind_segments(tokenizer, kind, 2, 65))
+        assert report["source_ppl"][kind] == pytest.approx(expected, rel=2e-3)
     assert set(runs["imx-q4"]["ppl"]) == set(EVALUATION_KINDS)
     calibrated = {f for files in report["calibration"].values() for f in files}
     assert not calibrated & {f for files in report["evaluation"].values() for f in files}
