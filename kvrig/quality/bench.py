@@ -3,11 +3,10 @@ of evaluation text (kinds the calibration never saw, texts.py), KV bytes measure
 planner's prediction, host decode tok/s by context, plots.
 
 Weight rows run `weights_passages` passages of `weights_tokens` tokens spread over each kind (one passage is a
-noisy sample of a kind: on SmolLM2 a recipe's change moves by several points from one 512-token passage of fortunes
-to the next), with an unquantized KV cache, and report one perplexity per kind over all of them; KV rows run the
-source weights (so only the cache differs) over the first `kv_tokens` tokens of each kind, one run for the
-contexts it measures. Every delta is against the source with
-an unquantized cache on the same tokens, measured in the same run."""
+narrow sample of a kind), with an unquantized KV cache, and report one perplexity per kind over all of them; KV
+rows run the source weights (so only the cache differs) over the first `kv_tokens` tokens of each kind, one run
+for the contexts it measures. Every delta is against the source with an unquantized cache on the same tokens,
+measured in the same run."""
 
 from __future__ import annotations
 
