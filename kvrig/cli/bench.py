@@ -96,7 +96,11 @@ def _csv(text: str) -> tuple[str, ...]:
     "python-held-out and manual are files it never reads.",
 )
 @click.option(
-    "--weights-tokens", default=512, show_default=True, type=int, help="Tokens per passage for the weight rows."
+    "--weights-tokens",
+    default=512,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Tokens per passage for the weight rows.",
 )
 @click.option(
     "--weights-passages",
@@ -249,7 +253,9 @@ def _print_quality(report: object, paths: list[Path]) -> None:
     show_default=True,
     help="Weight recipes (as kvrig package takes them) and dwq-qN (mlx-lm's DWQ from the qN layout).",
 )
-@click.option("--tokens", default=512, show_default=True, type=int, help="Tokens per evaluation passage.")
+@click.option(
+    "--tokens", default=512, show_default=True, type=click.IntRange(min=1), help="Tokens per evaluation passage."
+)
 @click.option(
     "--passages",
     default=4,

@@ -64,3 +64,23 @@ def test_weight_rows_measure_passages_spread_over_each_kind(source: Path) -> Non
         assert row.ppl == pytest.approx(expected, rel=2e-3)
         base = report.source_ppl[f"{row.kind}/{PASSAGES}x{TOKENS}"]
         assert row.ppl_delta_pct == pytest.approx(100 * (row.ppl / base - 1))
+
+
+@pytest.mark.parametrize(
+    ("command", "option"),
+    [
+        ("quality", "--weights-tokens"),
+        ("quality", "--weights-passages"),
+        ("quantize", "--tokens"),
+        ("quantize", "--passages"),
+    ],
+)
+def test_a_passage_of_no_tokens_is_refused_before_anything_loads(command: str, option: str) -> None:
+    """Passages need a token to predict: 0 is click's usage error (exit 2) naming the option, not a traceback."""
+    from click.testing import CliRunner
+
+    from kvrig.cli import cli
+
+    result = CliRunner().invoke(cli, ["bench", command, option, "0"])
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '{option}': 0 is not in the range x>=1" in result.output
