@@ -109,7 +109,20 @@ def _csv(text: str) -> tuple[str, ...]:
     type=click.IntRange(min=1),
     help="Passages per kind for the weight rows, spread over the kind's files; one perplexity over all of them.",
 )
-@click.option("--kv-tokens", default=2048, show_default=True, type=int, help="Tokens for the KV rows.")
+@click.option(
+    "--kv-tokens",
+    default=2048,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Tokens per passage for the KV rows (one run from an empty cache through the contexts they read).",
+)
+@click.option(
+    "--kv-passages",
+    default=4,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Passages per kind for the KV rows, spread over the kind's files as --weights-passages are.",
+)
 @click.option("--contexts", default="512,1024,2048,4096", show_default=True, help="Contexts for bytes and decode.")
 @click.option("--decode-steps", default=8, show_default=True, type=int)
 @click.option(
@@ -145,6 +158,7 @@ def quality(
     weights_tokens: int,
     weights_passages: int,
     kv_tokens: int,
+    kv_passages: int,
     contexts: str,
     decode_steps: int,
     kv_reads: str,
@@ -171,6 +185,7 @@ def quality(
         weights_tokens=weights_tokens,
         weights_passages=weights_passages,
         kv_tokens=kv_tokens,
+        kv_passages=kv_passages,
         contexts=tuple(int(c) for c in _csv(contexts)),
         decode_steps=decode_steps,
         kv_reads=kv_reads,
@@ -217,7 +232,9 @@ def _print_quality(report: object, paths: list[Path]) -> None:
             "decoded": "each position reads its own recent window, as decoding it would",
             "chunked": "the recent window at each 256-token chunk's end",
         }[report.kv_reads]
-        click.echo(f"\nKV specs (source weights, {report.kv[0].tokens} tokens of each kind, {reads}): PPL change")
+        k0 = report.kv[0]
+        spread = f"{k0.passages} passages of {k0.tokens} tokens spread over each kind"
+        click.echo(f"\nKV specs (source weights, {spread}, {reads}): PPL change")
         worst = worst_by_name(report.kv, lambda r: r.kv)
         fp = worst.get("fp16")
         head = f"{'kv':20}" + "".join(f"{k:>10}" for k in kinds) + f"{'worst':>9}{'phone plan':>12}{'of fp16':>8}"

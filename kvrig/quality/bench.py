@@ -3,10 +3,10 @@ of evaluation text (kinds the calibration never saw, texts.py), KV bytes measure
 planner's prediction, host decode tok/s by context, plots.
 
 Weight rows run `weights_passages` passages of `weights_tokens` tokens spread over each kind (one passage is a
-narrow sample of a kind), with an unquantized KV cache, and report one perplexity per kind over all of them; KV
-rows run the source weights (so only the cache differs) over the first `kv_tokens` tokens of each kind, one run
-for the contexts it measures. Every delta is against the source with an unquantized cache on the same tokens,
-measured in the same run."""
+narrow sample of a kind), with an unquantized KV cache; KV rows run the source weights (so only the cache
+differs) over `kv_passages` passages of `kv_tokens` tokens spread the same way, each from an empty cache. Each
+row is one perplexity per kind over all its passages. Every delta is against the source with an unquantized
+cache on the same tokens, measured in the same run."""
 
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ from kvrig.models.source import source_dir
 from kvrig.planner.kv import context_schedule, kv_bytes
 from kvrig.quality.gate import kind_perplexity
 from kvrig.quality.kv_sensitivity import resolve_variant, sensitivity_tokens
-from kvrig.quality.perplexity import perplexity
 from kvrig.quality.schemes import make_kv_caches
 from kvrig.quantize.base import load_source_model
 from kvrig.quantize.recipes import apply_recipe, calibration_files, calibration_rows, calibration_tokens
@@ -35,7 +34,7 @@ from kvrig.recipes import KVSpec, parse_kv, parse_weights
 from kvrig.runtime.generate import encode_prompt, generate_tokens
 from kvrig.runtime.host import load_bundle_model, prepare_for_host
 from kvrig.schemas.bundle import MANIFEST_NAME
-from kvrig.texts import EVALUATION_KINDS, kind_segments, read_kind, tokens_of
+from kvrig.texts import EVALUATION_KINDS, kind_segments, read_kind
 
 # awq-q4 is left out: mlx-lm's AWQ takes ~80 s per layer here (ask for it with --recipes).
 DEFAULT_RECIPES = ("q4", "q4g32", "q8", "mixed_4_6", "gptq-q4", "dq-4.6", "imx-4.6", "gpx-q4", "gpx-4.6")
@@ -86,7 +85,7 @@ class Row:
     kv_scheme: str = ""
     """The planner's scheme the KV row ran (a `+kN@topM` variant names the layers the measurement chose)."""
     passages: int = 1
-    """Passages of `tokens` tokens the perplexity is over (weight rows: spread over the kind)."""
+    """Passages of `tokens` tokens, spread over the kind, the perplexity is over."""
 
 
 @dataclass
@@ -107,8 +106,8 @@ class QualityReport:
     calibration: dict[str, list[str]]
     """Calibration kind -> the files read (empty when no recipe needed calibration)."""
     source_ppl: dict[str, float]
-    """"KIND/TOKENS" (KV rows' text) or "KIND/PASSAGESxTOKENS" (weight rows') -> the unquantized model's
-    perplexity there."""
+    """"KIND/PASSAGESxTOKENS" (the weight rows' passages, the KV rows') -> the unquantized model's perplexity
+    there."""
     weights: list[Row]
     kv: list[Row]
     paired_decode_tps: dict[str, float] = field(default_factory=dict)
@@ -282,6 +281,7 @@ def run_quality_bench(
     weights_tokens: int = 512,
     weights_passages: int = 4,
     kv_tokens: int = 2048,
+    kv_passages: int = 4,
     contexts: tuple[int, ...] = DEFAULT_CONTEXTS,
     decode_steps: int = 8,
     kv_reads: str = "decoded",
@@ -298,12 +298,13 @@ def run_quality_bench(
     with bench_source(model) as (src, name, bundle):
         tokenizer = load_tokenizer(src)
         spec = load_model_spec(src / "config.json")
-        ids, passages, text = {}, {}, {}
+        kv_ids, passages, text = {}, {}, {}
         for k in kinds:
-            body, used = read_kind(k)
-            ids[k] = tokens_of(tokenizer, body, kv_tokens + 1, what=f"the {k} text", source=", ".join(used))
-            passages[k] = kind_segments(tokenizer, k, weights_passages, weights_tokens + 1)
-            text[k] = used
+            text[k] = read_kind(k)[1]
+            if weights_recipes or bundle is not None:
+                passages[k] = kind_segments(tokenizer, k, weights_passages, weights_tokens + 1)
+            if variants:
+                kv_ids[k] = kind_segments(tokenizer, k, kv_passages, kv_tokens + 1)
         calibrated = [r for r in weights_recipes if r.calibrated]
         if factual_recipe and parse_weights(factual_recipe).calibrated:
             calibrated.append(parse_weights(factual_recipe))
@@ -325,7 +326,7 @@ def run_quality_bench(
             progress,
         )
         report.kv = _kv_rows(
-            source, spec, tokenizer, variants, ids, kv_tokens, contexts, decode_steps, kv_reads, report, progress
+            source, spec, tokenizer, variants, kv_ids, contexts, decode_steps, kv_reads, report, progress
         )
         names = {v.name for v in variants}
         if {"fp16", "k8v4"} <= names and GOAL_CONTEXT in contexts:
@@ -357,6 +358,8 @@ def _weight_rows(
 ) -> list[Row]:
     """Each recipe quantized once, its perplexity over every kind's passages against the source's (fp KV
     throughout)."""
+    if not passages:
+        return []
     shape = {k: (len(p), len(p[0]) - 1) for k, p in passages.items()}  # passages, tokens each
     base = passages_ppl(source, spec, passages)
     for k, (count, tokens) in shape.items():
@@ -398,17 +401,15 @@ def _kv_rows(
     spec: Any,
     tokenizer: Any,
     variants: list[KVSpec],
-    ids: dict[str, list[int]],
-    tokens: int,
+    passages: dict[str, list[list[int]]],
     contexts: tuple[int, ...],
     decode_steps: int,
     kv_reads: str,
     report: QualityReport,
     progress: Callable[[str], None],
 ) -> list[Row]:
-    """Each KV spec's perplexity on every kind (source weights) against the unquantized cache's; its bytes and
-    decode speed once (they do not depend on the text)."""
-    ppl_ctx = tuple(c for c in contexts if c <= tokens and c % 256 == 0)
+    """Each KV spec's perplexity over every kind's passages (source weights, each passage from empty caches)
+    against the unquantized cache's; its bytes and decode speed once (they do not depend on the text)."""
     base: dict[str, float] = {}
     rows = []
     for variant in variants:
@@ -420,21 +421,26 @@ def _kv_rows(
             progress(f"  layers chosen: {variant.scheme}")
         tps, measured, predicted = decode_speed(source, spec, variant, contexts, steps=decode_steps)
         phone = {c: kv_bytes(spec, replace(variant, dtype="float16"), context_schedule(c, 256)) for c in contexts}
-        for k, kind_ids in ids.items():
-            caches = make_kv_caches(source, spec, variant)
-            for cache in caches:
+
+        def caches(variant: KVSpec = variant) -> list[Any]:
+            made = make_kv_caches(source, spec, variant)
+            for cache in made:
                 cache.per_query_window = kv_reads == "decoded"
-            res = perplexity(source, kind_ids[: tokens + 1], caches, contexts=ppl_ctx)
+            return made
+
+        for k, kind_passages in passages.items():
+            count, tokens = len(kind_passages), len(kind_passages[0]) - 1
+            ppl = kind_perplexity(source, kind_passages, caches)
             if k not in base:  # the first variant is the unquantized cache
-                base[k] = res.ppl
-                report.source_ppl[f"{k}/{tokens}"] = res.ppl
+                base[k] = ppl
+                report.source_ppl[f"{k}/{count}x{tokens}"] = ppl
             rows.append(
                 Row(
                     "source",
                     requested,
                     k,
-                    res.ppl,
-                    100 * (res.ppl / base[k] - 1),
+                    ppl,
+                    100 * (ppl / base[k] - 1),
                     tokens,
                     None,
                     time.perf_counter() - t0,
@@ -443,9 +449,10 @@ def _kv_rows(
                     phone_kv_bytes=phone,
                     decode_tps={c: round(t, 3) for c, t in tps.items()},
                     kv_scheme=variant.scheme,
+                    passages=count,
                 )
             )
-            progress(f"  {k}: ppl {res.ppl:.3f} ({rows[-1].ppl_delta_pct:+.2f} %)")
+            progress(f"  {k}: ppl {ppl:.3f} ({rows[-1].ppl_delta_pct:+.2f} %)")
         progress(f"  decode {tps}")
     return rows
 

@@ -1,5 +1,6 @@
-"""`kvrig bench quality`'s weight rows on the real SmolLM2: one perplexity per kind over passages spread through
-the kind, equal to mlx-lm's own model read passage by passage (NLL summed by hand here)."""
+"""`kvrig bench quality`'s weight and KV rows on the real SmolLM2: one perplexity per kind over passages spread
+through the kind, equal to mlx-lm's own model (and its own quantized cache) read passage by passage (NLL summed by
+hand here)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,13 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return converted_source(tmp_path_factory)
 
 
-def mlx_lm_ppl(model: object, passages: list[list[int]]) -> float:
-    """exp of the mean NLL of every passage's tokens after its first, each passage read alone from no cache."""
+def mlx_lm_ppl(model: object, passages: list[list[int]], cache: list[object] | None = None) -> float:
+    """exp of the mean NLL of every passage's tokens after its first: each passage read alone from no cache, or
+    all of them side by side (one batch) from the empty caches `cache`."""
     nll = n = 0.0
-    for ids in passages:
-        x = mx.array([ids])
-        logits = model(x[:, :-1]).astype(mx.float32)  # type: ignore[operator]
+    for ids in [passages] if cache is not None else [[p] for p in passages]:
+        x = mx.array(ids)
+        logits = model(x[:, :-1], cache=cache).astype(mx.float32)  # type: ignore[operator]
         target = x[:, 1:]
         picked = mx.take_along_axis(logits, target[..., None], axis=-1)[..., 0]
         nll += (mx.logsumexp(logits, axis=-1) - picked).sum().item()
@@ -66,11 +68,56 @@ def test_weight_rows_measure_passages_spread_over_each_kind(source: Path) -> Non
         assert row.ppl_delta_pct == pytest.approx(100 * (row.ppl / base - 1))
 
 
+def test_kv_rows_measure_passages_spread_over_each_kind(source: Path) -> None:
+    from mlx_lm.models.cache import QuantizedKVCache
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    from kvrig.quality.bench import run_quality_bench
+    from kvrig.texts import kind_segments
+
+    report = run_quality_bench(
+        source,
+        recipes=(),
+        kv_variants=("fp16", "k8v8"),
+        kv_tokens=TOKENS,
+        kv_passages=PASSAGES,
+        contexts=(256,),
+        decode_steps=1,
+        factual_recipe=None,
+    )
+    tokenizer = load_tokenizer(source)
+    reference, _ = load_model(source)
+    reference.set_dtype(mx.float32)
+    passages = {k: kind_segments(tokenizer, k, PASSAGES, TOKENS + 1) for k in report.text}
+    # no weight rows: the source is measured on the KV rows' passages only
+    assert report.weights == [] and set(report.source_ppl) == {f"{k}/{PASSAGES}x{TOKENS}" for k in passages}
+    assert len(report.kv) == 2 * len(passages)
+    layers = len(reference.layers)  # type: ignore[attr-defined]
+
+    for row in report.kv:
+        assert (row.recipe, row.passages, row.tokens) == ("source", PASSAGES, TOKENS)
+        kind_passages = passages[row.kind]
+        # k8v8 is mlx-lm's own 8-bit cache at group 64 and its quantized attention. Read side by side as the bench
+        # reads them: a passage read alone differs in the last float bits of its keys, and a few of those cross
+        # a rounding step, which moves perplexity by more than float rounding.
+        quantized: list[object] = [QuantizedKVCache(group_size=64, bits=8) for _ in range(layers)]
+        expected = mlx_lm_ppl(reference, kind_passages, quantized if row.kv == "k8v8" else None)
+        assert row.ppl == pytest.approx(expected, rel=2e-3)
+        base = report.source_ppl[f"{row.kind}/{PASSAGES}x{TOKENS}"]
+        assert row.ppl_delta_pct == pytest.approx(100 * (row.ppl / base - 1))
+        # the first passage alone is another number: the row is over all of them
+        assert abs(mlx_lm_ppl(reference, kind_passages[:1]) / expected - 1) > 1e-2
+    k8v8 = {r.kind: r.ppl for r in report.kv if r.kv == "k8v8"}
+    assert all(k8v8[k] != report.source_ppl[f"{k}/{PASSAGES}x{TOKENS}"] for k in passages)
+
+
 @pytest.mark.parametrize(
     ("command", "option"),
     [
         ("quality", "--weights-tokens"),
         ("quality", "--weights-passages"),
+        ("quality", "--kv-tokens"),
+        ("quality", "--kv-passages"),
         ("quantize", "--tokens"),
         ("quantize", "--passages"),
     ],
