@@ -40,6 +40,7 @@ FIT_KV = (
     "k4v4+rot",
     "k4v4+rot+s4+w64",
     "k3v3+rot+s4+w64",
+    "k3v3+rot+s4+w112",
 )
 REFERENCE_CONTEXT = 4096
 """KV specs are compared by their bytes at this context (sink and window copies included)."""

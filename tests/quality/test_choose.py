@@ -127,3 +127,9 @@ def test_fit_that_no_pair_holds_names_the_closest_pair_and_devices_that_would(tm
     message = proc.stderr
     assert "nothing holds 8192 tokens on tight-phone: the closest is " in message and "Traceback" not in message
     assert "would hold it on iphone-" in message  # a real phone of kvrig's holds it with the smallest pair
+
+
+def test_fit_kv_candidates_are_spelled_as_the_kv_grammar_writes_them() -> None:
+    """`--fit` records these names in the manifest; each is the canonical spelling of the spec it parses to."""
+    for name in choose.FIT_KV:
+        assert parse_kv(name).name == name
