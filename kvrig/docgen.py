@@ -214,9 +214,11 @@ def _environment(root: Path) -> jinja2.Environment:
 
 def _measured_line(m: Measurement) -> str:
     """The line beside every generated figure: what ran, when, on what."""
-    versions = ", ".join(f"{k} {m.versions.get(k) or 'absent'}" for k in ("kvrig", "mlx", "mlx-lm"))
-    if m.commit:
-        versions += f" at {m.commit}"
+    # the commit is kvrig's (a trailing + when the tree had changes), so it sits beside kvrig's version
+    versions = ", ".join(
+        f"{k} {m.versions.get(k) or 'absent'}" + (f" at {m.commit}" if k == "kvrig" and m.commit else "")
+        for k in ("kvrig", "mlx", "mlx-lm")
+    )
     before = "".join(f"`{c}`, then " for c in m.before)
     return (
         f"Measured by {before}`{m.command}` on {m.date:%Y-%m-%d} ({m.seconds:.0f} s; {versions}; "

@@ -124,6 +124,14 @@ def _generated_page(root: Path) -> Path:
     return next(p for p in pages(root) if SECTION.search(p.read_text()))
 
 
+def test_the_measured_line_names_the_commit_beside_kvrigs_version() -> None:
+    """A record's commit is kvrig's tree, not mlx-lm's: the line beside the figures says so."""
+    data = json.loads((ROOT / "docs" / "data" / "quality-kv.json").read_text())
+    v = data["versions"]
+    line = f"kvrig {v['kvrig']} at {data['commit']}, mlx {v['mlx']}, mlx-lm {v['mlx-lm']};"
+    assert data["commit"] and line in (ROOT / "docs" / "quality.md").read_text()
+
+
 def test_a_hand_edited_figure_is_stale(checkout: Path) -> None:
     page = _generated_page(checkout)
     text = page.read_text()
