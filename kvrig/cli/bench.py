@@ -114,7 +114,7 @@ def _csv(text: str) -> tuple[str, ...]:
     default=2048,
     show_default=True,
     type=click.IntRange(min=1),
-    help="Tokens per passage for the KV rows (one run from an empty cache through the contexts they read).",
+    help="Tokens per passage for the KV rows (each passage one run from empty caches).",
 )
 @click.option(
     "--kv-passages",

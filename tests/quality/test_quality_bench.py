@@ -1,6 +1,6 @@
 """`kvrig bench quality`'s weight and KV rows on the real SmolLM2: one perplexity per kind over passages spread
-through the kind, equal to mlx-lm's own model (and its own quantized cache) read passage by passage (NLL summed by
-hand here)."""
+through the kind, equal to mlx-lm's own model (and its own quantized cache) reading the same passages (NLL summed
+by hand here)."""
 
 from __future__ import annotations
 
