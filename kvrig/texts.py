@@ -192,13 +192,25 @@ def kind_segments(tokenizer: object, name: str, segments: int, n: int) -> list[l
     text, used = read_kind(name)
     source = ", ".join(used)
     size = len(text) // segments
+    # a part too short names the way out: fewer passages draw on longer parts
+    expected = f">= {n} tokens in each of {segments} equal parts of the text"
+    expected += "; fewer passages draw on longer parts" if segments > 1 else ""
     return [
-        _tail_tokens(tokenizer, text[: (i + 1) * size], n, what=f"part {i + 1} of the {name} text", source=source)
+        _tail_tokens(
+            tokenizer,
+            text[: (i + 1) * size],
+            n,
+            what=f"part {i + 1} of {segments} of the {name} text (passage {i + 1})",
+            source=source,
+            expected=expected,
+        )
         for i in range(segments)
     ]
 
 
-def _tail_tokens(tokenizer: object, text: str, n: int, *, what: str, source: str) -> list[int]:
+def _tail_tokens(
+    tokenizer: object, text: str, n: int, *, what: str, source: str, expected: str | None = None
+) -> list[int]:
     """The last `n` tokens of `text`, encoded from a line start."""
     chars = 8 * n
     while True:
@@ -209,6 +221,6 @@ def _tail_tokens(tokenizer: object, text: str, n: int, *, what: str, source: str
         chars *= 2
     if len(ids) < n:
         raise QualityInputError(
-            f"{what} has {len(ids)} tokens, fewer than the {n} asked for", file=source, expected=f">= {n}"
+            f"{what} has {len(ids)} tokens, fewer than the {n} asked for", file=source, expected=expected or f">= {n}"
         )
     return ids[-n:]

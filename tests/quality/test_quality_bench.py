@@ -131,3 +131,22 @@ def test_a_passage_of_no_tokens_is_refused_before_anything_loads(command: str, o
     result = CliRunner().invoke(cli, ["bench", command, option, "0"])
     assert result.exit_code == 2, result.output
     assert f"Invalid value for '{option}': 0 is not in the range x>=1" in result.output
+
+
+def test_passages_longer_than_a_part_of_the_kind_are_refused_naming_the_files_and_the_way_out(tmp_path: Path) -> None:
+    """Each passage is the tail of an equal part of the kind: one longer than its part is the input error (exit 46)
+    naming the files read and that fewer passages draw on longer parts, before any model loads."""
+    import subprocess
+    import sys
+
+    from kvrig.exceptions import QualityInputError
+    from kvrig.texts import read_kind
+
+    args = ["bench", "quality", "--recipes", "", "--kv", "fp16", "--kv-tokens", "100000", "--factual-recipe", ""]
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "kvrig", *args, "-o", str(out)], capture_output=True, text=True)
+    assert proc.returncode == QualityInputError.exit_code == 46, proc.stderr
+    assert ", ".join(read_kind("legal")[1]) in proc.stderr and "Traceback" not in proc.stderr
+    assert "part 1 of 4 of the legal text (passage 1)" in proc.stderr
+    assert "fewer than the 100001 asked for" in proc.stderr and "fewer passages draw on longer parts" in proc.stderr
+    assert not out.exists()
