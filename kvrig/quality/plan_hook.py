@@ -27,7 +27,7 @@ def apply_quality(
     """A copy of `plan` whose recommendation only takes schemes measured within `kv_limit_pct` (schemes the
     report did not measure are left out when any measured one fits)."""
     data = read_quality(path)
-    measured = {row["kv"]: float(row["ppl_delta_pct"]) for row in data["kv"] if "+" not in row["kv"]}
+    measured = {k: float(r["ppl_delta_pct"]) for k, r in _worst(data["kv"], "kv").items() if "+" not in k}
     rec = plan.recommendation
     reasons = list(rec.reasons)
     ok = [s for s, ctx in plan.max_context.items() if ctx > 0 and s in measured and measured[s] <= kv_limit_pct]
@@ -45,11 +45,15 @@ def apply_quality(
         )
     else:
         reasons.append(f"measured quality ({path.name}): no fitting scheme is within {kv_limit_pct:g} % perplexity.")
-    weights = {row["recipe"]: row for row in data["weights"]}
+    weights = _worst(data["weights"], "recipe")
     w = weights.get(plan.weights_recipe) or weights.get(f"{plan.weights_recipe}g{plan.group_size}")
     if w is not None and float(w["ppl_delta_pct"]) > weights_limit_pct:
         passing = sorted(
-            (r for r in data["weights"] if float(r["ppl_delta_pct"]) <= weights_limit_pct and r.get("bits_per_weight")),
+            (
+                r
+                for r in weights.values()
+                if float(r["ppl_delta_pct"]) <= weights_limit_pct and r.get("bits_per_weight")
+            ),
             key=lambda r: r["bits_per_weight"],
         )
         hint = f"; the smallest that passes: {passing[0]['recipe']}" if passing else ""
@@ -59,3 +63,14 @@ def apply_quality(
         )
     new = rec.model_copy(update={"scheme": chosen, "max_context": context, "reasons": reasons})
     return plan.model_copy(update={"recommendation": new})
+
+
+def _worst(rows: list[dict[str, Any]], name: str) -> dict[str, dict[str, Any]]:
+    """Each recipe's or KV spec's row on its worst kind of text: the report has one row per kind, and a choice
+    holds only if it holds on every kind."""
+    out: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        kept = out.get(row[name])
+        if kept is None or float(row["ppl_delta_pct"]) > float(kept["ppl_delta_pct"]):
+            out[row[name]] = row
+    return out

@@ -48,3 +48,36 @@ def test_recommendation_skips_schemes_measured_over_the_limit(tmp_path: Path) ->
         text=True,
     )
     assert proc.returncode == QualityInputError.exit_code == 46 and str(bad) in proc.stderr
+
+
+def test_a_choice_is_judged_on_its_worst_kind_of_text(tmp_path: Path) -> None:
+    """The bench writes one row per kind: k8v4 over the limit on licences is over the limit, whatever the
+    quotations say, and q5 over the gate's limit on one kind is not "the smallest that passes"."""
+    from kvrig.planner import plan
+
+    p = plan(None, "iPhone16,1", schemes=("k8v4", "k4v4"), weights="q4")
+    assert p.recommendation.scheme == "k8v4"  # the planner's own choice, before the measurements
+    kv = {"k8v4": (3.0, 0.5), "k4v4": (0.3, 1.0)}
+    weights = {"q4": (4.5, 18.4, 20.1), "q5": (5.5, 12.0, 4.0), "q6": (6.5, 6.2, 6.0)}
+    path = tmp_path / "quality.json"
+    path.write_text(
+        json.dumps(
+            {
+                "kv": [
+                    {"kv": k, "kind": kind, "ppl_delta_pct": d}
+                    for k, deltas in kv.items()
+                    for kind, d in zip(("legal", "quotes"), deltas, strict=True)
+                ],
+                "weights": [
+                    {"recipe": r, "kind": kind, "ppl_delta_pct": d, "bits_per_weight": bpw}
+                    for r, (bpw, *deltas) in weights.items()
+                    for kind, d in zip(("legal", "quotes"), deltas, strict=True)
+                ],
+            }
+        )
+    )
+    out = apply_quality(p, path)
+    assert out.recommendation.scheme == "k4v4"
+    added = out.recommendation.reasons[len(p.recommendation.reasons) :]
+    assert any("k8v4 is +3.00 %" in r for r in added), added
+    assert any("q4: +20.1 %" in r and "the smallest that passes: q6" in r for r in added), added
