@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import click
 
 from kvrig.cli.output import info
 from kvrig.cli.plan import plan_bench
 from kvrig.cli.render import echo_json, human_bytes, json_option
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _count_option(flag: str, default: int, help: str) -> Callable[[F], F]:
+    """A passage count or length: at least 1 (0 is click's usage error naming the option, not a traceback)."""
+    return click.option(flag, default=default, show_default=True, type=click.IntRange(min=1), help=help)
 
 
 @click.group(
@@ -95,33 +104,15 @@ def _csv(text: str) -> tuple[str, ...]:
     help="Kinds of text to evaluate on (texts.py): legal and quotes are kinds calibration never reads; "
     "python-held-out and manual are files it never reads.",
 )
-@click.option(
-    "--weights-tokens",
-    default=512,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="Tokens per passage for the weight rows.",
-)
-@click.option(
+@_count_option("--weights-tokens", 512, "Tokens per passage for the weight rows.")
+@_count_option(
     "--weights-passages",
-    default=4,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="Passages per kind for the weight rows, spread over the kind's files; one perplexity over all of them.",
+    4,
+    "Passages per kind for the weight rows, spread over the kind's files; one perplexity over all of them.",
 )
-@click.option(
-    "--kv-tokens",
-    default=2048,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="Tokens per passage for the KV rows (each passage one run from empty caches).",
-)
-@click.option(
-    "--kv-passages",
-    default=4,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="Passages per kind for the KV rows, spread over the kind's files as --weights-passages are.",
+@_count_option("--kv-tokens", 2048, "Tokens per passage for the KV rows (each passage one run from empty caches).")
+@_count_option(
+    "--kv-passages", 4, "Passages per kind for the KV rows, spread over the kind's files as --weights-passages are."
 )
 @click.option("--contexts", default="512,1024,2048,4096", show_default=True, help="Contexts for bytes and decode.")
 @click.option("--decode-steps", default=8, show_default=True, type=int)
@@ -199,6 +190,11 @@ def quality(
     _print_quality(report, paths)
 
 
+def _spread(row: Any) -> str:
+    """What a bench row's perplexity is over."""
+    return f"{row.passages} passages of {row.tokens} tokens spread over each kind"
+
+
 def _print_quality(report: object, paths: list[Path]) -> None:
     from kvrig.quality.bench import QualityReport, worst_by_name
 
@@ -214,8 +210,7 @@ def _print_quality(report: object, paths: list[Path]) -> None:
         + ", ".join(f"{v:.3f} on {k} tokens" for k, v in report.source_ppl.items())
     )
     if report.weights:
-        w0 = report.weights[0]
-        spread = f"{w0.passages} passages of {w0.tokens} tokens spread over each kind"
+        spread = _spread(report.weights[0])
         click.echo(f"\nweight recipes ({spread}, fp KV): PPL change")
         kind_heads = "".join(f"{k:>11}" for k in kinds)
         click.echo(f"{'recipe':16}{'bits/weight':>12}{kind_heads}{'worst':>9}{'seconds':>9}")
@@ -232,8 +227,7 @@ def _print_quality(report: object, paths: list[Path]) -> None:
             "decoded": "each position reads its own recent window, as decoding it would",
             "chunked": "the recent window at each 256-token chunk's end",
         }[report.kv_reads]
-        k0 = report.kv[0]
-        spread = f"{k0.passages} passages of {k0.tokens} tokens spread over each kind"
+        spread = _spread(report.kv[0])
         click.echo(f"\nKV specs (source weights, {spread}, {reads}): PPL change")
         worst = worst_by_name(report.kv, lambda r: r.kv)
         fp = worst.get("fp16")
@@ -270,15 +264,9 @@ def _print_quality(report: object, paths: list[Path]) -> None:
     show_default=True,
     help="Weight recipes (as kvrig package takes them) and dwq-qN (mlx-lm's DWQ from the qN layout).",
 )
-@click.option(
-    "--tokens", default=512, show_default=True, type=click.IntRange(min=1), help="Tokens per evaluation passage."
-)
-@click.option(
-    "--passages",
-    default=4,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="Evaluation passages per kind, spread over its files (as bench quality's --weights-passages).",
+@_count_option("--tokens", 512, "Tokens per evaluation passage.")
+@_count_option(
+    "--passages", 4, "Evaluation passages per kind, spread over its files (as bench quality's --weights-passages)."
 )
 @click.option(
     "--budget", default=600.0, show_default=True, type=float, help="Seconds a recipe may take; longer: skipped."
