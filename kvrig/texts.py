@@ -177,18 +177,16 @@ def tokens_of(tokenizer: object, text: str, n: int, *, what: str, source: str) -
     return ids[:n]
 
 
-def kind_tokens(tokenizer: object, name: str, n: int, *, from_end: bool = False) -> list[int]:
-    """The first `n` tokens of one kind of text, or with `from_end` its last `n`."""
+def kind_tokens(tokenizer: object, name: str, n: int) -> list[int]:
+    """The first `n` tokens of one kind of text."""
     text, used = read_kind(name)
-    source = ", ".join(used)
-    if not from_end:
-        return tokens_of(tokenizer, text, n, what=f"the {name} text", source=source)
-    return _tail_tokens(tokenizer, text, n, what=f"the {name} text", source=source)
+    return tokens_of(tokenizer, text, n, what=f"the {name} text", source=", ".join(used))
 
 
 def kind_segments(tokenizer: object, name: str, segments: int, n: int) -> list[list[int]]:
     """`segments` runs of `n` tokens spread over one kind of text: the last `n` tokens of each of `segments`
-    equal parts (the gate's: one short passage is a noisy sample of a kind, the quality bench reads beginnings)."""
+    equal parts: one short passage is a noisy sample of a kind. The package gate and both quality benches read
+    these."""
     text, used = read_kind(name)
     source = ", ".join(used)
     size = len(text) // segments
