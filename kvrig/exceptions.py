@@ -1,7 +1,8 @@
 """Every error kvrig raises on purpose. The CLI maps each class to a message and an exit code.
 
-Exit codes: 1 unexpected, 2 command-line usage (click), then one per family below so scripts and CI can
-tell "your input file is wrong" from "it does not fit" from "the phone went away".
+Exit codes: 1 a kvrig error of no narrower class, 2 command-line usage (click), 70 a bug (an exception kvrig
+did not raise on purpose), then one per family below so scripts and CI can tell "your input file is wrong" from
+"it does not fit" from "the phone went away".
 """
 
 from __future__ import annotations
@@ -365,7 +366,8 @@ class TunnelLostError(DeviceLostError):
 
 
 class LabShardError(InputError):
-    """`--shard` or `--devices` is not what was expected, a host is named twice, or a folder to merge is not a lab's."""
+    """`--shard` is not what was expected, a `--usbmuxd` host is named twice or has no name, or a folder to merge is
+    not a lab's."""
 
     exit_code = 42
 

@@ -11,7 +11,7 @@ import pytest
 
 import kvrig
 
-HEAVY = ("mlx", "mlx_lm", "coremltools", "pymobiledevice3", "matplotlib", "transformers")
+HEAVY = ("mlx", "mlx_lm", "coremltools", "pymobiledevice3", "matplotlib", "transformers", "numba")
 LOADED = """
 import sys
 {code}

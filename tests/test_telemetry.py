@@ -209,5 +209,13 @@ def test_fuzz_random_lines(tmp_path: Path, lines: list[dict], tail: str) -> None
     except ReportError as exc:
         assert str(path) in str(exc)
         return
+    # Whatever was kept comes from the lines written: a run's steps are some of its step lines, in their order.
+    written = [x for x in lines if isinstance(x.get("run_id"), str)]
+    assert sum(len(r.events) for r in log.runs) + log.skipped_lines <= len(lines) + tail.count("\n") + 1
     for s in summarize(log):
-        assert s.steps >= 0
+        step_lines = [x for x in written if x["run_id"] == s.run_id and x.get("event") == "step"]
+        assert any(x["run_id"] == s.run_id for x in written)
+        assert s.steps <= len(step_lines)
+        if s.steps:
+            assert s.last_context_tokens in [x.get("context_tokens") for x in step_lines]
+            assert s.max_context_tokens is not None and s.max_context_tokens >= s.last_context_tokens

@@ -104,6 +104,7 @@ def auto_rotation(kv: KVSpec, config: dict[str, Any], file: Path) -> Rotation:
 
 
 def package_default_kv(src: Path) -> str:
-    """The KV spec `kvrig package` writes by default for the model in `src`."""
+    """`--kv auto` resolved for the model in `src` without measuring (what `kvrig package --no-quality-gate`
+    writes): k8v4, rotated where the head dims allow."""
     file = src / "config.json"
     return resolve_kv(PackageOptions().kv, json.loads(file.read_text()), file).name

@@ -64,14 +64,17 @@ def app(
     click.echo(f"push the bundle into the app's Documents/{bundle.resolve().name}/ (file sharing is on)")
 
 
-@click.command("build", short_help="Build a generated app into an .ipa with xcodegen and xcodebuild (macOS only).")
+@click.command(
+    "build", short_help="Build a generated app into an .ipa: xcodegen and xcodebuild on macOS, or --virtual anywhere."
+)
 @click.argument("project", type=click.Path(path_type=Path))
 @click.option("--team", default=None, help="Signing team ID (default: $KVRIG_TEAM_ID, then the project's).")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None, help="Folder for the .ipa.")
 @click.option(
     "--virtual",
     is_flag=True,
-    help="Package for the virtual iPhone instead (any OS): the project's Info.plist, run by kvrig's host runtime.",
+    help="Package for the virtual iPhone instead (any OS): the project's Info.plist, run by the runtime "
+    "--app-runtime names.",
 )
 @click.option(
     "--app-runtime",

@@ -22,7 +22,8 @@ def _count_option(flag: str, default: int, help: str) -> Callable[[F], F]:
 
 @click.group(
     "bench",
-    short_help="Benchmarks: host runtime vs mlx-lm, quality of recipes x KV schemes, the planner's own cost.",
+    short_help="Benchmarks: quality of recipes x KV schemes, quantizers vs mlx-lm's, host runtime vs mlx-lm, the "
+    "planner's own cost, startup.",
 )
 def bench() -> None:
     """Benchmarks."""
@@ -129,8 +130,8 @@ def _csv(text: str) -> tuple[str, ...]:
     "--factual-recipe",
     default="q8",
     show_default=True,
-    help="Recipe checked on factual prompts, with the KV scheme kvrig package writes by default (k8v4, rotated "
-    "where the head dims allow); '' skips.",
+    help="Recipe checked on factual prompts, with k8v4 KV rotated where the head dims allow (--kv auto's rule "
+    "when nothing is measured); '' skips.",
 )
 @click.option(
     "-o",

@@ -64,9 +64,10 @@ def run(
 
     Exit codes: 0 every run passed its gates; 17 a gate failed or a run ended badly (crash, hang, device
     lost, could not run); 18 the lab could not run at all (no device matched, no run could start);
-    3 the lab file is wrong; 42 --shard, --devices or --usbmuxd is wrong; 34 the output folder holds a lab's
-    results already (never overwritten); 38 results could not be written (disk full); 130 Ctrl-C and 143 SIGTERM
-    (each phone's app stopped first). A phone whose preflight fails (Developer Mode off, no image, no tunnel)
+    3 the lab file is wrong; 42 --shard is wrong or --usbmuxd names a host twice or without a name; 51 an
+    --usbmuxd address is neither a socket path nor HOST:PORT; 34 the output folder holds a lab's results already
+    (never overwritten); 38 results could not be written (disk full); 130 Ctrl-C and 143 SIGTERM (each phone's
+    app stopped first). A phone whose preflight fails (Developer Mode off, no image, no tunnel)
     fails its runs with that cause."""
     from kvrig.device.hosts import parse_hosts
     from kvrig.device.loop import run_async

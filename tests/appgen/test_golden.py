@@ -10,6 +10,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 import kvrig
 
 GOLDEN = Path(__file__).parent / "golden" / "reference-tree.json"
@@ -31,6 +33,7 @@ def test_reference_tree_matches_golden(reference_project: Path) -> None:
     if os.environ.get("KVRIG_UPDATE_GOLDEN") == "1":
         GOLDEN.parent.mkdir(exist_ok=True)
         GOLDEN.write_text(json.dumps(current, indent=2, sort_keys=True) + "\n")
+        pytest.skip("the reference tree regenerated: review its diff")  # nothing was compared
     golden = json.loads(GOLDEN.read_text())
     assert sorted(current) == sorted(golden), "files added or removed (KVRIG_UPDATE_GOLDEN=1 to accept)"
     changed = [name for name in golden if golden[name] != current[name]]

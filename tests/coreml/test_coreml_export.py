@@ -111,11 +111,17 @@ def _check_bytes(result: ExportResult, bundle: Path) -> None:
 
 
 def test_smollm2_weight_bytes_equal_the_plan(smol_export: ExportResult, smol_bundle: Path) -> None:
+    import coremltools as ct
+
     _check_bytes(smol_export, smol_bundle)
     # `kvrig plan --backend coreml` on the source GGUF predicts the same program.
     plan = plan_coreml_model(None, "iPhone16,1", weights="q4", group_size=64, contexts=[SMOL_CONTEXT])
     assert plan.weight_file_bytes == (Path(smol_export.output) / WEIGHT_BIN).stat().st_size
-    assert plan.state_bytes[SMOL_CONTEXT] == smol_export.plan.state_bytes[SMOL_CONTEXT]
+    # The KV states the saved program declares (float16), read back by coremltools.
+    spec = ct.models.MLModel(smol_export.output, skip_model_load=True).get_spec()
+    states = [s.type.stateType.arrayType for s in spec.description.state]
+    assert states and all(a.dataType == ct.proto.FeatureTypes_pb2.ArrayFeatureType.FLOAT16 for a in states)
+    assert plan.state_bytes[SMOL_CONTEXT] == sum(int(np.prod(a.shape)) * 2 for a in states)
 
 
 def _check_dequantized(result: ExportResult, bundle: Path) -> int:

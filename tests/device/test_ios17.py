@@ -42,8 +42,6 @@ from tests.raw_telemetry import raw_steps
 from tests.virtual.conftest import BUNDLE_ID, LIMIT_BYTES, emulator_host, make_ipa
 
 ROOT = Path(__file__).resolve().parents[2]
-# The virtual iPhone's iOS 17+ side (branch ios17-virtual) serves the tunnel these tests drive.
-pytest.importorskip("kvrig.virtual.coredevice_proxy")
 
 
 class Phones:

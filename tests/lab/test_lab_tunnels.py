@@ -19,8 +19,6 @@ from tests.lab.conftest import short_entry
 from tests.lab.test_lab_runs import write_lab
 from tests.virtual.conftest import emulator_host, make_ipa
 
-pytest.importorskip("kvrig.virtual.coredevice_proxy")
-
 
 @pytest.fixture(scope="module")
 def lab_out(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:

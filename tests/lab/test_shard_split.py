@@ -1,5 +1,5 @@
 """Splitting a lab by phone (no device needed): rendezvous hashing keeps each phone on one shard and moves no
-phone when others are added; `--devices` narrows; bad --shard / --usbmuxd are exit 42."""
+phone when others are added; `--devices` narrows; a bad --shard is exit 42, an --usbmuxd that is no address 51."""
 
 from __future__ import annotations
 

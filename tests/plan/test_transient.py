@@ -139,10 +139,11 @@ def _fresh(code: str) -> str:
 def test_the_recorded_attention_peaks_are_this_mlx() -> None:
     """A plan reads MLX's attention peaks from the record (a live probe reads low now and then while other MLX
     processes run, and the plan changed between runs on it): held here to a live probe of the installed MLX.
-    KVRIG_UPDATE_GOLDEN=1 records the installed MLX first."""
+    KVRIG_UPDATE_GOLDEN=1 records the installed MLX instead (and skips: nothing is compared)."""
     if os.environ.get("KVRIG_UPDATE_GOLDEN") == "1":
         _fresh("from kvrig.planner.transient import record; print(record())")
         transient.recorded_peaks.cache_clear()
+        pytest.skip(f"attention peaks recorded for MLX {mx.__version__}: review the record's diff")
     code = (
         "import json; from dataclasses import asdict; from kvrig.planner.transient import measure_attention_peak; "
         "from kvrig.schemas.kvcache import KV_BITS; "
