@@ -274,6 +274,8 @@ def parse_kv(text: str, *, group_size: int = DEFAULT_GROUP_SIZE, dtype: str = "f
             by_layer |= dict.fromkeys((int(i) for i in layer_keys[2].split(".")), _kv_bits(layer_keys[1], "key", text))
         elif top := _TOP_KEYS.match(part):
             promote = (_kv_bits(top[1], "key", text), int(top[2]))
+            if not promote[1]:
+                raise KVSchemeError(f"KV spec '{text}': +k{top[1]}@top0 promotes no layer (expected M >= 1)")
         elif extra := _EXTRA.match(part):
             if extra[1] in ("rot", "rotk"):
                 rotation = "hadamard" if extra[1] == "rot" else "hadamard_keys"

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvrig.exceptions import PlanInputError, QuantizationError
+from kvrig.exceptions import KVSchemeError, PlanInputError, QuantizationError
 from kvrig.models.layers import DTYPE_BYTES, LayerSpec
 from kvrig.models.probe import Slot
 from kvrig.models.spec import ModelSpec
@@ -62,6 +62,29 @@ def _ranges(indices: list[int]) -> str:
         if indices and indices == list(range(indices[0], indices[-1] + 1))
         else (", ".join(map(str, indices)) or "none")
     )
+
+
+def promoted_for_bytes(spec: ModelSpec, scheme: KVSpec) -> KVSpec:
+    """`+kN@topM` counted before any measurement picks its layers (kvrig package measures them on the model):
+    keys at N bits in the M quantized layers whose keys take the most bytes per token (the fewest when N is
+    below the spec's key width), so the count never undercounts; exact where those layers' keys are alike."""
+    if scheme.promote_keys is None:
+        return scheme
+    bits, count = scheme.promote_keys
+    layers = [layer for layer in spec.layers if layer_quantized(layer, scheme)]
+    if count > len(layers):
+        raise KVSchemeError(
+            f"KV spec '{scheme.name}': +k{bits}@top{count} promotes more layers than the {len(layers)} with a "
+            f"quantized cache (expected M <= {len(layers)})"
+        )
+    ranked = sorted(layers, key=lambda layer: layer.kv_heads * layer.k_head_dim, reverse=bits > (scheme.key_bits or 0))
+    return scheme.with_layer_key_bits(dict(scheme.layer_key_bits) | {layer.index: bits for layer in ranked[:count]})
+
+
+def promotion_is_exact(spec: ModelSpec, scheme: KVSpec) -> bool:
+    """Whether `promoted_for_bytes` counts exactly whichever layers the measurement picks: every quantized
+    layer's keys take the same bytes per token."""
+    return len({layer.kv_heads * layer.k_head_dim for layer in spec.layers if layer_quantized(layer, scheme)}) <= 1
 
 
 def layer_quantized(layer: LayerSpec, scheme: KVSpec) -> bool:

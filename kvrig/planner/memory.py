@@ -20,6 +20,8 @@ from kvrig.planner.kv import (
     dequantizes_on_read,
     kv_bytes,
     kv_bytes_detail,
+    promoted_for_bytes,
+    promotion_is_exact,
     row_bytes,
 )
 from kvrig.planner.runtime import (
@@ -470,7 +472,7 @@ def plan_memory(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest | 
     _check_request(request)
     # a KV spec's group size is its own (k8v4g32) or 64, as kvrig package writes it; never the weights' group
     kv_group = request.kv_group_size or DEFAULT_GROUP_SIZE
-    parsed = {s.name: s for s in (parse_kv(n, group_size=kv_group, dtype=request.dtype) for n in request.schemes)}
+    parsed = _parsed_schemes(spec, request)
     for scheme in parsed.values():
         check_dims(spec, scheme)
     accounts, unavailable = _account_recipes(spec, request)
@@ -797,6 +799,19 @@ def _notes(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest, traine
     attention = _attention_note(spec, request)
     if attention:
         notes.append(attention)
+    promoted = [parse_kv(n) for n in request.schemes if "@top" in n.lower()]
+    for scheme in promoted:
+        assert scheme.promote_keys is not None
+        bits, count = scheme.promote_keys
+        notes.append(
+            f"{scheme.name}: kvrig package measures which {count} layers' keys suffer most; the plan counts keys at "
+            f"{bits} bits in the {count} layers where that costs the most"
+            + (
+                " (exact here: every quantized layer's keys take the same bytes)."
+                if promotion_is_exact(spec, scheme)
+                else " (an upper bound: this model's layers differ)."
+            )
+        )
     if request.app == "uncapped":
         notes.append(_UNCAPPED_NOTE.format(g=request.generations, d=request.decode_tokens, b=request.backend))
     if trained is None:
@@ -804,23 +819,29 @@ def _notes(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest, traine
     return notes
 
 
+def _parsed_schemes(spec: ModelSpec, request: PlanRequest) -> dict[str, KVSpec]:
+    """The request's KV specs by the name the user gave them, `+kN@topM` counted at its costliest layers."""
+    group = request.kv_group_size or DEFAULT_GROUP_SIZE
+    parsed = (parse_kv(n, group_size=group, dtype=request.dtype) for n in request.schemes)
+    return {s.name: promoted_for_bytes(spec, s) for s in parsed}
+
+
 def _attention_note(spec: ModelSpec, request: PlanRequest) -> str | None:
     """Why a scheme with K and V at one width (k4v4) can hold a larger prefill transient than a mixed one (k8v4):
     which attention each cache meets (planner/transient.py), with this plan's numbers at its largest context."""
-    group = request.kv_group_size or DEFAULT_GROUP_SIZE
-    parsed = [parse_kv(n, group_size=group, dtype=request.dtype) for n in request.schemes]
-    equal = [s for s in parsed if s.quantized and not dequantizes_on_read(s, spec)]
+    parsed = _parsed_schemes(spec, request)
+    equal = [name for name, s in parsed.items() if s.quantized and not dequantizes_on_read(s, spec)]
     if not equal:
         return None
     context = max(request.contexts)
     step = request.prefill_step
     scores = {
-        s.name: prefill_scores_bytes(spec, step, context, request.dtype, scheme=s, backend=request.backend)
-        for s in parsed
+        name: prefill_scores_bytes(spec, step, context, request.dtype, scheme=s, backend=request.backend)
+        for name, s in parsed.items()
     }
     shown = ", ".join(f"{name} {human_mib(b)}" for name, b in scores.items())
-    mixed = [s for s in parsed if dequantizes_on_read(s, spec)]
-    names = ", ".join(s.name for s in mixed)
+    mixed = {name: s for name, s in parsed.items() if dequantizes_on_read(s, spec)}
+    names = ", ".join(mixed)
     if not mixed:
         mixed_text = ""
     elif request.backend == "cpu":
@@ -829,13 +850,13 @@ def _attention_note(spec: ModelSpec, request: PlanRequest) -> str | None:
             "mlx-lm's quantized attention at the key width plus one dequantized layer"
         )
     else:
-        deq = ", ".join(human_mib(dequantized_read_bytes(spec, s, context, request.backend)) for s in mixed)
+        deq = ", ".join(human_mib(dequantized_read_bytes(spec, s, context, request.backend)) for s in mixed.values())
         mixed_text = (
             f"; {names} (K and V at their own widths) are dequantized one layer at a time ({deq} at {context} "
             "tokens) for MLX's attention, fused on Metal for head dims 64/80/128"
         )
     return (
-        f"Prefill transient by attention path: {', '.join(s.name for s in equal)} (K and V at one width) run mlx-lm's "
+        f"Prefill transient by attention path: {', '.join(equal)} (K and V at one width) run mlx-lm's "
         "quantized attention, unfused on every backend, so each prefill chunk holds heads x chunk x context scores"
         f"{mixed_text}. Attention buffers of a {step}-token chunk at {context} tokens on {request.backend}: {shown} "
         "(buffers per score measured on MLX's own attention on this host; "

@@ -236,3 +236,37 @@ def test_the_weights_group_size_leaves_the_kv_group_alone() -> None:
     assert g32["kv_bytes_per_token"] == default["kv_bytes_per_token"]
     assert g32["weights_bytes"] != default["weights_bytes"]  # the weights did change
     assert planned("--kv-group-size", "32")["kv_bytes_per_token"]["k8v4g32"] > default["kv_bytes_per_token"]["k8v4"]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_top_layers_are_planned_at_the_bytes_of_the_layers_the_measurement_picks(family: str, tmp_path: Path) -> None:
+    """`+kN@topM` in a plan, where nothing is measured: its bytes are MLX's nbytes of the caches kvrig package
+    makes once the sensitivity measurement has picked the layers (and more than the spec without them)."""
+    from kvrig.quality.kv_sensitivity import resolve_variant
+
+    config = TINY_CONFIGS[family]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model_cls, args_cls = model_classes(config)
+    model = model_cls(args_cls.from_dict(config))
+    model.set_dtype(mx.float16)
+    spec = spec_from_config(config)
+    name = "k4v4+k8@top1"
+    planned = plan(tmp_path, "iPhone16,1", schemes=[name, "k4v4"], contexts=[300], weights="fp16")
+    resolved = resolve_variant(model, spec, parse_kv(name), list(range(1, 65)))
+    assert resolved.promote_keys is None and len(resolved.layer_key_bits) == 1
+    caches = make_kv_caches(model, spec, resolved)
+    for chunk in context_schedule(300, 512):
+        model(mx.array([[7] * chunk]), cache=caches)
+        mx.eval([c.state for c in caches])
+    assert planned.kv_bytes[name]["300"] == sum(c.nbytes for c in caches)
+    assert planned.kv_bytes[name]["300"] > planned.kv_bytes["k4v4"]["300"]
+    assert any(name in note and "exact here" in note for note in planned.notes)
+
+
+def test_top_layers_beyond_the_models_or_none_are_refused() -> None:
+    from kvrig.exceptions import KVSchemeError
+
+    with pytest.raises(KVSchemeError, match=r"promotes more layers than the 30 with a quantized cache"):
+        plan(None, "iPhone16,1", schemes=["k4v4+k8@top31"], contexts=[256])
+    with pytest.raises(KVSchemeError, match=r"promotes no layer \(expected M >= 1\)"):
+        parse_kv("k4v4+k8@top0")
