@@ -58,3 +58,28 @@ def test_a_bad_recipe_or_group_is_refused_at_the_command_line(
     assert option in seen["err"] and needle in seen["err"], seen
     assert not seen["mlx"], "refused only after MLX was imported"
     assert list(tmp_path.iterdir()) == [], "nothing written"
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "needle"),
+    [
+        (["plan", "-d", "iPhone16,1", "--buffer-cache-mb", "nan"], 2, "'--buffer-cache-mb'"),
+        (["plan", "-d", "iPhone16,1", "--buffer-cache-mb", "inf"], 2, "'--buffer-cache-mb'"),
+        (["plan", "-d", "iPhone16,1", "--cap", "-5"], 2, "--cap"),
+        (["plan", "-d", "iPhone16,1", "--cap", "0"], 2, "--cap"),
+        (["plan", "-d", "iPhone16,1", "--contexts", "99999999999999"], 3, "field 'contexts'"),
+        (["plan", "-d", "iPhone16,1", "--prefill-step", "99999999999"], 3, "field 'prefill_step'"),
+        (["plan", "-d", "iPhone16,1", "--target-context", "99999999999"], 3, "field 'target_context'"),
+        (["bench", "quality", "--contexts", "abc"], 2, "'--contexts'"),
+        (["demo", "--prefill-step", "0,512", "-o", "never"], 2, "'--prefill-step'"),
+    ],
+)
+def test_numbers_out_of_range_are_refused_at_once_naming_the_option(
+    args: list[str], code: int, needle: str, tmp_path: Path
+) -> None:
+    """NaN, infinite, negative and absurdly large numbers: a usage error (2) or the plan's input error (3) naming
+    what was wrong, in seconds (a context of 10^14 tokens used to run for minutes, NaN to end in a traceback)."""
+    seen = probe(*args, cwd=tmp_path)
+    assert seen["code"] == code, seen["err"]
+    assert needle in seen["err"] and "Traceback" not in seen["err"]
+    assert not (tmp_path / "never").exists()

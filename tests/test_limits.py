@@ -20,6 +20,7 @@ from kvrig.planner.limits import load_limits
 from kvrig.schemas import validate_data
 from kvrig.schemas.lab import LabDevice, MatrixEntry
 from kvrig.schemas.results import DeviceRef, ResultsFile
+from tests.cli_run import run
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "examples" / "testapp-model" / "config.json"
@@ -128,3 +129,18 @@ def test_the_lab_predicts_against_the_limit_the_phone_build_stated(tmp_path: Pat
     profile = predictor.predict(entry, entry.schemes[0], "iphone-15-pro", device, phone=elsewhere)
     assert profile is not None and profile.limit_bytes != 200 * MIB
     assert profile.limit_source is not None and profile.limit_source.startswith("iphone-15-pro's default limit")
+
+
+def test_a_stated_limit_above_the_phones_ram_is_refused_naming_the_file_and_entry(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A registry entry bigger than the phone (hand-edited, or calibrated from a report of another device) would
+    plan contexts no phone can hold: `kvrig plan --limits` refuses it (exit 3), as a profile with such a limit is."""
+    registry = tmp_path / "limits.json"
+    limits = collect_limits([_results(tmp_path / "a.json", _run("r1", 1.0, 9 * 1024))]).registry  # 9 GiB on 8 GB
+    registry.write_text(limits.model_dump_json(by_alias=True))
+    args = ["plan", "--device", "iPhone16,1", "--limits", str(registry), "--os-build", "23A341", "--contexts", "256"]
+    code, out, err = run(capsys, *args)
+    assert code == 3, err
+    assert str(registry) in err and "iPhone16,1 build 23A341" in err and out == ""
+    assert "limit_bytes 9663676416 is more than the phone's RAM (expected at most 8589934592" in err

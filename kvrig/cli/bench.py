@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 
 import click
 
+from kvrig.cli.options import int_list
 from kvrig.cli.output import info
 from kvrig.cli.plan import plan_bench
 from kvrig.cli.render import echo_json, human_bytes, json_option
@@ -115,7 +116,13 @@ def _csv(text: str) -> tuple[str, ...]:
 @_count_option(
     "--kv-passages", 4, "Passages per kind for the KV rows, spread over the kind's files as --weights-passages are."
 )
-@click.option("--contexts", default="512,1024,2048,4096", show_default=True, help="Contexts for bytes and decode.")
+@click.option(
+    "--contexts",
+    default="512,1024,2048,4096",
+    show_default=True,
+    callback=int_list,
+    help="Contexts for bytes and decode.",
+)
 @click.option("--decode-steps", default=8, show_default=True, type=int)
 @click.option(
     "--kv-reads",
@@ -151,7 +158,7 @@ def quality(
     weights_passages: int,
     kv_tokens: int,
     kv_passages: int,
-    contexts: str,
+    contexts: list[int],
     decode_steps: int,
     kv_reads: str,
     factual_recipe: str,
@@ -178,7 +185,7 @@ def quality(
         weights_passages=weights_passages,
         kv_tokens=kv_tokens,
         kv_passages=kv_passages,
-        contexts=tuple(int(c) for c in _csv(contexts)),
+        contexts=tuple(contexts),
         decode_steps=decode_steps,
         kv_reads=kv_reads,
         factual_recipe=factual_recipe or None,

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from kvrig.cli.options import checked_specs, ios_option, tokens_option
+from kvrig.cli.options import checked_specs, int_list, ios_option, tokens_option
 from kvrig.cli.output import console, info
 from kvrig.cli.render import echo_json, human_bytes, json_option
 
@@ -38,7 +38,11 @@ if TYPE_CHECKING:
     help="KV spec as `kvrig package --kv` takes it, or several: auto,fp16,k8v8,k4v4+rot.",
 )
 @click.option(
-    "--prefill-step", default="512", show_default=True, help="Prefill step size (kvcache.json), or several: 256,512."
+    "--prefill-step",
+    default="512",
+    show_default=True,
+    callback=int_list,
+    help="Prefill step size (kvcache.json), or several: 256,512.",
 )
 @tokens_option(
     "--room-tokens",
@@ -63,7 +67,7 @@ def demo(
     device: str,
     weights: str,
     kv: list[str],
-    prefill_step: str,
+    prefill_step: list[int],
     room_tokens: int,
     step_tokens: int,
     decode_tokens: int,
@@ -80,7 +84,7 @@ def demo(
     from kvrig.demo import DemoOptions, run_demo
 
     schemes = kv
-    steps = _int_list(prefill_step, "--prefill-step")
+    steps = prefill_step
     combos = [(k, p) for k in schemes for p in steps]
     results = []
     for scheme, step in combos:
@@ -106,16 +110,6 @@ def demo(
         _render_one(results[0])
     else:
         _render_table(results)
-
-
-def _int_list(text: str, option: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise click.BadParameter(f"expected integers separated by commas, got {text!r}", param_hint=option) from None
-    if not values or min(values) < 1:
-        raise click.BadParameter(f"expected positive integers, got {text!r}", param_hint=option)
-    return values
 
 
 def _as_dict(result: DemoResult) -> dict[str, Any]:

@@ -10,6 +10,19 @@ import click
 Decorator = Any
 
 
+def int_list(ctx: click.Context | None, param: click.Parameter | None, value: str | None) -> list[int] | None:
+    """A callback for comma-separated counts (`--contexts 2048,8192`): positive integers, a usage error otherwise."""
+    if value is None:
+        return None
+    try:
+        items = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got '{value}'") from None
+    if not items or any(i < 1 for i in items):
+        raise click.BadParameter(f"expected positive integers, got '{value}'")
+    return items
+
+
 def ios_option(default: str, help: str) -> Decorator:
     """`--ios`: a release the virtual iPhone emulates."""
     # Imported here: only the virtual iPhone's commands take --ios, and the device layer never loads the emulator.

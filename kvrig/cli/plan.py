@@ -6,22 +6,10 @@ from pathlib import Path
 
 import click
 
-from kvrig.cli.options import backend_option, checked_specs, group_size_option, ram_option
+from kvrig.cli.options import backend_option, checked_specs, group_size_option, int_list, ram_option
 from kvrig.cli.output import console
 from kvrig.cli.render import echo_json, human_bytes, json_option
 from kvrig.recipes import DEFAULT_GROUP_SIZE, WEIGHT_CANDIDATES
-
-
-def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:
-    if value is None:
-        return None
-    try:
-        items = [int(v) for v in value.split(",") if v.strip()]
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers, got '{value}'") from None
-    if not items or any(i < 1 for i in items):
-        raise click.BadParameter(f"expected positive integers, got '{value}'")
-    return items
 
 
 def _buffer_cache(ctx: click.Context, param: click.Parameter, value: str) -> float | None:
@@ -32,7 +20,7 @@ def _buffer_cache(ctx: click.Context, param: click.Parameter, value: str) -> flo
         mib = float(value)
     except ValueError:
         raise click.BadParameter(f"expected MiB (a number >= 0) or 'uncapped', got '{value}'") from None
-    if mib < 0:
+    if not 0 <= mib < float("inf"):  # NaN too
         raise click.BadParameter(f"expected MiB (a number >= 0) or 'uncapped', got '{value}'")
     return mib
 
@@ -46,7 +34,7 @@ def _buffer_cache(ctx: click.Context, param: click.Parameter, value: str) -> flo
     callback=checked_specs("kv", auto=False, several=True),
     help="KV schemes, e.g. fp16,k8v4,k6v4g32 (default: all named).",
 )
-@click.option("--contexts", callback=_int_list, help="Contexts to list, e.g. 2048,8192.")
+@click.option("--contexts", callback=int_list, help="Contexts to list, e.g. 2048,8192.")
 @click.option(
     "--weights",
     default="auto",
@@ -184,7 +172,7 @@ def plan(
     from kvrig.planner import PlanRequest, bundle_residency
     from kvrig.planner import plan as make_plan
     from kvrig.planner.kv import ALL_NAMED_SCHEMES
-    from kvrig.planner.memory import DEFAULT_CONTEXTS
+    from kvrig.planner.memory import DEFAULT_CONTEXTS, MAX_CONTEXT
     from kvrig.planner.weights import DEFAULT_RECIPES
     from kvrig.profiles import device_ref
 
@@ -199,12 +187,17 @@ def plan(
     if cap == "trained":
         cap_value = None
     elif cap == "none":
-        cap_value = 1 << 22
+        cap_value = MAX_CONTEXT
     else:
         try:
             cap_value = int(cap)
         except ValueError:
-            raise click.BadParameter("expected 'trained', 'none' or a number", param_hint="--cap") from None
+            cap_value = 0
+        if not 1 <= cap_value <= MAX_CONTEXT:
+            raise click.BadParameter(
+                f"expected 'trained', 'none' or a number of tokens from 1 to {MAX_CONTEXT}, got '{cap}'",
+                param_hint="--cap",
+            )
     request = PlanRequest(
         schemes=tuple(schemes or ALL_NAMED_SCHEMES),
         weights=weights,

@@ -419,6 +419,11 @@ def recommend(
     return Recommendation(scheme=chosen, max_context=max_context[chosen], reasons=reasons)
 
 
+MAX_CONTEXT: Final = 1 << 22
+"""The longest context kvrig plans (`--cap none`): past any model's trained context, and a bound on the work a
+mistyped context can ask for."""
+
+
 class PlanRequest(StrictModel):
     """What to plan, typed: the CLI, demo, lab, calibration and packaging each build one. Every field defaults
     to the planner's default; `baseline_bytes` overrides the profile's estimated baseline (a calibration,
@@ -486,6 +491,13 @@ def plan_memory(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest | 
     cap = request.max_context_cap or (int(trained) if trained else 1 << 20)
     limit_kind, limit_bytes = _limits(profile, request.limit)
     if request.measured_limit_bytes is not None:  # what the phone said beats what the profile estimates
+        if request.measured_limit_bytes > profile.ram_bytes.value:
+            # a registry entry for another phone or a hand edit: no app is allowed more than the phone has
+            raise PlanInputError(
+                f"{request.measured_limit_source or 'the measured limit'}: limit_bytes {request.measured_limit_bytes}"
+                " is more than the phone's RAM",
+                expected=f"at most {profile.ram_bytes.value}, the RAM of {profile.name}",
+            )
         limit_kind, limit_bytes = request.limit, request.measured_limit_bytes
     baseline = profile.baseline if request.baseline_bytes is None else request.baseline_bytes
     mapped = request.weights_residency == "mapped"
@@ -679,10 +691,20 @@ def _account_recipes(spec: ModelSpec, request: PlanRequest) -> tuple[dict[str, W
 
 
 def _check_request(request: PlanRequest) -> None:
+    for field, values in (
+        ("contexts", request.contexts),
+        ("prefill_step", (request.prefill_step,)),
+        ("target_context", (request.target_context,) if request.target_context is not None else ()),
+        ("max_context_cap", (request.max_context_cap,) if request.max_context_cap is not None else ()),
+    ):
+        if not all(1 <= v <= MAX_CONTEXT for v in values):
+            raise PlanInputError(
+                f"{', '.join(map(str, values))} is out of range", field=field, expected=f"1 to {MAX_CONTEXT} tokens"
+            )
+    if request.buffer_cache_bytes < 0:
+        raise PlanInputError(f"{request.buffer_cache_bytes} bytes", field="buffer_cache_bytes", expected=">= 0")
     if not 0 <= request.margin < 1:
         raise PlanInputError(f"margin {request.margin} must be in [0, 1)", field="margin")
-    if request.prefill_step < 1:
-        raise PlanInputError("prefill step must be at least 1", field="prefill_step")
     if request.backend not in BACKENDS:
         raise PlanInputError(f"backend {request.backend!r}: expected one of {', '.join(BACKENDS)}", field="backend")
     if request.generations < 1:
