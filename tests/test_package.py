@@ -182,6 +182,24 @@ def test_force_replaces_a_bundle_but_nothing_else(q4_bundle: Path, source_dir: P
     )
 
 
+def test_loading_tells_an_unknown_architecture_from_a_broken_config(tmp_path: Path) -> None:
+    """mlx-lm raises ValueError for both; the unknown type is the one caused by a missing module (exit 4), the
+    rest is the config's fault (exit 5's ModelConfigError), whatever mlx-lm's message says."""
+    from kvrig.quantize.base import load_source_model
+
+    for name, config, error in [
+        ("unknown", {"model_type": "mamba9", "hidden_size": 8}, UnsupportedArchitectureError),
+        ("broken", {"model_type": "llama", "hidden_size": 8, "num_hidden_layers": 1}, ModelConfigError),
+    ]:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+        mx.save_safetensors(str(folder / "model.safetensors"), {"w": mx.zeros((2,))})
+        with pytest.raises(error) as caught:
+            load_source_model(folder)
+        assert str(folder / "config.json") in str(caught.value)
+
+
 def test_missing_and_incomplete_model_dirs(tmp_path: Path) -> None:
     with pytest.raises(ModelConfigError, match="not found"):
         package(tmp_path / "nope", tmp_path / "out", PackageOptions(weights="q8", quality_gate=False))

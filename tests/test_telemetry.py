@@ -68,6 +68,22 @@ def run_records(run_id: str, contexts: list[int], *, end: bool, t0: float = T0) 
     return [r.model_dump_json(by_alias=True) for r in recs]
 
 
+@pytest.mark.parametrize("tail", ["this is not telemetry", '{"event": "step"} and more', "\x00\x01ELF"])
+def test_a_last_line_that_is_no_record_cut_short_is_skipped_not_torn(tmp_path: Path, tail: str) -> None:
+    """Only an object cut short is a write the app was killed in; other text on the last line is not the app's."""
+    lines = run_records("r1", [256, 512], end=False)
+    path = tmp_path / "telemetry.jsonl"
+    path.write_text("\n".join(lines) + "\n" + tail)
+    log = read_telemetry(path)
+    assert log.torn_line is None and log.partial
+    assert [s.line for s in log.skipped] == [len(lines) + 1]
+    alone = tmp_path / "alone.jsonl"
+    alone.write_text(tail)
+    with pytest.raises(ReportError) as caught:
+        read_telemetry(alone)
+    assert "torn" not in str(caught.value) and "line 1: not JSON" in str(caught.value)
+
+
 def test_torn_last_line_is_tolerated_and_reported(tmp_path: Path) -> None:
     contexts = [256, 512, 1024, 2048, 4096]
     lines = run_records("r1", contexts, end=False)

@@ -8,17 +8,32 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvrig.exceptions import QualityInputError
+from kvrig.exceptions import SchemaError
 from kvrig.fileio import read_data
 
 DEFAULT_KV_LIMIT_PCT = 2.0
 
 
 def read_quality(path: Path) -> dict[str, Any]:
-    data = read_data(path, error=QualityInputError, expected="quality.json from kvrig bench quality")
+    """quality.json as `kvrig bench quality` writes it; a file that is not one is refused naming the field."""
+    data = read_data(path, error=SchemaError, expected="quality.json from kvrig bench quality")
     if not isinstance(data, dict) or not isinstance(data.get("kv"), list) or not isinstance(data.get("weights"), list):
-        raise QualityInputError("not a quality report", file=path, field="kv", expected="lists 'kv' and 'weights'")
+        raise SchemaError("not a quality report", file=path, field="kv", expected="lists 'kv' and 'weights'")
+    for section, name in (("kv", "kv"), ("weights", "recipe")):
+        for i, row in enumerate(data[section]):
+            delta = row.get("ppl_delta_pct") if isinstance(row, dict) else None
+            if not isinstance(row, dict) or not isinstance(row.get(name), str) or not _number(delta):
+                raise SchemaError(
+                    "not a row of kvrig bench quality",
+                    file=path,
+                    field=f"{section}[{i}]",
+                    expected=f"an object with '{name}' (text) and 'ppl_delta_pct' (a number)",
+                )
     return data
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == value  # NaN is not
 
 
 def apply_quality(

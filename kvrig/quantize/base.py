@@ -19,11 +19,13 @@ def load_source_model(model_dir: Path) -> tuple[Any, dict[str, Any]]:
     except FileNotFoundError as exc:
         raise ModelConfigError(f"cannot load the model: {exc}", file=model_dir) from None
     except ValueError as exc:
-        text = str(exc)
-        if "not supported" in text.lower():
+        # mlx-lm raises ValueError from the ImportError of a model type it has no module for
+        if isinstance(exc.__cause__, ImportError):
             arch = _read_model_type(model_dir)
             raise UnsupportedArchitectureError(arch, _mlx_lm_architectures(), file=model_dir / "config.json") from None
-        raise ModelConfigError(f"cannot build the model: {text}", file=model_dir / "config.json") from None
+        raise ModelConfigError(f"cannot build the model: {exc}", file=model_dir / "config.json") from None
+    except (TypeError, KeyError) as exc:  # the model's args built from a config that lacks or mistypes a field
+        raise ModelConfigError(f"cannot build the model: {exc!r}", file=model_dir / "config.json") from None
     return model, config
 
 

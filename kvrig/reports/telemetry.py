@@ -132,10 +132,10 @@ def read_telemetry(path: str | Path) -> TelemetryLog:
             if not raw.strip():
                 continue
             torn_candidate = not raw.endswith(b"\n")  # only the last line can lack its newline
-            reason, event = _parse_line(raw)
+            reason, event, cut = _parse_line(raw)
             if event is not None:
                 runs.setdefault(event.run_id, []).append(event)
-            elif torn_candidate and reason.startswith("not JSON"):
+            elif torn_candidate and cut:
                 torn = number
             else:
                 skipped_lines += 1
@@ -159,26 +159,39 @@ def read_telemetry(path: str | Path) -> TelemetryLog:
     )
 
 
-def _parse_line(raw: bytes) -> tuple[str, Any]:
-    """(why it was skipped, None) or ("", the event) for one line."""
+def _parse_line(raw: bytes) -> tuple[str, Any, bool]:
+    """(why it was skipped, None, whether it reads as an object cut short) or ("", the event, False) for one
+    line. Only a cut object can be a write the app was killed in; other text is not the app's."""
     if not raw.lstrip().startswith(b"{"):  # no JSON object can start otherwise: skipped without parsing
-        return "not JSON: not an object", None
+        return "not JSON: not an object", None, False
     try:
-        obj = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        return f"not JSON: {_short(exc)}", None
+        text = raw.decode("utf-8")
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return f"not JSON: {_short(exc)}", None, not _whole_object_first(text)
+    except (UnicodeDecodeError, RecursionError) as exc:
+        return f"not JSON: {_short(exc)}", None, False
     try:
-        return "", _EVENT.validate_python(obj)
+        return "", _EVENT.validate_python(obj), False
     except ValidationError as exc:
         field, message, expected = describe_validation_error(exc)
-        return f"field '{field}': {message}" + (f" (expected {expected})" if expected else ""), None
+        return f"field '{field}': {message}" + (f" (expected {expected})" if expected else ""), None, False
+
+
+def _whole_object_first(text: str) -> bool:
+    """Whether `text` opens with a whole JSON object (then more): not a write cut short."""
+    try:
+        json.JSONDecoder().raw_decode(text.lstrip())
+    except (json.JSONDecodeError, RecursionError):
+        return False
+    return True
 
 
 def end_record(raw: bytes, run_id: str) -> EndEvent | None:
     """The end record of run `run_id` if this one line is it (a cheap test first: most lines are steps)."""
     if b'"end"' not in raw:
         return None
-    _, event = _parse_line(raw)
+    _, event, _ = _parse_line(raw)
     return event if isinstance(event, EndEvent) and event.run_id == run_id else None
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrig.exceptions import QualityInputError
+from kvrig.exceptions import SchemaError
 from kvrig.quality.plan_hook import apply_quality
 
 
@@ -37,17 +37,23 @@ def test_recommendation_skips_schemes_measured_over_the_limit(tmp_path: Path) ->
     assert p.recommendation.reasons == out.recommendation.reasons[: len(p.recommendation.reasons)]
     assert any("q4" in r and "q6" in r for r in out.recommendation.reasons)
 
-    # the CLI takes the same file; a broken file is exit 46 naming it
+    # the CLI takes the same file; a file that is no quality report is exit 3 naming it and the field
     bad = tmp_path / "bad.json"
-    bad.write_text("{}")
-    with pytest.raises(QualityInputError):
-        apply_quality(p, bad)
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvrig", "plan", "--device", "iPhone16,1", "--quality", str(bad)],
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == QualityInputError.exit_code == 46 and str(bad) in proc.stderr
+    for text, field in [
+        ("{}", "field 'kv'"),
+        ('{"kv": [{"kv": "k8v4"}], "weights": []}', "field 'kv[0]'"),
+        ('{"kv": [], "weights": [{"recipe": "q4", "ppl_delta_pct": "high"}]}', "field 'weights[0]'"),
+    ]:
+        bad.write_text(text)
+        with pytest.raises(SchemaError):
+            apply_quality(p, bad)
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvrig", "plan", "--device", "iPhone16,1", "--quality", str(bad)],
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == SchemaError.exit_code == 3 and str(bad) in proc.stderr and field in proc.stderr
+        assert "Traceback" not in proc.stderr
 
 
 def test_a_choice_is_judged_on_its_worst_kind_of_text(tmp_path: Path) -> None:
