@@ -53,18 +53,25 @@ def coreml(bundle: Path, output: Path, target: str, context: int | None, replace
 
 
 def show_coreml_plan(
-    model: Path | None, device: str, weights: str, group_size: int, contexts: list[int], as_json: bool
+    model: Path | None, device: str, weights: str, group_size: int, contexts: list[int], limit: str, as_json: bool
 ) -> None:
     """`kvrig plan --backend coreml` (the option lives in cli/plan.py; this renders it)."""
     from kvrig.planner.coreml import plan_coreml_model
 
-    p = plan_coreml_model(model, device, weights=weights, group_size=group_size, contexts=contexts)
+    p = plan_coreml_model(
+        model,
+        device,
+        weights=weights,
+        group_size=group_size,
+        contexts=contexts,
+        limit=limit,  # type: ignore[arg-type]
+    )
     if as_json:
         echo_json(p)
         return
     click.echo(
         f"Core ML program for {p.model} ({p.model_type}), {weights} g{group_size}, on {p.device} "
-        f"(app limit {human_bytes(p.limit_bytes or 0)})"
+        f"({p.limit_kind} app limit {human_bytes(p.limit_bytes or 0)})"
     )
     dtypes = ", ".join(f"{k} {human_bytes(v)}" for k, v in p.weights_by_dtype.items())
     click.echo(f"  weights   {p.weights_bytes:,} bytes ({dtypes}); weight.bin {p.weight_file_bytes:,} bytes")

@@ -180,9 +180,11 @@ def plan(
     if backend == "coreml":
         from kvrig.cli.export import show_coreml_plan
 
+        _refuse_options_coreml_ignores(click.get_current_context())
         # Core ML has exact forms of q4, q8 and fp16 only: auto counts q4 there (gpx-q4's bytes)
         coreml_weights = "q4" if weights == "auto" else weights
-        show_coreml_plan(model, device, coreml_weights, group_size, list(contexts or DEFAULT_CONTEXTS), as_json)
+        contexts_listed = list(contexts or DEFAULT_CONTEXTS)
+        show_coreml_plan(model, device, coreml_weights, group_size, contexts_listed, limit, as_json)
         return
     if cap == "trained":
         cap_value = None
@@ -239,6 +241,28 @@ def plan(
         echo_json(result)
         return
     render_plan(result)
+
+
+# What `--backend coreml` plans: the exported program's weights and fp16 state at each context, against the limit.
+_COREML_OPTIONS = {"model", "device", "ram_gb", "weights", "group_size", "contexts", "limit", "backend", "as_json"}
+
+
+def _refuse_options_coreml_ignores(ctx: click.Context) -> None:
+    """A usage error naming the options given that a Core ML plan cannot honour (it used to drop them silently,
+    files that do not exist included)."""
+    from click.core import ParameterSource
+
+    given = [
+        param.opts[0]
+        for param in ctx.command.params
+        if param.name not in _COREML_OPTIONS
+        and ctx.get_parameter_source(param.name or "") not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)
+    ]
+    if given:
+        raise click.UsageError(
+            f"--backend coreml plans the exported program's weights and float16 state against the app limit; "
+            f"{', '.join(given)} apply to MLX plans only"
+        )
 
 
 def _measured_limit(request, device: str, limits_file: Path, os_build: str | None):  # type: ignore[no-untyped-def]

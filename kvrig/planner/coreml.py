@@ -221,7 +221,13 @@ class CoreMLPlan(StrictModel):
     total_bytes: dict[int, int] = Field(description="context -> weights + state")
     max_position_embeddings: int
     device: str | None = None
-    limit_bytes: int | None = Field(default=None, description="the device's app memory limit (entitled if known)")
+    limit_kind: Literal["entitled", "default"] = Field(
+        default="entitled", description="the limit asked for: with the increased-memory-limit entitlement or without"
+    )
+    limit_bytes: int | None = Field(
+        default=None,
+        description="the device's app memory limit of that kind (the default one where no entitled one is known)",
+    )
 
 
 def plan_coreml(
@@ -264,9 +270,10 @@ def plan_coreml_model(
     weights: str,
     group_size: int,
     contexts: list[int],
+    limit: Literal["entitled", "default"] = "entitled",
 ) -> CoreMLPlan:
     """`kvrig plan --backend coreml`: the program `kvrig export coreml` writes for MODEL packaged with
-    `weights` (q4, q8 or fp16), beside the device's app memory limit."""
+    `weights` (q4, q8 or fp16), beside the device's app memory limit of kind `limit`."""
 
     recipe = parse_weights(weights, group_size)
     if recipe.mixed or (not recipe.quantized and recipe.name != "fp16"):
@@ -276,5 +283,5 @@ def plan_coreml_model(
     config, path = read_config(model if model is not None else default_model_path())
     profile = load_profile(device)
     result = plan_coreml(config, path, bits=recipe.bits, group_size=group_size, contexts=contexts)
-    limit = profile.limit_entitled or profile.limit_default
-    return result.model_copy(update={"device": profile.name, "limit_bytes": limit})
+    limit_bytes = (profile.limit_entitled if limit == "entitled" else None) or profile.limit_default
+    return result.model_copy(update={"device": profile.name, "limit_kind": limit, "limit_bytes": limit_bytes})

@@ -116,6 +116,24 @@ def test_plan_backend_coreml(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0 and "weight.bin" in stdout
 
 
+def test_plan_backend_coreml_takes_the_limit_asked_for_and_refuses_what_it_cannot_honour(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from kvrig.profiles import load_profile
+
+    profile = load_profile("iPhone16,1")
+    for limit, expected in (("entitled", profile.limit_entitled), ("default", profile.limit_default)):
+        code, stdout, _ = _run(["plan", "-d", "iPhone16,1", "--backend", "coreml", "--limit", limit, "--json"], capsys)
+        assert code == 0
+        assert json.loads(stdout)["limit_kind"] == limit and json.loads(stdout)["limit_bytes"] == expected
+    # MLX-plan options (files that do not exist among them) are refused by name, not dropped
+    missing = str(tmp_path / "nonexistent.json")
+    args = ["--calibration", missing, "--margin", "0.2", "--schemes", "k8v4", "--cap", "none"]
+    code, stdout, err = _run(["plan", "-d", "iPhone16,1", "--backend", "coreml", *args], capsys)
+    assert code == 2 and stdout == ""
+    assert all(option in err for option in ("--calibration", "--margin", "--schemes", "--cap"))
+
+
 def test_a_weight_the_program_would_drop_is_refused(
     tiny_exports: dict[str, ExportResult], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
