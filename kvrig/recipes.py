@@ -50,11 +50,12 @@ MIXED_RECIPES: Final = ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6")
 TARGET_BITS: Final = 4  # the low width of the target-bpw recipes from 4.5 bits per weight (4 bits at group 64)
 LOW_TARGET_BITS: Final = 3  # imx-/gpx-BPW's low width below 4.5 (their layers upgraded to TARGET_BITS)
 DISTILL_STEPS: Final = 40  # `+kd` without a count
-_DISTILL = re.compile(r"^kd(\d*)$")
+_DISTILL = re.compile(r"^kd(\d*)$", re.ASCII)
 _WEIGHTS = re.compile(
     r"^(?:(?P<method>awq|gptq|imx|gpx)-)?q(?P<bits>\d)(?:g(?P<group>\d+))?$"
     r"|^(?P<target_method>dq|imx|gpx)-(?P<bpw>\d+(?:\.\d+)?)$"
-    r"|^(?P<plain>fp16|bf16|fp32|mixed_\d_\d)$"
+    r"|^(?P<plain>fp16|bf16|fp32|mixed_\d_\d)$",
+    re.ASCII,  # \d would take other scripts' digits too, which int() reads
 )
 
 
@@ -182,10 +183,10 @@ AUTO: Final = "auto"
 WEIGHT_CANDIDATES: Final = ("gpx-q4", "gpx-4.6", "q5", "q6", "q8")
 """What `--weights auto` tries, smallest first on every model: 4.5, ~4.6, 5.5, 6.5, 8.5 bits per weight. kvrig
 package keeps the first whose bundle passes the quality gate; a plan, which measures nothing, counts the first."""
-_BASE = re.compile(r"^k(\d+)v(\d+)(?:g(\d+))?$")
-_LAYER_KEYS = re.compile(r"^k(\d+)@(\d+(?:\.\d+)*)$")
-_TOP_KEYS = re.compile(r"^k(\d+)@top(\d+)$")
-_EXTRA = re.compile(r"^(rot|rotk|s(\d+)|w(\d+))$")
+_BASE = re.compile(r"^k(\d+)v(\d+)(?:g(\d+))?$", re.ASCII)
+_LAYER_KEYS = re.compile(r"^k(\d+)@(\d+(?:\.\d+)*)$", re.ASCII)
+_TOP_KEYS = re.compile(r"^k(\d+)@top(\d+)$", re.ASCII)
+_EXTRA = re.compile(r"^(rot|rotk|s(\d+)|w(\d+))$", re.ASCII)
 _ROTATION_PARTS: Final[dict[Rotation, str]] = {"none": "", "hadamard": "+rot", "hadamard_keys": "+rotk"}
 
 
@@ -269,7 +270,13 @@ def parse_kv(text: str, *, group_size: int = DEFAULT_GROUP_SIZE, dtype: str = "f
     rotation: Rotation = "none"
     sinks = recent = 0
     promote = None
+    given: dict[str, str] = {}  # kind of extra -> the part that set it: each kind once
     for part in parts:
+        kind = _extra_kind(part)
+        if kind is not None:
+            if kind in given:
+                raise KVSchemeError(f"KV spec '{text}': '+{part}' after '+{given[kind]}' (expected each extra once)")
+            given[kind] = part
         if layer_keys := _LAYER_KEYS.match(part):
             by_layer |= dict.fromkeys((int(i) for i in layer_keys[2].split(".")), _kv_bits(layer_keys[1], "key", text))
         elif top := _TOP_KEYS.match(part):
@@ -291,6 +298,16 @@ def parse_kv(text: str, *, group_size: int = DEFAULT_GROUP_SIZE, dtype: str = "f
         raise KVSchemeError(f"KV spec '{text}': per-layer widths and extras apply to quantized caches only")
     spec = replace(spec, rotation=rotation, sink_tokens=sinks, recent_tokens=recent)
     return replace(spec.with_layer_key_bits(by_layer), promote_keys=promote)
+
+
+def _extra_kind(part: str) -> str | None:
+    """What a part of a KV spec sets that a spec has one of: the rotation, sinks, window or top layers."""
+    if _TOP_KEYS.match(part):
+        return "top"
+    extra = _EXTRA.match(part)
+    if extra is None:
+        return None
+    return "sinks" if extra[2] else "window" if extra[3] else "rotation"
 
 
 def _parse_base(base: str, text: str, *, group_size: int, dtype: str) -> KVSpec:

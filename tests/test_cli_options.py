@@ -71,6 +71,8 @@ def test_a_bad_recipe_or_group_is_refused_at_the_command_line(
         (["plan", "-d", "iPhone16,1", "--prefill-step", "99999999999"], 3, "field 'prefill_step'"),
         (["plan", "-d", "iPhone16,1", "--target-context", "99999999999"], 3, "field 'target_context'"),
         (["bench", "quality", "--contexts", "abc"], 2, "'--contexts'"),
+        (["plan", "-d", "iPhone16,1", "--schemes", " , "], 2, "'--schemes'"),
+        (["plan", "-d", "iPhone16,1", "--recipes", ","], 2, "'--recipes'"),
         (["demo", "--prefill-step", "0,512", "-o", "never"], 2, "'--prefill-step'"),
     ],
 )

@@ -210,6 +210,32 @@ def test_truncated_report_keeps_complete_processes(tmp_path: Path, cut: float) -
     assert len(kept) < len(body["processes"])
 
 
+def test_a_process_lost_in_a_cut_report_reads_as_unknown_not_as_not_running(tmp_path: Path) -> None:
+    _, body = raw(IOS18)
+    last = body["processes"][-1]["name"]  # the report's last entry: lost when the file is cut before it
+    text = IOS18.read_text()
+    path = tmp_path / "cut.ips"
+    path.write_text(text[: int(len(text) * 0.8)])
+    cut = verdict(read_report(path), last)
+    assert not read_report(path).processes_complete
+    assert not cut.present and "whether it ran is unknown" in cut.summary and "not running" not in cut.summary
+    whole = verdict(read_report(IOS18), "NoSuchProcess")
+    assert read_report(IOS18).processes_complete and "it was not running" in whole.summary
+
+
+def test_negative_or_non_integer_page_counts_are_problems_not_footprints(tmp_path: Path) -> None:
+    header, body = raw(IOS18_KILL)
+    (killed,) = [p for p in body["processes"] if "reason" in p]
+    for value in (-5, 1.5):
+        killed["rpages"] = value
+        path = tmp_path / "bad.ips"
+        path.write_text(json.dumps(header) + "\n" + json.dumps(body))
+        report = read_report(path)
+        said = verdict(report, killed["name"])
+        assert said.footprint_bytes is None and report.partial
+        assert said.summary.endswith("at a footprint of unknown (no rpages for it)")  # and no implied limit
+
+
 def test_truncated_inside_header_line_is_a_clear_error(tmp_path: Path) -> None:
     path = tmp_path / "cut.ips"
     path.write_text(IOS18.read_text()[:40])

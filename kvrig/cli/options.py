@@ -92,6 +92,8 @@ def checked_specs(kind: str, *, auto: bool, several: bool) -> Any:
         if value is None:
             return None
         items = [v.strip() for v in value.split(",") if v.strip()] if several else [value]
+        if not items:  # an empty list would plan the defaults, as if the option had not been given
+            raise click.BadParameter(f"expected one or more, separated by commas, got {value!r}")
         for item in items:
             if auto and item.lower() == AUTO:
                 continue

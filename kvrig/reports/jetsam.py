@@ -88,6 +88,9 @@ class JetsamReport(BaseModel):
     processes: list[JetsamProcess]
     killed: list[JetsamProcess]
     partial: bool = False
+    processes_complete: bool = Field(
+        True, description="False: the process list was cut or damaged, so a process missing from it may have run"
+    )
     problems: list[str] = Field(default_factory=list)
 
     def process_named(self, name: str) -> list[JetsamProcess]:
@@ -136,8 +139,8 @@ def read_report(path: str | Path) -> JetsamReport:
             expected="298",
         )
     problems: list[str] = []
-    body = _parse_body(body_text, path, problems)
-    return _build(path, header, body, problems)
+    body, salvaged = _parse_body(body_text, path, problems)
+    return _build(path, header, body, problems, processes_complete=not salvaged)
 
 
 def _read_text(path: Path) -> str:
@@ -238,7 +241,8 @@ def _describe_bug_type(bug_type: str) -> str:
         return "unknown kind"
 
 
-def _parse_body(body_text: str, path: Path, problems: list[str]) -> dict[str, Any]:
+def _parse_body(body_text: str, path: Path, problems: list[str]) -> tuple[dict[str, Any], bool]:
+    """(the body, whether it was salvaged from invalid JSON: its processes are only those before the damage)."""
     if not body_text.strip():
         raise ReportError("header only: the JetsamEvent body is missing", file=path, field="body")
     try:
@@ -256,6 +260,9 @@ def _parse_body(body_text: str, path: Path, problems: list[str]) -> dict[str, An
             ) from None
         kept = len(body.get("processes", []))
         problems.append(f"body: invalid JSON ({exc.msg}, line {exc.lineno}); kept {kept} complete processes")
+        salvaged = True
+    else:
+        salvaged = False
     if not isinstance(body, dict):
         raise ReportError(
             f"body is a JSON {type(body).__name__}, not an object",
@@ -263,7 +270,7 @@ def _parse_body(body_text: str, path: Path, problems: list[str]) -> dict[str, An
             field="body",
             expected="a JSON object",
         )
-    return body
+    return body, salvaged
 
 
 def _salvage(text: str) -> dict[str, Any] | None:
@@ -299,12 +306,16 @@ def _salvage(text: str) -> dict[str, Any] | None:
 # --- building the model ---------------------------------------------------------------------------------
 
 
-def _int(obj: dict[str, Any], key: str, where: str, problems: list[str]) -> int | None:
+def _int(obj: dict[str, Any], key: str, where: str, problems: list[str], *, count: bool = False) -> int | None:
+    """The integer at `key`; `count`: a number of pages, which cannot be negative."""
     if key not in obj:
         return None
     value = obj[key]
     if isinstance(value, bool) or not isinstance(value, int):
         problems.append(f"{where}.{key}: expected an integer, got {type(value).__name__} {value!r:.40}")
+        return None
+    if count and value < 0:
+        problems.append(f"{where}.{key}: expected a page count >= 0, got {value}")
         return None
     return value
 
@@ -323,7 +334,9 @@ def _mul(a: int | None, b: int | None) -> int | None:
     return a * b if a is not None and b is not None else None
 
 
-def _build(path: Path, header: dict[str, Any], body: dict[str, Any], problems: list[str]) -> JetsamReport:
+def _build(
+    path: Path, header: dict[str, Any], body: dict[str, Any], problems: list[str], *, processes_complete: bool
+) -> JetsamReport:
     os_version = _str(body, "build", "body", problems) or _header_str(header, "os_version")
     scale = priority_scale(os_version)
     if os_version is None:
@@ -349,14 +362,15 @@ def _build(path: Path, header: dict[str, Any], body: dict[str, Any], problems: l
     raw_processes = body.get("processes")
     if raw_processes is None:
         problems.append("body.processes: missing")
-        raw_processes = []
+        raw_processes, processes_complete = [], False
     elif not isinstance(raw_processes, list):
         problems.append(f"body.processes: expected a list, got {type(raw_processes).__name__}")
-        raw_processes = []
+        raw_processes, processes_complete = [], False
     processes = []
     for i, raw in enumerate(raw_processes):
         if not isinstance(raw, dict):
             problems.append(f"processes[{i}]: expected an object, got {type(raw).__name__}")
+            processes_complete = False
             continue
         processes.append(_process(raw, f"processes[{i}]", page_size, scale, problems))
 
@@ -387,6 +401,7 @@ def _build(path: Path, header: dict[str, Any], body: dict[str, Any], problems: l
         processes=processes,
         killed=[p for p in processes if p.killed],
         partial=bool(problems),
+        processes_complete=processes_complete,
         problems=problems,
     )
 
@@ -420,8 +435,8 @@ def _memory(raw: dict[str, Any], page_size: int | None, problems: list[str]) -> 
 def _process(
     raw: dict[str, Any], where: str, page_size: int | None, scale: str | None, problems: list[str]
 ) -> JetsamProcess:
-    rpages = _int(raw, "rpages", where, problems)
-    lifetime = _int(raw, "lifetimeMax", where, problems)
+    rpages = _int(raw, "rpages", where, problems, count=True)
+    lifetime = _int(raw, "lifetimeMax", where, problems, count=True)
     priority = _int(raw, "priority", where, problems)
     reason = _str(raw, "reason", where, problems)
     states_raw = raw.get("states", [])
@@ -472,6 +487,9 @@ def verdict(report: JetsamReport, process: str) -> Verdict:
         if _looks_like_bundle_id(process):
             # JetsamEvent reports name each process by its executable (CFBundleExecutable), never by bundle id.
             summary = f"{process} looks like a bundle id; JetsamEvent reports name processes by executable"
+        elif not report.processes_complete:
+            # a cut or damaged process list says nothing of the processes it lost
+            summary = f"{process} is not among the processes this damaged report kept: whether it ran is unknown"
         else:
             summary = f"{process} is not in this report: it was not running (or not tracked) at the event"
         if candidates:
@@ -487,11 +505,11 @@ def verdict(report: JetsamReport, process: str) -> Verdict:
         )
     killed = [p for p in entries if p.killed]
     entry = killed[0] if killed else max(entries, key=lambda p: p.rpages or 0)
-    footprint = _fmt_bytes(entry.footprint_bytes)
+    footprint = _fmt_bytes(entry.footprint_bytes, "no rpages for it" if entry.rpages is None else "no page size")
     if killed:
         summary = f"{process} was killed ({entry.reason}: {entry.reason_meaning}) at a footprint of {footprint}"
         if entry.implied_limit_bytes is not None:
-            summary += f"; its memory limit was at most {_fmt_bytes(entry.implied_limit_bytes)}"
+            summary += f"; its memory limit was at most {_fmt_bytes(entry.implied_limit_bytes, 'no page size')}"
     else:
         summary = f"{process} was not killed; footprint {footprint}"
     return Verdict(
@@ -518,9 +536,9 @@ def _candidates(report: JetsamReport) -> list[str]:
     return list(dict.fromkeys(n for n in names if n))
 
 
-def _fmt_bytes(n: int | None) -> str:
+def _fmt_bytes(n: int | None, why_unknown: str) -> str:
     if n is None:
-        return "unknown (no page size)"
+        return f"unknown ({why_unknown})"
     return f"{n} bytes ({n / 2**20:.1f} MiB)"
 
 

@@ -208,6 +208,14 @@ def test_unsupported_schemes_are_clear_errors() -> None:
         parse_kv("k4v4+k7@1")
     with pytest.raises(KVSchemeError, match="quantized caches only"):
         parse_kv("fp16+k8@1")
+    # one rotation, one sink count, one window, one top-layers part: a second would silently win
+    for text, second in [("k8v4+rot+rot", "+rot"), ("k8v4+rot+rotk", "+rotk"), ("k8v4+s4+w8+s8", "+s8")]:
+        with pytest.raises(KVSchemeError, match=rf"'\{second}' after"):
+            parse_kv(text)
+    assert parse_kv("k4v4+k8@1+k8@2").name == "k4v4+k8@1.2"  # explicit layers add up
+    # digits are ASCII: int() would read other scripts' digits, so "k８v4" would be k8v4
+    with pytest.raises(QuantizationError, match="unknown KV spec"):
+        parse_kv("k\uff18v4")
 
     # head dim 96: the 64 group does not divide it (the planner's check names the layer and a fix) ...
     from kvrig.planner.kv import check_dims
