@@ -18,10 +18,11 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvrig.exceptions import CalibrationError, ReportError
+from kvrig.exceptions import CalibrationError, PlanInputError, ProfileError, QuantizationError, ReportError
 from kvrig.models import load_model_spec
 from kvrig.planner import PlanRequest, plan_memory
 from kvrig.profiles import load_profile
+from kvrig.recipes import parse_kv
 from kvrig.reports.telemetry import read_telemetry
 from kvrig.schemas import load_model_file
 from kvrig.schemas.bundle import Manifest
@@ -89,7 +90,10 @@ def _profile_for(run: SoakResult, results_path: Path, index: int):  # type: igno
             field=f"runs[{index}].device.profile",
             expected="a profile name or ProductType",
         )
-    return load_profile(ref)
+    try:
+        return load_profile(ref)
+    except ProfileError as exc:
+        raise CalibrationError(str(exc), file=results_path, field=f"runs[{index}].device.profile") from None
 
 
 def points_for_run(
@@ -103,21 +107,25 @@ def points_for_run(
     if not measured:
         return []
     contexts = sorted({p.context_tokens for p in measured})
-    plan = plan_memory(
-        load_model_spec(ref.path),
-        profile,
-        PlanRequest(
-            schemes=(run.scheme,),
-            weights=ref.weights,
-            recipes=(ref.weights,),
-            group_size=ref.group_size,
-            kv_group_size=ref.kv_group_size,
-            dtype=ref.dtype,
-            contexts=tuple(contexts),
-            prefill_step=ref.prefill_step,
-            buffer_cache_bytes=ref.buffer_cache_bytes,
-        ),
+    try:
+        parse_kv(run.scheme)
+    except QuantizationError as exc:
+        raise CalibrationError(str(exc), file=results_path, field=f"runs[{index}].scheme") from None
+    request = PlanRequest(
+        schemes=(run.scheme,),
+        weights=ref.weights,
+        recipes=(ref.weights,),
+        group_size=ref.group_size,
+        kv_group_size=ref.kv_group_size,
+        dtype=ref.dtype,
+        contexts=tuple(contexts),
+        prefill_step=ref.prefill_step,
+        buffer_cache_bytes=ref.buffer_cache_bytes,
     )
+    try:
+        plan = plan_memory(load_model_spec(ref.path), profile, request)
+    except PlanInputError as exc:  # contexts no plan takes, as the run's telemetry says
+        raise CalibrationError(str(exc), file=results_path, field=f"runs[{index}].tps_curve") from None
     caches = measured_buffer_caches(run, results_path)
     mapped = (run.mapped_weight_bytes or 0) if run.weights_residency == "mapped" else 0
     points = []

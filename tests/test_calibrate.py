@@ -154,6 +154,25 @@ def test_results_without_telemetry_points(soaked: Soaked, tmp_path: Path, capsys
     assert str(path) in err and "phys_footprint_bytes" in err
 
 
+@pytest.mark.parametrize(
+    ("change", "field", "words"),
+    [
+        ({"scheme": "k9v9"}, "runs[0].scheme", "k9v9"),
+        ({"device": {"udid": "u", "profile": "iphone-99"}}, "runs[0].device.profile", "iphone-99"),
+    ],
+)
+def test_a_run_the_plan_cannot_take_is_refused_naming_the_results_file_and_field(
+    soaked: Soaked, tmp_path: Path, change: dict, field: str, words: str
+) -> None:
+    data = json.loads(soaked.results.read_text())
+    data["runs"][0].update(change)
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(CalibrationError) as caught:
+        calibrate([path], bundle=soaked.bundle)
+    assert str(path) in str(caught.value) and f"field '{field}'" in str(caught.value) and words in str(caught.value)
+
+
 def test_bundle_not_found(soaked: Soaked, tmp_path: Path) -> None:
     # The results alone, away from the bundle they name.
     path = tmp_path / "results.json"

@@ -73,6 +73,8 @@ def test_a_bad_recipe_or_group_is_refused_at_the_command_line(
         (["bench", "quality", "--contexts", "abc"], 2, "'--contexts'"),
         (["plan", "-d", "iPhone16,1", "--schemes", " , "], 2, "'--schemes'"),
         (["plan", "-d", "iPhone16,1", "--recipes", ","], 2, "'--recipes'"),
+        (["virtual", "start", "--state", "never", "--baseline-mb", "nan"], 2, "'--baseline-mb'"),
+        (["virtual", "start", "--state", "never", "--limit-mb", "-1"], 2, "'--limit-mb'"),
         (["demo", "--prefill-step", "0,512", "-o", "never"], 2, "'--prefill-step'"),
     ],
 )

@@ -150,6 +150,19 @@ def test_verify_ok_and_catches_truncated_and_edited_files(q4_bundle: Path, tmp_p
     assert "model.safetensors" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_verify_refuses_a_file_the_manifest_lists_twice(q4_bundle: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "b"
+    shutil.copytree(q4_bundle, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["files"].append(manifest["files"][0])
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(VerifyError) as info:
+        verify_bundle(copy)
+    assert f"{manifest['files'][0]['path']}: listed twice in the manifest" in str(info.value)
+    with pytest.raises(BundleError, match="no such folder"):
+        verify_bundle(tmp_path / "nowhere")
+
+
 def test_existing_output_folder(q4_bundle: Path) -> None:
     with pytest.raises(BundleExistsError, match="already exists; use --replace to replace it"):
         package(None, q4_bundle, PackageOptions(weights="q8", quality_gate=False, kv="k8v8"))

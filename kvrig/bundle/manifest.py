@@ -42,7 +42,9 @@ class VerifyResult:
 
 def load_manifest(bundle: Path) -> Manifest:
     if not bundle.is_dir():
-        raise BundleError(f"{bundle}: not a bundle folder")
+        raise BundleError(
+            f"{bundle}: {'not a folder' if bundle.exists() else 'no such folder'} (expected a bundle folder)"
+        )
     return load_model_file(Manifest, bundle / MANIFEST_NAME, error=SchemaError)
 
 
@@ -53,6 +55,9 @@ def check_bundle(bundle: str | Path, *, progress: Callable[[str], None] | None =
     problems: list[FileProblem] = []
     listed = set()
     for entry in manifest.files:
+        if entry.path in listed:  # a file listed twice would be counted, and deployed, twice
+            problems.append(FileProblem(entry.path, "listed twice in the manifest"))
+            continue
         listed.add(entry.path)
         path = bundle / entry.path
         if progress:

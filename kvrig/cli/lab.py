@@ -71,11 +71,13 @@ def run(
     fails its runs with that cause."""
     from kvrig.device.hosts import parse_hosts
     from kvrig.device.loop import run_async
+    from kvrig.lab.check import check_lab
     from kvrig.lab.schedule import run_lab
     from kvrig.lab.targets import Shard
     from kvrig.schemas.lab import load_lab
 
     spec = load_lab(lab_file)
+    check_lab(spec, lab_file)
     hosts = parse_hosts(usbmuxd)
     share = Shard.parse(shard) if shard else None
     udids = [u for text in devices for u in text.replace(",", " ").split()] or None

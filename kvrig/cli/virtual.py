@@ -31,6 +31,12 @@ def _socket_option(func):  # type: ignore[no-untyped-def]
     )(func)
 
 
+def _not_nan(value: float | None) -> float | None:
+    if value is not None and value != value:  # FloatRange compares, and NaN passes every comparison
+        raise click.BadParameter("expected a number of MiB, got nan")
+    return value
+
+
 @virtual.command()
 @click.option("--profile", default="iPhone16,1", show_default=True, help="ProductType or device profile.")
 @_socket_option
@@ -43,13 +49,17 @@ def _socket_option(func):  # type: ignore[no-untyped-def]
 )
 @click.option(
     "--limit-mb",
-    type=int,
+    type=click.IntRange(min=1),
     default=None,
     help="App memory limit in MiB, every app's (default: the profile's, as iOS gives it: the entitled limit to an "
     "app with the increased-memory-limit entitlement where the profile knows one, the default limit to others).",
 )
 @click.option(
-    "--baseline-mb", type=float, default=None, help="App footprint before weights and KV, MiB (default: the profile's)."
+    "--baseline-mb",
+    type=click.FloatRange(min=0, max=1 << 30),  # MiB: no phone's footprint; the bound also refuses inf
+    callback=lambda ctx, param, value: _not_nan(value),
+    default=None,
+    help="App footprint before weights and KV, MiB (default: the profile's).",
 )
 @ios_option("16.7", "iOS release; from 17.4 developer services are reached through a CoreDeviceProxy tunnel.")
 @click.option("--detach", is_flag=True, help="Run in the background and return.")

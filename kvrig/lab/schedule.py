@@ -19,6 +19,7 @@ from typing import Any
 
 from kvrig.device.hosts import UsbmuxHost, list_devices_on, local_host
 from kvrig.exceptions import LabError, LabOutputExistsError, OutputWriteError
+from kvrig.lab.check import check_lab
 from kvrig.lab.model import JUNIT_FILE, RUNS_DIR, Event, LabResults, LabRun, device_ref, new_run
 from kvrig.lab.predict import Predictor, installed_entitlements, ipa_entitlements
 from kvrig.lab.report import IMAGES_DIR, REPORT_FILE, write_report
@@ -240,6 +241,7 @@ async def run_lab(
     """Runs the lab (or this runner's share of it) on the phones of `hosts`, each through the tunnel `tunnel`
     asks for (auto, userspace, tunneld[=HOST:PORT], none); writes results.json, junit.xml and report.html.
     `limits`: a limits registry (`kvrig calibrate --limits`) whose measured limits the predictions use."""
+    check_lab(lab)  # the command checked it naming the file; a library caller gets the same check
     out = Path(out_dir)
     claim_output(out)
     scheduler = Scheduler(lab, out, on_event, hosts or [local_host()], tunnel, Path(limits) if limits else None)

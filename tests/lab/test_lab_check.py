@@ -1,0 +1,52 @@
+"""A lab file's mistakes are found before any phone is contacted or the output folder is claimed: exit 3 naming
+the file and the field, and nothing written (they used to end every run, after the phones were reached, and
+leave `runs/` behind so that the corrected lab was refused its own folder)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = ROOT / "examples" / "testapp-model" / "config.json"
+
+
+def _entry(**changes: Any) -> dict[str, Any]:
+    return {"app_id": "dev.kvrig.demo", "model": str(MODEL), "schemes": ["k8v4"], **changes}
+
+
+@pytest.mark.parametrize(
+    ("lab", "field", "words"),
+    [
+        ({"matrix": [_entry(plan={"weights": "q9"})]}, "matrix[0].plan.weights", "q9"),
+        ({"matrix": [_entry(schemes=[{"name": "wide", "plan_scheme": "k9v9"}])]}, "matrix[0].schemes[0]", "k9v9"),
+        ({"matrix": [_entry(model="nowhere/config.json")]}, "matrix[0].model", "does not exist"),
+        ({"matrix": [_entry(ipa="App.ipa")]}, "matrix[0].ipa", "does not exist"),
+        ({"devices": [{"udid": "any", "profile": "iphone-99"}], "matrix": [_entry()]}, "devices[0].profile", "99"),
+    ],
+)
+def test_a_lab_file_mistake_is_refused_before_any_phone(
+    tmp_path: Path, lab: dict[str, Any], field: str, words: str
+) -> None:
+    lab_file = tmp_path / "lab.yaml"
+    lab_file.write_text(yaml.safe_dump({"schema": 1, **lab}))
+    out = tmp_path / "out"
+    # No usbmuxd at this address: a lab that went on to look for phones would fail there instead (exit 11 or 18).
+    env = dict(os.environ, USBMUXD_SOCKET_ADDRESS=str(tmp_path / "no-usbmuxd.sock"))
+    done = subprocess.run(
+        [sys.executable, "-m", "kvrig", "lab", "run", str(lab_file), "-o", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 3, done.stderr
+    assert str(lab_file) in done.stderr and f"field '{field}" in done.stderr and words in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not out.exists()
