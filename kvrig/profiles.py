@@ -253,18 +253,8 @@ def load_profile_file(path: str | Path) -> DeviceProfile:
 
 
 def _profile_error(exc: ValidationError, path: Path) -> ProfileError:
-    """Reports a typo'd key as unknown (it also shows up as a missing one), with the likely intended key."""
-    errors = exc.errors()
-    unknown = next((e for e in errors if e["type"] == "extra_forbidden"), None)
-    if unknown is None:
-        field, message, expected = describe_validation_error(exc)
-        return ProfileError(message, file=path, field=field, expected=expected or None)
-    loc = unknown["loc"]
-    missing_siblings = [str(e["loc"][-1]) for e in errors if e["type"] == "missing" and e["loc"][:-1] == loc[:-1]]
-    close = difflib.get_close_matches(str(loc[-1]), missing_siblings, n=1)
-    hint = f"; did you mean '{close[0]}'?" if close else ""
-    field = ".".join(str(p) for p in loc)
-    return ProfileError(f"unknown key{hint}", file=path, field=field, expected="one of the documented keys")
+    field, message, expected = describe_validation_error(exc)
+    return ProfileError(message, file=path, field=field or None, expected=expected or None)
 
 
 def list_profiles() -> list[DeviceProfile]:

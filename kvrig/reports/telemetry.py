@@ -175,7 +175,8 @@ def _parse_line(raw: bytes) -> tuple[str, Any, bool]:
         return "", _EVENT.validate_python(obj), False
     except ValidationError as exc:
         field, message, expected = describe_validation_error(exc)
-        return f"field '{field}': {message}" + (f" (expected {expected})" if expected else ""), None, False
+        where = f"field '{field}': " if field else ""
+        return f"{where}{message}" + (f" (expected {expected})" if expected else ""), None, False
 
 
 def _whole_object_first(text: str) -> bool:

@@ -6,6 +6,7 @@ for files the app reads.
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -23,14 +24,21 @@ M = TypeVar("M", bound=BaseModel)
 
 
 def describe_validation_error(exc: ValidationError) -> tuple[str, str, str]:
-    """First error as (field path, message, expected)."""
-    err = exc.errors()[0]
-    field = ".".join(str(p) for p in err.get("loc", ())) or "<root>"
+    """The first error as (field path, "" for the whole file; message; expected). An unknown key comes before the
+    missing ones (a misspelt key is both), with the missing key it most likely meant."""
+    errors = exc.errors()
+    err = next((e for e in errors if e.get("type") == "extra_forbidden"), errors[0])
+    loc = tuple(err.get("loc", ()))
+    field = ".".join(str(p) for p in loc)
     kind = err.get("type", "")
     if kind == "extra_forbidden":
-        return field, "unknown key", "one of the documented keys"
+        missing = [str(e["loc"][-1]) for e in errors if e.get("type") == "missing" and tuple(e["loc"][:-1]) == loc[:-1]]
+        meant = difflib.get_close_matches(str(loc[-1]), missing, n=1) if loc else []
+        return field, "unknown key" + (f"; did you mean '{meant[0]}'?" if meant else ""), "one of the documented keys"
     if kind == "missing":
         return field, "missing", "a value"
+    if kind == "value_error" and "error" in err.get("ctx", {}):
+        return field, str(err["ctx"]["error"]), ""  # a check across fields: its own words, not the input's
     got = err.get("input")
     shown = repr(got) if not isinstance(got, dict | list) else type(got).__name__
     return field, f"{err.get('msg', 'invalid')}, got {shown}", ""
@@ -48,7 +56,7 @@ def validate_data(
         return model.model_validate(data)
     except ValidationError as exc:
         field, message, expected = describe_validation_error(exc)
-        raise error(message, file=file, field=field, expected=expected or None) from None
+        raise error(message, file=file, field=field or None, expected=expected or None) from None
 
 
 def json_schema(model: type[BaseModel]) -> dict[str, Any]:

@@ -63,6 +63,7 @@ def test_example_lab_loads_with_paths_from_its_folder() -> None:
     ("text", "field", "words"),
     [
         (MINIMAL + "    bogus: 1\n", "matrix.0.bogus", "unknown key"),
+        (MINIMAL.replace("matrix:", "matrixx:"), "matrixx", "unknown key; did you mean 'matrix'?"),
         (MINIMAL + "gates: {min_max_safe_context: -5}\n", "gates.min_max_safe_context", "greater than or equal"),
         (MINIMAL.replace("schema: 1", "schema: 2"), "schema", "Input should be 1"),
         ("schema: 1\nmatrix: []\n", "matrix", "at least 1"),
