@@ -51,7 +51,7 @@ def _check(value: Any, field: str, largest: int, source: str | Path) -> None:
         )
     if not 1 <= value <= largest:
         raise ModelConfigError(
-            f"claims {value}, beyond what any model has",
+            f"claims {value}, " + ("not a size" if value < 1 else "beyond what any model has"),
             file=source,
             field=field,
             expected=f"a whole number from 1 to {largest}",

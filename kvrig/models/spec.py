@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvrig.exceptions import ModelConfigError
 from kvrig.kvcache.families import NO_QUANTIZED_ATTENTION
 from kvrig.models.layers import LayerKind, LayerSpec
 from kvrig.models.lazy import build_lazy_model, cast_model, copy_modules, count_parameters
@@ -52,7 +53,13 @@ class ModelSpec:
     def probe(self, dtype: str = "float16") -> Any:
         """The model's own caches learned from one lazy step in `dtype` (see plan/caches.py)."""
         if dtype not in self._probes:
-            self._probes[dtype] = CacheProbe(self.lazy_model(dtype), dtype)
+            try:
+                self._probes[dtype] = CacheProbe(self.lazy_model(dtype), dtype)
+            except ModelConfigError as exc:
+                if exc.file is not None:
+                    raise
+                # the probe knows the model, not where its config came from
+                raise ModelConfigError(str(exc), file=self.source) from None
         return self._probes[dtype]
 
     @property

@@ -270,3 +270,17 @@ def test_top_layers_beyond_the_models_or_none_are_refused() -> None:
         plan(None, "iPhone16,1", schemes=["k4v4+k8@top31"], contexts=[256])
     with pytest.raises(KVSchemeError, match=r"promotes no layer \(expected M >= 1\)"):
         parse_kv("k4v4+k8@top0")
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"num_hidden_layers": -5}, "field 'num_hidden_layers': claims -5, not a size"),
+        ({"num_attention_heads": 7, "num_key_value_heads": 8}, "mlx-lm's mlx_lm.models.llama cannot run a step"),
+    ],
+)
+def test_a_config_mlx_lm_cannot_run_is_refused_naming_its_file(change: dict, words: str, tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({**TINY_CONFIGS["llama"], **change}))
+    with pytest.raises(ModelConfigError) as caught:
+        plan(tmp_path, "iPhone16,1", schemes=["fp16"], contexts=[256])
+    assert str(caught.value).startswith(str(tmp_path / "config.json")) and words in str(caught.value)
