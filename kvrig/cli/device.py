@@ -64,8 +64,10 @@ def devices(tunnel: str, usbmuxd: tuple[str, ...], limits_file: Path | None, as_
     """List attached iPhones: UDID, model, iOS, Developer Mode, developer disk image, the tunnel kvrig would
     use and the usbmuxd host, with what blocks a soak on each (and, with --limits, the limit each stated)."""
     from kvrig.device.hosts import parse_hosts, preflight_on
+    from kvrig.planner.limits import load_limits
 
     hosts = parse_hosts(usbmuxd)
+    registry = load_limits(limits_file) if limits_file is not None else None  # a bad file is refused before phones
     found, unreachable = run_async(preflight_on(hosts, parse_tunnel(tunnel)))
     if unreachable and len(unreachable) == len(hosts):
         from kvrig.exceptions import DeviceNotFoundError
@@ -75,7 +77,7 @@ def devices(tunnel: str, usbmuxd: tuple[str, ...], limits_file: Path | None, as_
         )
     for name, why in unreachable.items():
         click.echo(f"host {name}: {why}", err=True)
-    measured = _measured_limits(limits_file, [p.device for p in found]) if limits_file is not None else None
+    measured = _measured_limits(registry, [p.device for p in found]) if registry is not None else None
     if as_json:
         rows = [d.to_json() for d in found]
         if measured is not None:
@@ -117,11 +119,8 @@ def devices(tunnel: str, usbmuxd: tuple[str, ...], limits_file: Path | None, as_
             out.print(f"[red]{p.device.udid}[/red]: {problem}", markup=True, highlight=False)
 
 
-def _measured_limits(limits_file: Path, phones):  # type: ignore[no-untyped-def]
+def _measured_limits(registry, phones):  # type: ignore[no-untyped-def]
     """Per phone: {"entitled": entry or None, "default": entry or None} for its ProductType and OS build."""
-    from kvrig.planner.limits import load_limits
-
-    registry = load_limits(limits_file)
     out = []
     for d in phones:
         types = [d.product_type] if d.product_type else []
