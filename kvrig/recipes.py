@@ -275,14 +275,16 @@ def parse_kv(text: str, *, group_size: int = DEFAULT_GROUP_SIZE, dtype: str = "f
         kind = _extra_kind(part)
         if kind is not None:
             if kind in given:
-                raise KVSchemeError(f"KV spec '{text}': '+{part}' after '+{given[kind]}' (expected each extra once)")
+                raise QuantizationError(
+                    f"KV spec '{text}': '+{part}' after '+{given[kind]}' (expected each extra once)"
+                )
             given[kind] = part
         if layer_keys := _LAYER_KEYS.match(part):
             by_layer |= dict.fromkeys((int(i) for i in layer_keys[2].split(".")), _kv_bits(layer_keys[1], "key", text))
         elif top := _TOP_KEYS.match(part):
             promote = (_kv_bits(top[1], "key", text), int(top[2]))
             if not promote[1]:
-                raise KVSchemeError(f"KV spec '{text}': +k{top[1]}@top0 promotes no layer (expected M >= 1)")
+                raise QuantizationError(f"KV spec '{text}': +k{top[1]}@top0 promotes no layer (expected M >= 1)")
         elif extra := _EXTRA.match(part):
             if extra[1] in ("rot", "rotk"):
                 rotation = "hadamard" if extra[1] == "rot" else "hadamard_keys"
@@ -290,8 +292,8 @@ def parse_kv(text: str, *, group_size: int = DEFAULT_GROUP_SIZE, dtype: str = "f
                 sinks = int(extra[2])
             else:
                 recent = int(extra[3])
-        else:
-            raise KVSchemeError(
+        else:  # a misspelling, as an unknown base is: the grammar's errors are QuantizationError's (exit 5)
+            raise QuantizationError(
                 f"KV spec '{text}': unknown part '+{part}' (expected +kN@L1.L2, +kN@topM, +rot, +rotk, +sN, +wN)"
             )
     if parts and not spec.quantized:

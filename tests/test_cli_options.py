@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrig.exceptions import KVSchemeError, QuantizationError
+from kvrig.exceptions import QuantizationError
 
 # Runs one command in a fresh interpreter and reports its exit code, stderr and whether MLX was imported.
 PROBE = """
@@ -41,7 +41,7 @@ def probe(*args: str, cwd: Path) -> dict:
         (["plan", "-d", "iPhone16,1", "--recipes", "q4,gpx-q7"], QuantizationError.exit_code, "--recipes", "gpx"),
         (["plan", "-d", "iPhone16,1", "--kv-group-size", "48"], 2, "--kv-group-size", "48"),
         (["package", "--weights", "q9", "-o", "out"], QuantizationError.exit_code, "--weights", "q9"),
-        (["package", "--kv", "k8v4+zz", "-o", "out"], KVSchemeError.exit_code, "--kv", "+zz"),
+        (["package", "--kv", "k8v4+zz", "-o", "out"], QuantizationError.exit_code, "--kv", "+zz"),
         (["demo", "--kv", "auto,k4v1", "-o", "out"], QuantizationError.exit_code, "--kv", "k4v1"),
         # --force meant three things: now refused, naming the flag for each
         (["package", "--force", "-o", "out"], 2, "--ignore-gate", "--replace"),

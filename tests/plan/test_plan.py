@@ -268,7 +268,7 @@ def test_top_layers_beyond_the_models_or_none_are_refused() -> None:
 
     with pytest.raises(KVSchemeError, match=r"promotes more layers than the 30 with a quantized cache"):
         plan(None, "iPhone16,1", schemes=["k4v4+k8@top31"], contexts=[256])
-    with pytest.raises(KVSchemeError, match=r"promotes no layer \(expected M >= 1\)"):
+    with pytest.raises(QuantizationError, match=r"promotes no layer \(expected M >= 1\)"):
         parse_kv("k4v4+k8@top0")
 
 
