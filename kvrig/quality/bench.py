@@ -25,7 +25,7 @@ from kvrig.models import load_model_spec
 from kvrig.models.gguf import embedded_default_model
 from kvrig.models.source import source_dir
 from kvrig.planner.kv import context_schedule, kv_bytes
-from kvrig.quality.gate import kind_perplexity
+from kvrig.quality.gate import kind_perplexity, worst_first
 from kvrig.quality.kv_sensitivity import resolve_variant, sensitivity_tokens
 from kvrig.quality.schemes import make_kv_caches
 from kvrig.quantize.base import load_source_model
@@ -291,9 +291,7 @@ def run_quality_bench(
 ) -> QualityReport:
     from mlx_lm.utils import load_tokenizer
 
-    variants = [parse_kv(v) for v in kv_variants]
-    if variants and all(v.quantized for v in variants):
-        variants.insert(0, parse_kv("fp16"))
+    variants = unquantized_first([parse_kv(v) for v in kv_variants])
     weights_recipes = [parse_weights(r) for r in recipes]
     with bench_source(model) as (src, name, bundle):
         tokenizer = load_tokenizer(src)
@@ -468,12 +466,21 @@ def factual_check(
     return FactualCheck(prompt, expected, a, b, bool(pat.search(a)), bool(pat.search(b)))
 
 
+def unquantized_first(variants: list[KVSpec]) -> list[KVSpec]:
+    """The KV rows in the order they are read: every row is measured against the unquantized cache, so the first
+    unquantized one asked for comes first (fp16 is added when none is)."""
+    if not variants:
+        return []
+    plain = next((v for v in variants if not v.quantized), parse_kv("fp16"))
+    return [plain, *(v for v in variants if v is not plain)]
+
+
 def worst_by_name(rows: list[Row], key: Callable[[Row], str]) -> dict[str, Row]:
     """Per name (a recipe, a KV spec), its row on the kind where it does worst."""
     worst: dict[str, Row] = {}
     for row in rows:
         name = key(row)
-        if name not in worst or row.ppl_delta_pct > worst[name].ppl_delta_pct:
+        if name not in worst or worst_first(row.ppl_delta_pct) > worst_first(worst[name].ppl_delta_pct):
             worst[name] = row
     return worst
 
@@ -484,7 +491,7 @@ def goals(report: QualityReport) -> list[dict[str, Any]]:
     recipes = worst_by_name(report.weights, lambda r: r.recipe)
     for bpw_limit, delta in GOAL_RECIPES:
         small = [r for r in recipes.values() if r.bits_per_weight is not None and r.bits_per_weight <= bpw_limit]
-        best = min(small, key=lambda r: r.ppl_delta_pct, default=None)
+        best = min(small, key=lambda r: worst_first(r.ppl_delta_pct), default=None)
         out.append(
             {
                 "goal": f"a <= {bpw_limit} bits/weight recipe within +{delta} % PPL on every kind ({kinds})",
@@ -507,7 +514,7 @@ def goals(report: QualityReport) -> list[dict[str, Any]]:
     if fp is not None and GOAL_CONTEXT in fp.phone_kv_bytes:
         full = fp.phone_kv_bytes[GOAL_CONTEXT]
         small_kv = [r for r in kv.values() if r.phone_kv_bytes.get(GOAL_CONTEXT, full) <= GOAL_KV_FRACTION * full]
-        best_kv = min(small_kv, key=lambda r: r.ppl_delta_pct, default=None)
+        best_kv = min(small_kv, key=lambda r: worst_first(r.ppl_delta_pct), default=None)
         out.append(
             {
                 "goal": f"KV <= {GOAL_KV_FRACTION:.0%} of fp16 bytes at {GOAL_CONTEXT} with <= +{GOAL_KV_DELTA} % "

@@ -104,14 +104,25 @@ def kind_perplexities(
 
 
 def delta_pct(ppl: float, source_ppl: float) -> float:
-    """A kind's perplexity change against the source's, in percent, as the gate records and judges it."""
+    """A kind's perplexity change against the source's, in percent, as the gate records it (rounded)."""
     return round(100.0 * (ppl / source_ppl - 1.0), 3)
 
 
+def exceeds(ppl: float, source_ppl: float, max_increase_pct: float) -> bool:
+    """Whether a kind's change, as the gate records it, is over the limit (the record and the verdict agree); a
+    perplexity that is not a number (overflowed logits) is over every limit."""
+    return not delta_pct(ppl, source_ppl) <= max_increase_pct
+
+
+def worst_first(change: float) -> float:
+    """A sort key that takes the largest change, and a change that is not a number before any."""
+    return math.inf if math.isnan(change) else change
+
+
 def over_limit(texts: GateTexts, max_increase_pct: float) -> Enough:
-    """`enough` for a candidate judged against `max_increase_pct`: some kind already measured above it (by the
-    figure `judge` compares, so a stop never fails what a full measurement would pass)."""
-    return lambda ppl: any(delta_pct(v, texts.source_ppl[k]) > max_increase_pct for k, v in ppl.items())
+    """`enough` for a candidate judged against `max_increase_pct`: some kind already measured above it (as
+    `judge` judges it, so a stop never fails what a full measurement would pass)."""
+    return lambda ppl: any(exceeds(v, texts.source_ppl[k], max_increase_pct) for k, v in ppl.items())
 
 
 def unmeasured(texts: GateTexts, measured: Iterable[str]) -> list[str]:
@@ -159,8 +170,9 @@ def judge(
                 ppl_delta_pct=delta_pct(ppl[kind], base),
             )
         )
-    worst = max(kinds, key=lambda k: k.ppl_delta_pct)
+    worst = max(kinds, key=lambda k: worst_first(k.ppl_delta_pct))
     left = unmeasured(texts, ppl)
+    over = [k for k in kinds if exceeds(ppl[k.kind], texts.source_ppl[k.kind], max_increase_pct)]
     return QualityCheck(
         text=f"kvrig gate texts ({', '.join(texts.ids)}); worst: {worst.kind}"
         + (f"; not measured once over the limit: {', '.join(left)}" if left else ""),
@@ -169,7 +181,7 @@ def judge(
         bundle_ppl=worst.bundle_ppl,
         ppl_delta_pct=worst.ppl_delta_pct,
         max_increase_pct=max_increase_pct,
-        passed=worst.ppl_delta_pct <= max_increase_pct and not left,
+        passed=not over and not left,
         forced=False,
         seconds=round(time.perf_counter() - began, 2) if began is not None else 0.0,
         kinds=kinds,
@@ -196,7 +208,7 @@ def enforce(check: QualityCheck, *, force: bool, recipe: str, kv: str) -> Qualit
     """Raises QualityGateError for a failed check unless forced; returns the check to record."""
     if check.passed:
         return check
-    worst = max(check.kinds, key=lambda k: k.ppl_delta_pct) if check.kinds else None
+    worst = max(check.kinds, key=lambda k: worst_first(k.ppl_delta_pct)) if check.kinds else None
     where = f" on the {worst.kind} text" if worst is not None else ""
     message = (
         f"quality gate: {recipe} weights with {kv} KV raise perplexity by {check.ppl_delta_pct:+.1f} %{where} "

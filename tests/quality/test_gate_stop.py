@@ -77,3 +77,13 @@ def test_a_change_the_gate_rounds_to_its_limit_does_not_stop() -> None:
     at_limit = {"a": 11.00004}
     assert not over_limit(texts, 10.0)(at_limit) and over_limit(texts, 10.0)({"a": 11.0001})
     assert judge({**at_limit, "b": 10.0, "c": 10.0}, texts, max_increase_pct=10.0).passed
+
+
+def test_a_kind_whose_perplexity_is_not_a_number_fails_the_gate_and_is_named_worst() -> None:
+    """Overflowed logits give a NaN perplexity: NaN compares false with every limit, so a check written as
+    `change > limit` would pass it, and `max` would skip it unless it came first."""
+    ids = {kind: [[1, 2, 3]] for kind in KINDS}
+    texts = GateTexts(ids, {"a": 10.0, "b": 10.0, "c": 10.0})
+    check = judge({"a": 10.2, "b": float("nan"), "c": 10.1}, texts, max_increase_pct=10.0)
+    assert not check.passed and "worst: b" in check.text
+    assert over_limit(texts, 10.0)({"a": 10.2, "b": float("nan")})

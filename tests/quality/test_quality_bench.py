@@ -150,3 +150,26 @@ def test_passages_longer_than_a_part_of_the_kind_are_refused_naming_the_files_an
     assert "part 1 of 4 of the legal text (passage 1)" in proc.stderr
     assert "fewer than the 100001 asked for" in proc.stderr and "fewer passages draw on longer parts" in proc.stderr
     assert not out.exists()
+
+
+def test_kv_rows_are_measured_against_the_unquantized_cache_wherever_it_was_listed() -> None:
+    from kvrig.quality.bench import unquantized_first
+    from kvrig.recipes import parse_kv
+
+    names = lambda specs: [s.name for s in specs]  # noqa: E731
+    assert names(unquantized_first([parse_kv("k8v4+rot"), parse_kv("fp16")])) == ["fp16", "k8v4+rot"]
+    assert names(unquantized_first([parse_kv("k8v4"), parse_kv("k4v4")])) == ["fp16", "k8v4", "k4v4"]
+    assert unquantized_first([]) == []
+
+
+def test_a_goal_with_a_row_that_is_not_a_number_is_missed() -> None:
+    """NaN compares false with everything: a worst-kind pick by `>` keeps the other kind and reads as met."""
+    from kvrig.quality.bench import QualityReport, Row, goals
+
+    nan = float("nan")
+    weights = [Row("gpx-4.6", "fp16", kind, 30.0, delta, 512, 4.5) for kind, delta in (("legal", 1.0), ("quotes", nan))]
+    kv = [Row("source", "k8v4+rot", kind, 30.0, delta, 1024) for kind, delta in (("legal", 0.1), ("quotes", nan))]
+    report = QualityReport("m", {"legal": [], "quotes": []}, {}, {}, weights, kv)
+    judged = {g["goal"].split(" ")[2]: g for g in goals(report)}
+    assert not judged["4.6"]["met"] and "nan" in judged["4.6"]["best"]
+    assert not next(g for g in goals(report) if g["goal"].startswith("rotated k8v4"))["met"]
