@@ -127,6 +127,14 @@ def points_for_run(
     except PlanInputError as exc:  # contexts no plan takes, as the run's telemetry says
         raise CalibrationError(str(exc), file=results_path, field=f"runs[{index}].tps_curve") from None
     caches = measured_buffer_caches(run, results_path)
+    if run.weights_residency == "mapped" and run.mapped_weight_bytes is None:
+        # the footprint left out some weights, but the app did not say how many: none can be subtracted right
+        raise CalibrationError(
+            "the run held its weights mapped but does not say how many bytes",
+            file=results_path,
+            field=f"runs[{index}].mapped_weight_bytes",
+            expected="the bytes the app mapped (its start record's mapped_weight_bytes); rerun with a current app",
+        )
     mapped = (run.mapped_weight_bytes or 0) if run.weights_residency == "mapped" else 0
     points = []
     for p in measured:

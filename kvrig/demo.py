@@ -29,7 +29,7 @@ from kvrig.planner.memory import DEFAULT_MARGIN
 from kvrig.profiles import AppMemoryLimit, SourcedInt, load_profile
 from kvrig.schemas.bundle import MANIFEST_NAME
 from kvrig.schemas.kvcache import PressurePolicy
-from kvrig.schemas.results import Prediction, SoakResult
+from kvrig.schemas.results import JETSAM_OUTCOMES, Prediction, SoakResult
 from kvrig.soaking.driver import SoakOptions, soak
 from kvrig.soaking.plan import make_plan
 from kvrig.virtual.host import EmulatorHost
@@ -88,10 +88,11 @@ class DemoResult:
     @property
     def killed_in_step(self) -> tuple[int, int] | None:
         """The soak step the kernel killed the app in: (last context it survived, the context it was growing
-        to); None unless jetsam ended the run."""
-        if self.soak.outcome != "jetsam" or self.soak.max_safe_context is None:
+        to; 0 for a kill in the first step); None unless jetsam ended the run (with or without its report)."""
+        if self.soak.outcome not in JETSAM_OUTCOMES:
             return None
-        return self.soak.max_safe_context, self.soak.max_safe_context + self.step_tokens
+        survived = self.soak.max_safe_context or 0
+        return survived, survived + self.step_tokens
 
     @property
     def plan_within_one_step(self) -> bool | None:

@@ -37,11 +37,13 @@ class Phone:
     udid: str
     host: str | None
     address: str | None  # the usbmuxd to reach it through (None: this machine's)
-    info: Any  # kvrig.device.discovery.DeviceInfo
+    info: Any  # kvrig.device.discovery.DeviceInfo (None: the lab lists it and it is not attached)
+    problem: str | None = None
+    """Why the lab cannot use this phone (not attached, not trusted, another profile): its tests fail saying so."""
 
     @property
     def profile(self) -> str | None:
-        return self.info.profile  # type: ignore[no-any-return]
+        return self.info.profile if self.info is not None else None
 
     def __str__(self) -> str:
         return f"{short_udid(self.udid)}@{self.host}" if self.host else short_udid(self.udid)
@@ -97,8 +99,14 @@ def _phones(config: pytest.Config) -> list[Phone]:
         address = {h.name: h.address for h in hosts}
         attached, _ = run_async(list_devices_on(hosts))
         if config.getoption("kvrig_lab") is not None:
-            attached = [t.info for t in select_targets(_lab(config), attached) if t.problem is None and t.info]
-        cached = [Phone(d.udid, d.host, address.get(d.host or ""), d) for d in attached if d.error is None]
+            # every phone the lab names, a missing or unusable one too: `kvrig lab run` fails its runs, and so
+            # do its tests here (a phone left out would read as nothing wrong)
+            targets = select_targets(_lab(config), attached)
+            cached = [Phone(t.udid, t.host, address.get(t.host or ""), t.info, t.problem) for t in targets]
+            if not targets:
+                cached = [Phone("none", None, None, None, "no attached phone matches the lab's devices")]
+        else:
+            cached = [Phone(d.udid, d.host, address.get(d.host or ""), d) for d in attached if d.error is None]
         config._kvrig_phones = cached  # type: ignore[attr-defined]
     return cached
 
@@ -137,8 +145,12 @@ def kvrig_lab(pytestconfig: pytest.Config) -> Any:
 
 @pytest.fixture(scope="session")
 def kvrig_phone(request: pytest.FixtureRequest) -> Phone:
-    """One of the lab's phones, or without --kvrig-lab every attached one (each test runs once per phone)."""
-    return request.param  # type: ignore[no-any-return]
+    """One of the lab's phones, or without --kvrig-lab every attached one (each test runs once per phone); a
+    lab phone that cannot be used fails its tests with the reason."""
+    phone: Phone = request.param
+    if phone.problem is not None:
+        pytest.fail(f"{phone}: {phone.problem}", pytrace=False)
+    return phone
 
 
 @pytest.fixture()
@@ -156,7 +168,7 @@ def _kvrig_properties(request: pytest.FixtureRequest) -> None:
             if value is not None:
                 request.node.user_properties.append((key, value))
         for key in ("profile", "product_type", "os_version"):
-            if getattr(phone.info, key) is not None:
+            if phone.info is not None and getattr(phone.info, key) is not None:
                 request.node.user_properties.append((key, getattr(phone.info, key)))
 
 

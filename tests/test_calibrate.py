@@ -159,6 +159,7 @@ def test_results_without_telemetry_points(soaked: Soaked, tmp_path: Path, capsys
     [
         ({"scheme": "k9v9"}, "runs[0].scheme", "k9v9"),
         ({"device": {"udid": "u", "profile": "iphone-99"}}, "runs[0].device.profile", "iphone-99"),
+        ({"weights_residency": "mapped", "mapped_weight_bytes": None}, "runs[0].mapped_weight_bytes", "how many"),
     ],
 )
 def test_a_run_the_plan_cannot_take_is_refused_naming_the_results_file_and_field(

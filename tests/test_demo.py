@@ -46,3 +46,24 @@ def test_swift_runtime_asked_for_does_not_fall_back(monkeypatch: pytest.MonkeyPa
         resolve_runtime("swift")
     assert failure.value.exit_code == 30
     assert resolve_runtime("python").runtime == "python"
+
+
+@pytest.mark.parametrize(
+    ("outcome", "safe", "step", "within"),
+    [("jetsam", None, (0, 512), False), ("jetsam_log", 1024, (1024, 1536), True), ("completed", 4096, None, None)],
+    ids=["killed-in-the-first-step", "killed-without-a-report", "never-killed"],
+)
+def test_the_kill_step_counts_every_jetsam(
+    outcome: str, safe: int | None, step: tuple[int, int] | None, within: bool | None, tmp_path: Path
+) -> None:
+    """A kill in the first step (no step survived) and a kill the log shows without a JetsamEvent report are
+    kills: the plan is judged against them, never read as 'no kill'."""
+    from kvrig.demo import DemoResult
+    from kvrig.schemas.results import DeviceRef, SoakResult
+
+    soak = SoakResult.model_validate(
+        {"run_id": "r", "device": DeviceRef(udid="u").model_dump(), "app_id": "a", "scheme": "k8v4"}
+    ).model_copy(update={"outcome": outcome, "max_safe_context": safe})
+    result = DemoResult(tmp_path, tmp_path, tmp_path, "iphone-15-pro", 1, 1400, 1200, 0.1, 1, soak, tmp_path)
+    result.step_tokens = 512
+    assert result.killed_in_step == step and result.plan_within_one_step is within

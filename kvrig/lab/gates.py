@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from kvrig.schemas.lab import Gates
 from kvrig.schemas.results import BAD_OUTCOMES, JETSAM_OUTCOMES, GateCheck, SoakResult, TpsPoint
 
@@ -25,11 +27,17 @@ def decode_tps_at(curve: list[TpsPoint], context: int) -> float | None:
 
 def prediction_error(result: SoakResult) -> float | None:
     """(measured − predicted) / predicted max context, when the run found the limit (jetsam) and the planner
-    predicted one; positive: the phone held more than predicted."""
+    predicted one; positive: the phone held more than predicted (infinite when the plan said nothing fits)."""
     predicted = result.predicted.max_context if result.predicted is not None else None
-    if not predicted or result.outcome not in JETSAM_OUTCOMES or result.max_safe_context is None:
+    if predicted is None or result.outcome not in JETSAM_OUTCOMES or result.max_safe_context is None:
         return None
-    return (result.max_safe_context - predicted) / predicted
+    return _relative(result.max_safe_context, predicted)
+
+
+def _relative(measured: int, predicted: int) -> float:
+    if predicted == 0:
+        return math.inf if measured else 0.0
+    return (measured - predicted) / predicted
 
 
 def evaluate(result: SoakResult, gates: Gates) -> list[GateCheck]:
@@ -70,10 +78,25 @@ def evaluate(result: SoakResult, gates: Gates) -> list[GateCheck]:
     if gates.max_predicted_error is not None:
         limit = gates.max_predicted_error
         error = prediction_error(result)
-        if error is None:
+        predicted = result.predicted.max_context if result.predicted is not None else None
+        held = result.max_safe_context
+        if error is None and predicted is not None and held and _relative(held, predicted) > limit:
+            # no limit found, but what the run held is a lower bound that already proves the prediction wrong
+            lower = _relative(held, predicted)
+            checks.append(
+                _check(
+                    "max_predicted_error",
+                    "failed",
+                    limit,
+                    lower if math.isfinite(lower) else None,
+                    f"held at least {held} without finding the limit, against {predicted} predicted: "
+                    f"{lower:+.1%} at least (beyond ±{limit:.0%})",
+                )
+            )
+        elif error is None:
             why = (
                 "no prediction (give the entry a model and the device a known profile)"
-                if result.predicted is None or not result.predicted.max_context
+                if predicted is None
                 else "the run did not find the limit (no jetsam), so the prediction cannot be checked"
             )
             checks.append(_check("max_predicted_error", "not_evaluated", limit, None, why))
@@ -85,7 +108,7 @@ def evaluate(result: SoakResult, gates: Gates) -> list[GateCheck]:
                     "max_predicted_error",
                     "passed" if ok else "failed",
                     limit,
-                    error,
+                    error if math.isfinite(error) else None,
                     f"measured {result.max_safe_context} vs predicted {result.predicted.max_context}: "
                     f"{error:+.1%} ({'within' if ok else 'beyond'} ±{limit:.0%})",
                 )

@@ -73,8 +73,17 @@ async def measure(bench: Bench, device: Device, run: LabRun, tag: str) -> None:
                 break
         elif confirm.outcome in JETSAM_OUTCOMES and confirm.max_safe_context:
             target, survived = confirm.max_safe_context, 0  # killed below the first run's threshold
+        elif confirm.outcome in JETSAM_OUTCOMES:
+            # killed before its first step: the phone did not hold the first run's context again, so that figure
+            # is not kept as if it stood
+            main.outcome_detail = (
+                f"{main.outcome_detail}; confirmation {attempt} was killed before its first step, so the first "
+                f"run's {target} tokens are not kept"
+            )
+            target = 0
+            break
         else:
-            break  # crashed, hung, lost, or killed before its first step: stop searching
+            break  # crashed, hung or lost: stop searching, the figure stays unconfirmed
         bench.saved(run)
     main.max_safe_context = target
     main.max_safe_context_confirmed = survived >= threshold.confirm_runs

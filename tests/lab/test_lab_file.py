@@ -139,6 +139,19 @@ def test_gates_pass_fail_and_not_evaluated() -> None:
     assert check.status == "not_evaluated"  # the limit was never found
 
 
+@pytest.mark.parametrize(
+    ("outcome", "held", "predicted"),
+    [("jetsam", 4096, 0), ("completed", 65536, 4096), ("completed", 512, 0)],
+    ids=["nothing-fits-but-it-held", "held-far-past-the-plan", "held-without-a-plan-fitting"],
+)
+def test_a_prediction_the_run_proves_wrong_fails_its_gate(outcome: str, held: int, predicted: int) -> None:
+    """A plan of 0 tokens against a phone that held 4096 is as wrong as a plan can be, and a run that held 16x
+    the plan without finding the limit already proves it wrong: neither is 'not evaluated'."""
+    r = _result(outcome=outcome, max_safe_context=held, predicted=Prediction(max_context=predicted))
+    (check,) = evaluate(r, Gates(max_predicted_error=0.35))
+    assert check.status == "failed", check.message
+
+
 def test_failures_cover_outcomes_confirmations_and_gates() -> None:
     lost = _result(outcome="device_lost", outcome_detail="gone")
     assert [k for k, _ in failures(lost)] == ["device_lost"]

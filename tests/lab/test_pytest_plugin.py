@@ -39,6 +39,17 @@ def test_bundle_is_deployed(kvrig_bundle):
 """
 
 
+def _pytest_lab(folder: Path, junit: str) -> subprocess.CompletedProcess[str]:
+    """pytest run in `folder` on its lab.yaml, as a team runs it, with JUnit to `junit`."""
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--kvrig-lab", "lab.yaml", f"--junitxml={junit}"],
+        capture_output=True,
+        text=True,
+        cwd=folder,
+        timeout=300,
+    )
+
+
 def test_plugin_is_an_entry_point() -> None:
     (plugin,) = [e for e in entry_points(group="pytest11") if e.name == "kvrig"]
     assert plugin.value == "kvrig.pytest_plugin"
@@ -54,13 +65,7 @@ def test_pytest_kvrig_lab_runs_checks_per_phone_with_junit(phones: Phones, tmp_p
     }
     (tmp_path / "lab.yaml").write_text(yaml.safe_dump(lab))
     (tmp_path / "test_phones.py").write_text(CHECKS)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--kvrig-lab", "lab.yaml", "--junitxml=out.xml"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=300,
-    )
+    proc = _pytest_lab(tmp_path, "out.xml")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     cases = {}
     for case in ET.parse(tmp_path / "out.xml").getroot().iter("testcase"):
@@ -72,3 +77,22 @@ def test_pytest_kvrig_lab_runs_checks_per_phone_with_junit(phones: Phones, tmp_p
     assert soaked["udid"] == pro15 and soaked["profile"] == "iphone-15-pro" and soaked["outcome"] == "completed"
     ((deployed,),) = [cases["test_bundle_is_deployed"]]
     assert deployed["udid"] == pro13 and deployed["host"]
+
+
+def test_a_lab_phone_that_is_missing_fails_its_tests_instead_of_vanishing(phones: Phones, tmp_path: Path) -> None:
+    """`kvrig lab run` fails the runs of a listed phone that is not attached (exit 17); the plugin fails its
+    tests the same way, and a lab no attached phone matches fails rather than skipping everything."""
+    missing = "00008130-0000DEADBEEF001E"
+    for devices, failed in (
+        ([{"udid": "any"}, {"udid": missing}], f"device {missing} is not attached"),
+        ([{"udid": "any", "profile": "iphone-12"}], "no attached phone matches the lab's devices"),
+    ):
+        lab = {"schema": 1, "devices": devices, "matrix": [short_entry(make_ipa(tmp_path / "KVSoak.ipa"))]}
+        (tmp_path / "lab.yaml").write_text(yaml.safe_dump({**lab, "timeouts": FAST}))
+        (tmp_path / "test_phones.py").write_text("def test_a_phone(kvrig_phone):\n    assert kvrig_phone.udid\n")
+        proc = _pytest_lab(tmp_path, "o.xml")
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        root = ET.parse(tmp_path / "o.xml").getroot()
+        # a fixture's failure is a JUnit <error> of the test that asked for it
+        messages = [f.get("message", "") for kind in ("failure", "error") for f in root.iter(kind)]
+        assert any(failed in m for m in messages), messages
