@@ -206,6 +206,47 @@ def check_output(out: Path, *, replace: bool) -> None:
         raise AppExistsError(
             f"{out}: not a project kvrig generated (no {MARKER}); --replace replaces only those, so nothing was touched"
         )
+    listed = _listed(marker)
+    if listed is None:
+        raise AppExistsError(
+            f"{out}: its {MARKER} lists no files (written by an earlier kvrig, or edited), so kvrig cannot tell its "
+            "files from yours; nothing was touched: remove the folder yourself if nothing in it is yours"
+        )
+    theirs = _not_generated(out, listed)
+    if theirs:
+        shown = ", ".join(theirs[:5]) + (f" and {len(theirs) - 5} more" if len(theirs) > 5 else "")
+        raise AppExistsError(
+            f"{out}: holds files kvrig app did not write ({shown}); --replace replaces only a project's own files "
+            "and what building it made, so nothing was touched: move them out first"
+        )
+
+
+# What building a generated project writes into it (`kvrig build`'s .ipa, xcodegen's project, SwiftPM's
+# folders): replaced with the project, as regenerating makes them stale.
+BUILT = ("build", ".build", ".swiftpm", "DerivedData")
+
+
+def _listed(marker: Path) -> set[str] | None:
+    """The files the marker says kvrig wrote; None if it lists none."""
+    try:
+        files = json.loads(marker.read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return {f for f in files if isinstance(f, str)} if isinstance(files, list) else None
+
+
+def _not_generated(out: Path, own: set[str]) -> list[str]:
+    """Files in `out` that are not among `own` and that no build made."""
+    found = []
+    for path in sorted(out.rglob("*")):
+        rel = path.relative_to(out)
+        if path.is_dir() and not path.is_symlink():
+            continue
+        top = rel.parts[0]
+        if rel.as_posix() in own or rel.as_posix() == MARKER or top in BUILT or top.endswith(".xcodeproj"):
+            continue
+        found.append(rel.as_posix())
+    return found
 
 
 def render_app(bundle: str | Path, out: str | Path, options: AppOptions, *, replace: bool = False) -> RenderResult:
@@ -277,6 +318,11 @@ def _render_into(
     telemetry_schema = TypeAdapter(TelemetryEvent).json_schema(by_alias=True)
     _write(root_out / "Schemas" / "telemetry.schema.json", _dump(telemetry_schema), written)
     _write(root_out / "Schemas" / "soakplan.example.json", _dump(plan.model_dump(mode="json", by_alias=True)), written)
-    marker = {"generator": f"kvrig {__version__}", "app": options.name, "bundle": bundle.resolve().name}
+    marker = {
+        "generator": f"kvrig {__version__}",
+        "app": options.name,
+        "bundle": bundle.resolve().name,
+        "files": sorted(p.relative_to(root_out).as_posix() for p in written),
+    }
     _write(root_out / MARKER, _dump(marker), written)
     return written

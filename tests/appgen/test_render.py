@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import plistlib
 import re
 import subprocess
@@ -14,7 +15,7 @@ import tree_sitter_swift
 import yaml
 
 from kvrig.appgen.escape import swift_string
-from kvrig.appgen.render import AppOptions, product_name, render_app, templates_root
+from kvrig.appgen.render import MARKER, AppOptions, product_name, render_app, templates_root
 from kvrig.exceptions import AppExistsError, InputError
 
 PARSER = tree_sitter.Parser(tree_sitter.Language(tree_sitter_swift.language()))
@@ -215,9 +216,39 @@ def test_output_folder_not_overwritten_without_force(tmp_path: Path, reference_b
     assert (out / "keep.txt").read_text() == "mine"
     (out / "keep.txt").unlink()
     render_app(reference_bundle, out, options)  # an empty folder takes a project
-    (out / "App" / "stale.swift").write_text("// from an older render")
+    _as_if_rendered(out, "App/stale.swift")  # a file an older render wrote and listed
+    (out / "build").mkdir()
+    (out / "build" / "X.ipa").write_text("what kvrig build made")
     render_app(reference_bundle, out, AppOptions(name="Y", bundle_id="com.example.y"), replace=True)
     assert not (out / "App" / "stale.swift").exists() and "Y" in (out / "App" / "Info.plist").read_text()
+    assert not (out / "build").exists()
+
+
+def _as_if_rendered(project: Path, relative: str) -> None:
+    """`relative` written into `project` and listed in its marker, as the render that made it would have."""
+    (project / relative).write_text("// from an older render")
+    marker = json.loads((project / MARKER).read_text())
+    (project / MARKER).write_text(json.dumps({**marker, "files": [*marker["files"], relative]}))
+
+
+@pytest.mark.parametrize("theirs", ["App/Sources/MyCode.swift", "mybundle/config.json", "notes.txt"])
+def test_replace_keeps_a_project_that_holds_files_kvrig_did_not_write(
+    tmp_path: Path, reference_bundle: Path, theirs: str
+) -> None:
+    """A generated project the user added to (their own source, the bundle itself copied in): --replace would
+    delete those files with the project, so it refuses and touches nothing."""
+    out = tmp_path / "out"
+    options = AppOptions(name="X", bundle_id="com.example.x")
+    render_app(reference_bundle, out, options)
+    (out / theirs).parent.mkdir(parents=True, exist_ok=True)
+    (out / theirs).write_text("mine")
+    before = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
+    with pytest.raises(AppExistsError, match=f"holds files kvrig app did not write \\({theirs}\\)"):
+        render_app(reference_bundle, out, options, replace=True)
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == before
+    (out / MARKER).write_text("{}")  # a marker that lists nothing vouches for nothing
+    with pytest.raises(AppExistsError, match="lists no files"):
+        render_app(reference_bundle, out, options, replace=True)
 
 
 def test_product_name() -> None:

@@ -4,9 +4,11 @@ not UTF-8 is exit 3 with nothing touched, and `$(...)` in a name stays text in I
 
 from __future__ import annotations
 
+import json
 import os
 import plistlib
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -56,13 +58,29 @@ def test_replace_never_deletes_a_folder_kvrig_did_not_make(tmp_path: Path) -> No
 @hostile(7, "kvrig app --replace over its own project", "replaced whole in one rename; the old files gone")
 def test_replace_replaces_a_generated_project_whole(tmp_path: Path) -> None:
     bundle, out = _project(tmp_path)
+    # a file an older render wrote (and listed in its marker) that the new project does not have
     (out / "App" / "Sources" / "Stale.swift").write_text("// a file the new project does not have")
+    marker = json.loads((out / ".kvrig-app.json").read_text())
+    marker["files"].append("App/Sources/Stale.swift")
+    (out / ".kvrig-app.json").write_text(json.dumps(marker))
     ran = kvrig("app", str(bundle), "--name", "Renamed", *APP, "-o", str(out), "--replace")
     assert ran.code == 0, ran.stderr
     assert not (out / "App" / "Sources" / "Stale.swift").exists()
     info = plistlib.loads((out / "App" / "Info.plist").read_bytes())
     assert info["CFBundleDisplayName"] == "Renamed"
     assert _leftovers(out.parent) == []
+
+
+@hostile(7, "kvrig app --replace over its own project holding the user's code and the bundle", "exit 35; all kept")
+def test_replace_keeps_a_generated_project_the_user_added_to(tmp_path: Path) -> None:
+    bundle, out = _project(tmp_path)
+    shutil.copytree(bundle, out / "mybundle")
+    (out / "App" / "Sources" / "MyCode.swift").write_text("// the user's own code")
+    before = _snapshot(out)
+    ran = kvrig("app", str(out / "mybundle"), "--name", "X", *APP, "-o", str(out), "--replace")
+    assert ran.code == 35, ran.stderr
+    assert "holds files kvrig app did not write" in ran.stderr and "App/Sources/MyCode.swift" in ran.stderr
+    assert _snapshot(out) == before and _leftovers(out.parent) == []
 
 
 @hostile(10, "an app name that is not UTF-8, --replace over a project", "exit 3 naming --name; the project untouched")
