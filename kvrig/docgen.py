@@ -20,7 +20,7 @@ from pathlib import Path
 
 import jinja2
 
-from kvrig.exceptions import InputError, KvrigError
+from kvrig.exceptions import DocsStaleError, InputError, KvrigError
 from kvrig.fileio import atomic_write, read_data
 from kvrig.schemas import load_model_file, validate_data
 from kvrig.schemas.measurement import Benchmark, Benchmarks, Host, Measurement
@@ -38,10 +38,6 @@ SECTION = re.compile(
     r"^<!-- begin generated: (?P<template>[\w.-]+\.j2)[^\n]*-->\n(?P<body>.*?)^<!-- end generated -->$",
     re.S | re.M,
 )
-
-
-class DocsStaleError(KvrigError):
-    """A page differs from its render, or a measurement from the benchmark docs/benchmarks.yaml names."""
 
 
 @dataclass(frozen=True)
@@ -135,8 +131,30 @@ def pages(root: Path) -> list[Path]:
     return sorted({p for pattern in PAGES for p in root.glob(pattern)})
 
 
+_BEGIN = re.compile(r"^<!-- begin generated: [\w.-]+\.j2[^\n]*-->$")
+_END = "<!-- end generated -->"
+
+
 def sections(root: Path, page: Path) -> list[GeneratedSection]:
+    """The page's generated sections; a section whose closing comment is missing is refused, since its body
+    would run on to the next section's end and rendering would replace the prose between them."""
     text = page.read_text()
+    opened: int | None = None
+    for number, line in enumerate(text.splitlines(), start=1):
+        if _BEGIN.match(line) or line == _END:
+            if (opened is None) != bool(_BEGIN.match(line)):
+                where = f"line {opened if opened is not None else number}"
+                raise InputError(
+                    "a generated section is not closed before the next one, or closed without being opened",
+                    file=page,
+                    field=where,
+                    expected=f"each '<!-- begin generated: NAME.j2 -->' followed by its own '{_END}'",
+                )
+            opened = number if opened is None else None
+    if opened is not None:
+        raise InputError(
+            "a generated section is never closed", file=page, field=f"line {opened}", expected=f"'{_END}' after it"
+        )
     return [GeneratedSection(page, m["template"], m.start("body"), m.end("body")) for m in SECTION.finditer(text)]
 
 
@@ -153,6 +171,10 @@ def render_docs(root: Path) -> dict[Path, str]:
                 body = env.get_template(section.template).render(data=data)
             except jinja2.TemplateNotFound:
                 raise InputError("no such template", file=page, field=section.template) from None
+            except jinja2.TemplateSyntaxError as exc:  # TemplateAssertionError too (an unknown filter)
+                raise InputError(
+                    f"line {exc.lineno}: {exc.message}", file=root / TEMPLATES / section.template
+                ) from None
             except jinja2.UndefinedError as exc:
                 raise InputError(
                     f"{exc.message}",

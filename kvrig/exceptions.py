@@ -223,6 +223,20 @@ class DeviceAnswerError(DeviceError):
 # --- soak (exit 16) ----------------------------------------------------------------------------------------
 
 
+class DocsStaleError(KvrigError):
+    """`kvrig docs render --check`: a page differs from its render, or a measurement from the benchmark
+    docs/benchmarks.yaml names."""
+
+    exit_code = 54
+
+
+class SoakOutputExistsError(KvrigError):
+    """`kvrig soak -o OUT` into a folder that already holds a soak's results: a second run never overwrites the
+    first (checked before the phone is reached)."""
+
+    exit_code = 53
+
+
 class SoakFailedError(KvrigError):
     """A soak run ended in a hang, a lost device or the app's own error end (results were still written). The
     other ways an app ends each have their own code (60-64), subclasses of this one."""

@@ -143,6 +143,9 @@ def test_a_hand_edited_figure_is_stale(checkout: Path) -> None:
     at = body.start("body") + digit.start()
     page.write_text(text[:at] + str((int(text[at]) + 1) % 10) + text[at + 1 :])
     assert stale_pages(checkout) == [f"{page.relative_to(checkout)}: differs from its render"]
+    check = [sys.executable, "-m", "kvrig", "docs", "render", "--check", "--root", str(checkout)]
+    proc = subprocess.run(check, capture_output=True, text=True)
+    assert proc.returncode == 54 and "differs from its render" in proc.stderr, proc.stderr
 
 
 def test_a_new_measurement_without_a_render_is_stale(checkout: Path) -> None:
@@ -185,3 +188,23 @@ def test_an_unknown_benchmark_name_is_refused_before_any_runs(checkout: Path) ->
     assert proc.returncode == 3, proc.stderr
     assert "benchmarks.yaml: no benchmark 'profil'" in proc.stderr and "expected profile" in proc.stderr
     assert "measuring" not in proc.stderr and not (checkout / "docs" / "data" / "profile.json").exists()
+
+
+def test_a_section_without_its_end_is_refused_and_the_page_kept(checkout: Path) -> None:
+    """Without its closing comment a section would run on to the next one's, and rendering would replace the
+    prose between them: `kvrig docs render` refuses (exit 3, naming the page and line) and writes nothing."""
+    page = next(p for p in pages(checkout) if len(SECTION.findall(p.read_text())) >= 2)
+    text = page.read_text()
+    end = text.index("<!-- end generated -->\n")
+    page.write_text(text[:end] + text[end + len("<!-- end generated -->\n") :])
+    before = page.read_text()
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvrig", "docs", "render", "--root", str(checkout)], capture_output=True, text=True
+    )
+    assert proc.returncode == 3, proc.stderr
+    assert str(page) in proc.stderr and "field 'line " in proc.stderr and "Traceback" not in proc.stderr
+    assert page.read_text() == before
+    stale = subprocess.run(
+        [sys.executable, "-m", "kvrig", "docs", "render", "--check", "--root", str(checkout)], capture_output=True
+    )
+    assert stale.returncode == 3

@@ -43,7 +43,7 @@ def measure(names: tuple[str, ...], every: bool, root: Path) -> None:
 
 
 @docs.command("render")
-@click.option("--check", is_flag=True, help="Change nothing; exit 1 if a page differs from its render.")
+@click.option("--check", is_flag=True, help="Change nothing; exit 54 if a page differs from its render.")
 @_root
 def render(check: bool, root: Path) -> None:
     """Fill every page's generated sections from docs/templates and docs/data."""

@@ -52,6 +52,8 @@ from kvrig.exceptions import (
     DeviceNotFoundError,
     KvrigError,
     NoTunnelError,
+    OutputWriteError,
+    SoakOutputExistsError,
 )
 from kvrig.fileio import atomic_write
 from kvrig.reports.devicelog import AppLog
@@ -601,6 +603,19 @@ async def _pull_new_reports(
     return kills.pulled, crashes.pulled, kills.skipped + crashes.skipped
 
 
+def claim_soak_output(out: Path) -> None:
+    """Checks, before the phone is reached, that `out` can take a soak: a folder that can be made and holds no
+    soak's results (a second run never overwrites the first)."""
+    if (out / RESULTS_FILE).exists() or (out / SOAKPLAN_FILE).exists():
+        raise SoakOutputExistsError(
+            f"{out}: holds a soak's results already ({RESULTS_FILE}); give another -o folder, or move them first"
+        )
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputWriteError(f"{out}: cannot create the output folder: {exc.strerror or exc}") from None
+
+
 async def soak(
     app_bundle_id: str,
     plan: SoakPlan,
@@ -614,6 +629,7 @@ async def soak(
     `kvrig soak` calls). A failed preflight raises its typed error before anything is written."""
 
     opts = options or SoakOptions()
+    claim_soak_output(Path(out_dir))
     async with open_session(
         udid, tunnel=opts.tunnel, usbmux_address=usbmux_address, handshake_timeout_s=opts.handshake_timeout_s
     ) as device:
