@@ -295,8 +295,8 @@ class LabError(KvrigError):
 
 
 class LabOutputExistsError(LabError):
-    """`kvrig lab run -o OUT` into a folder that already holds a lab's results (or one running there now):
-    a second run never overwrites the first."""
+    """`kvrig lab run -o OUT` into a folder that already holds a lab's results (or one running there now): a
+    second run never overwrites the first. `kvrig lab merge -o OUT` into a folder it merges, or of other files."""
 
     exit_code = 34
 

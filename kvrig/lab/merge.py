@@ -13,7 +13,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvrig.exceptions import LabShardError
+from kvrig.exceptions import LabOutputExistsError, LabShardError
 from kvrig.lab.model import RUNS_DIR, fails
 from kvrig.lab.report import write_report
 from kvrig.lab.save import save_results
@@ -99,6 +99,7 @@ def merge_folders(folders: list[Path], out: Path) -> Merged:
     """Merges the folders into `out` (results.json, junit.xml, report.html, shards/); returns what was merged
     and what was found wrong."""
     loaded = [(folder, _load(folder)) for folder in folders]
+    _check_merge_folder(out, folders)
     merged = Merged(ResultsFile(tool_version=__version__, runs=[]))
     out.mkdir(parents=True, exist_ok=True)
 
@@ -144,6 +145,21 @@ def merge_folders(folders: list[Path], out: Path) -> Merged:
 
     write_report(merged.results, out, title=f"kvrig lab: {name} (merged)")
     return merged
+
+
+def _check_merge_folder(out: Path, folders: list[Path]) -> None:
+    """`out` may take the merge when it is new, empty or an earlier merge's output: never one of the folders
+    merged (its shard record would be lost) and never a folder of other files."""
+    target = out.resolve()
+    for folder in folders:
+        if target == folder.resolve() or folder.resolve() in target.parents:
+            raise LabOutputExistsError(f"{out}: is (or is inside) {folder}, a folder being merged; give another -o")
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return
+    if not (out / SHARDS_DIR).is_dir() or not (out / RESULTS_FILE).is_file():
+        raise LabOutputExistsError(
+            f"{out}: holds other files, not an earlier merge; give an empty folder, a new one or an earlier merge's"
+        )
 
 
 def _missing_shards(shards: list[str | None]) -> list[str]:

@@ -249,6 +249,17 @@ def test_merge_reports_duplicates_and_missing_shards(sharded: dict[str, Any], tm
     not_a_lab = kvrig("lab", "merge", str(tmp_path), "-o", str(tmp_path / "x"))
     assert not_a_lab.returncode == 42 and "no results.json" in not_a_lab.stderr
 
+    # the merge never writes into a folder it merges (its shard record would be lost) or a folder of other files
+    shard_results = (root / "s1" / "results.json").read_bytes()
+    into_shard = kvrig("lab", "merge", str(root / "s1"), str(root / "s2"), "-o", str(root / "s1"))
+    assert into_shard.returncode == 34 and (root / "s1" / "results.json").read_bytes() == shard_results
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "junit.xml").write_text("my junit")
+    into_mine = kvrig("lab", "merge", str(root / "s1"), str(root / "s2"), "-o", str(mine))
+    assert into_mine.returncode == 34 and "holds other files" in into_mine.stderr
+    assert [p.name for p in mine.iterdir()] == ["junit.xml"] and (mine / "junit.xml").read_text() == "my junit"
+
 
 def test_a_phone_lost_on_one_host_fails_only_that_hosts_runs(
     sharded: dict[str, Any], hosts: list[Host], tmp_path: Path
