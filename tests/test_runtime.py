@@ -5,6 +5,7 @@ rebuilt from GGUF metadata; a tiny qwen2 GGUF converts into something mlx-lm run
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -70,6 +71,43 @@ def test_run_on_a_folder_that_is_not_a_bundle(tmp_path: Path) -> None:
     )
     assert proc.returncode == 3
     assert "manifest.json" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _damage(bundle: Path, how: str) -> None:
+    config = bundle / "config.json"
+    if how == "config not JSON":
+        config.write_text("{bad")
+    elif how == "config a list":
+        config.write_text("[1]")
+    elif how == "quantization without bits":
+        data = json.loads(config.read_text())
+        for key in ("quantization", "quantization_config"):
+            data.get(key, {}).pop("bits", None)
+        config.write_text(json.dumps(data))
+    elif how == "weights cut short":
+        with next(bundle.glob("*.safetensors")).open("r+b") as fh:
+            fh.truncate(1000)
+
+
+@pytest.mark.parametrize(
+    ("how", "code", "words"),
+    [
+        ("config not JSON", 3, "config.json: not valid JSON"),
+        ("config a list", 3, "field 'model_type'"),
+        ("quantization without bits", 7, "mlx-lm cannot load it (KeyError"),
+        ("weights cut short", 7, "mlx-lm cannot load it (RuntimeError"),
+    ],
+)
+def test_run_on_a_damaged_bundle_names_it(q4_bundle: Path, tmp_path: Path, how: str, code: int, words: str) -> None:
+    """What mlx-lm's loader raises on a damaged file is the bundle's error (exit 3 or 7), never 'a bug in kvrig'."""
+    copy = tmp_path / "b"
+    shutil.copytree(q4_bundle, copy)
+    _damage(copy, how)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvrig", "run", str(copy), "-p", "hi", "-n", "1"], capture_output=True, text=True
+    )
+    assert proc.returncode == code, proc.stderr
+    assert words in proc.stderr and str(copy) in proc.stderr and "Traceback" not in proc.stderr
 
 
 PERPLEXITY = """

@@ -9,11 +9,23 @@ import click
 from kvrig.cli.render import echo_json, human_bytes, json_option
 
 
+def _not_empty(prompt: str) -> str:
+    if not prompt:
+        raise click.BadParameter("expected some text to continue")
+    return prompt
+
+
 @click.command("run", short_help="Generate on the host with a bundle's KV configuration; print tok/s and peak memory.")
 @click.argument("bundle", type=click.Path(path_type=Path))
-@click.option("--prompt", "-p", required=True, help="Prompt text (wrapped in the chat template unless --raw).")
-@click.option("--max-tokens", "-n", default=128, show_default=True, type=int)
-@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
+@click.option(
+    "--prompt",
+    "-p",
+    required=True,
+    callback=lambda ctx, param, value: _not_empty(value),
+    help="Prompt text (wrapped in the chat template unless --raw).",
+)
+@click.option("--max-tokens", "-n", default=128, show_default=True, type=click.IntRange(min=1))
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0), help="0 = greedy.")
 @click.option("--raw", is_flag=True, help="Do not apply the chat template.")
 @json_option
 def run(bundle: Path, prompt: str, max_tokens: int, temperature: float, raw: bool, as_json: bool) -> None:

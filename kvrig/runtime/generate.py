@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvrig.exceptions import ModelConfigError
-from kvrig.fileio import check_json_files
+from kvrig.exceptions import BundleError, ModelConfigError
+from kvrig.fileio import check_json_files, read_data
 from kvrig.kvcache.caches import make_caches, maybe_quantize
 from kvrig.runtime.host import load_bundle_model
 from kvrig.schemas import load_model_file
@@ -145,7 +145,17 @@ def load_bundle(path: str | Path) -> LoadedBundle:
     path = Path(path)
     kv = load_model_file(KVCacheConfig, path / KVCACHE_NAME)
     check_json_files(path, error=ModelConfigError)  # mlx-lm's loaders recurse into whatever nesting they get
-    model, tokenizer, config = load_bundle_model(path)
+    config_file = path / "config.json"
+    config = read_data(config_file, error=ModelConfigError)
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise ModelConfigError("not a model config", file=config_file, field="model_type", expected="a model's type")
+    try:
+        model, tokenizer, config = load_bundle_model(path)
+    except (ValueError, KeyError, AttributeError, TypeError, OSError, RuntimeError) as exc:
+        # what mlx-lm's loader raises on a damaged file (a weight file cut short, a config missing a field)
+        raise BundleError(
+            f"{path}: mlx-lm cannot load it ({type(exc).__name__}: {exc}); `kvrig verify {path}` checks every file"
+        ) from None
     return LoadedBundle(path, model, tokenizer, config, kv)
 
 
