@@ -11,9 +11,10 @@ from __future__ import annotations
 import plistlib
 import zipfile
 from pathlib import Path
+from xml.parsers.expat import ExpatError
 
 from kvrig.appgen.build import read_project
-from kvrig.exceptions import InputError
+from kvrig.exceptions import AppGenError, InputError
 from kvrig.schemas.keys import ENTITLEMENTS_FILE, VIRTUAL_RUNTIME_KEY
 
 VIRTUAL_RUNTIME_LLM = "llm"
@@ -60,22 +61,30 @@ def build_virtual_ipa(project: str | Path, output: str | Path | None = None, run
         info = plistlib.loads(info_file.read_bytes())
     except FileNotFoundError:
         raise InputError("missing from the generated project", file=info_file) from None
-    except plistlib.InvalidFileException as exc:
+    except IsADirectoryError:
+        raise InputError("a folder, not a file", file=info_file, expected="the project's Info.plist") from None
+    except (plistlib.InvalidFileException, ExpatError, ValueError) as exc:  # XML that does not parse is ExpatError
         raise InputError(f"not a property list: {exc}", file=info_file) from None
+    if not isinstance(info, dict):
+        raise InputError(f"a property list of a {type(info).__name__}", file=info_file, expected="a dictionary")
     variables = {"$(EXECUTABLE_NAME)": name, "$(PRODUCT_NAME)": name, "$(PRODUCT_BUNDLE_IDENTIFIER)": bundle_id}
     info = {k: variables.get(v, v) if isinstance(v, str) else v for k, v in info.items()}
     info[VIRTUAL_RUNTIME_KEY] = runtime
     out = Path(output) if output else project / "build" / f"{name}-virtual.ipa"
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".part")
-    with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as ipa:
-        ipa.writestr(f"Payload/{name}.app/Info.plist", plistlib.dumps(info, fmt=plistlib.FMT_BINARY))
-        ipa.writestr(
-            f"Payload/{name}.app/{name}",
-            f"kvrig virtual build: the virtual iPhone runs this app with the {runtime!r} runtime.\n",
-        )
-        if entitlements is not None and entitlements.is_file():
-            # a phone states the increased memory limit only for an app that declares it
-            ipa.write(entitlements, f"Payload/{name}.app/{ENTITLEMENTS_FILE}")
-    tmp.replace(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as ipa:
+            ipa.writestr(f"Payload/{name}.app/Info.plist", plistlib.dumps(info, fmt=plistlib.FMT_BINARY))
+            ipa.writestr(
+                f"Payload/{name}.app/{name}",
+                f"kvrig virtual build: the virtual iPhone runs this app with the {runtime!r} runtime.\n",
+            )
+            if entitlements is not None and entitlements.is_file():
+                # a phone states the increased memory limit only for an app that declares it
+                ipa.write(entitlements, f"Payload/{name}.app/{ENTITLEMENTS_FILE}")
+        tmp.replace(out)
+    except OSError as exc:  # a folder where the .ipa goes, a file where its folder goes, a full disk
+        tmp.unlink(missing_ok=True)
+        raise AppGenError(f"{out}: cannot write the .ipa ({exc.strerror or exc}); nothing was written") from None
     return out

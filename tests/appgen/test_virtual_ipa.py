@@ -8,6 +8,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+from kvrig.appgen.build import read_project
 from kvrig.appgen.entitlements import app_entitlements
 from kvrig.appgen.virtual_ipa import VIRTUAL_RUNTIME_KEY, build_virtual_ipa
 from kvrig.device import apps
@@ -60,7 +61,8 @@ def test_cli_build_virtual_works_on_linux(reference_project: Path, tmp_path: Pat
         text=True,
     )
     assert proc.returncode == 0, proc.stderr
-    assert (tmp_path / f"{reference_project.name}-virtual.ipa").is_file()
+    product = read_project(reference_project)[1]
+    assert [p.name for p in tmp_path.iterdir()] == [f"{product}-virtual.ipa"]  # named by its product
 
 
 def test_not_a_project_is_a_clear_error(tmp_path: Path) -> None:
@@ -96,3 +98,29 @@ def test_a_signed_apps_entitlements_are_read_from_its_code_signature(tmp_path: P
     (app / "Signed").write_bytes(b"\xcf\xfa\xed\xfe" + bytes(64))  # unsigned: the .xcent, as Xcode left it
     assert app_entitlements(app) == {"get-task-allow": True}
     assert app_entitlements(tmp_path / "missing.ipa") is None
+
+
+def test_an_edited_project_or_a_blocked_output_is_named_and_leaves_nothing(
+    reference_project: Path, tmp_path: Path
+) -> None:
+    import shutil
+
+    project = tmp_path / "p"
+    shutil.copytree(reference_project, project)
+    info = project / "App" / "Info.plist"
+    for text, words in (("<plist><dict><key>x", "not a property list"), (plistlib.dumps([1]).decode(), "a list")):
+        info.write_text(text)
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvrig", "build", str(project), "--virtual"], capture_output=True, text=True
+        )
+        assert proc.returncode == 3 and str(info) in proc.stderr and words in proc.stderr, proc.stderr
+    shutil.copy(reference_project / "App" / "Info.plist", info)
+    # a folder where the .ipa goes: exit 15 naming it, and no .part left behind
+    ipa = build_virtual_ipa(project)
+    ipa.unlink()
+    ipa.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvrig", "build", str(project), "--virtual"], capture_output=True, text=True
+    )
+    assert proc.returncode == 15 and "cannot write the .ipa" in proc.stderr and "Traceback" not in proc.stderr
+    assert [p.name for p in ipa.parent.iterdir()] == [ipa.name]
