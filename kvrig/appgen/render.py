@@ -107,13 +107,13 @@ def validate_options(options: AppOptions) -> None:
         raise InputError(
             f"the app name is not valid UTF-8 (byte {exc.start} of the name)", field="--name", expected="UTF-8 text"
         ) from None
-    if not _BUNDLE_ID.match(options.bundle_id):
+    if not _BUNDLE_ID.fullmatch(options.bundle_id):  # fullmatch: `$` would let a final newline through
         raise InputError(
             f"invalid bundle id {options.bundle_id!r}",
             field="--bundle-id",
             expected="reverse-DNS letters, digits and hyphens, like com.example.myllm",
         )
-    if options.team is not None and not _TEAM_ID.match(options.team):
+    if options.team is not None and not _TEAM_ID.fullmatch(options.team):
         raise InputError(
             f"invalid team id {options.team!r}", field="--team", expected="10 upper-case letters or digits"
         )

@@ -239,7 +239,9 @@ class LabRecord(StrictModel):
     the gates again on the merged set."""
 
     name: str
-    shard: str | None = Field(default=None, description="K/N when the folder holds one shard of the lab")
+    shard: str | None = Field(
+        default=None, pattern=r"^[1-9][0-9]*/[1-9][0-9]*$", description="K/N when the folder holds one shard of the lab"
+    )
     hosts: list[str] = Field(default_factory=list, description="the usbmuxd hosts the phones were found on")
     gates: dict[str, Gates] = Field(default_factory=dict, description="matrix entry -> the gates its runs meet")
     notes: list[str] = Field(default_factory=list)

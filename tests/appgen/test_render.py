@@ -188,6 +188,9 @@ def test_schemas_exported(reference_project: Path) -> None:
         (AppOptions(name="X", bundle_id="not a bundle id"), "--bundle-id"),
         (AppOptions(name="X", bundle_id="com.example.x", team="short"), "--team"),
         (AppOptions(name="  ", bundle_id="com.example.x"), "--name"),
+        # a final newline would reach Info.plist and project.yml (`$` matches before it)
+        (AppOptions(name="X", bundle_id="com.example.x\n"), "--bundle-id"),
+        (AppOptions(name="X", bundle_id="com.example.x", team="ABCDE12345\n"), "--team"),
     ],
 )
 def test_bad_options(tmp_path: Path, reference_bundle: Path, options: AppOptions, field: str) -> None:

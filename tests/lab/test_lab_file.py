@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -172,3 +173,18 @@ def test_lab_modules_do_not_import_mlx_or_matplotlib() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
     assert "LAB_FILE" in out and out.rstrip().endswith("HEAVY=")
+
+
+@pytest.mark.parametrize("shard", ["x/y", "0/2", "1"])
+def test_a_results_file_whose_shard_is_not_k_of_n_is_refused(tmp_path: Path, shard: str) -> None:
+    """`kvrig lab merge` reads K/N from each folder's results.json; anything else is the file's error (exit 3),
+    not a ValueError in the merge."""
+    from kvrig.lab.merge import merge_folders
+
+    folder = tmp_path / "s1"
+    folder.mkdir()
+    record = {"schema": 4, "tool_version": "t", "runs": [], "lab": {"name": "ci", "shard": shard}}
+    (folder / "results.json").write_text(json.dumps(record))
+    with pytest.raises(SchemaError) as caught:
+        merge_folders([folder], tmp_path / "merged")
+    assert caught.value.field == "lab.shard" and not (tmp_path / "merged").exists()
