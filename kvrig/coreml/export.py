@@ -4,7 +4,6 @@ it to the plan (kvrig/planner/coreml.py)."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import tempfile
@@ -13,7 +12,7 @@ from typing import Any
 
 from pydantic import Field
 
-from kvrig.exceptions import BundleError, CoreMLExportError, CoreMLToolsMissingError, CoreMLUnsupportedError
+from kvrig.exceptions import CoreMLExportError, CoreMLToolsMissingError, CoreMLUnsupportedError
 from kvrig.planner.coreml import CoreMLPlan, coreml_arch, plan_coreml
 from kvrig.schemas import StrictModel
 
@@ -73,6 +72,22 @@ def _quiet_convert(ct: Any, prog: Any, **kwargs: Any) -> Any:
         return ct.convert(prog, **kwargs)
 
 
+def _check_output(output: Path, *, replace: bool) -> None:
+    """Before any work: `output` is new, or (with `replace`) a Core ML package, never a file or another folder;
+    its parent is a folder or can be one."""
+    for parent in output.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise CoreMLExportError(f"{output}: {parent} is a file, not a folder")
+            break
+    if not output.exists() and not output.is_symlink():
+        return
+    if not replace:
+        raise CoreMLExportError(f"{output}: already exists (pass --replace to replace it)")
+    if output.is_symlink() or not output.is_dir() or not (output / "Manifest.json").is_file():
+        raise CoreMLExportError(f"{output}: exists and is not a Core ML package; --replace replaces only those")
+
+
 def export_coreml(
     bundle: Path,
     output: Path,
@@ -86,17 +101,14 @@ def export_coreml(
 
     ct = import_coremltools()
     from .program import INPUT_IDS, build_program
-    from .weights import read_bundle_weights
+    from .weights import read_bundle_config, read_bundle_weights
 
-    if output.exists() and not replace:
-        raise CoreMLExportError(f"{output}: already exists (pass --replace to replace it)")
     if output.suffix != ".mlpackage":
         raise CoreMLExportError(f"{output}: the output must end in .mlpackage")
-    config_path = bundle / "config.json"
-    if not config_path.is_file():
-        raise BundleError(f"{bundle}: no config.json; expected a bundle written by `kvrig package`")
+    _check_output(output, replace=replace)
     # The architecture first: a family the exporter cannot express is refused before any weight is read.
-    arch = coreml_arch(json.loads(config_path.read_text()), config_path)
+    config, config_path = read_bundle_config(bundle)
+    arch = coreml_arch(config, config_path)
     weights = read_bundle_weights(bundle)
     if context is not None:
         source = "--context"

@@ -3,15 +3,17 @@ fp16 scales and biases, nothing re-quantized."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from kvrig.exceptions import BundleError, CoreMLUnsupportedError
+from kvrig.exceptions import BundleError, CoreMLUnsupportedError, ModelConfigError
+from kvrig.fileio import read_data
 from kvrig.planner.coreml import check_bits
+from kvrig.schemas import load_model_file
+from kvrig.schemas.kvcache import KVCACHE_NAME, KVCacheConfig
 
 
 @dataclass(frozen=True)
@@ -69,17 +71,30 @@ def _to_numpy(array: Any) -> np.ndarray:
     return np.asarray(array)
 
 
+def read_bundle_config(bundle: Path) -> tuple[dict[str, Any], Path]:
+    """The bundle's config.json (a JSON object) and its path; a bundle without one is BundleError, a file that is
+    not a config ModelConfigError (exit 3) naming it."""
+    config_path = bundle / "config.json"
+    if not config_path.is_file():
+        raise BundleError(f"{bundle}: no config.json; expected a bundle written by `kvrig package`")
+    config = read_data(config_path, error=ModelConfigError)
+    if not isinstance(config, dict):
+        raise ModelConfigError(f"a JSON {type(config).__name__}", file=config_path, expected="a model config object")
+    return config, config_path
+
+
 def read_bundle_weights(bundle: Path) -> BundleWeights:
     """Reads config.json, kvcache.json (for the planned context) and the safetensors with MLX."""
     import mlx.core as mx
 
-    config_path = bundle / "config.json"
-    if not config_path.is_file():
-        raise BundleError(f"{bundle}: no config.json; expected a bundle written by `kvrig package`")
-    config = json.loads(config_path.read_text())
+    config, config_path = read_bundle_config(bundle)
     quant = config.get("quantization") or None
     bits = group_size = None
     if quant is not None:
+        if not isinstance(quant, dict) or not all(isinstance(quant.get(k), int) for k in ("bits", "group_size")):
+            raise ModelConfigError(
+                f"got {quant!r:.60}", file=config_path, field="quantization", expected="an object with bits, group_size"
+            )
         if quant.get("mode", "affine") != "affine":
             raise CoreMLUnsupportedError(
                 f"quantization mode '{quant.get('mode')}' is not affine", file=config_path, field="quantization.mode"
@@ -112,7 +127,7 @@ def read_bundle_weights(bundle: Path) -> BundleWeights:
         else:
             tensors[name] = _to_numpy(value)
     kv_context = None
-    kv_path = bundle / "kvcache.json"
+    kv_path = bundle / KVCACHE_NAME
     if kv_path.is_file():
-        kv_context = json.loads(kv_path.read_text()).get("max_context")
+        kv_context = load_model_file(KVCacheConfig, kv_path).max_context
     return BundleWeights(bundle, config, bits, group_size or 64, tensors, kv_context)

@@ -149,3 +149,43 @@ def test_a_weight_the_program_would_drop_is_refused(
     code, _, err = _run(["export", "coreml", str(bundle), "-o", str(tmp_path / "M.mlpackage")], capsys)
     assert code == 39 and "model.layers.0.mlp.extra.weight" in err
     assert not (tmp_path / "M.mlpackage").exists()
+
+
+@pytest.mark.parametrize(
+    ("damage", "field"),
+    [
+        ({"config.json": "{bad"}, "not valid JSON"),
+        ({"config.json": "[1]"}, "a model config object"),
+        ({"config.json": {"quantization": "q8"}}, "field 'quantization'"),
+        ({"kvcache.json": '{"scheme":'}, "kvcache.json"),
+    ],
+)
+def test_a_damaged_bundle_is_named_not_a_crash(
+    tiny_exports: dict[str, ExportResult],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    damage: dict[str, str | dict[str, str]],
+    field: str,
+) -> None:
+    import shutil
+
+    bundle = tmp_path / "b"
+    shutil.copytree(tiny_exports["qwen3-q8"].bundle, bundle)
+    for name, change in damage.items():
+        edited = {**json.loads((bundle / name).read_text()), **change} if isinstance(change, dict) else None
+        (bundle / name).write_text(json.dumps(edited) if edited is not None else str(change))
+    code, _, err = _run(["export", "coreml", str(bundle), "-o", str(tmp_path / "Q.mlpackage")], capsys)
+    assert code == 3 and field in err, err
+    assert not (tmp_path / "Q.mlpackage").exists()
+
+
+def test_an_output_that_is_no_package_is_refused_before_the_export(
+    tiny_exports: dict[str, ExportResult], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bundle = tiny_exports["qwen3-q8"].bundle
+    mine = tmp_path / "Mine.mlpackage"
+    mine.write_text("a file of mine")
+    code, _, err = _run(["export", "coreml", bundle, "-o", str(mine), "--replace"], capsys)
+    assert code == 41 and "not a Core ML package" in err and mine.read_text() == "a file of mine"
+    code, _, err = _run(["export", "coreml", bundle, "-o", str(mine / "Q.mlpackage")], capsys)
+    assert code == 41 and "is a file, not a folder" in err
