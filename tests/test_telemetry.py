@@ -235,3 +235,25 @@ def test_fuzz_random_lines(tmp_path: Path, lines: list[dict], tail: str) -> None
         if s.steps:
             assert s.last_context_tokens in [x.get("context_tokens") for x in step_lines]
             assert s.max_context_tokens is not None and s.max_context_tokens >= s.last_context_tokens
+
+
+def test_records_with_nan_or_infinity_are_skipped_not_summarised(tmp_path: Path) -> None:
+    """JSON has no NaN or Infinity; Python's reader takes them, so such a record is refused by the schema (a summary
+    carrying one would print JSON that strict readers refuse)."""
+    lines = run_records("r1", [256, 512], end=False)
+    bad = json.loads(lines[1]) | {"decode_tps": "NaN"}
+    text = "\n".join([lines[0], json.dumps(bad).replace('"NaN"', "NaN"), lines[2]]) + "\n"
+    path = tmp_path / "t.jsonl"
+    path.write_text(text)
+    log = read_telemetry(path)
+    assert [s.line for s in log.skipped] == [2] and "finite number" in log.skipped[0].reason
+    assert summarize_run(log.runs[0]).steps == 1
+
+
+def test_a_second_start_under_one_run_id_is_flagged(tmp_path: Path) -> None:
+    first = run_records("r1", [256], end=False)
+    again = run_records("r1", [512], end=False, t0=T0 + 100)
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(first + again) + "\n")
+    log = read_telemetry(path)
+    assert any("a second start for run 'r1'" in s.reason for s in log.skipped)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Final, Literal
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from kvrig.schemas import StrictModel
 
@@ -20,6 +20,10 @@ TELEMETRY_FILE = "telemetry.jsonl"
 
 
 class _Event(StrictModel):
+    # JSON has no NaN or infinity (Python's reader takes them): a record with one is not the app's, and a summary
+    # that carried it would print JSON strict readers refuse
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
+
     schema_version: Literal[1, 2, 3, 4, 5] = Field(default=TELEMETRY_SCHEMA_VERSION, alias="schema")
     run_id: str
     seq: int = Field(ge=0, description="record number within the run, from 0")
