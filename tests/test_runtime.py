@@ -84,6 +84,9 @@ def _damage(bundle: Path, how: str) -> None:
         for key in ("quantization", "quantization_config"):
             data.get(key, {}).pop("bits", None)
         config.write_text(json.dumps(data))
+    elif how == "kvcache.json of another model":
+        kv = json.loads((bundle / "kvcache.json").read_text())
+        (bundle / "kvcache.json").write_text(json.dumps({**kv, "layers": kv["layers"][:3]}))
     elif how == "weights cut short":
         with next(bundle.glob("*.safetensors")).open("r+b") as fh:
             fh.truncate(1000)
@@ -96,6 +99,7 @@ def _damage(bundle: Path, how: str) -> None:
         ("config a list", 3, "field 'model_type'"),
         ("quantization without bits", 7, "mlx-lm cannot load it (KeyError"),
         ("weights cut short", 7, "mlx-lm cannot load it (RuntimeError"),
+        ("kvcache.json of another model", 3, "field 'layers': lists 3 cache-holding layers"),
     ],
 )
 def test_run_on_a_damaged_bundle_names_it(q4_bundle: Path, tmp_path: Path, how: str, code: int, words: str) -> None:

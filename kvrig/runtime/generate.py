@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvrig.exceptions import BundleError, ModelConfigError
+from kvrig.exceptions import BundleError, ModelConfigError, SchemaError
 from kvrig.fileio import check_json_files, read_data
 from kvrig.kvcache.caches import make_caches, maybe_quantize
 from kvrig.runtime.host import load_bundle_model
@@ -156,6 +156,16 @@ def load_bundle(path: str | Path) -> LoadedBundle:
         raise BundleError(
             f"{path}: mlx-lm cannot load it ({type(exc).__name__}: {exc}); `kvrig verify {path}` checks every file"
         ) from None
+    from mlx_lm.models.cache import make_prompt_cache
+
+    listed, made = len([e for e in kv.layers if e.kind != "shared"]), len(make_prompt_cache(model))
+    if listed != made:  # a kvcache.json from another model, or edited
+        raise SchemaError(
+            f"lists {listed} cache-holding layers, but the bundle's model makes {made} caches",
+            file=path / KVCACHE_NAME,
+            field="layers",
+            expected="the kvcache.json kvrig package wrote with this model",
+        )
     return LoadedBundle(path, model, tokenizer, config, kv)
 
 
