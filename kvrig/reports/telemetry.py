@@ -133,9 +133,6 @@ def read_telemetry(path: str | Path) -> TelemetryLog:
                 continue
             torn_candidate = not raw.endswith(b"\n")  # only the last line can lack its newline
             reason, event, cut = _parse_line(raw)
-            if isinstance(event, StartEvent) and any(isinstance(e, StartEvent) for e in runs.get(event.run_id, [])):
-                # two runs under one id would read as one: the second start and what follows it are not merged
-                reason, event = f"a second start for run {event.run_id!r} (run ids must differ)", None
             if event is not None:
                 runs.setdefault(event.run_id, []).append(event)
             elif torn_candidate and cut:
