@@ -96,7 +96,7 @@ def _damage(bundle: Path, how: str) -> None:
     ("how", "code", "words"),
     [
         ("config not JSON", 3, "config.json: not valid JSON"),
-        ("config a list", 3, "field 'model_type'"),
+        ("config a list", 3, "config.json: not a JSON mapping"),
         ("quantization without bits", 7, "mlx-lm cannot load it (KeyError"),
         ("weights cut short", 7, "mlx-lm cannot load it (RuntimeError"),
         ("kvcache.json of another model", 3, "field 'layers': lists 3 cache-holding layers"),

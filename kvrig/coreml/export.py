@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import Field
 
 from kvrig.exceptions import CoreMLExportError, CoreMLToolsMissingError, CoreMLUnsupportedError
+from kvrig.models import read_config
 from kvrig.planner.coreml import CoreMLPlan, coreml_arch, plan_coreml
 from kvrig.schemas import StrictModel
 
@@ -101,13 +102,13 @@ def export_coreml(
 
     ct = import_coremltools()
     from .program import INPUT_IDS, build_program
-    from .weights import read_bundle_config, read_bundle_weights
+    from .weights import read_bundle_weights
 
     if output.suffix != ".mlpackage":
         raise CoreMLExportError(f"{output}: the output must end in .mlpackage")
     _check_output(output, replace=replace)
     # The architecture first: a family the exporter cannot express is refused before any weight is read.
-    config, config_path = read_bundle_config(bundle)
+    config, config_path = read_config(bundle)
     arch = coreml_arch(config, config_path)
     weights = read_bundle_weights(bundle)
     if context is not None:

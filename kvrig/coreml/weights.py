@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from kvrig.exceptions import BundleError, CoreMLUnsupportedError, ModelConfigError
-from kvrig.fileio import read_data
+from kvrig.models import read_config
 from kvrig.planner.coreml import check_bits
 from kvrig.schemas import load_model_file
 from kvrig.schemas.kvcache import KVCACHE_NAME, KVCacheConfig
@@ -71,23 +71,11 @@ def _to_numpy(array: Any) -> np.ndarray:
     return np.asarray(array)
 
 
-def read_bundle_config(bundle: Path) -> tuple[dict[str, Any], Path]:
-    """The bundle's config.json (a JSON object) and its path; a bundle without one is BundleError, a file that is
-    not a config ModelConfigError (exit 3) naming it."""
-    config_path = bundle / "config.json"
-    if not config_path.is_file():
-        raise BundleError(f"{bundle}: no config.json; expected a bundle written by `kvrig package`")
-    config = read_data(config_path, error=ModelConfigError)
-    if not isinstance(config, dict):
-        raise ModelConfigError(f"a JSON {type(config).__name__}", file=config_path, expected="a model config object")
-    return config, config_path
-
-
 def read_bundle_weights(bundle: Path) -> BundleWeights:
     """Reads config.json, kvcache.json (for the planned context) and the safetensors with MLX."""
     import mlx.core as mx
 
-    config, config_path = read_bundle_config(bundle)
+    config, config_path = read_config(bundle)
     quant = config.get("quantization") or None
     bits = group_size = None
     if quant is not None:

@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from kvrig.exceptions import BundleError, ModelConfigError, SchemaError
-from kvrig.fileio import check_json_files, read_data
+from kvrig.fileio import check_json_files
 from kvrig.kvcache.caches import make_caches, maybe_quantize
+from kvrig.models import read_config
 from kvrig.runtime.host import load_bundle_model
 from kvrig.schemas import load_model_file
 from kvrig.schemas.kvcache import KVCACHE_NAME, KVCacheConfig
@@ -145,10 +146,9 @@ def load_bundle(path: str | Path) -> LoadedBundle:
     path = Path(path)
     kv = load_model_file(KVCacheConfig, path / KVCACHE_NAME)
     check_json_files(path, error=ModelConfigError)  # mlx-lm's loaders recurse into whatever nesting they get
-    config_file = path / "config.json"
-    config = read_data(config_file, error=ModelConfigError)
-    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
-        raise ModelConfigError("not a model config", file=config_file, field="model_type", expected="a model's type")
+    config, config_file = read_config(path)
+    if not isinstance(config.get("model_type"), str):
+        raise ModelConfigError("missing", file=config_file, field="model_type", expected="the model's type")
     try:
         model, tokenizer, config = load_bundle_model(path)
     except (ValueError, KeyError, AttributeError, TypeError, OSError, RuntimeError) as exc:

@@ -155,7 +155,7 @@ def test_a_weight_the_program_would_drop_is_refused(
     ("damage", "field"),
     [
         ({"config.json": "{bad"}, "not valid JSON"),
-        ({"config.json": "[1]"}, "a model config object"),
+        ({"config.json": "[1]"}, "not a JSON mapping"),
         ({"config.json": {"quantization": "q8"}}, "field 'quantization'"),
         ({"kvcache.json": '{"scheme":'}, "kvcache.json"),
     ],
