@@ -220,14 +220,7 @@ class DeviceAnswerError(DeviceError):
     exit_code = 33
 
 
-# --- soak (exit 16) ----------------------------------------------------------------------------------------
-
-
-class DocsStaleError(KvrigError):
-    """`kvrig docs render --check`: a page differs from its render, or a measurement from the benchmark
-    docs/benchmarks.yaml names."""
-
-    exit_code = 54
+# --- soak (exit 16, 53) ------------------------------------------------------------------------------------
 
 
 class SoakOutputExistsError(KvrigError):
@@ -491,3 +484,13 @@ class CoreMLBackendError(KvrigError):
 
 class CoreMLVirtualPhoneError(CoreMLBackendError):
     """A soak asks for the Core ML backend on the virtual iPhone, which runs MLX on Linux and has no Core ML."""
+
+
+# --- the docs' generated records (exit 54) ----------------------------------------------------------------
+
+
+class DocsStaleError(KvrigError):
+    """`kvrig docs render --check`: a page differs from its render, or a measurement from the benchmark
+    docs/benchmarks.yaml names."""
+
+    exit_code = 54

@@ -821,9 +821,9 @@ def _notes(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest, traine
     attention = _attention_note(spec, request)
     if attention:
         notes.append(attention)
-    promoted = [parse_kv(n) for n in request.schemes if "@top" in n.lower()]
-    for scheme in promoted:
-        assert scheme.promote_keys is not None
+    for scheme in (parse_kv(n) for n in request.schemes):
+        if scheme.promote_keys is None:
+            continue
         bits, count = scheme.promote_keys
         notes.append(
             f"{scheme.name}: kvrig package measures which {count} layers' keys suffer most; the plan counts keys at "

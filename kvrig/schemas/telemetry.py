@@ -22,7 +22,7 @@ TELEMETRY_FILE = "telemetry.jsonl"
 class _Event(StrictModel):
     # JSON has no NaN or infinity (Python's reader takes them): a record with one is not the app's, and a summary
     # that carried it would print JSON strict readers refuse
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
+    model_config = ConfigDict(allow_inf_nan=False)  # merged with StrictModel's
 
     schema_version: Literal[1, 2, 3, 4, 5] = Field(default=TELEMETRY_SCHEMA_VERSION, alias="schema")
     run_id: str
