@@ -102,6 +102,9 @@ def _not_nan(value: float | None) -> float | None:
 @click.option(
     "--tunnel-drop-after-bytes", type=int, default=None, help="Fault: the CoreDeviceProxy tunnel drops after N bytes."
 )
+@click.option(
+    "--untrusted", is_flag=True, help="Fault: the phone does not trust this computer (no pair record, no session)."
+)
 @click.option("--handshake-timeout", is_flag=True, help="Fault: the CDTunnel handshake is never answered.")
 @click.option("--rsd-silent", is_flag=True, help="Fault: RSD, inside the tunnel, never starts its handshake.")
 @click.option("--launch-errors", type=int, default=0, help="Fault: the next N launches fail (transient NSError).")
@@ -158,6 +161,7 @@ def start(
     developer_mode_off: bool,
     image_missing: bool,
     tunnel_drop_after_bytes: int | None,
+    untrusted: bool,
     handshake_timeout: bool,
     rsd_silent: bool,
     launch_errors: int,
@@ -198,6 +202,7 @@ def start(
         image_missing=image_missing,
         tunnel_drop_after_bytes=tunnel_drop_after_bytes,
         handshake_timeout=handshake_timeout,
+        untrusted=untrusted,
         rsd_silent=rsd_silent,
         launch_errors=launch_errors,
         claim_sizes=pairs(claim_size, "--claim-size", int),

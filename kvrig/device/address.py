@@ -33,6 +33,12 @@ def usbmux_address(text: str, *, field: str = ENV) -> str:
     host, sep, port = value.rpartition(":")
     if not sep or not host:
         raise UsbmuxAddressError(f"{text!r} is neither a socket path nor HOST:PORT", field=field, expected=EXPECTED)
+    if ":" in host:  # pymobiledevice3 11.45's usbmux splits the address at its colon: it cannot dial IPv6
+        raise UsbmuxAddressError(
+            f"{text!r}: an IPv6 address (pymobiledevice3 cannot dial usbmuxd over IPv6)",
+            field=field,
+            expected="a host name or IPv4 address, HOST:PORT",
+        )
     if not port.isdigit() or not 0 < int(port) < 65536:
         raise UsbmuxAddressError(f"{text!r}: {port!r} is not a TCP port", field=field, expected=EXPECTED)
     return value

@@ -19,8 +19,8 @@ from pymobiledevice3.lockdown_service_provider import LockdownServiceProvider
 
 from kvrig.device.address import resolve
 from kvrig.device.errors import answer_errors, device_errors, translate
-from kvrig.device.tunnel import Tunnel
-from kvrig.exceptions import DeviceAnswerError, DeviceError, DeviceNotFoundError
+from kvrig.device.tunnel import Tunnel, same_udid
+from kvrig.exceptions import DeviceAnswerError, DeviceError, DeviceLockedError, DeviceNotFoundError
 from kvrig.profiles import find_profile_by_product_type
 from kvrig.schemas.keys import VIRTUAL_KEY
 
@@ -100,17 +100,34 @@ def _info(udid: str, connection: str, values: dict[str, Any]) -> DeviceInfo:
     return dataclasses.replace(info, error=str(problem), problem=problem)
 
 
+WIFI_ONLY = "reachable over Wi-Fi only; kvrig drives phones over USB: connect it with a cable"
+
+
 async def list_devices(*, usbmux_address: str | None = None) -> list[DeviceInfo]:
     """Every device usbmuxd knows, USB first, each described by lockdownd (or with the reason it could not be)."""
     usbmux_address = resolve(usbmux_address)
     async with device_errors("listing devices"):
-        mux_devices = await usbmux.list_devices(usbmux_address=usbmux_address)
+        try:
+            mux_devices = await usbmux.list_devices(usbmux_address=usbmux_address)
+        except PermissionError as exc:  # a socket this user may not open: not a phone that went away
+            socket_path = usbmux_address or "/var/run/usbmuxd"
+            raise DeviceNotFoundError(
+                f"listing devices: cannot reach usbmuxd: this user may not open its socket {socket_path} "
+                f"({exc.strerror}); usbmuxd makes it writable by everyone: check its permissions (ls -l) and who "
+                "made it"
+            ) from exc
     found: list[DeviceInfo] = []
     seen: set[str] = set()
     for mux in sorted(mux_devices, key=lambda d: (not d.is_usb, d.serial)):
         if mux.serial in seen:  # the same phone over USB and Wi-Fi
             continue
         seen.add(mux.serial)
+        if not mux.is_usb:  # a Mac lists phones it reaches over Wi-Fi; kvrig never talks to them that way
+            problem = DeviceNotFoundError(f"{mux.serial}: {WIFI_ONLY}")
+            found.append(
+                DeviceInfo(udid=mux.serial, connection=mux.connection_type, error=str(problem), problem=problem)
+            )
+            continue
         try:
             async with answer_errors("reading device values", udid=mux.serial):
                 lockdown = await create_using_usbmux(
@@ -135,10 +152,16 @@ async def select_device(udid: str | None = None, *, usbmux_address: str | None =
     devices = await list_devices(usbmux_address=usbmux_address)
     if udid is not None:
         for device in devices:
-            if device.udid == udid:
+            if same_udid(device.udid, udid):  # with or without the hyphen, as hosts spell it
+                if device.connection != "USB":
+                    raise DeviceNotFoundError(f"device {device.udid}: {WIFI_ONLY}")
                 return device
         attached = ", ".join(d.udid for d in devices) or "none"
         raise DeviceNotFoundError(f"device {udid} is not attached (attached: {attached})")
+    wifi = [d for d in devices if d.connection != "USB"]
+    devices = [d for d in devices if d.connection == "USB"]
+    if not devices and wifi:
+        raise DeviceNotFoundError(f"no device attached over USB ({', '.join(d.udid for d in wifi)}: {WIFI_ONLY})")
     if not devices:
         raise DeviceNotFoundError("no device attached (connect an iPhone, or start one with `kvrig virtual start`)")
     if len(devices) > 1:
@@ -181,8 +204,7 @@ class Device:
     async def reconnect(self) -> None:
         """A fresh lockdown session and tunnel (after the phone was unplugged and came back)."""
         await self.close()
-        async with answer_errors("reconnecting", udid=self.udid):
-            self.lockdown = await create_using_usbmux(serial=self.udid, usbmux_address=self.usbmux_address)
+        self.lockdown = await _session("reconnecting", self.udid, self.usbmux_address)
         if self.tunnel is not None:
             await self.tunnel.open()
 
@@ -211,9 +233,30 @@ async def connect(udid: str | None = None, *, usbmux_address: str | None = None)
     if isinstance(info.problem, DeviceAnswerError):
         raise info.problem  # a phone whose answers break the protocol is not trusted with a session
     # A phone lockdownd could not describe (locked, not trusted) is asked again: the typed error says why.
-    async with answer_errors("connecting", udid=info.udid):
-        lockdown = await create_using_usbmux(serial=info.udid, usbmux_address=usbmux_address)
+    lockdown = await _session("connecting", info.udid, usbmux_address)
     if info.error:
         with contextlib.suppress(Exception):
             info = _info(info.udid, info.connection, dict(lockdown.all_values))
     return Device(info, lockdown, usbmux_address)
+
+
+UNTRUSTED_HINT = (
+    "unlock it and pair it once: `idevicepair pair` or `pymobiledevice3 lockdown pair` (or open it in Finder on a "
+    "Mac), tap Trust on the phone, and run the command again"
+)
+
+
+async def _session(what: str, udid: str, usbmux_address: str | None) -> LockdownClient:
+    """A paired lockdown session. Never pairs: pymobiledevice3's autopair waits, with no bound, for someone to tap
+    Trust, so a phone that does not trust this computer would hold every command (and a lab worker) forever."""
+    async with answer_errors(what, udid=udid):
+        lockdown = await create_using_usbmux(
+            serial=udid, autopair=False, usbmux_address=usbmux_address, connection_type="USB"
+        )
+    if lockdown.paired:
+        return lockdown
+    with contextlib.suppress(Exception):
+        await lockdown.close()
+    raise DeviceLockedError(
+        f"{what}: the device {udid} does not trust this computer (no pair record it accepts); {UNTRUSTED_HINT}"
+    )

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import requests
+from developer_disk_image.exceptions import DeveloperDiskImageException
 from packaging.version import Version
 from pymobiledevice3 import exceptions as pmd3
 from pymobiledevice3.lockdown_service_provider import LockdownServiceProvider
@@ -201,7 +202,8 @@ async def _image(device: Device, report: Callable[[str, Status, str], None], ima
                     await _mount_local(device, image_type, image_dir)
                 else:
                     await auto_mount(provider)
-            except requests.RequestException as exc:  # the one-time download, not the phone's link
+            # The one-time download, not the phone's link: no answer, or GitHub's refusal (a 5xx, a rate limit).
+            except (requests.RequestException, DeveloperDiskImageException) as exc:
                 report(name, "blocked", f"download failed: {exc}")
                 raise ImageNotMountedError(
                     f"{device.udid}: the {image_type} developer disk image is not mounted: downloading it failed "
@@ -219,6 +221,10 @@ async def _image(device: Device, report: Callable[[str, Status, str], None], ima
         raise ImageNotMountedError(
             f"{device.udid}: the {image_type} developer disk image could not be mounted: {exc}{hint}"
         ) from exc
+    if provider is not device.lockdown and device.tunnel is not None:
+        # The tunnel's service list is the one the phone sent when it opened, before the image brought the
+        # developer services: the next step must see a fresh one.
+        await device.tunnel.close()
     source = f"from {image_dir}" if image_dir is not None else "with pymobiledevice3's auto_mount"
     report(name, "done", f"{image_type} image mounted {source}")
 

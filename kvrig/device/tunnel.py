@@ -94,13 +94,28 @@ def version_tuple(version: str | None) -> tuple[int, int]:
         return 0, 0
 
 
-async def tunneld_serves(udid: str, address: tuple[str, int]) -> bool | None:
-    """True if the tunneld at `address` holds a tunnel to `udid`, False if not, None if it is not reachable."""
+def same_udid(a: str, b: str) -> bool:
+    """One phone's UDID as two hosts may spell it: some usbmuxd builds (and usbmuxd2) drop the hyphen of the
+    25-character form, tunneld keeps the phone's own (pymobiledevice3's usbmux matches them the same way)."""
+    return a.replace("-", "").upper() == b.replace("-", "").upper()
+
+
+async def tunneld_key(udid: str, address: tuple[str, int]) -> str | None:
+    """The key under which the tunneld at `address` lists its tunnel to `udid` ("" if it lists none), or None
+    if it is not reachable."""
     try:
         tunnels = await get_tunneld_tunnels(address)
     except pmd3.TunneldConnectionError:
         return None
-    return isinstance(tunnels, dict) and udid in tunnels
+    if not isinstance(tunnels, dict):
+        return ""
+    return next((key for key in tunnels if isinstance(key, str) and same_udid(key, udid)), "")
+
+
+async def tunneld_serves(udid: str, address: tuple[str, int]) -> bool | None:
+    """True if the tunneld at `address` holds a tunnel to `udid`, False if not, None if it is not reachable."""
+    key = await tunneld_key(udid, address)
+    return None if key is None else bool(key)
 
 
 async def plan_tunnel(udid: str, os_version: str | None, mode: TunnelMode | str | None = None) -> TunnelPlan:
@@ -226,7 +241,18 @@ class Tunnel:
     async def _open(self) -> RemoteServiceDiscoveryService:
         if self.plan.kind == "tunneld":
             host, _, port = (self.plan.tunneld or "").rpartition(":")
-            rsd = await get_tunneld_device_by_udid(self.udid, (host, int(port)))
+            address = (host.strip("[]"), int(port))
+            key = await tunneld_key(self.udid, address)
+            if key is None:
+                raise NoTunnelError(f"tunneld at {self.plan.tunneld} is not reachable; {TUNNELD_HINT}")
+            try:
+                rsd = await get_tunneld_device_by_udid(key, address) if key else None
+            except IndexError:
+                # pymobiledevice3 11.45 skips each listed tunnel it cannot connect to, then takes the first of none
+                raise NoTunnelError(
+                    f"tunneld at {self.plan.tunneld} lists a tunnel to {self.udid} that does not answer (a stale one, "
+                    "as after the phone was replugged or restarted): wait for tunneld to renew it, or restart tunneld"
+                ) from None
             if rsd is None:
                 raise NoTunnelError(f"tunneld at {self.plan.tunneld} holds no tunnel to {self.udid}; {TUNNELD_HINT}")
             return rsd

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from pymobiledevice3.lockdown import SERVICE_PORT as LOCKDOWN_PORT
 
@@ -97,6 +97,8 @@ class VirtualDevice:
             limit_bytes=limit_bytes if limit_bytes is not None else spec.limit_bytes,
             page_size=spec.page_size,
         )
+        # How usbmuxd lists it: "Network" is a phone a Mac reaches over Wi-Fi only (Finder's Wi-Fi sync).
+        self.connection: Literal["USB", "Network"] = "USB"
         # iOS gives an app with the increased-memory-limit entitlement the larger limit where the device has one;
         # a limit given at start (a small one, for a quick soak) is every app's.
         if limit_bytes is not None:

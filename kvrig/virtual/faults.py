@@ -20,6 +20,8 @@
   a size it claims for a file (`stat` answers it, the content stays what it is), reads that never reach the end
   (every READ returns a full chunk of `x` lines), reads that stall (each READ waits N seconds before its reply),
   directory entries that are listed but not there (a report rotated away between listing and pulling)
+- a phone that does not trust this computer (usbmuxd holds no pair record for it, lockdownd refuses a session
+  with InvalidHostID as after the user reset Location & Privacy, and answers Pair with the Trust dialog pending)
 - lockdownd values of the wrong type or size (a ProductType that is a number, a ProductVersion of 5000 digits)
   and device values that are not a plist dictionary (cut off mid-plist, or a plist array)
 """
@@ -58,6 +60,7 @@ class FaultPlan:
     watchdog_at_tokens: int | None = None
     vanish_at_tokens: int | None = None
     unplug_on_service: str | None = None  # lockdownd's StartService for this service pulls the cable instead
+    untrusted: bool = False  # no pair record, no session: the phone does not trust this computer
 
     def claimed_size(self, device_path: str) -> int | None:
         return next((size for pattern, size in self.claim_sizes.items() if _named(device_path, pattern)), None)

@@ -120,6 +120,8 @@ async def serve_lockdownd(link: Link) -> None:
                 continue
         elif name in ("SetValue", "RemoveValue"):
             reply["Error"] = "SetProhibited" if name == "SetValue" else "RemoveProhibited"
+        elif name == "Pair" and device.faults.untrusted:
+            reply["Error"] = "PairingDialogResponsePending"  # the Trust dialog shows until someone answers it
         elif name == "ValidatePair" or name == "Pair":
             record = request.get("PairRecord") or {}
             if record.get("HostID") != device.pairing.host_id:
@@ -127,7 +129,7 @@ async def serve_lockdownd(link: Link) -> None:
             elif name == "Pair":
                 reply["EscrowBag"] = device.pairing.escrow_bag
         elif name == "StartSession":
-            if request.get("HostID") != device.pairing.host_id:
+            if request.get("HostID") != device.pairing.host_id or device.faults.untrusted:
                 reply["Error"] = "InvalidHostID"
             elif session_id is not None:
                 reply["Error"] = "SessionActive"

@@ -144,6 +144,16 @@ class UsbmuxServer:
 
     def _attached(self, device: VirtualDevice) -> dict[str, Any]:
         udid = device.identity.udid
+        if device.connection == "Network":  # the shape macOS's usbmuxd gives a Wi-Fi phone: no USB properties
+            properties = {
+                "ConnectionType": "Network",
+                "DeviceID": device.device_id,
+                "EscapedFullServiceName": f"{device.identity.wifi_mac}@fe80::1._apple-mobdev2._tcp.local.",
+                "InterfaceIndex": 14,
+                "NetworkAddress": bytes(128),
+                "SerialNumber": udid,
+            }
+            return {"MessageType": "Attached", "DeviceID": device.device_id, "Properties": properties}
         return {
             "MessageType": "Attached",
             "DeviceID": device.device_id,
@@ -220,7 +230,7 @@ class UsbmuxServer:
             return {"DeviceList": [self._attached(d) for d in self.devices.values() if d.plugged]}
         if kind == "ReadPairRecord":
             device = self.device_by_udid(str(request.get("PairRecordID", "")))
-            if device is None:
+            if device is None or device.faults.untrusted:  # usbmuxd answers ENOENT (2) for a record it lacks
                 return result_message(UsbmuxdResult.BADDEV)
             return {"PairRecordData": plistlib.dumps(device.pairing.pair_record())}
         if kind in ("SavePairRecord", "DeletePairRecord"):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvrig.device.discovery import list_devices, select_device
+from kvrig.device.discovery import connect, list_devices, select_device
 from kvrig.exceptions import DeviceNotFoundError
 from tests.device.conftest import Emulator, run
 
@@ -45,6 +45,27 @@ def test_select_device(emulator: Emulator) -> None:
         run(select_device(None))  # two attached: ambiguous
     with pytest.raises(DeviceNotFoundError, match=emulator.udid):
         run(select_device("00008130-DEADBEEF00000000"))  # names what is attached
+    # Some usbmuxd builds spell the UDID without its hyphen; a user may type either form.
+    assert run(select_device(emulator.udid.replace("-", "").lower())).udid == emulator.udid
+
+
+def test_a_phone_listed_over_wifi_only_is_shown_and_never_driven(emulator: Emulator) -> None:
+    """A Mac's usbmuxd lists phones it reaches over Wi-Fi; kvrig shows why it will not use one, never opens a
+    lockdown session over Wi-Fi, and picks the phone on the cable when no UDID is given."""
+    phone = emulator.ios17
+    phone.connection = "Network"
+    try:
+        listed = {d.udid: d for d in run(list_devices())}
+        wifi = listed[phone.identity.udid]
+        assert wifi.connection == "Network" and isinstance(wifi.problem, DeviceNotFoundError)
+        assert "Wi-Fi only" in str(wifi.error) and wifi.os_version is None  # lockdownd was not asked
+        assert run(select_device(None)).udid == emulator.udid  # the only phone on a cable
+        with pytest.raises(DeviceNotFoundError, match="USB"):
+            run(select_device(phone.identity.udid))
+        with pytest.raises(DeviceNotFoundError, match="USB"):
+            run(connect(phone.identity.udid))
+    finally:
+        phone.connection = "USB"
 
 
 def test_no_usbmuxd_is_device_not_found(tmp_path: Path) -> None:
@@ -65,6 +86,23 @@ heavy = sorted(m for m in sys.modules if m.split('.')[0] in {'mlx', 'mlx_lm'})
 print('HEAVY=' + ','.join(heavy), file=sys.stderr)
 sys.exit(code)
 """
+
+
+def test_a_socket_this_user_may_not_open_is_not_a_lost_phone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """EACCES on usbmuxd's socket names the socket and its permissions, where it read as a phone that went away.
+    Root opens any socket and a child run as nobody cannot reach this venv, so the connect is made to fail as the
+    kernel fails it for another user: pymobiledevice3 passes PermissionError through (usbmux.py, 11.45)."""
+    from pymobiledevice3.usbmux import MuxConnection
+
+    async def refused(usbmux_address: str | None = None) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(MuxConnection, "create_usbmux_socket", staticmethod(refused))
+    with pytest.raises(DeviceNotFoundError) as refusal:
+        run(list_devices(usbmux_address="/run/usbmuxd-of-another-user"))
+    message = str(refusal.value)
+    assert "/run/usbmuxd-of-another-user" in message and "Permission denied" in message
+    assert "lost the connection" not in message and refusal.value.exit_code == 11
 
 
 def test_cli_devices_json_without_mlx(emulator: Emulator) -> None:

@@ -21,6 +21,7 @@ import pytest
 
 from kvrig.device import apps, ostrace
 from kvrig.device.discovery import connect
+from kvrig.device.prepare import prepare
 from kvrig.device.processes import Processes
 from kvrig.device.session import open_session
 from kvrig.device.tunnel import TunnelPlan
@@ -212,6 +213,25 @@ def test_developer_mode_off_stops_soak_and_prepare_enables_it_only_when_asked(cl
     assert session(phone).kind == "userspace"  # ready: no refusal, and the tunnel iOS 18 takes
 
 
+def test_a_phone_that_does_not_trust_this_computer_is_refused_at_once(clean: Phones, tmp_path: Path) -> None:
+    """No pair record it accepts: pymobiledevice3's autopair would wait, with no bound, for someone to tap Trust
+    (the phone answers Pair with the dialog pending). kvrig never pairs on its own: every command says so, 26."""
+    phone = clean.ios18
+    phone.faults = FaultPlan(untrusted=True)
+    home = tmp_path / "home"  # no pair record cached by pymobiledevice3 either
+    started = time.monotonic()
+    soak = cli(clean, "soak", "--app-id", BUNDLE_ID, "--udid", udid(phone), "-o", str(tmp_path / "s"), home=home)
+    assert soak.returncode == 26, soak.stderr
+    assert "does not trust this computer" in soak.stderr and "Traceback" not in soak.stderr
+    prepared = cli(clean, "prepare", "--udid", udid(phone), "--json", home=home)
+    assert prepared.returncode == 26, prepared.stderr
+    shown = cli(clean, "devices", "--json", home=home)
+    row = next(d for d in json.loads(shown.stdout) if d["udid"] == udid(phone))
+    assert not row["ready"] and [p["cause"] for p in row["problems"]] == ["DeviceLockedError"]
+    assert time.monotonic() - started < 120  # three commands, none waiting for a tap on the phone
+    assert not (home / ".pymobiledevice3").exists() or not any((home / ".pymobiledevice3").iterdir())
+
+
 def test_image_missing_stops_soak_and_prepare_mounts_from_local_files(clean: Phones, tmp_path: Path) -> None:
     phone = clean.ios18
     phone.faults = FaultPlan(image_missing=True)
@@ -228,6 +248,57 @@ def test_image_missing_stops_soak_and_prepare_mounts_from_local_files(clean: Pho
     assert steps["developer disk image"] == "done" and steps["tunnel"] == "done"
     shown = json.loads(cli(clean, "devices", "--json").stdout)
     assert next(d for d in shown if d["udid"] == udid(phone))["image_mounted"] is True
+
+
+def test_a_failed_image_download_is_image_not_mounted_with_what_to_do(
+    clean: Phones, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GitHub answers the image download with a 503 (or a rate limit): pymobiledevice3's downloader raises its own
+    exception, not requests'. That is the download's failure, exit 24 with the way around it, not a kvrig bug."""
+    import requests
+    from developer_disk_image import repo
+
+    phone = clean.ios18
+    phone.faults = FaultPlan(image_missing=True)
+    monkeypatch.setenv("HOME", str(tmp_path))  # pymobiledevice3's image cache: empty, so it downloads
+
+    real_get = requests.get
+
+    def github_unavailable(url: str, *args: Any, **kwargs: Any) -> requests.Response:
+        if not url.startswith("https://raw.githubusercontent.com/"):  # tunneld's listing, on loopback
+            return real_get(url, *args, **kwargs)
+        answer = requests.Response()
+        answer.status_code, answer.url = 503, url
+        return answer
+
+    monkeypatch.setattr(repo.requests, "get", github_unavailable)
+    result = run(prepare(udid(phone), usbmux_address=clean.address))
+    assert isinstance(result.problem, ImageNotMountedError) and result.problem.exit_code == 24
+    assert "503" in str(result.problem) and "--image DIR" in str(result.problem)
+    assert [(s.name, s.status) for s in result.steps][-1] == ("developer disk image", "blocked")
+    # The way around it the message gives: the image files, copied from a host that has them.
+    again = run(prepare(udid(phone), usbmux_address=clean.address, image_dir=phone.state.ddi_dir))
+    assert again.problem is None and {s.name: s.status for s in again.steps}["developer disk image"] == "done"
+
+
+def test_ios_27_mounts_through_the_tunnel_and_then_sees_the_developer_services(
+    clean: Phones, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From iOS 27 the image goes on through the tunnel, opened before the mount; the services the phone listed
+    when it opened predate the image. The tunnel step must read a fresh list, not report the image missing.
+    Only the download is stood in for (the phone's own image files); the mount goes through the real client."""
+    from pymobiledevice3.services import mobile_image_mounter
+
+    phone = clean.ios27
+    phone.faults = FaultPlan(image_missing=True)
+    files = phone.state.ddi_dir
+    downloaded = (files / "Image.dmg", files / "BuildManifest.plist", files / "Image.trustcache")
+    assert all(f.is_file() for f in downloaded)
+    monkeypatch.setattr(mobile_image_mounter, "fetch_personalized_ddi", lambda: downloaded)
+    result = run(prepare(udid(phone), usbmux_address=clean.address))
+    assert result.problem is None, result.problem
+    steps = {s.name: s.status for s in result.steps}
+    assert steps["developer disk image"] == "done" and steps["tunnel"] == "done"
 
 
 def test_handshake_timeout(clean: Phones, tmp_path: Path) -> None:

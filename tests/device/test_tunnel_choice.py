@@ -4,6 +4,7 @@ stand-in on loopback (port 0) that answers tunneld's `GET /` listing, and refusa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -30,7 +31,13 @@ def closed_port() -> Iterator[tuple[str, int]]:
 @pytest.fixture
 def tunneld() -> Iterator[tuple[str, int]]:
     """Answers like a tunneld holding a tunnel to UDID (the listing format of pymobiledevice3's tunneld)."""
-    listing = {UDID: [{"tunnel-address": "fd00::1", "tunnel-port": 55555, "interface": "utun7"}]}
+    with serving({UDID: [{"tunnel-address": "fd00::1", "tunnel-port": 55555, "interface": "utun7"}]}) as address:
+        yield address
+
+
+@contextlib.contextmanager
+def serving(listing: dict[str, object]) -> Iterator[tuple[str, int]]:
+    """A tunneld stand-in answering `GET /` with this listing."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -113,3 +120,23 @@ def test_opening_an_impossible_tunnel_is_no_tunnel_error() -> None:
     with pytest.raises(NoTunnelError) as refused:
         asyncio.run(tunnel.open())
     assert refused.value.exit_code == 25 and "17.2" in str(refused.value)
+
+
+def test_a_stale_tunnel_tunneld_lists_is_no_tunnel_error(closed_port: tuple[str, int]) -> None:
+    """tunneld lists a tunnel that no longer answers (the phone was replugged): pymobiledevice3 skips it and then
+    indexes an empty list; kvrig says what happened, with the exit code a soak's reconnect loop retries on."""
+    stale = {UDID: [{"tunnel-address": closed_port[0], "tunnel-port": closed_port[1], "interface": "utun7"}]}
+    with serving(stale) as (host, port):
+        chosen = plan("18.6", TunnelMode("tunneld", (host, port)))
+        assert chosen.kind == "tunneld"
+        with pytest.raises(NoTunnelError) as refused:
+            asyncio.run(Tunnel(UDID, chosen, os_version="18.6").open())
+    assert refused.value.exit_code == 25 and "does not answer" in str(refused.value)
+
+
+def test_tunneld_finds_a_phone_whose_udid_usbmuxd_spells_without_the_hyphen(tunneld: tuple[str, int]) -> None:
+    """Some usbmuxd builds (usbmuxd2, old Linux releases) report the UDID without its hyphen; tunneld keys the
+    tunnel by the phone's own, hyphenated one."""
+    bare = UDID.replace("-", "")
+    assert plan("18.6", TunnelMode("tunneld", tunneld), udid=bare).kind == "tunneld"
+    assert plan("18.6", TunnelMode("tunneld", tunneld), udid=bare.lower()).kind == "tunneld"

@@ -4,6 +4,7 @@ libimobiledevice (checked with its own `idevice_id`) and kvrig then read."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -31,11 +32,25 @@ def test_the_forms_both_clients_read(text: str, dialled: str) -> None:
     assert usbmux_address(text) == dialled
 
 
-@pytest.mark.parametrize("text", ["UNIX:", "nohostport", "host:port", "host:99999", ":27015"])
+@pytest.mark.parametrize(
+    "text", ["UNIX:", "nohostport", "host:port", "host:99999", ":27015", "[::1]:27015", "::1:27015"]
+)
 def test_other_values_name_the_variable(text: str) -> None:
     with pytest.raises(UsbmuxAddressError) as info:
         usbmux_address(text)
     assert info.value.field == "USBMUXD_SOCKET_ADDRESS" and repr(text) in str(info.value)
+
+
+def test_ipv6_is_refused_because_pymobiledevice3_cannot_dial_it() -> None:
+    """The refusal stands on the client's behaviour: when pymobiledevice3 learns IPv6, this fails and the
+    refusal can go."""
+    from pymobiledevice3 import usbmux
+
+    for address in ("[::1]:27015", "::1:27015"):
+        with pytest.raises(ValueError):
+            asyncio.run(usbmux.create_mux(usbmux_address=address))
+        with pytest.raises(UsbmuxAddressError, match="IPv6"):
+            usbmux_address(address)
 
 
 def test_a_bad_variable_is_exit_51_before_anything_is_dialled() -> None:
