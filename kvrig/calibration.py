@@ -14,11 +14,13 @@ registry, per ProductType × OS build × entitlement, for `kvrig plan --limits` 
 
 from __future__ import annotations
 
+import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvrig.exceptions import CalibrationError, PlanInputError, ProfileError, QuantizationError, ReportError
+from kvrig.fileio import atomic_write
 from kvrig.models import load_model_spec
 from kvrig.planner import PlanRequest, plan_memory
 from kvrig.profiles import load_profile
@@ -236,6 +238,11 @@ def calibrate(
 
 def load_calibration(path: Path) -> Calibration:
     return load_model_file(Calibration, path)
+
+
+def write_calibration(calibration: Calibration, out: Path) -> None:
+    """calibration.json, replaced whole (OutputWriteError when it cannot be written; nothing half-written)."""
+    atomic_write(out, json.dumps(calibration.model_dump(mode="json", by_alias=True), indent=2) + "\n")
 
 
 def calibrated_baseline(path: Path, profile_name: str) -> ProfileCalibration:

@@ -68,10 +68,12 @@ def read_data(
 
 @contextlib.contextmanager
 def atomic_output(path: Path) -> Iterator[Path]:
-    """A hidden temporary beside `path` to write, renamed over `path` when the block ends well and removed when it
-    does not; a write that fails (disk full, not writable) is OutputWriteError and `path` stays as it was."""
+    """A hidden temporary beside `path` to write (its folder made when missing), renamed over `path` when the block
+    ends well and removed when it does not; a write that fails (disk full, not writable) is OutputWriteError and
+    `path` stays as it was."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         yield tmp
         os.replace(tmp, path)
     except BaseException as exc:

@@ -273,7 +273,9 @@ def _sweep_leftovers(out: Path) -> None:
 
 
 def _check_options(options: PackageOptions) -> None:
-    """What can be refused before any model is read: the recipe, the KV spec, `fit` without a device."""
+    """What can be refused before any model is read: the recipe, the KV spec, the device, `fit` without one."""
+    if options.device is not None:
+        load_profile(options.device)  # a misspelt device is refused now, not after minutes of measuring
     if options.weights.strip().lower() != AUTO:
         parse_weights(options.weights, options.group_size)
     if options.kv.strip().lower() != AUTO:

@@ -22,7 +22,7 @@ from kvrig.appgen.virtual_ipa import build_virtual_ipa
 from kvrig.calibration import calibrate
 from kvrig.cli import cli, main
 from kvrig.device.deploy import deploy
-from kvrig.exceptions import CalibrationError
+from kvrig.exceptions import CalibrationError, OutputWriteError
 from kvrig.planner import plan as make_memory_plan
 from kvrig.profiles import AppMemoryLimit, SourcedInt, load_profile
 from kvrig.reports.telemetry import read_telemetry
@@ -191,3 +191,20 @@ def test_calibration_without_the_profile(soaked: Soaked, tmp_path: Path, capsys:
     code, err = _fails(["plan", str(soaked.bundle), "-d", "iPhone14,2", "--calibration", str(cal)], capsys)
     assert code == CalibrationError.exit_code
     assert str(cal) in err and "profiles." in err
+
+
+def test_an_output_that_cannot_be_written_is_exit_38_and_keeps_the_old_file(
+    soaked: Soaked, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """calibration.json is replaced whole or not at all (a folder where it goes, or a file where its folder goes);
+    it was written in place, and a failure was a traceback."""
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder\n")
+    args = ["calibrate", str(soaked.results), "--bundle", str(soaked.bundle)]
+    code, err = _fails([*args, "-o", str(blocked / "c.json")], capsys)
+    assert code == OutputWriteError.exit_code == 38 and str(blocked / "c.json") in err
+    assert blocked.read_text() == "not a folder\n"
+    kept = tmp_path / "calibration.json"
+    kept.mkdir()
+    code, err = _fails([*args, "-o", str(kept)], capsys)
+    assert code == 38 and kept.is_dir() and list(tmp_path.glob(".*.tmp")) == []

@@ -43,6 +43,8 @@ def probe(*args: str, cwd: Path) -> dict:
         (["package", "--weights", "q9", "-o", "out"], QuantizationError.exit_code, "--weights", "q9"),
         (["package", "--kv", "k8v4+zz", "-o", "out"], QuantizationError.exit_code, "--kv", "+zz"),
         (["demo", "--kv", "auto,k4v1", "-o", "out"], QuantizationError.exit_code, "--kv", "k4v1"),
+        (["bench", "quantize", "--recipes", "gpx-q4,bogus"], QuantizationError.exit_code, "--recipes", "bogus"),
+        (["bench", "quantize", "--recipes", "dwq-q9"], QuantizationError.exit_code, "--recipes", "q9"),
         # --force meant three things: now refused, naming the flag for each
         (["package", "--force", "-o", "out"], 2, "--ignore-gate", "--replace"),
         # app and export: --force meant replace, and says so
@@ -76,6 +78,11 @@ def test_a_bad_recipe_or_group_is_refused_at_the_command_line(
         (["virtual", "start", "--state", "never", "--baseline-mb", "nan"], 2, "'--baseline-mb'"),
         (["virtual", "start", "--state", "never", "--limit-mb", "-1"], 2, "'--limit-mb'"),
         (["demo", "--prefill-step", "0,512", "-o", "never"], 2, "'--prefill-step'"),
+        (["package", "--prefill-step", "0", "-o", "never"], 2, "'--prefill-step'"),
+        (["package", "--page-tokens", "0", "-o", "never"], 2, "'--page-tokens'"),
+        (["package", "--keep-tokens", "-1", "-o", "never"], 2, "'--keep-tokens'"),
+        (["package", "--quantized-kv-start", "-5", "-o", "never"], 2, "'--quantized-kv-start'"),
+        (["package", "--max-context", "0", "-o", "never"], 2, "'--max-context'"),
     ],
 )
 def test_numbers_out_of_range_are_refused_at_once_naming_the_option(
@@ -87,3 +94,18 @@ def test_numbers_out_of_range_are_refused_at_once_naming_the_option(
     assert seen["code"] == code, seen["err"]
     assert needle in seen["err"] and "Traceback" not in seen["err"]
     assert not (tmp_path / "never").exists()
+
+
+def test_package_refuses_an_unknown_device_before_reading_the_model(tmp_path: Path) -> None:
+    """It used to measure the source's KV specs for 40 s and then refuse the device. (package re-executes itself
+    to preload OpenBLAS, so this runs the command itself rather than the in-process probe.)"""
+    done = subprocess.run(
+        [sys.executable, "-m", "kvrig", "package", "-d", "nosuch", "-o", "never"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert done.returncode == 3, done.stderr
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()], "nothing ran before the refusal"
+    assert "unknown device profile 'nosuch'" in done.stderr and list(tmp_path.iterdir()) == []

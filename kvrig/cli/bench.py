@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import click
 
-from kvrig.cli.options import int_list
+from kvrig.cli.options import checked_specs, int_list
 from kvrig.cli.output import info
 from kvrig.cli.plan import plan_bench
 from kvrig.cli.render import echo_json, human_bytes, json_option
@@ -270,6 +270,7 @@ def _print_quality(report: object, paths: list[Path]) -> None:
     "--recipes",
     default="imx-q4,imx-4.6,gpx-q4,gpx-4.6,gptq-q4,awq-q4,dwq-q4",
     show_default=True,
+    callback=checked_specs("weights", auto=False, several=True, beside="dwq-"),
     help="Weight recipes (as kvrig package takes them) and dwq-qN (mlx-lm's DWQ from the qN layout).",
 )
 @_count_option("--tokens", 512, "Tokens per evaluation passage.")
@@ -282,7 +283,7 @@ def _print_quality(report: object, paths: list[Path]) -> None:
 @click.option("--scaling/--no-scaling", default=True, show_default=True, help="Time kvrig's on two tiny models.")
 @json_option
 def quantize(
-    model: Path | None, recipes: str, tokens: int, passages: int, budget: float, scaling: bool, as_json: bool
+    model: Path | None, recipes: list[str], tokens: int, passages: int, budget: float, scaling: bool, as_json: bool
 ) -> None:
     """Wall time, bits per weight and perplexity of each recipe on MODEL (default: the embedded SmolLM2),
     kvrig's beside mlx-lm's GPTQ, AWQ and DWQ, each in its own process; calibrated as kvrig package calibrates,
@@ -294,7 +295,7 @@ def quantize(
 
     report = run_quantize_bench(
         model,
-        recipes=_csv(recipes),
+        recipes=tuple(recipes),  # already read by the option's callback
         tokens=tokens,
         passages=passages,
         budget=budget,

@@ -43,6 +43,7 @@ def calibrate(
     telemetry footprint less the exact weights, KV and buffer cache. Use it with `kvrig plan --calibration`.
     With --limits, also collect the limit each phone stated into a limits registry."""
     from kvrig.calibration import calibrate as fit
+    from kvrig.calibration import write_calibration
 
     if limits_only and limits_file is None:
         raise click.BadParameter("--limits-only needs --limits FILE", param_hint="--limits-only")
@@ -55,8 +56,7 @@ def calibrate(
             _render_limits(collected, limits_file)
         return
     calibration = fit(list(results), bundle=bundle, model=model, weights=weights)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(calibration.model_dump(mode="json", by_alias=True), indent=2) + "\n")
+    write_calibration(calibration, out)
     if as_json:
         echo_json(calibration)
         return
@@ -87,7 +87,6 @@ def _collect_limits(results: list[Path], limits_file: Path):  # type: ignore[no-
 
     existing = load_limits(limits_file) if limits_file.exists() else None
     collected = collect_limits(results, existing)
-    limits_file.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(limits_file, json.dumps(collected.registry.model_dump(mode="json", by_alias=True), indent=2) + "\n")
     return collected
 

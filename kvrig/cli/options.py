@@ -80,9 +80,10 @@ def group_size_option(name: str, default: int | None, help: str) -> Decorator:
     )
 
 
-def checked_specs(kind: str, *, auto: bool, several: bool) -> Any:
+def checked_specs(kind: str, *, auto: bool, several: bool, beside: str | None = None) -> Any:
     """A callback that reads weight recipes (`kind` "weights") or KV specs ("kv") as the recipe grammar does, so a
-    misspelt one is refused with the option's name before any model loads (the error keeps its own exit code)."""
+    misspelt one is refused with the option's name before any model loads (the error keeps its own exit code).
+    `beside`: a prefix naming another tool's method on the same layout (bench quantize's `dwq-` + a recipe)."""
     from kvrig.exceptions import KvrigError
     from kvrig.recipes import AUTO, parse_kv, parse_weights
 
@@ -98,7 +99,7 @@ def checked_specs(kind: str, *, auto: bool, several: bool) -> Any:
             if auto and item.lower() == AUTO:
                 continue
             try:
-                parse(item)
+                parse(item.removeprefix(beside) if beside else item)
             except KvrigError as exc:
                 exc.args = (f"{param.opts[0]}: {exc}",)
                 raise

@@ -55,7 +55,7 @@ from kvrig.recipes import DEFAULT_GROUP_SIZE, WEIGHT_CANDIDATES
     "--quantized-kv-start",
     default=0,
     show_default=True,
-    type=int,
+    type=click.IntRange(min=0),
     help="Context at which KV quantization begins.",
 )
 @click.option(
@@ -73,11 +73,23 @@ from kvrig.recipes import DEFAULT_GROUP_SIZE, WEIGHT_CANDIDATES
     help="Reuse the source's perplexities measured by an earlier package of the same model (kept in "
     "$KVRIG_CACHE_DIR, else ~/.cache/kvrig or ~/Library/Caches/kvrig); --no-cache measures again and keeps nothing.",
 )
-@click.option("--max-ppl-increase", default=10.0, show_default=True, type=float, help="Gate limit in percent.")
-@click.option("--page-tokens", default=256, show_default=True, type=int, help="Eviction granularity in tokens.")
-@click.option("--keep-tokens", default=4, show_default=True, type=int, help="Tokens kept at the start when evicting.")
-@click.option("--prefill-step", default=512, show_default=True, type=int)
-@click.option("--max-context", type=int, help="Without --device: the context written to kvcache.json.")
+@click.option(
+    "--max-ppl-increase", default=10.0, show_default=True, type=click.FloatRange(min=0), help="Gate limit in percent."
+)
+@click.option(
+    "--page-tokens", default=256, show_default=True, type=click.IntRange(min=1), help="Eviction granularity in tokens."
+)
+@click.option(
+    "--keep-tokens",
+    default=4,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Tokens kept at the start when evicting.",
+)
+@click.option("--prefill-step", default=512, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--max-context", type=click.IntRange(min=1), help="Without --device: the context written to kvcache.json."
+)
 @click.option("--replace", is_flag=True, help="Replace an existing bundle at -o (swapped in at once).")
 @click.option("--ignore-fit", is_flag=True, help="Package even if the plan says it does not fit on --device.")
 @click.option("--ignore-gate", is_flag=True, help="Keep a bundle over the quality gate (recorded as forced).")
