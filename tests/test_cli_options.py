@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrig.exceptions import QuantizationError
+from kvrig.exceptions import BundleError, QuantizationError
 
 # Runs one command in a fresh interpreter and reports its exit code, stderr and whether MLX was imported.
 PROBE = """
@@ -109,3 +109,43 @@ def test_package_refuses_an_unknown_device_before_reading_the_model(tmp_path: Pa
     assert done.returncode == 3, done.stderr
     assert done.stderr.strip().splitlines() == [done.stderr.strip()], "nothing ran before the refusal"
     assert "unknown device profile 'nosuch'" in done.stderr and list(tmp_path.iterdir()) == []
+
+
+def test_soak_refuses_schedule_options_a_plan_file_would_override(tmp_path: Path) -> None:
+    """With --plan, --max-tokens/--step/--decode-tokens were dropped without a word (the file's schedule ran)."""
+    from kvrig.soaking.plan import make_plan
+
+    plan = tmp_path / "plan.json"
+    plan.write_text(make_plan(max_tokens=512).model_dump_json(by_alias=True))
+    seen = probe(
+        "soak",
+        "--app-id",
+        "com.x.y",
+        "--plan",
+        str(plan),
+        "--max-tokens",
+        "2048",
+        "--step",
+        "1024",
+        "-o",
+        "out",
+        cwd=tmp_path,
+    )
+    assert seen["code"] == 2 and "--max-tokens, --step with --plan" in seen["err"], seen
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["verify", "empty"], ["run", "empty", "-p", "hi"], ["deploy", "empty", "--app-id", "com.x.y"]],
+    ids=["verify", "run", "deploy"],
+)
+def test_a_folder_that_is_not_a_bundle_is_one_cause_everywhere(args: list[str], tmp_path: Path) -> None:
+    """A folder without manifest.json was exit 3 (a schema error) for verify and run, 8 (a file that does not match
+    its manifest) for deploy, and 7 when the folder did not exist: one cause, BundleError, 7."""
+    (tmp_path / "empty").mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", "kvrig", *args], capture_output=True, text=True, cwd=tmp_path, timeout=300
+    )
+    assert done.returncode == BundleError.exit_code == 7, done.stderr
+    assert "no manifest.json" in done.stderr and "Traceback" not in done.stderr

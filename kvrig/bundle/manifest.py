@@ -45,6 +45,8 @@ def load_manifest(bundle: Path) -> Manifest:
         raise BundleError(
             f"{bundle}: {'not a folder' if bundle.exists() else 'no such folder'} (expected a bundle folder)"
         )
+    if not (bundle / MANIFEST_NAME).exists():  # a folder, but not a bundle: the same cause as no folder at all
+        raise BundleError(f"{bundle}: no {MANIFEST_NAME} (expected a bundle folder `kvrig package` wrote)")
     return load_model_file(Manifest, bundle / MANIFEST_NAME, error=SchemaError)
 
 

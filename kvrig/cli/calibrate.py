@@ -51,14 +51,18 @@ def calibrate(
     if limits_only:
         assert collected is not None and limits_file is not None
         if as_json:
-            echo_json(collected.registry)
+            echo_json(_limits_json(collected, limits_file))
         else:
             _render_limits(collected, limits_file)
         return
     calibration = fit(list(results), bundle=bundle, model=model, weights=weights)
     write_calibration(calibration, out)
     if as_json:
-        echo_json(calibration)
+        if collected is None:
+            echo_json(calibration)
+        else:
+            assert limits_file is not None
+            echo_json({"calibration": calibration, "limits": _limits_json(collected, limits_file)})
         return
     if collected is not None and limits_file is not None:
         _render_limits(collected, limits_file)
@@ -89,6 +93,16 @@ def _collect_limits(results: list[Path], limits_file: Path):  # type: ignore[no-
     collected = collect_limits(results, existing)
     atomic_write(limits_file, json.dumps(collected.registry.model_dump(mode="json", by_alias=True), indent=2) + "\n")
     return collected
+
+
+def _limits_json(collected, limits_file: Path) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    """The registry as written, and what the text output says beside it: how many runs went in, which were not."""
+    return {
+        "file": str(limits_file),
+        "registry": collected.registry,
+        "added": collected.added,
+        "skipped": collected.skipped,
+    }
 
 
 def _render_limits(collected, limits_file: Path) -> None:  # type: ignore[no-untyped-def]

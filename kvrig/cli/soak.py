@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from kvrig.cli.device import parse_tunnel, tunnel_option
 from kvrig.cli.options import backend_option, seconds_option, tokens_option
@@ -53,7 +54,12 @@ from kvrig.device.loop import run_async
     "default), or keep growing into the kernel's limit to find where jetsam kills it. Overrides the plan file's.",
 )
 @click.option("--bundle", "bundle_name", default=None, help="Name of the model bundle the app runs (recorded).")
-@click.option("--scheme", default="default", show_default=True, help="KV scheme name recorded with the run.")
+@click.option(
+    "--scheme",
+    default=None,
+    help="KV scheme recorded with the run (default: the one the app reports its bundle runs, from kvcache.json). "
+    "Overrides the plan file's.",
+)
 @seconds_option(
     "--hang-after", 120.0, "Seconds without telemetry (app alive) before the run counts as hung.", minimum=0.1
 )
@@ -110,7 +116,7 @@ def soak(
     buffer_cache: str | None,
     on_critical: str | None,
     bundle_name: str | None,
-    scheme: str,
+    scheme: str | None,
     hang_after: float,
     timeout: float | None,
     tunnel: str,
@@ -132,7 +138,7 @@ def soak(
     from kvrig.soaking.background import parse_phases
     from kvrig.soaking.driver import SoakOptions
     from kvrig.soaking.driver import soak as run
-    from kvrig.soaking.plan import make_plan
+    from kvrig.soaking.plan import UNNAMED_SCHEME, make_plan
 
     try:
         phases = parse_phases(background)
@@ -140,9 +146,20 @@ def soak(
         raise click.BadParameter(str(exc), param_hint="--background") from None
 
     if plan_file is not None:
+        context = click.get_current_context()
+        given = [f"--{n.replace('_', '-')}" for n in ("max_tokens", "step", "decode_tokens") if _given(context, n)]
+        if given:  # the file's schedule would win without a word
+            raise click.UsageError(
+                f"{', '.join(given)} with --plan: the plan file sets the growth schedule; edit {plan_file} or leave "
+                "out --plan"
+            )
         plan = load_model_file(SoakPlan, plan_file)
+        if scheme is not None:
+            plan = plan.model_copy(update={"scheme": scheme})
     else:
-        plan = make_plan(max_tokens=max_tokens, step_tokens=step, decode_tokens=decode_tokens, scheme=scheme)
+        plan = make_plan(
+            max_tokens=max_tokens, step_tokens=step, decode_tokens=decode_tokens, scheme=scheme or UNNAMED_SCHEME
+        )
     if backend is not None:
         plan = plan.model_copy(update={"backend": backend})
     if weights_residency is not None:
@@ -224,3 +241,7 @@ def _render(result, out_dir: Path) -> None:  # type: ignore[no-untyped-def]
     if temps:
         click.echo(f"  battery {temps[0]:.1f} -> {temps[-1]:.1f} °C (max {max(temps):.1f}) over {len(temps)} reads")
     click.echo(f"  results: {out_dir / 'results.json'}")
+
+
+def _given(context: click.Context, name: str) -> bool:
+    return context.get_parameter_source(name) not in (None, ParameterSource.DEFAULT)

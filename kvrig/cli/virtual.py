@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -220,8 +221,12 @@ def start(
     # the form libimobiledevice's tools need (UNIX:/path); kvrig reads it too
     exported = address if ":" in address and not address.startswith(("/", ".")) else client_form(address)
 
-    def ready() -> None:
-        click.echo(f"USBMUXD_SOCKET_ADDRESS={exported}", err=False)
+    def ready() -> None:  # in the foreground: once the socket answers, before serving until stopped
+        if as_json:
+            # one line: a reader takes it while the server goes on running
+            click.echo(json.dumps({"socket": address, "usbmuxd_socket_address": exported, "pid": os.getpid()}))
+        else:
+            click.echo(f"USBMUXD_SOCKET_ADDRESS={exported}", err=False)
 
     result = control.start(
         address,

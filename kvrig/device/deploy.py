@@ -69,6 +69,12 @@ async def deploy(
         raise InputError("nothing to deploy into", expected="an .ipa (--app) or an installed app's id (--app-id)")
     files.deployable(bundle)  # refuse a broken bundle before touching the phone
     target = ipa_bundle_id(ipa) if ipa is not None else str(app_id)
+    if ipa is not None and app_id is not None and app_id != target:  # one of them is not what the user means
+        raise InputError(
+            f"{ipa} installs {target}, not {app_id}",
+            field="--app-id",
+            expected="the .ipa's own bundle id, or one of the two",
+        )
     device = await connect(udid, usbmux_address=usbmux_address)
     async with device:
         if ipa is not None:

@@ -348,7 +348,7 @@ def deployable(bundle: Path) -> list[LocalFile]:
     """`bundle_files` of a bundle `kvrig package` wrote: one without its manifest is refused (deploy and the lab
     send only what a manifest lists)."""
     if not (bundle / MANIFEST).is_file():
-        raise VerifyError(f"{bundle}: no {MANIFEST}; kvrig deploys a bundle `kvrig package` wrote, as it lists")
+        raise BundleError(f"{bundle}: no {MANIFEST}; kvrig deploys a bundle `kvrig package` wrote, as it lists")
     return bundle_files(bundle)
 
 

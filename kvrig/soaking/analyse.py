@@ -22,6 +22,7 @@ from kvrig.reports.devicelog import GPU_BACKGROUND, AppLog
 from kvrig.reports.jetsam import JetsamReport, read_report, verdict
 from kvrig.reports.telemetry import TelemetryRun, correlate, read_telemetry, summarize_run
 from kvrig.schemas.results import DeviceRef, Evidence, Outcome, SoakResult, StatedLimit, TpsPoint
+from kvrig.soaking.plan import UNNAMED_SCHEME
 
 # End-record reasons that mean the app failed (telemetry EndEvent.reason -> outcome). The others (completed,
 # stop_condition, memory_critical) are ends the app chose as planned.
@@ -58,6 +59,8 @@ def apply_telemetry(result: SoakResult, run: TelemetryRun) -> None:
     result.app_limit_bytes = summary.limit_bytes
     if run.start is not None:
         result.backend = run.start.backend  # what ran, in the app's own words
+        if result.scheme == UNNAMED_SCHEME:  # no --scheme: the one the bundle's kvcache.json made the app run
+            result.scheme = run.start.scheme
         if run.start.weights_residency is not None:  # an app that predates it says nothing
             result.weights_residency = run.start.weights_residency
             result.mapped_weight_bytes = run.start.mapped_weight_bytes

@@ -16,13 +16,17 @@ DEFAULT_TEXT = (
 )
 
 
+# The label a soak records until the app says which KV scheme its bundle runs (its start record).
+UNNAMED_SCHEME = "default"
+
+
 def make_plan(
     *,
     max_tokens: int,
     step_tokens: int = 256,
     start_tokens: int | None = None,
     decode_tokens: int = 16,
-    scheme: str = "default",
+    scheme: str = UNNAMED_SCHEME,
     run_id: str | None = None,
     text: str = DEFAULT_TEXT,
     max_seconds: float | None = None,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvrig.device import apps
-from kvrig.device.deploy import ipa_bundle_id
+from kvrig.device.deploy import deploy, ipa_bundle_id
 from kvrig.exceptions import AppError, InputError
 from tests.device.conftest import BUNDLE_ID, Emulator, make_ipa, on_device, run
 
@@ -50,3 +50,15 @@ def test_ipa_bundle_id(tmp_path: Path) -> None:
     (tmp_path / "junk.ipa").write_bytes(b"not a zip")
     with pytest.raises(InputError, match=r"junk\.ipa.*not an app package"):
         ipa_bundle_id(tmp_path / "junk.ipa")
+
+
+def test_deploy_refuses_an_app_id_the_ipa_does_not_install(tmp_path: Path) -> None:
+    """`--app A.ipa --app-id other` pushed into the .ipa's app and dropped the id without a word; now refused
+    before any phone is reached (none is attached here: reaching one would be DeviceNotFoundError)."""
+    from tests.device.test_device_files import make_bundle
+
+    ipa = make_ipa(tmp_path / "A.ipa")
+    bundle = make_bundle(tmp_path / "b", weight_bytes=1_000)
+    with pytest.raises(InputError) as refused:
+        run(deploy(bundle, ipa=ipa, app_id="com.example.other", usbmux_address=str(tmp_path / "no.sock")))
+    assert refused.value.field == "--app-id" and BUNDLE_ID in str(refused.value)

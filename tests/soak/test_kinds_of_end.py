@@ -119,6 +119,9 @@ def test_a_soak_records_the_limit_the_phone_stated(entitled: Emulator, tmp_path:
         main_cli, ["calibrate", str(tmp_path / "results.json"), "--limits", str(registry), "--limits-only", "--json"]
     )
     assert done.exit_code == 0, done.output
+    said = json.loads(done.output)
+    assert said["added"] == 1 and said["skipped"] == [] and said["file"] == str(registry)
+    assert said["registry"] == json.loads(registry.read_text())  # what it wrote, as it wrote it
     (entry,) = json.loads(registry.read_text())["limits"]
     assert (entry["product_type"], entry["build_version"], entry["entitled"]) == (
         values["ProductType"],

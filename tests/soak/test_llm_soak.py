@@ -115,13 +115,14 @@ def test_real_bundle_soaks_into_jetsam(phones: Phones, tmp_path: Path) -> None:
     bundle's policy would stop it: test_critical_pressure_stops_and_saves) into the kernel's limit."""
     env = dict(os.environ, USBMUXD_SOCKET_ADDRESS=phones.host.address)
     args = ["soak", "--app-id", APP_ID, "--udid", phones.small.identity.udid, "--max-tokens", "4096", "--step", "256"]
-    args += ["--decode-tokens", "2", "--scheme", "k8v4", "--on-critical", "continue", "-o", str(tmp_path)]
+    args += ["--decode-tokens", "2", "--on-critical", "continue", "-o", str(tmp_path)]
     proc = subprocess.run([sys.executable, "-m", "kvrig", *args], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr
     result = SoakResult.model_validate(json.loads((tmp_path / "results.json").read_text())["runs"][0])
 
     assert result.outcome == "jetsam", result.outcome_detail
     assert result.on_critical == "continue"  # what the soak plan told the app, recorded with the run
+    assert result.scheme == "k8v4"  # no --scheme: the one the app said its bundle runs (calibrate reads it)
     # The app computed with Debian's OpenBLAS (preloaded before MLX loads), not the wheel's reference BLAS.
     ready = [line.message for line in phones.small.syslog.history if line.message.startswith("ready: ")]
     assert ready and all(f"OpenBLAS {'on' if find_openblas() else 'off'};" in m for m in ready), ready

@@ -137,6 +137,37 @@ def test_kvrig_virtual_start_detach_status_stop_and_restart(tmp_path: Path) -> N
         kvrig("virtual", "stop", "--socket", address)
 
 
+def test_kvrig_virtual_start_json_in_the_foreground(tmp_path: Path) -> None:
+    """--json without --detach printed the shell line, not JSON: one JSON object once the socket answers."""
+    address = f"/tmp/kvrig-fg-{os.getpid()}.sock"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvrig",
+            "virtual",
+            "start",
+            "--socket",
+            address,
+            "--state",
+            str(tmp_path / "s"),
+            "--json",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        first = json.loads(proc.stdout.readline())
+        assert first == {"socket": address, "usbmuxd_socket_address": f"UNIX:{address}", "pid": proc.pid}
+        status = json.loads(kvrig("virtual", "status", "--socket", address, "--json").stdout)
+        assert len(status["Devices"]) == 1
+    finally:
+        kvrig("virtual", "stop", "--socket", address)
+        proc.wait(timeout=60)
+
+
 def test_kvrig_virtual_status_without_server_is_a_clear_error(tmp_path: Path) -> None:
     result = kvrig("virtual", "status", "--socket", str(tmp_path / "nothing.sock"))
     assert result.returncode == 11
