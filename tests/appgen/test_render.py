@@ -147,6 +147,10 @@ def test_the_app_stops_gpu_work_in_the_background(reference_project: Path) -> No
     loop = (sources / "TokenLoop.swift").read_text()
     # every forward pass (prefill chunks, the last prefill token, each decode step with its sampling) asks first
     assert loop.count("admitted(.prefill)") == 2 and loop.count("admitted(.decode)") == 1
+    # a reply ends where MLXLMCommon's generate loop ends it: every end id the model's configs name, not only the
+    # tokenizer's (Gemma's <end_of_turn> and Llama 3's <|eot_id|> are in generation_config.json alone)
+    assert "context.configuration.eosTokenIds" in loop and "configuration.extraEOSTokens" in loop
+    assert "stop.contains(id) || id == unknown" in loop and "tokenizer.eosTokenId\n" not in loop
     background = (sources / "Backgrounding.swift").read_text()
     for spelling in (
         "BGTaskScheduler.supportedResources.contains(.gpu)",
@@ -159,6 +163,10 @@ def test_the_app_stops_gpu_work_in_the_background(reference_project: Path) -> No
         "if #available(iOS 26.0, *)",
     ):
         assert spelling in background, spelling
+    # the task's types are in the iOS 26 SDK only (Xcode 26, Swift 6.2): an older Xcode must still build the app
+    guards = [line.strip() for line in background.splitlines() if line.strip().startswith("#if canImport(Background")]
+    assert guards[0] == "#if canImport(BackgroundTasks) && os(iOS)"  # the import alone
+    assert guards[1:] and all(g.endswith("&& compiler(>=6.2)") for g in guards[1:]), guards
     engine = (sources / "Engine.swift").read_text()
     assert "ContinuedProcessing.begin(" in engine and ".backgroundTaskExpired" in engine
 

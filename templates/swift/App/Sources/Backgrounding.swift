@@ -5,6 +5,9 @@ import KvrigCore
 import BackgroundTasks
 #endif
 
+// Every use of BGContinuedProcessingTask below also needs `compiler(>=6.2)`: the type is in the iOS 26 SDK, which
+// ships with Xcode 26 (Swift 6.2), and `@available` cannot hide a type the SDK lacks. An Xcode 16 build has no task.
+
 /// Whether the engine may submit GPU work now. iOS aborts an app that commits Metal work from the background
 /// ("Insufficient Permission (to submit GPU work from background)"), so the token loop asks before every forward
 /// pass: in the foreground it goes on; in the background it waits until the scene is active again, unless a
@@ -92,7 +95,7 @@ final class GPUGate: @unchecked Sendable {
 enum ContinuedProcessing {
     /// `BGTaskScheduler.supportedResources` has `.gpu`: this device can run GPU work in such a task.
     static var supportsBackgroundGPU: Bool {
-        #if canImport(BackgroundTasks) && os(iOS)
+        #if canImport(BackgroundTasks) && os(iOS) && compiler(>=6.2)
         if #available(iOS 26.0, *) {
             return BGTaskScheduler.supportedResources.contains(.gpu)
         }
@@ -103,7 +106,7 @@ enum ContinuedProcessing {
     /// Registers and submits the task (identifier `<bundle id>.soak.<run>`, under Info.plist's
     /// `BGTaskSchedulerPermittedIdentifiers` wildcard); false where there is none (before iOS 26, or refused).
     @MainActor static func begin(runId: String, steps: Int) -> Bool {
-        #if canImport(BackgroundTasks) && os(iOS)
+        #if canImport(BackgroundTasks) && os(iOS) && compiler(>=6.2)
         if #available(iOS 26.0, *) {
             return SoakTask.shared.begin(runId: runId, steps: steps)
         }
@@ -113,7 +116,7 @@ enum ContinuedProcessing {
 
     /// One soak step done (the system shows the progress and ends tasks that make none first).
     static func advance() {
-        #if canImport(BackgroundTasks) && os(iOS)
+        #if canImport(BackgroundTasks) && os(iOS) && compiler(>=6.2)
         if #available(iOS 26.0, *) {
             SoakTask.shared.advance()
         }
@@ -122,7 +125,7 @@ enum ContinuedProcessing {
 
     /// The soak ended: the task completes and the GPU is no longer held.
     static func finish(success: Bool) {
-        #if canImport(BackgroundTasks) && os(iOS)
+        #if canImport(BackgroundTasks) && os(iOS) && compiler(>=6.2)
         if #available(iOS 26.0, *) {
             SoakTask.shared.finish(success: success)
         }
@@ -131,7 +134,7 @@ enum ContinuedProcessing {
     }
 }
 
-#if canImport(BackgroundTasks) && os(iOS)
+#if canImport(BackgroundTasks) && os(iOS) && compiler(>=6.2)
 @available(iOS 26.0, *)
 private final class SoakTask: @unchecked Sendable {
     static let shared = SoakTask()

@@ -140,8 +140,10 @@ final class Engine {
         }
     }
 
-    /// Caps MLX's buffer cache and sets its memory limit below what jetsam allows, so an allocation past it
-    /// fails inside the app (which stops and saves) instead of the process being killed. Returns the app's
+    /// Caps MLX's buffer cache and sets its memory limit below what jetsam allows. The limit is MLX's guideline,
+    /// not a wall: past it MLX waits for scheduled work and frees its cache before allocating (mlx/memory.h), so
+    /// the buffers it keeps stay under jetsam's line; an allocation still fails only when Metal refuses it, and
+    /// memory pressure (PressureResponse), not the limit, is what stops and saves in time. Returns the app's
     /// memory limit as the device reports it (footprint + available), for the start event.
     private func configureMemory(_ config: KVCacheConfig, bufferCache: BufferCacheMode? = nil) -> Int? {
         Self.cacheUncapped = bufferCache == .uncapped

@@ -49,7 +49,8 @@ struct TokenLoop {
         from logits: MLXArray, count: Int, timing: inout Timing, onToken: (Int) -> Bool
     ) throws -> MLXArray {
         let sampler = caches.parameters.sampler()
-        let eos = context.tokenizer.eosTokenId
+        let stop = Self.stopTokenIds(context)
+        let unknown = context.tokenizer.unknownTokenId
         var logits = logits
         for _ in 0 ..< count {
             // Sampling evaluates on the GPU too: the gate comes before it.
@@ -57,12 +58,28 @@ struct TokenLoop {
             let began = Date()
             let token = sampler.sample(logits: logits)
             let id = token.item(Int.self)
-            if id == eos || !onToken(id) { break }
+            if stop.contains(id) || id == unknown || !onToken(id) { break }
             logits = try forward([id])
             timing.tokens += 1
             timing.seconds += Date().timeIntervalSince(began)
         }
         return logits
+    }
+
+    /// Every id that ends a reply, as MLXLMCommon's own generate loop stops (Evaluate.swift, mlx-swift-lm 3.31):
+    /// config.json's and generation_config.json's eos_token_id (Gemma's <end_of_turn>, Llama 3's <|eot_id|> are
+    /// only there), the tokenizer's end token, and the configuration's extra end tokens.
+    static func stopTokenIds(_ context: ModelContext) -> Set<Int> {
+        var ids = context.configuration.eosTokenIds
+        if let eos = context.tokenizer.eosTokenId {
+            ids.insert(eos)
+        }
+        for token in context.configuration.extraEOSTokens {
+            if let id = context.tokenizer.convertTokenToId(token) {
+                ids.insert(id)
+            }
+        }
+        return ids
     }
 
     /// Asks GPUGate before GPU work is submitted; false (and the loop stops) when the run is to end because its
@@ -87,8 +104,9 @@ struct TokenLoop {
         }
     }
 
-    /// One forward pass; returns the last position's logits, evaluated. An allocation past MLX's memory limit
-    /// throws here instead of the process being killed.
+    /// One forward pass; returns the last position's logits, evaluated. An allocation Metal refuses (a buffer past
+    /// its maximum length, or none left to give) throws here; MLX's memory limit only makes it wait and free its
+    /// cache first, so jetsam, not an error, ends a context that outgrows the phone.
     private func forward(_ ids: [Int]) throws -> MLXArray {
         try withError {
             let text = LMInput.Text(tokens: MLXArray(ids.map { Int32($0) }))

@@ -34,8 +34,9 @@ public enum Paging {
     }
 }
 
-/// Memory budget on the phone: MLX's limit sits below the jetsam limit so an allocation past it fails inside
-/// the app (which can then stop and save) instead of the process being killed.
+/// Memory budget on the phone: MLX's limit sits below the jetsam limit. MLX treats it as a guideline (past it,
+/// it waits for scheduled work and empties its buffer cache before allocating more); it does not make an
+/// allocation fail, so the app's own stop comes from memory pressure and the soak's stop conditions.
 public enum Budget {
     /// The limit to give MLX: the configured one, lowered when the phone reports less room than expected.
     /// - Parameters:
