@@ -22,7 +22,7 @@ from typing import Any
 from kvrig.bundle.kvcache_json import build_kvcache_config, host_config
 from kvrig.bundle.manifest import hash_files
 from kvrig.bundle.mapped import PAGE_BYTES, align_file
-from kvrig.bundle.options import MLX_CACHE_STEP, PackageOptions, PlanView, resolve_kv
+from kvrig.bundle.options import MLX_CACHE_STEP, PackageOptions, PlanView, check_app_kv, resolve_kv
 from kvrig.exceptions import (
     BundleError,
     BundleExistsError,
@@ -36,6 +36,7 @@ from kvrig.exceptions import (
 )
 from kvrig.fileio import scratch_dir, swap_in, sweep_scratch
 from kvrig.kvcache.caches import cache_settings
+from kvrig.kvcache.families import APP_UNQUANTIZED_KV
 from kvrig.models import load_model_spec, spec_from_config
 from kvrig.models.gguf import embedded_default_model
 from kvrig.models.source import CONVERT_PREFIX, source_dir
@@ -302,6 +303,7 @@ def _check_paths(model: str | Path | None, out: Path, *, replace: bool) -> Path:
 def _resolve_kv(job: _Job, kv: KVSpec) -> KVSpec:
     """`+kN@topM` resolved to the layers measured on the source, checked against the model's head dims."""
     spec = spec_from_config(job.config, job.config_path)
+    check_app_kv(spec.model_type, kv)
     if kv.promote_keys is not None:
         check_dims(spec, replace(kv, promote_keys=None))  # the measurement quantizes keys at these dims
         kv = resolve_for_source(job.src_dir, kv)
@@ -313,6 +315,9 @@ def _choose_kv(job: _Job) -> tuple[KVSpec, Choice | None]:
     text = job.options.kv.strip().lower()
     if text != AUTO:
         return _resolve_kv(job, parse_kv(text)), None
+    if job.spec.model_type in APP_UNQUANTIZED_KV:
+        job.say(f"  --kv auto: fp16 ({job.spec.model_type}: the app keeps its KV unquantized)")
+        return parse_kv("fp16"), None
     if not job.options.quality_gate:
         # Nothing measured without the gate: `auto` is the rule it was before measurement, rotation where allowed.
         return _resolve_kv(job, resolve_kv(AUTO, job.config, job.config_path)), None

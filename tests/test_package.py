@@ -238,20 +238,21 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
 def test_does_not_fit_refuses_and_force_packages(
     source_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The planner is faked here (its own tests compare it to MLX); this tests the refusal path.
+    # The planner is faked here (its own tests compare it to MLX); this tests the refusal path. The device is a real
+    # profile: package refuses an unknown one before it reads the model.
     plan = PlanView("iPhone-test", 100 * 2**20, 75 * 2**20, 10_000, 100, 90 * 2**20)
     monkeypatch.setattr(bundle_mod, "plan_for_bundle", lambda *a, **k: plan)
     with pytest.raises(DoesNotFitError, match=r"max context is 100 tokens, 156 short of 256"):
         package(
             source_dir,
             tmp_path / "out",
-            PackageOptions(weights="q8", quality_gate=False, device="iPhone-test", kv="k8v8"),
+            PackageOptions(weights="q8", quality_gate=False, device="iPhone16,1", kv="k8v8"),
         )
     assert not (tmp_path / "out").exists()
     result = package(
         source_dir,
         tmp_path / "out",
-        PackageOptions(weights="q8", quality_gate=False, device="iPhone-test", kv="k8v8", ignore_fit=True),
+        PackageOptions(weights="q8", quality_gate=False, device="iPhone16,1", kv="k8v8", ignore_fit=True),
     )
     assert result.manifest.prediction is not None
     assert result.manifest.prediction.forced and not result.manifest.prediction.fits
@@ -458,3 +459,17 @@ def test_a_distilled_recipe_packages_with_its_recipes_arrays(source_dir: Path, t
         mx.array_equal(distilled[k], plain[k]) for k in plain if k.endswith(".weight") and plain[k].dtype == mx.uint32
     )
     assert not all(mx.array_equal(distilled[k], plain[k]) for k in plain if k.endswith(".scales"))
+
+
+def test_a_family_the_app_keeps_unquantized_takes_no_quantized_kv() -> None:
+    """Gemma 3n's KV-shared layers read their owner's cache as float arrays in MLX Swift, so the app keeps its KV
+    unquantized (KvrigCore's CachePlan.keepsKVUnquantized, checked against this list in test_core_swift): a
+    quantized spec would plan bytes the phone never holds."""
+    from kvrig.bundle.options import check_app_kv
+    from kvrig.exceptions import KVSchemeError
+    from kvrig.recipes import parse_kv
+
+    with pytest.raises(KVSchemeError, match=r"gemma3n.*--kv fp16"):
+        check_app_kv("gemma3n", parse_kv("k8v4"))
+    check_app_kv("gemma3n", parse_kv("fp16"))
+    check_app_kv("llama", parse_kv("k8v4"))

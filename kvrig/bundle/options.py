@@ -9,7 +9,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kvrig.kvcache.families import NO_QUANTIZED_ATTENTION
+from kvrig.exceptions import KVSchemeError
+from kvrig.kvcache.families import APP_UNQUANTIZED_KV, NO_QUANTIZED_ATTENTION
 from kvrig.models import spec_from_config
 from kvrig.planner.kv import MLX_STEP
 from kvrig.planner.runtime import DEFAULT_BUFFER_CACHE_BYTES
@@ -108,3 +109,14 @@ def package_default_kv(src: Path) -> str:
     writes): k8v4, rotated where the head dims allow."""
     file = src / "config.json"
     return resolve_kv(PackageOptions().kv, json.loads(file.read_text()), file).name
+
+
+def check_app_kv(model_type: str, kv: KVSpec) -> None:
+    """KVSchemeError for a quantized KV spec on a family the MLX Swift app keeps unquantized (`APP_UNQUANTIZED_KV`):
+    the plan would count bytes the phone never holds."""
+    if model_type in APP_UNQUANTIZED_KV and kv.quantized:
+        raise KVSchemeError(
+            f"{model_type}: the MLX Swift app keeps this family's KV cache unquantized (its KV-shared layers read "
+            f"their owner's cache as float keys and values), so --kv {kv.name} would plan bytes the phone never "
+            "holds; use --kv fp16 (--kv auto takes it for this family)"
+        )

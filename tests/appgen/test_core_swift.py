@@ -108,3 +108,13 @@ def test_python_reads_core_telemetry(swift_run: dict[str, Path]) -> None:
     result = read_telemetry(torn)
     assert sum(len(run.events) for run in result.runs) == len(events)
     assert result.torn_line == len(lines) + 1
+
+
+def test_the_app_and_the_packager_agree_on_the_families_kept_unquantized(swift_run: dict[str, Path]) -> None:
+    """Gemma 3n's KV stays unquantized in the app (KvrigCore's CachePlan); kvrig packages it with fp16 KV so the
+    plan counts what the phone holds. The two lists are one fact: Core writes its own, Python compares."""
+    from kvrig.kvcache.families import APP_UNQUANTIZED_KV
+
+    families = json.loads((swift_run["out"] / "families.json").read_text())
+    assert set(families["keeps_kv_unquantized"]) == APP_UNQUANTIZED_KV == {"gemma3n"}
+    assert "gemma2" in families["updates_cache_itself"]

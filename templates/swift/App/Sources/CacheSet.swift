@@ -19,9 +19,10 @@ final class CacheSet: @unchecked Sendable {
     let phoneElementBytes: Int?
 
     init(
-        model: any LanguageModel, config: KVCacheConfig, temperature: Float = 0.6, phoneElementBytes: Int? = nil
+        model: any LanguageModel, config: KVCacheConfig, modelType: String? = nil, temperature: Float = 0.6,
+        phoneElementBytes: Int? = nil
     ) {
-        let plan = config.cachePlan
+        let plan = CachePlan(config: config, modelType: modelType)
         // GenerateParameters carries MLX's own KV quantization (one width for K and V); the loop converts plain
         // caches to MLX's QuantizedKVCache once they pass the start point (see quantizeIfDue).
         let parameters = GenerateParameters(

@@ -188,7 +188,7 @@ final class Engine {
         messages = []
         caches = await container.perform { context in
             CacheSet(
-                model: context.model, config: config, temperature: temperature,
+                model: context.model, config: config, modelType: AppConfig.modelType, temperature: temperature,
                 phoneElementBytes: phoneElementBytes)
         }
         Memory.clearCache()

@@ -32,6 +32,16 @@ public struct KVExtras: Equatable, Sendable {
 }
 
 public struct CachePlan: Equatable, Sendable {
+    /// Families whose MLX Swift attention (mlx-swift-lm 3.31.4) calls the cache's `update` itself, with no branch for
+    /// a quantized cache: MLX's QuantizedKVCache answers that with fatalError, so their quantized layers use kvrig's
+    /// cache, which hands attention dequantized keys and values (as the host's runtime does for gemma2).
+    public static let updatesCacheItself: Set<String> = [
+        "apertus", "baichuan_m1", "bitnet", "deepseek_v3", "gemma2", "glm4_moe_lite",
+    ]
+    /// Families whose KV-shared layers read their owner's `cache.state` as float keys and values (Gemma3nText.swift):
+    /// only MLX's plain cache holds them so. kvrig packages these with fp16 KV (kvrig/kvcache/families.py).
+    public static let keepsKVUnquantized: Set<String> = ["gemma3n"]
+
     /// For GenerateParameters.kvBits: set only when MLX's single-width cache covers every quantized layer.
     public let kvBits: Int?
     public let kvGroupSize: Int
@@ -45,15 +55,21 @@ public struct CachePlan: Equatable, Sendable {
         layers.values.contains { if case .mixed = $0 { true } else { false } }
     }
 
-    public init(config: KVCacheConfig) {
+    /// - Parameter modelType: config.json's model_type; families above change what the layers get.
+    public init(config: KVCacheConfig, modelType: String? = nil) {
         var choices: [Int: LayerCacheChoice] = [:]
         var notes: [String] = []
+        let family = modelType ?? ""
+        var keptUnquantized = false
         for entry in config.layers {
             let (k, v) = entry.effectiveBits(default: config)
             switch entry.kind {
             case .full, .latent:
                 if k == nil && v == nil {
                     choices[entry.layer] = .unquantized
+                } else if Self.keepsKVUnquantized.contains(family) {
+                    choices[entry.layer] = .unquantized
+                    keptUnquantized = true
                 } else if k == v, let bits = k {
                     choices[entry.layer] = .mlxAffine(bits: bits, groupSize: config.groupSize)
                 } else {
@@ -71,6 +87,11 @@ public struct CachePlan: Equatable, Sendable {
                 choices[entry.layer] = .modelManaged
             }
         }
+        if keptUnquantized {
+            notes.append(
+                "\(family): KV left unquantized (its KV-shared layers read their owner's cache as float keys and "
+                    + "values); kvrig packages this family with fp16 KV")
+        }
         let affineWidths = Set(choices.values.compactMap { if case .mlxAffine(let b, _) = $0 { b } else { nil } })
         let extras = KVExtras(
             rotation: config.rotation, sinkTokens: config.sinkTokens, recentTokens: config.recentTokens)
@@ -78,7 +99,10 @@ public struct CachePlan: Equatable, Sendable {
         // MLX's cache takes one width for every layer and none of the extras: otherwise every quantized layer
         // uses kvrig's cache (as the host does, runtime/caches.py).
         let ownCacheReason: String? =
-            if extras.any {
+            if Self.updatesCacheItself.contains(family) && !affineWidths.isEmpty {
+                "\(family)'s attention calls the cache's update itself (MLX's quantized cache cannot answer it): "
+                    + "using kvrig's quantized cache (dequantized when read)"
+            } else if extras.any {
                 "rotation \(config.rotation.rawValue), sink_tokens \(config.sinkTokens), recent_tokens "
                     + "\(config.recentTokens): using kvrig's quantized cache"
             } else if hasMixed {

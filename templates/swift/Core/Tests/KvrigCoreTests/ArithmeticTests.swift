@@ -113,6 +113,27 @@ final class CachePlanTests: XCTestCase {
         XCTAssertTrue(plan.notes.contains { $0.contains("layer 0") && $0.contains("unquantized") })
     }
 
+    func testFamiliesWhoseAttentionCallsUpdateGetTheDequantizingCache() {
+        // gemma2's MLX Swift attention calls cache.update itself: MLX's QuantizedKVCache would fatalError there.
+        let kv = config(key: 8, value: 8, layers: [.init(layer: 0, kind: .full), .init(layer: 1, kind: .full)])
+        let plan = CachePlan(config: kv, modelType: "gemma2")
+        XCTAssertNil(plan.kvBits)  // nothing converts the model's caches to MLX's quantized one later either
+        XCTAssertEqual(plan.layers[0], .mixed(keyBits: 8, valueBits: 8, groupSize: 64))
+        XCTAssertTrue(plan.notes.contains { $0.contains("gemma2") && $0.contains("update") })
+        // a family whose attention takes MLX's quantized cache keeps it
+        XCTAssertEqual(CachePlan(config: kv, modelType: "llama").layers[0], .mlxAffine(bits: 8, groupSize: 64))
+        XCTAssertEqual(CachePlan(config: kv, modelType: "llama").kvBits, 8)
+    }
+
+    func testGemma3nKeepsItsKVUnquantizedWithANote() {
+        let kv = config(key: 8, value: 4, layers: [.init(layer: 0, kind: .full), .init(layer: 1, kind: .shared)])
+        let plan = CachePlan(config: kv, modelType: "gemma3n")
+        XCTAssertEqual(plan.layers[0], .unquantized)
+        XCTAssertEqual(plan.layers[1], .modelManaged)
+        XCTAssertNil(plan.kvBits)
+        XCTAssertTrue(plan.notes.contains { $0.contains("gemma3n") && $0.contains("unquantized") })
+    }
+
     func testUnquantizedConfigHasNoBits() {
         let plan = config(key: nil, value: nil, layers: [.init(layer: 0, kind: .full)]).cachePlan
         XCTAssertNil(plan.kvBits)

@@ -36,6 +36,17 @@ final class ContractTests: XCTestCase {
         return decoded
     }
 
+    /// The families the app treats apart, for the Python side to hold its packaging to (kvrig/kvcache/families.py).
+    func testFamiliesForPython() throws {
+        guard let outDir else { return }
+        let families = [
+            "keeps_kv_unquantized": CachePlan.keepsKVUnquantized.sorted(),
+            "updates_cache_itself": CachePlan.updatesCacheItself.sorted(),
+        ]
+        let data = try JSONSerialization.data(withJSONObject: families, options: [.sortedKeys])
+        try data.write(to: outDir.appendingPathComponent("families.json"))
+    }
+
     func testKVCacheJSONFromPython() throws {
         let config = try assertRoundTrip(KVCacheConfig.self, file: "kvcache.json")
         XCTAssertEqual(config.schema, 3)
