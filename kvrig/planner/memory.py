@@ -8,6 +8,7 @@ from typing import Any, Final, Literal
 from pydantic import ConfigDict, Field
 
 from kvrig.exceptions import PlanInputError, QuantizationError
+from kvrig.kvcache.families import APP_UNQUANTIZED_KV
 from kvrig.models.spec import ModelSpec
 from kvrig.planner.allocator import AllocatorPolicy, AppModel, chat_run, trace_run
 from kvrig.planner.kv import (
@@ -821,6 +822,12 @@ def _notes(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest, traine
     attention = _attention_note(spec, request)
     if attention:
         notes.append(attention)
+    if spec.model_type in APP_UNQUANTIZED_KV and any(parse_kv(n).quantized for n in request.schemes):
+        notes.append(
+            f"{spec.model_type}: the MLX Swift app keeps this family's KV unquantized (its KV-shared layers read "
+            "their owner's cache as float keys and values), so only the fp16 rows hold for kvrig's app; kvrig "
+            "package writes fp16 KV for it."
+        )
     for scheme in (parse_kv(n) for n in request.schemes):
         if scheme.promote_keys is None:
             continue

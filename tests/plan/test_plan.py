@@ -284,3 +284,12 @@ def test_a_config_mlx_lm_cannot_run_is_refused_naming_its_file(change: dict, wor
     with pytest.raises(ModelConfigError) as caught:
         plan(tmp_path, "iPhone16,1", schemes=["fp16"], contexts=[256])
     assert str(caught.value).startswith(str(tmp_path / "config.json")) and words in str(caught.value)
+
+
+def test_a_family_the_app_keeps_unquantized_says_so_in_the_plan(tmp_path: Path) -> None:
+    """gemma3n plans its quantized rows as for any model, with a note that kvrig's app holds only the fp16 one."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIGS["gemma3n"]))
+    planned = plan(tmp_path, "iPhone16,1", schemes=["fp16", "k8v4"], contexts=[256], weights="fp16")
+    assert any(n.startswith("gemma3n: the MLX Swift app keeps") for n in planned.notes)
+    alone = plan(tmp_path, "iPhone16,1", schemes=["fp16"], contexts=[256], weights="fp16")
+    assert not any("keeps this family's KV unquantized" in n for n in alone.notes)
