@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -149,3 +150,25 @@ def test_a_folder_that_is_not_a_bundle_is_one_cause_everywhere(args: list[str], 
     )
     assert done.returncode == BundleError.exit_code == 7, done.stderr
     assert "no manifest.json" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_every_dash_o_takes_both_long_names() -> None:
+    """`-o` was `--output` in some commands and `--out` in others (`kvrig calibrate x --output y`: no such option)."""
+    import click
+
+    from kvrig.cli import cli
+
+    def walk(command: click.Command, path: str) -> Iterator[tuple[str, click.Parameter]]:
+        for param in command.params:
+            yield path, param
+        if isinstance(command, click.Group):  # the commands load lazily: ask the group for each
+            context = click.Context(command)
+            for name in command.list_commands(context):
+                sub = command.get_command(context, name)
+                assert sub is not None, name
+                yield from walk(sub, f"{path} {name}")
+
+    seen = [(path, p) for path, p in walk(cli, "kvrig") if "-o" in getattr(p, "opts", [])]
+    assert len(seen) >= 9, [path for path, _ in seen]
+    for path, param in seen:
+        assert {"--out", "--output"} <= set(param.opts), (path, param.opts)

@@ -20,7 +20,9 @@ from kvrig.cli.render import echo_json, json_option
     is_flag=True,
     help="Also request the extended-virtual-addressing entitlement.",
 )
-@click.option("-o", "--output", "output", type=click.Path(path_type=Path), required=True, help="Project folder.")
+@click.option(
+    "-o", "--output", "--out", "output", type=click.Path(path_type=Path), required=True, help="Project folder."
+)
 @click.option(
     "--replace",
     is_flag=True,
@@ -69,7 +71,9 @@ def app(
 )
 @click.argument("project", type=click.Path(path_type=Path))
 @click.option("--team", default=None, help="Signing team ID (default: $KVRIG_TEAM_ID, then the project's).")
-@click.option("-o", "--output", type=click.Path(path_type=Path), default=None, help="Folder for the .ipa.")
+@click.option(
+    "-o", "--output", "--out", "output", type=click.Path(path_type=Path), default=None, help="Folder for the .ipa."
+)
 @click.option(
     "--virtual",
     is_flag=True,

@@ -143,6 +143,8 @@ def _csv(text: str) -> tuple[str, ...]:
 @click.option(
     "-o",
     "--output",
+    "--out",
+    "output",
     type=click.Path(path_type=Path),
     default=Path("build/quality"),
     show_default=True,

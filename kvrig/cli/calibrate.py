@@ -19,7 +19,15 @@ from kvrig.cli.render import echo_json, human_bytes, json_option
 @click.option("--bundle", type=click.Path(path_type=Path), help="Bundle the runs ran (default: the one each names).")
 @click.option("--model", type=click.Path(path_type=Path), help="Model for runs without a bundle (dir, config, GGUF).")
 @click.option("--weights", default="q4", show_default=True, help="Weight recipe with --model.")
-@click.option("-o", "--out", type=click.Path(path_type=Path), default=Path("calibration.json"), show_default=True)
+@click.option(
+    "-o",
+    "--out",
+    "--output",
+    "out",
+    type=click.Path(path_type=Path),
+    default=Path("calibration.json"),
+    show_default=True,
+)
 @click.option(
     "--limits",
     "limits_file",

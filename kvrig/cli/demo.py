@@ -20,7 +20,13 @@ if TYPE_CHECKING:
     short_help="The main job on a virtual iPhone: package, plan, build, deploy, soak until jetsam, compare.",
 )
 @click.option(
-    "-o", "--out", type=click.Path(file_okay=False, path_type=Path), default=Path("build/demo"), show_default=True
+    "-o",
+    "--out",
+    "--output",
+    "out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("build/demo"),
+    show_default=True,
 )
 @click.option("--device", default="iPhone16,1", show_default=True, help="ProductType or profile of the virtual iPhone.")
 @click.option(

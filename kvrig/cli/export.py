@@ -17,7 +17,15 @@ def export() -> None:
 
 @export.command("coreml")
 @click.argument("bundle", type=click.Path(path_type=Path))
-@click.option("--output", "-o", required=True, type=click.Path(path_type=Path), help="Model.mlpackage to write.")
+@click.option(
+    "--output",
+    "-o",
+    "--out",
+    "output",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="Model.mlpackage to write.",
+)
 @click.option("--target", default="iOS18", show_default=True, help="Minimum deployment target (iOS18 or iOS26).")
 @click.option(
     "--context",

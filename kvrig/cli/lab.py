@@ -20,7 +20,7 @@ def lab() -> None:
 
 def _out_option(help: str):  # type: ignore[no-untyped-def]
     return click.option(
-        "-o", "--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True, help=help
+        "-o", "--out", "--output", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True, help=help
     )
 
 

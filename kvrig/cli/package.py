@@ -97,7 +97,9 @@ from kvrig.recipes import DEFAULT_GROUP_SIZE, WEIGHT_CANDIDATES
     "it is split into --replace (an existing bundle at -o), --ignore-fit (the plan's fit check) and "
     "--ignore-gate (the quality gate); give the ones you mean"
 )
-@click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Bundle folder to create.")
+@click.option(
+    "-o", "--output", "--out", "output", required=True, type=click.Path(path_type=Path), help="Bundle folder to create."
+)
 @json_option
 def package(
     model: Path | None,

@@ -98,6 +98,7 @@ from kvrig.device.loop import run_async
 @click.option(
     "-o",
     "--out",
+    "--output",
     "out_dir",
     type=click.Path(file_okay=False, path_type=Path),
     required=True,
