@@ -90,12 +90,12 @@ def translate(exc: BaseException, what: str, *, udid: str | None = None, os_vers
     if isinstance(exc, pmd3.AfcException):
         # AfcException is an OSError too: a refused file operation, not a lost link.
         return DeviceError(f"{what}: file operation failed{on}: {_text(exc)}")
+    if isinstance(exc, TimeoutError):  # an OSError too since Python 3.10: before the lost link, or it reads as one
+        return DeviceLostError(f"{what}: the device{on} stopped answering (timed out)")
     if isinstance(exc, (*_LOST, OSError)):
         return DeviceLostError(f"{what}: lost the connection to the device{on} ({_text(exc)})")
     if isinstance(exc, pmd3.PyMobileDevice3Exception):
         return DeviceError(f"{what}: {_text(exc)}")
-    if isinstance(exc, TimeoutError):
-        return DeviceLostError(f"{what}: the device{on} stopped answering (timed out)")
     raise exc
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pymobiledevice3 import exceptions as pmd3
 
 from kvrig.device.errors import translate
-from kvrig.exceptions import DeveloperModeOffError, DeviceLockedError, ServiceRefusedError
+from kvrig.exceptions import DeveloperModeOffError, DeviceLockedError, DeviceLostError, ServiceRefusedError
 
 
 def test_locked_and_untrusted_phones_are_device_locked() -> None:
@@ -31,3 +31,11 @@ def test_refused_developer_service_on_ios17_says_a_tunnel_is_needed() -> None:
     refused = pmd3.InvalidServiceError("InvalidService", "UDID", "17.4")
     error = translate(refused, "starting process control", udid="UDID", os_version="17.4")
     assert isinstance(error, ServiceRefusedError) and "tunnel" in str(error)
+
+
+def test_a_timeout_reads_as_a_phone_that_stopped_answering() -> None:
+    """TimeoutError is an OSError: it read "lost the connection" (the exit code is the same, the cause is not)."""
+    error = translate(TimeoutError(), "reading", udid="UDID", os_version="18.6")
+    assert isinstance(error, DeviceLostError) and "stopped answering" in str(error)
+    lost = translate(ConnectionResetError(104, "Connection reset by peer"), "reading", udid="UDID")
+    assert isinstance(lost, DeviceLostError) and "lost the connection" in str(lost)
