@@ -69,7 +69,7 @@ def test_run_on_a_folder_that_is_not_a_bundle(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "kvrig", "run", str(tmp_path), "-p", "hi"], capture_output=True, text=True
     )
-    assert proc.returncode == 3
+    assert proc.returncode == 7  # BundleError: a folder that is not a bundle, as verify and deploy say
     assert "manifest.json" in proc.stderr and "Traceback" not in proc.stderr
 
 

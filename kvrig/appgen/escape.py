@@ -43,14 +43,20 @@ def swift_bool(value: Any) -> str:
     return "true" if value else "false"
 
 
-_XML_INVALID = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
+# XML 1.0's Char production leaves out these (and lone surrogates, which a str from JSON can hold)
+_XML_INVALID = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
+
+
+def xml_chars(value: str) -> str:
+    """`value` without the characters XML 1.0 cannot carry (a parser refuses the whole document for one)."""
+    return _XML_INVALID.sub("", value)
 
 
 def xml_text(value: Any) -> str:
     """Text for a plist <string>: XML-escaped; characters XML 1.0 cannot carry are dropped."""
     if not isinstance(value, str):
         raise TypeError(f"xml_text expects a str, got {type(value).__name__}")
-    value = _XML_INVALID.sub("", value)
+    value = xml_chars(value)
     return value.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
 
 

@@ -38,7 +38,10 @@ class Merged:
         for r in self.results.runs:
             if fails(r):
                 bad = r.outcome if r.outcome in BAD_OUTCOMES else None
-                why = bad or (f"error: {r.error}" if r.error else "gate failed")
+                if r.outcome is None and r.error is None:
+                    why = "not run"
+                else:
+                    why = bad or (f"error: {r.error}" if r.error else "gate failed")
                 found.setdefault(r.device.host or "?", []).append(f"{r.device.udid} {r.entry}[{r.variant}]: {why}")
         return found
 
@@ -141,7 +144,8 @@ def merge_folders(folders: list[Path], out: Path) -> Merged:
     notes += merged.merge_problems()
     name = next(iter(sorted(names)), "lab")
     merged.results.lab = LabRecord(name=name, hosts=hosts, gates=gates, notes=notes)
-    save_results(merged.results, out)  # evaluates the gates again on the merged runs
+    problems = [("conflict", c) for c in merged.conflicts] + [("missing-shard", m) for m in merged.missing_shards]
+    save_results(merged.results, out, problems=problems)  # evaluates the gates again on the merged runs
 
     write_report(merged.results, out, title=f"kvrig lab: {name} (merged)")
     return merged

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvrig.appgen.escape import xml_chars
 from kvrig.exceptions import OutputWriteError, ReportError, ReportFolderError
 from kvrig.fileio import atomic_output, atomic_write
 from kvrig.lab.gates import failures, prediction_error
@@ -296,6 +297,16 @@ def _check_report_folder(out: Path) -> None:
     )
 
 
+def _html_chars(value: object) -> object:
+    """Every value the page prints, without the control characters HTML forbids (an app's message can hold an
+    escape sequence); markup the template made stays markup."""
+    from markupsafe import Markup  # jinja2's, loaded with it
+
+    if isinstance(value, Markup):
+        return Markup(xml_chars(str(value)))
+    return xml_chars(value) if isinstance(value, str) else value
+
+
 def write_report(results: ResultsFile, out_dir: str | Path, *, title: str = "kvrig results") -> Path:
     """Writes report.html (from templates/report/report.html.j2) and its PNGs (in report/) into out_dir;
     returns the HTML path."""
@@ -327,6 +338,7 @@ def write_report(results: ResultsFile, out_dir: str | Path, *, title: str = "kvr
         autoescape=True,
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
+        finalize=_html_chars,
     )
     html = env.get_template(TEMPLATE).render(
         title=title,

@@ -1,5 +1,5 @@
 """Saving: results.json and junit.xml are rewritten after every run, so a lab that dies half-way leaves what it
-learned (runs not started yet have no outcome and show as skipped)."""
+learned (runs not started yet have no outcome: junit.xml shows them as errors, not run)."""
 
 from __future__ import annotations
 
@@ -28,14 +28,16 @@ def evaluate_gates(results: ResultsFile) -> None:
             run.gates = gate_checks.evaluate(run, gates)
 
 
-def save_results(results: ResultsFile, out: Path) -> None:
+def save_results(results: ResultsFile, out: Path, *, problems: list[tuple[str, str]] | None = None) -> None:
+    """results.json and junit.xml; `problems`: what a merge found wrong, (kind, message), as junit cases."""
     evaluate_gates(results)
     if results.lab is not None:
         ends = [o for r in results.runs for o in (r.outcome, *(c.outcome for c in r.confirmations))]
         results.lab.outcomes = count_outcomes(ends)
     data = results.model_dump(mode="json", by_alias=True, exclude_none=False)
     atomic_write(out / RESULTS_FILE, json.dumps(data, indent=2) + "\n")
-    write_junit(results, out / JUNIT_FILE, name=results.lab.name if results.lab else "kvrig lab")
+    name = results.lab.name if results.lab else "kvrig lab"
+    write_junit(results, out / JUNIT_FILE, name=name, problems=problems)
 
 
 def read_partial(folder: Path) -> SoakResult | None:

@@ -40,9 +40,11 @@ def test_bundle_is_deployed(kvrig_bundle):
 
 
 def _pytest_lab(folder: Path, junit: str) -> subprocess.CompletedProcess[str]:
-    """pytest run in `folder` on its lab.yaml, as a team runs it, with JUnit to `junit`."""
+    """pytest run in `folder` on its lab.yaml, as a team runs it, with JUnit to `junit`; pytest's own warnings are
+    errors there (record_property's under the default junit_family failed the soak fixture at setup)."""
+    args = ["-p", "no:cacheprovider", "-W", "error::pytest.PytestWarning", "--kvrig-lab", "lab.yaml"]
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--kvrig-lab", "lab.yaml", f"--junitxml={junit}"],
+        [sys.executable, "-m", "pytest", *args, f"--junitxml={junit}"],
         capture_output=True,
         text=True,
         cwd=folder,

@@ -13,6 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvrig.cli import cli
+from kvrig.exceptions import QuantizationError
 from kvrig.quality import quantize_bench
 from kvrig.texts import CALIBRATION_KINDS, EVALUATION_KINDS
 from tests.bundle_fixtures import converted_source, tiny_source
@@ -36,7 +37,7 @@ def bench(*args: str) -> dict[str, Any]:
 
 def test_every_recipe_is_measured_or_named_as_skipped(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(quantize_bench, "SCALING_HIDDEN", (64, 128))
-    recipes = ["q4", "imx-q4", "gpx-4.6", "gptq-q4", "gptq-q3", "nonsense"]
+    recipes = ["q4", "imx-q4", "gpx-4.6", "gptq-q4"]
     report = bench(str(tiny), "--recipes", ",".join(recipes), "--tokens", "64", "--passages", "2", "--budget", "600")
     assert [r["recipe"] for r in report["runs"]] == recipes
     runs = {r["recipe"]: r for r in report["runs"]}
@@ -50,8 +51,6 @@ def test_every_recipe_is_measured_or_named_as_skipped(tiny: Path, monkeypatch: p
     assert runs["imx-q4"]["by"] == runs["gpx-4.6"]["by"] == "kvrig"
     assert runs["gptq-q4"]["by"] == runs["q4"]["by"] == "mlx-lm"
     assert runs["imx-q4"]["layers"] == runs["gpx-4.6"]["layers"] == 7 * LAYERS + 1
-    assert "gptq packs 2, 4, 8 bits" in runs["gptq-q3"]["skipped"]  # the recipe grammar's own refusal
-    assert "unknown weight recipe" in runs["nonsense"]["skipped"]
     # Judged on every kind calibration never reads, as the quality bench judges; no file read by both.
     assert set(report["calibration"]) == set(CALIBRATION_KINDS)
     assert set(report["evaluation"]) == set(report["source_ppl"]) == set(EVALUATION_KINDS)
@@ -173,3 +172,12 @@ def test_another_model_is_not_judged_on_the_embedded_goal(tmp_path: Path, monkey
 
     monkeypatch.setattr(quantize_bench, "embedded_default_model", missing)
     assert not quantize_bench._is_embedded(tmp_path / "model.gguf")
+
+
+@pytest.mark.parametrize(("recipe", "why"), [("gptq-q3", "gptq packs 2, 4, 8 bits"), ("nonsense", "unknown weight")])
+def test_a_recipe_the_grammar_refuses_is_refused_before_anything_is_measured(recipe: str, why: str) -> None:
+    """It used to be measured around for half a minute and listed as skipped, exit 0; now the recipe grammar's
+    own refusal, at the command line (exit 5, as package, plan and bench quality)."""
+    result = CliRunner().invoke(cli, ["bench", "quantize", "--recipes", f"q4,{recipe}", "--json"])
+    assert isinstance(result.exception, QuantizationError) and result.exception.exit_code == 5, result.output
+    assert why in str(result.exception) and "--recipes" in str(result.exception)
