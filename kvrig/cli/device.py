@@ -152,11 +152,21 @@ def _measured_limits(registry, phones):  # type: ignore[no-untyped-def]
     "DeveloperDiskImage.dmg + .signature) instead of pymobiledevice3's download cache.",
 )
 @tunnel_option
+@usbmuxd_option
 @json_option
-def prepare(udid: str | None, enable_developer_mode: bool, image_dir: Path | None, tunnel: str, as_json: bool) -> None:
+def prepare(
+    udid: str | None,
+    enable_developer_mode: bool,
+    image_dir: Path | None,
+    tunnel: str,
+    usbmuxd: tuple[str, ...],
+    as_json: bool,
+) -> None:
     """Make a phone ready for soak and lab: Developer Mode, the developer disk image, the tunnel; each step
     reported. Developer Mode is switched on only with --enable-developer-mode."""
     from kvrig.device.prepare import prepare as run_prepare
+
+    address = phone_address(udid, usbmuxd)
 
     def on_step(step) -> None:  # type: ignore[no-untyped-def]
         if not as_json:
@@ -169,6 +179,7 @@ def prepare(udid: str | None, enable_developer_mode: bool, image_dir: Path | Non
             tunnel=parse_tunnel(tunnel),
             image_dir=image_dir,
             on_step=on_step,
+            usbmux_address=address,
         )
     )
     if as_json:
@@ -185,15 +196,19 @@ def prepare(udid: str | None, enable_developer_mode: bool, image_dir: Path | Non
 @click.option("--app", "ipa", type=click.Path(exists=True, path_type=Path), help="The app (.ipa) to install first.")
 @click.option("--app-id", default=None, help="Push into this installed app instead of installing one.")
 @_udid_option
+@usbmuxd_option
 @json_option
-def deploy(bundle: Path, ipa: Path | None, app_id: str | None, udid: str | None, as_json: bool) -> None:
+def deploy(
+    bundle: Path, ipa: Path | None, app_id: str | None, udid: str | None, usbmuxd: tuple[str, ...], as_json: bool
+) -> None:
     """Install the app and push BUNDLE into its Documents; an interrupted push resumes where it stopped."""
     from kvrig.device.deploy import deploy as run_deploy
 
     if ipa is None and app_id is None:
         raise click.UsageError("give the app to install (--app APP.ipa) or an installed app's id (--app-id)")
+    address = phone_address(udid, usbmuxd)
     if as_json:
-        result = run_async(run_deploy(bundle, ipa=ipa, app_id=app_id, udid=udid))
+        result = run_async(run_deploy(bundle, ipa=ipa, app_id=app_id, udid=udid, usbmux_address=address))
         echo_json(result.to_json())
         return
 
@@ -212,7 +227,9 @@ def deploy(bundle: Path, ipa: Path | None, app_id: str | None, udid: str | None,
         def on_progress(p) -> None:  # type: ignore[no-untyped-def]
             bar.update(task, completed=p.sent, total=p.to_send or None, description=p.file)
 
-        result = run_async(run_deploy(bundle, ipa=ipa, app_id=app_id, udid=udid, progress=on_progress))
+        result = run_async(
+            run_deploy(bundle, ipa=ipa, app_id=app_id, udid=udid, progress=on_progress, usbmux_address=address)
+        )
     push = result.push
     installed = f"installed {result.app_id}; " if result.installed else ""
     click.echo(
@@ -220,3 +237,10 @@ def deploy(bundle: Path, ipa: Path | None, app_id: str | None, udid: str | None,
         f"{push.remote_dir}: sent {len(push.sent)} files ({human_bytes(push.bytes_sent)}), "
         f"kept {len(push.skipped)} already there ({human_bytes(push.bytes_skipped)})"
     )
+
+
+def phone_address(udid: str | None, usbmuxd: tuple[str, ...]) -> str | None:
+    """The usbmuxd of the host holding the phone, when --usbmuxd (or KVRIG_USBMUXD) names hosts; None: this one."""
+    from kvrig.device.hosts import address_of, parse_hosts
+
+    return run_async(address_of(udid, parse_hosts(usbmuxd))) if usbmuxd else None

@@ -7,10 +7,10 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from kvrig.cli.device import parse_tunnel, tunnel_option
+from kvrig.cli.device import parse_tunnel, phone_address, tunnel_option
 from kvrig.cli.options import backend_option, seconds_option, tokens_option
 from kvrig.cli.output import info
-from kvrig.cli.render import echo_json, human_bytes, json_option
+from kvrig.cli.render import echo_json, human_bytes, json_option, usbmuxd_option
 from kvrig.device.loop import run_async
 
 
@@ -65,6 +65,7 @@ from kvrig.device.loop import run_async
 )
 @seconds_option("--timeout", None, "Seconds for the whole run.", minimum=1)
 @tunnel_option
+@usbmuxd_option
 @seconds_option(
     "--reconnect",
     30.0,
@@ -121,6 +122,7 @@ def soak(
     hang_after: float,
     timeout: float | None,
     tunnel: str,
+    usbmuxd: tuple[str, ...],
     reconnect_s: float,
     handshake_timeout: float,
     battery_interval: float,
@@ -186,7 +188,8 @@ def soak(
         background=phases,
         background_s=background_s,
     )
-    result = run_async(run(app_id, plan, out_dir, udid=udid, options=options))
+    address = phone_address(udid, usbmuxd)
+    result = run_async(run(app_id, plan, out_dir, udid=udid, options=options, usbmux_address=address))
     if as_json:
         echo_json(result)
     else:

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 from kvrig.device.address import usbmux_address
 from kvrig.device.discovery import DeviceInfo, list_devices
 from kvrig.device.preflight import check_all
-from kvrig.exceptions import DeviceError, LabShardError
+from kvrig.device.tunnel import same_udid
+from kvrig.exceptions import DeviceError, DeviceNotFoundError, LabShardError
 
 if TYPE_CHECKING:
     from kvrig.device.preflight import Preflight
@@ -66,6 +67,27 @@ async def list_devices_on(hosts: list[UsbmuxHost]) -> tuple[list[DeviceInfo], di
                 seen.add(info.udid)
                 found.append(dataclasses.replace(info, host=host.name))
     return found, unreachable
+
+
+async def address_of(udid: str | None, hosts: list[UsbmuxHost]) -> str | None:
+    """The usbmuxd address of the host that lists `udid` (with or without its hyphen), or of the only phone on any
+    host when `udid` is None: how one-phone commands (prepare, deploy, soak) find a phone `kvrig devices --usbmuxd`
+    lists. DeviceNotFoundError names the hosts asked, and why any could not be."""
+    if len(hosts) == 1:
+        return hosts[0].address  # one host: the phone is looked for there, with that host's own messages
+    found, unreachable = await list_devices_on(hosts)
+    by_name = {h.name: h for h in hosts}
+    usb = [d for d in found if d.connection == "USB"]
+    matches = [d for d in usb if same_udid(d.udid, udid)] if udid is not None else usb
+    if len(matches) == 1:
+        return by_name[matches[0].host or ""].address
+    asked = ", ".join(h.name for h in hosts)
+    cannot = "".join(f"; {name}: {why}" for name, why in unreachable.items())
+    if not matches:
+        what = f"device {udid} is" if udid is not None else "no device is"
+        raise DeviceNotFoundError(f"{what} attached to any of the usbmuxd hosts ({asked}){cannot}")
+    listing = ", ".join(f"{d.udid} @ {d.host}" for d in matches)
+    raise DeviceNotFoundError(f"{len(matches)} devices attached: {listing}; choose one with --udid")
 
 
 async def preflight_on(
