@@ -106,7 +106,12 @@ def _not_nan(value: float | None) -> float | None:
 @click.option(
     "--untrusted", is_flag=True, help="Fault: the phone does not trust this computer (no pair record, no session)."
 )
-@click.option("--handshake-timeout", is_flag=True, help="Fault: the CDTunnel handshake is never answered.")
+@click.option(
+    "--stall-handshake",
+    "handshake_timeout",
+    is_flag=True,
+    help="Fault: the CDTunnel handshake is never answered (what `kvrig soak --handshake-timeout` bounds).",
+)
 @click.option("--rsd-silent", is_flag=True, help="Fault: RSD, inside the tunnel, never starts its handshake.")
 @click.option("--launch-errors", type=int, default=0, help="Fault: the next N launches fail (transient NSError).")
 @click.option(

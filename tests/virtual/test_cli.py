@@ -180,7 +180,7 @@ def test_kvrig_virtual_rejects_unknown_ios(tmp_path: Path, ios: str) -> None:
     assert result.returncode == 2 and "17.4" in result.stderr
 
 
-@pytest.mark.parametrize("fault", ["--handshake-timeout", "--rsd-silent"])
+@pytest.mark.parametrize("fault", ["--stall-handshake", "--rsd-silent"])
 def test_kvrig_virtual_refuses_a_tunnel_fault_on_a_phone_without_tunnel(tmp_path: Path, fault: str) -> None:
     address = str(tmp_path / "t.sock")
     result = kvrig("virtual", "start", "--socket", address, "--state", str(tmp_path / "s"), fault)
