@@ -248,3 +248,21 @@ def test_records_with_nan_or_infinity_are_skipped_not_summarised(tmp_path: Path)
     log = read_telemetry(path)
     assert [s.line for s in log.skipped] == [2] and "finite number" in log.skipped[0].reason
     assert summarize_run(log.runs[0]).steps == 1
+
+
+def test_a_record_with_a_lone_surrogate_is_skipped_not_carried(tmp_path: Path) -> None:
+    """JSON's "\\ud83d" escape parses to a lone surrogate no UTF-8 writer can put back: carried into a result it made
+    results.json (pydantic) and junit.xml refuse to be written. A surrogate pair is a character, and stays."""
+    lines = run_records("r1", [256], end=True)
+    end = json.loads(lines[-1])
+    torn = json.dumps(end | {"reason": "error", "message": "X"}).replace('"X"', '"bad \\ud83d"')
+    whole = json.dumps(end | {"reason": "error", "message": "X"}).replace('"X"', '"ok \\ud83d\\ude00"')
+    for text, kept in ((torn, False), (whole, True)):
+        path = tmp_path / "t.jsonl"
+        path.write_text("\n".join([*lines[:-1], text]) + "\n")
+        log = read_telemetry(path)
+        assert (log.runs[0].end is not None) is kept
+        if kept:
+            assert log.runs[0].end is not None and log.runs[0].end.message == "ok \U0001f600"
+        else:
+            assert "lone surrogate" in log.skipped[0].reason and "'message'" in log.skipped[0].reason

@@ -5,6 +5,7 @@ The app may be killed mid-write, so a torn last line is normal; readers skip it 
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Final, Literal
 
 from pydantic import ConfigDict, Field, model_validator
@@ -16,6 +17,7 @@ from kvrig.schemas import StrictModel
 # 4: `start` says how the app holds its weights. 5: `scene` records (the app left the foreground or came back, and
 # what its GPU work did) and the end reason `background_task_expired`.
 TELEMETRY_SCHEMA_VERSION: Final = 5
+_SURROGATE = re.compile("[\ud800-\udfff]")
 TELEMETRY_FILE = "telemetry.jsonl"
 
 
@@ -25,6 +27,19 @@ class _Event(StrictModel):
     model_config = ConfigDict(allow_inf_nan=False)  # merged with StrictModel's
 
     schema_version: Literal[1, 2, 3, 4, 5] = Field(default=TELEMETRY_SCHEMA_VERSION, alias="schema")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode_text(cls, data: object) -> object:
+        # JSON's "\ud83d" escape parses to a lone surrogate, which no UTF-8 writer can put back (results.json,
+        # junit.xml): a record that holds one is not the app's (Swift's encoder writes whole characters)
+        if isinstance(data, dict):
+            for key, value in data.items():
+                texts = value if isinstance(value, list) else [value]
+                if any(isinstance(t, str) and not t.isascii() and _SURROGATE.search(t) for t in texts):
+                    raise ValueError(f"field {key!r}: not Unicode text (a lone surrogate)")
+        return data
+
     run_id: str
     seq: int = Field(ge=0, description="record number within the run, from 0")
     t: float = Field(description="seconds since the Unix epoch")
