@@ -129,7 +129,8 @@ def engine_status(scratch: Path | None = None) -> EngineStatus | None:
 
 
 def _engine_kvcache() -> KVCacheConfig:
-    # Only AppConfig.swift depends on the bundle, and the runner takes its bundle as an argument.
+    # Only AppConfig.swift depends on the bundle, and the runner takes its bundle as an argument (the engine reads
+    # that bundle's config.json for its model type).
     return host_kvcache([LayerCache(layer=0, kind="full")], max_context=2048, prefill_step_size=256)
 
 

@@ -122,7 +122,8 @@ def validate_options(options: AppOptions) -> None:
 
 
 def read_bundle(bundle: Path) -> tuple[KVCacheConfig, dict[str, Any]]:
-    """kvcache.json (required) and config.json (optional: only its model_type is shown in the app)."""
+    """kvcache.json (required) and config.json (optional: its model_type is the app's AppConfig.modelType, shown
+    in the app and used for the cache only when the bundle it runs names none)."""
     if not bundle.is_dir():
         raise InputError("bundle folder not found", file=bundle, expected="a folder written by `kvrig package`")
     kv = load_model_file(KVCacheConfig, bundle / "kvcache.json")

@@ -52,10 +52,10 @@ def parse_hosts(texts: list[str] | tuple[str, ...]) -> list[UsbmuxHost]:
 
 async def list_devices_on(hosts: list[UsbmuxHost]) -> tuple[list[DeviceInfo], dict[str, str]]:
     """Every phone on every host, tagged with its host, and the hosts that could not be asked (with why).
-    A phone seen on two hosts is kept on the first."""
+    A phone seen on two hosts is kept where it is on a cable (a Mac may list it over Wi-Fi too), else on the first."""
     found: list[DeviceInfo] = []
     unreachable: dict[str, str] = {}
-    seen: set[str] = set()
+    at: dict[str, int] = {}
     for host in hosts:
         try:
             devices = await list_devices(usbmux_address=host.address)
@@ -63,10 +63,18 @@ async def list_devices_on(hosts: list[UsbmuxHost]) -> tuple[list[DeviceInfo], di
             unreachable[host.name] = str(exc)
             continue
         for info in devices:
-            if info.udid not in seen:
-                seen.add(info.udid)
-                found.append(dataclasses.replace(info, host=host.name))
+            tagged = dataclasses.replace(info, host=host.name)
+            if info.udid in at and _on_cable_now(found[at[info.udid]].connection, info.connection):
+                found[at[info.udid]] = tagged
+            elif info.udid not in at:
+                at[info.udid] = len(found)
+                found.append(tagged)
     return found, unreachable
+
+
+def _on_cable_now(kept: str, listed: str) -> bool:
+    """Whether a phone listed again, over `listed`, replaces the one kept (over `kept`): a cable beats Wi-Fi."""
+    return listed == "USB" and kept != "USB"
 
 
 async def address_of(udid: str | None, hosts: list[UsbmuxHost]) -> str | None:
@@ -84,8 +92,8 @@ async def address_of(udid: str | None, hosts: list[UsbmuxHost]) -> str | None:
     asked = ", ".join(h.name for h in hosts)
     cannot = "".join(f"; {name}: {why}" for name, why in unreachable.items())
     if not matches:
-        what = f"device {udid} is" if udid is not None else "no device is"
-        raise DeviceNotFoundError(f"{what} attached to any of the usbmuxd hosts ({asked}){cannot}")
+        what = f"device {udid} is not" if udid is not None else "no device is"
+        raise DeviceNotFoundError(f"{what} attached by USB to any of the usbmuxd hosts ({asked}){cannot}")
     listing = ", ".join(f"{d.udid} @ {d.host}" for d in matches)
     raise DeviceNotFoundError(f"{len(matches)} devices attached: {listing}; choose one with --udid")
 
@@ -94,11 +102,12 @@ async def preflight_on(
     hosts: list[UsbmuxHost], tunnel: TunnelMode | str | None = None
 ) -> tuple[list[Preflight], dict[str, str]]:
     """`kvrig devices`: every phone on every host with its preflight (Developer Mode, image, tunnel), tagged
-    with its host, and the hosts that could not be asked. A phone seen on two hosts is kept on the first."""
+    with its host, and the hosts that could not be asked. A phone seen on two hosts is kept as list_devices_on
+    keeps it."""
 
     found: list[Preflight] = []
     unreachable: dict[str, str] = {}
-    seen: set[str] = set()
+    at: dict[str, int] = {}
     for host in hosts:
         try:
             reports = await check_all(tunnel, usbmux_address=host.address)
@@ -106,8 +115,11 @@ async def preflight_on(
             unreachable[host.name] = str(exc)
             continue
         for report in reports:
-            if report.device.udid not in seen:
-                seen.add(report.device.udid)
-                report.device = dataclasses.replace(report.device, host=host.name)
+            udid = report.device.udid
+            report.device = dataclasses.replace(report.device, host=host.name)
+            if udid in at and _on_cable_now(found[at[udid]].device.connection, report.device.connection):
+                found[at[udid]] = report
+            elif udid not in at:
+                at[udid] = len(found)
                 found.append(report)
     return found, unreachable

@@ -110,11 +110,12 @@ def test_python_reads_core_telemetry(swift_run: dict[str, Path]) -> None:
     assert result.torn_line == len(lines) + 1
 
 
-def test_the_app_and_the_packager_agree_on_the_families_kept_unquantized(swift_run: dict[str, Path]) -> None:
+def test_the_app_the_planner_and_the_packager_agree_on_the_families(swift_run: dict[str, Path]) -> None:
     """Gemma 3n's KV stays unquantized in the app (KvrigCore's CachePlan); kvrig packages it with fp16 KV so the
     plan counts what the phone holds. The two lists are one fact: Core writes its own, Python compares."""
-    from kvrig.kvcache.families import APP_UNQUANTIZED_KV
+    from kvrig.kvcache.families import APP_UNQUANTIZED_KV, NO_QUANTIZED_ATTENTION
 
     families = json.loads((swift_run["out"] / "families.json").read_text())
     assert set(families["keeps_kv_unquantized"]) == APP_UNQUANTIZED_KV == {"gemma3n"}
-    assert "gemma2" in families["updates_cache_itself"]
+    # the families whose quantized layers the app reads dequantized are the ones the plan counts that way
+    assert set(families["reads_dequantized"]) == NO_QUANTIZED_ATTENTION and "gemma2" in NO_QUANTIZED_ATTENTION

@@ -41,6 +41,9 @@ final class Engine {
     @ObservationIgnored private var metricsTimer: Timer?
     @ObservationIgnored private let host: EngineHost?
     @ObservationIgnored private var phoneElementBytes: Int?
+    /// config.json's model_type of the bundle this app runs, which picks the cache for some families (CachePlan):
+    /// the bundle pushed may not be the one the app was generated for (AppConfig.modelType).
+    @ObservationIgnored private var bundleModelType: String?
     /// MLX's memory limit as configureMemory set it (0: left at MLX's default).
     @ObservationIgnored private var mlxLimitBytes = 0
     /// Set when this run uses the Core ML program instead of MLX (the soak plan's or the launch argument's
@@ -99,6 +102,7 @@ final class Engine {
                 bundle: bundleURL, config: config, requested: plan?.weightsResidency)
             let container = loaded.container
             self.container = container
+            bundleModelType = Self.modelType(in: bundleURL)
             Log.app.notice("loaded in \(String(format: "%.1f", Date().timeIntervalSince(loadBegan))) s")
             raiseMemoryLimit(mappedBytes: loaded.weights.mappedBytes)
             var converted: [String] = []
@@ -166,6 +170,14 @@ final class Engine {
         return available.map { footprint + $0 }
     }
 
+    /// The model_type a bundle's config.json names (nil when it names none or cannot be read).
+    static func modelType(in bundle: URL) -> String? {
+        guard let data = try? Data(contentsOf: bundle.appendingPathComponent("config.json")),
+            let object = try? JSONSerialization.jsonObject(with: data) as? [String: Any]
+        else { return nil }
+        return object["model_type"] as? String
+    }
+
     /// MLX counts mapped weights as active memory (Metal's allocator adds a no-copy buffer's length), the footprint
     /// does not: the limit, set for weights in the footprint, moves up by them, else MLX would refuse allocations
     /// jetsam still allows.
@@ -185,10 +197,11 @@ final class Engine {
         guard let container, let config else { return }
         let temperature = chatTemperature
         let phoneElementBytes = self.phoneElementBytes
+        let modelType = bundleModelType ?? AppConfig.modelType
         messages = []
         caches = await container.perform { context in
             CacheSet(
-                model: context.model, config: config, modelType: AppConfig.modelType, temperature: temperature,
+                model: context.model, config: config, modelType: modelType, temperature: temperature,
                 phoneElementBytes: phoneElementBytes)
         }
         Memory.clearCache()

@@ -32,11 +32,12 @@ public struct KVExtras: Equatable, Sendable {
 }
 
 public struct CachePlan: Equatable, Sendable {
-    /// Families whose MLX Swift attention (mlx-swift-lm 3.31.4) calls the cache's `update` itself, with no branch for
-    /// a quantized cache: MLX's QuantizedKVCache answers that with fatalError, so their quantized layers use kvrig's
-    /// cache, which hands attention dequantized keys and values (as the host's runtime does for gemma2).
-    public static let updatesCacheItself: Set<String> = [
-        "apertus", "baichuan_m1", "bitnet", "deepseek_v3", "gemma2", "glm4_moe_lite",
+    /// Families whose attention cannot read MLX's quantized cache, so their quantized layers use kvrig's cache,
+    /// which hands attention dequantized keys and values: MLX Swift's own attention calls `cache.update` itself
+    /// for some (mlx-swift-lm 3.31.4; MLX's QuantizedKVCache answers that with fatalError), mlx-lm's cannot read
+    /// it for the others, and the plan counts the same cache for all (kvrig/kvcache/families.py).
+    public static let readsDequantized: Set<String> = [
+        "apertus", "baichuan_m1", "bitnet", "gemma2", "gemma4_text", "gpt_oss",
     ]
     /// Families whose KV-shared layers read their owner's `cache.state` as float keys and values (Gemma3nText.swift):
     /// only MLX's plain cache holds them so. kvrig packages these with fp16 KV (kvrig/kvcache/families.py).
@@ -99,9 +100,9 @@ public struct CachePlan: Equatable, Sendable {
         // MLX's cache takes one width for every layer and none of the extras: otherwise every quantized layer
         // uses kvrig's cache (as the host does, runtime/caches.py).
         let ownCacheReason: String? =
-            if Self.updatesCacheItself.contains(family) && !affineWidths.isEmpty {
-                "\(family)'s attention calls the cache's update itself (MLX's quantized cache cannot answer it): "
-                    + "using kvrig's quantized cache (dequantized when read)"
+            if Self.readsDequantized.contains(family) && !affineWidths.isEmpty {
+                "\(family)'s attention cannot read MLX's quantized cache: using kvrig's quantized cache "
+                    + "(dequantized when read)"
             } else if extras.any {
                 "rotation \(config.rotation.rawValue), sink_tokens \(config.sinkTokens), recent_tokens "
                     + "\(config.recentTokens): using kvrig's quantized cache"

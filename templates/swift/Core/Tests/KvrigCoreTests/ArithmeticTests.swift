@@ -119,7 +119,7 @@ final class CachePlanTests: XCTestCase {
         let plan = CachePlan(config: kv, modelType: "gemma2")
         XCTAssertNil(plan.kvBits)  // nothing converts the model's caches to MLX's quantized one later either
         XCTAssertEqual(plan.layers[0], .mixed(keyBits: 8, valueBits: 8, groupSize: 64))
-        XCTAssertTrue(plan.notes.contains { $0.contains("gemma2") && $0.contains("update") })
+        XCTAssertTrue(plan.notes.contains { $0.contains("gemma2") && $0.contains("dequantized when read") })
         // a family whose attention takes MLX's quantized cache keeps it
         XCTAssertEqual(CachePlan(config: kv, modelType: "llama").layers[0], .mlxAffine(bits: 8, groupSize: 64))
         XCTAssertEqual(CachePlan(config: kv, modelType: "llama").kvBits, 8)

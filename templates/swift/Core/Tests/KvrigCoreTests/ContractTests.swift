@@ -41,7 +41,7 @@ final class ContractTests: XCTestCase {
         guard let outDir else { return }
         let families = [
             "keeps_kv_unquantized": CachePlan.keepsKVUnquantized.sorted(),
-            "updates_cache_itself": CachePlan.updatesCacheItself.sorted(),
+            "reads_dequantized": CachePlan.readsDequantized.sorted(),
         ]
         let data = try JSONSerialization.data(withJSONObject: families, options: [.sortedKeys])
         try data.write(to: outDir.appendingPathComponent("families.json"))
