@@ -515,7 +515,8 @@ def _package_fit(job: _Job, context: int) -> PackageResult:
     the first whose bundle passes the gate is kept. Nothing fits: DoesNotFitError naming the closest option."""
     assert job.options.device is not None
     profile = load_profile(job.options.device)
-    kv_names = tuple(n for n in FIT_KV if _dims_ok(job, parse_kv(n)))
+    app_fp16 = job.spec.model_type in APP_UNQUANTIZED_KV  # the app keeps this family's KV unquantized
+    kv_names = tuple(n for n in FIT_KV if _dims_ok(job, parse_kv(n)) and not (app_fp16 and parse_kv(n).quantized))
     pairs = fit_pairs(job.spec, profile, WEIGHT_CANDIDATES, kv_names, context)
     fitting = [p for p in pairs if p.verdict == "passed"]
     if not fitting:

@@ -80,6 +80,7 @@ def test_a_bad_recipe_or_group_is_refused_at_the_command_line(
         (["virtual", "start", "--state", "never", "--limit-mb", "-1"], 2, "'--limit-mb'"),
         (["demo", "--prefill-step", "0,512", "-o", "never"], 2, "'--prefill-step'"),
         (["package", "--prefill-step", "0", "-o", "never"], 2, "'--prefill-step'"),
+        (["package", "--max-ppl-increase", "nan", "-o", "never"], 2, "'--max-ppl-increase'"),
         (["package", "--page-tokens", "0", "-o", "never"], 2, "'--page-tokens'"),
         (["package", "--keep-tokens", "-1", "-o", "never"], 2, "'--keep-tokens'"),
         (["package", "--quantized-kv-start", "-5", "-o", "never"], 2, "'--quantized-kv-start'"),

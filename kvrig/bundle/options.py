@@ -87,6 +87,8 @@ def resolve_kv(text: str, config: dict[str, Any], file: Path) -> KVSpec:
     is taken as written (and `+kN@topM` stays for the packager to measure)."""
     if text.strip().lower() != AUTO:
         return parse_kv(text)
+    if spec_from_config(config, file).model_type in APP_UNQUANTIZED_KV:
+        return parse_kv("fp16")  # the app keeps this family's KV unquantized (check_app_kv)
     spec = parse_kv(AUTO_KV)
     return replace(spec, rotation=auto_rotation(spec, config, file))
 

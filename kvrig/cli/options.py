@@ -121,3 +121,14 @@ def ram_option(help_suffix: str = "") -> Decorator:
         "or 16 GB; `kvrig profiles list` names each configuration); default: the base configuration. The same as "
         "--device REF@NGB." + help_suffix,
     )
+
+
+def not_nan(expected: str) -> Any:
+    """A callback refusing NaN, which click's FloatRange lets through (NaN passes every comparison)."""
+
+    def check(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+        if value is not None and value != value:
+            raise click.BadParameter(f"expected {expected}, got nan")
+        return value
+
+    return check

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from kvrig.cli.options import checked_specs, group_size_option, ram_option, retired_force_option
+from kvrig.cli.options import checked_specs, group_size_option, not_nan, ram_option, retired_force_option
 from kvrig.cli.output import info, warn
 from kvrig.cli.render import echo_json, human_bytes, json_option
 from kvrig.recipes import DEFAULT_GROUP_SIZE, WEIGHT_CANDIDATES
@@ -74,7 +74,12 @@ from kvrig.recipes import DEFAULT_GROUP_SIZE, WEIGHT_CANDIDATES
     "$KVRIG_CACHE_DIR, else ~/.cache/kvrig or ~/Library/Caches/kvrig); --no-cache measures again and keeps nothing.",
 )
 @click.option(
-    "--max-ppl-increase", default=10.0, show_default=True, type=click.FloatRange(min=0), help="Gate limit in percent."
+    "--max-ppl-increase",
+    default=10.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    callback=not_nan("a percentage"),
+    help="Gate limit in percent.",
 )
 @click.option(
     "--page-tokens", default=256, show_default=True, type=click.IntRange(min=1), help="Eviction granularity in tokens."

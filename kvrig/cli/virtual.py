@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from kvrig.cli.options import ios_option
+from kvrig.cli.options import ios_option, not_nan
 from kvrig.cli.output import console
 from kvrig.cli.render import echo_json, human_bytes, json_option
 from kvrig.device.address import client_form, usbmux_address
@@ -32,12 +32,6 @@ def _socket_option(func):  # type: ignore[no-untyped-def]
     )(func)
 
 
-def _not_nan(value: float | None) -> float | None:
-    if value is not None and value != value:  # FloatRange compares, and NaN passes every comparison
-        raise click.BadParameter("expected a number of MiB, got nan")
-    return value
-
-
 @virtual.command()
 @click.option("--profile", default="iPhone16,1", show_default=True, help="ProductType or device profile.")
 @_socket_option
@@ -58,7 +52,7 @@ def _not_nan(value: float | None) -> float | None:
 @click.option(
     "--baseline-mb",
     type=click.FloatRange(min=0, max=1 << 30),  # MiB: no phone's footprint; the bound also refuses inf
-    callback=lambda ctx, param, value: _not_nan(value),
+    callback=not_nan("a number of MiB"),
     default=None,
     help="App footprint before weights and KV, MiB (default: the profile's).",
 )

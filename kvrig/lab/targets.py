@@ -79,8 +79,11 @@ def select_targets(
         key = udid.replace("-", "").upper()
         return (shard is None or shard.owns(udid)) and (mine is None or key in mine)
 
-    by_udid = {d.udid: d for d in attached}
-    listed = {d.udid for d in lab.devices if d.udid != ANY_DEVICE}
+    def norm(udid: str) -> str:  # the same phone whichever way usbmuxd (or the lab file) spells its serial
+        return udid.replace("-", "").upper()
+
+    by_udid = {norm(d.udid): d for d in attached}
+    listed = {norm(d.udid) for d in lab.devices if d.udid != ANY_DEVICE}
     targets: list[Target] = []
     taken: set[str] = set()
     for spec in lab.devices:
@@ -88,7 +91,7 @@ def select_targets(
         if spec.udid != ANY_DEVICE:
             if not wanted(spec.udid):
                 continue
-            info = by_udid.get(spec.udid)
+            info = by_udid.get(norm(spec.udid))
             problem = None
             if info is None:
                 problem = f"device {spec.udid} is not attached"
@@ -100,7 +103,7 @@ def select_targets(
             taken.add(spec.udid)
             continue
         for info in attached:
-            if info.udid in listed or info.udid in taken or not wanted(info.udid):
+            if norm(info.udid) in listed or info.udid in taken or not wanted(info.udid):
                 continue
             if expected and info.profile != expected:
                 continue
@@ -110,7 +113,7 @@ def select_targets(
         keys = {t.udid.replace("-", "").upper() for t in targets}
         for udid in devices or []:
             key = udid.replace("-", "").upper()
-            if key in keys or udid in listed or (shard is not None and not shard.owns(udid)):
+            if key in keys or key in listed or (shard is not None and not shard.owns(udid)):
                 continue
             if not expected:
                 targets.append(Target(udid, spec, None, f"device {udid} is not attached"))

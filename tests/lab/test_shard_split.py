@@ -102,3 +102,12 @@ def test_cli_refuses_bad_shard_options(args: list[str], code: int, tmp_path: Pat
     )
     assert proc.returncode == code, proc.stderr
     assert "Traceback" not in proc.stderr and args[0] in proc.stderr
+
+
+def test_a_lab_file_udid_matches_the_phone_however_usbmuxd_spells_it() -> None:
+    """A lab file written with `kvrig devices`' hyphenated UDID, on a host whose usbmuxd drops the hyphen (usbmuxd2,
+    old Linux releases): the phone was reported "not attached", and an `any` entry took it a second time."""
+    (phone,) = udids(1)
+    attached = [info(phone.replace("-", ""), "linux-box")]
+    targets = select_targets(lab([{"udid": phone}, {"udid": "any"}]), attached)
+    assert [(t.problem, t.info is not None) for t in targets] == [(None, True)]

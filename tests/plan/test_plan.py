@@ -293,3 +293,12 @@ def test_a_family_the_app_keeps_unquantized_says_so_in_the_plan(tmp_path: Path) 
     assert any(n.startswith("gemma3n: the MLX Swift app keeps") for n in planned.notes)
     alone = plan(tmp_path, "iPhone16,1", schemes=["fp16"], contexts=[256], weights="fp16")
     assert not any("keeps this family's KV unquantized" in n for n in alone.notes)
+
+
+def test_the_default_kv_of_a_family_the_app_keeps_unquantized_is_fp16(tmp_path: Path) -> None:
+    """What `kvrig package --no-quality-gate` (and bench quality's factual check) resolve `--kv auto` to."""
+    from kvrig.bundle.options import package_default_kv
+
+    for name, expected in (("gemma3n", "fp16"), ("llama", "k8v4+rot")):
+        (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIGS[name]))
+        assert package_default_kv(tmp_path) == expected, name
