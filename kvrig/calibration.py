@@ -240,6 +240,17 @@ def load_calibration(path: Path) -> Calibration:
     return load_model_file(Calibration, path)
 
 
+def update_limits(results: list[Path], limits_file: Path) -> LimitsCollected:
+    """The limits the runs in `results` stated, merged into the registry at `limits_file` (read first when it
+    exists) and written back whole."""
+    from kvrig.planner.limits import load_limits
+
+    existing = load_limits(limits_file) if limits_file.exists() else None
+    collected = collect_limits(results, existing)
+    atomic_write(limits_file, json.dumps(collected.registry.model_dump(mode="json", by_alias=True), indent=2) + "\n")
+    return collected
+
+
 def write_calibration(calibration: Calibration, out: Path) -> None:
     """calibration.json, replaced whole (OutputWriteError when it cannot be written; nothing half-written)."""
     atomic_write(out, json.dumps(calibration.model_dump(mode="json", by_alias=True), indent=2) + "\n")

@@ -217,8 +217,8 @@ def kvrig_soak(
     scheduler.results.runs = [run]
     run_async(scheduler.drive([PhoneJob(kvrig_lab, out, phone.udid, phone.address, [run], tunnel)]))
     soaked = run.result
-    # user_properties, not record_property: that warns under pytest's default junit_family (xunit2), which an
-    # error-on-warnings suite turns into an error at setup
+    # user_properties, as _kvrig_properties writes them: record_property warns under pytest's default junit_family
+    # (xunit2), which an error-on-warnings suite turns into an error at setup; pytest writes both the same way
     properties = {"outcome": soaked.outcome, "max_safe_context": soaked.max_safe_context}
     request.node.user_properties += [(k, v) for k, v in properties.items() if v is not None]
     return soaked

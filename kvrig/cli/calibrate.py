@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
@@ -93,14 +92,9 @@ def calibrate(
 
 def _collect_limits(results: list[Path], limits_file: Path):  # type: ignore[no-untyped-def]
     """Collects into the registry at limits_file (read first when it exists) and writes it back whole."""
-    from kvrig.calibration import collect_limits
-    from kvrig.fileio import atomic_write
-    from kvrig.planner.limits import load_limits
+    from kvrig.calibration import update_limits
 
-    existing = load_limits(limits_file) if limits_file.exists() else None
-    collected = collect_limits(results, existing)
-    atomic_write(limits_file, json.dumps(collected.registry.model_dump(mode="json", by_alias=True), indent=2) + "\n")
-    return collected
+    return update_limits(results, limits_file)
 
 
 def _limits_json(collected, limits_file: Path) -> dict[str, object]:  # type: ignore[no-untyped-def]
