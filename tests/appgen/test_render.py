@@ -151,6 +151,8 @@ def test_the_app_stops_gpu_work_in_the_background(reference_project: Path) -> No
     # tokenizer's (Gemma's <end_of_turn> and Llama 3's <|eot_id|> are in generation_config.json alone)
     assert "context.configuration.eosTokenIds" in loop and "configuration.extraEOSTokens" in loop
     assert "stop.contains(id) || id == unknown" in loop and "tokenizer.eosTokenId\n" not in loop
+    engine = (sources / "Engine.swift").read_text()  # the Core ML chat reads the same ids from the bundle's configs
+    assert "Self.endTokenIds(in: bundleURL)" in engine and "eos: tokenizer.eosTokenId" not in engine
     background = (sources / "Backgrounding.swift").read_text()
     for spelling in (
         "BGTaskScheduler.supportedResources.contains(.gpu)",

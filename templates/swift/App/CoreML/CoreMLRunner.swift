@@ -86,7 +86,7 @@ final class CoreMLRunner: AlternateBackend, @unchecked Sendable {
 
     /// Greedy decode of up to `count` tokens (the state must have room); returns the tokens made and seconds.
     private func decode(
-        from logits: MLMultiArray, count: Int, eos: Int?, onToken: (Int) -> Void
+        from logits: MLMultiArray, count: Int, stop: Set<Int>, onToken: (Int) -> Void
     ) throws -> (tokens: Int, seconds: Double, logits: MLMultiArray) {
         var logits = logits
         var made = 0
@@ -94,7 +94,7 @@ final class CoreMLRunner: AlternateBackend, @unchecked Sendable {
         while made < count, engine.position < engine.context, !isStopRequested {
             let began = Date()
             let id = Int(CoreMLEngine.argmax(logits))
-            if id == eos { break }
+            if stop.contains(id) { break }
             onToken(id)
             logits = try forward([id])
             made += 1
@@ -146,7 +146,7 @@ final class CoreMLRunner: AlternateBackend, @unchecked Sendable {
                 }
                 var decoded = (tokens: 0, seconds: 0.0)
                 if let current = logits {
-                    let result = try decode(from: current, count: plan.schedule.decodeTokens, eos: nil) { _ in }
+                    let result = try decode(from: current, count: plan.schedule.decodeTokens, stop: []) { _ in }
                     decoded = (result.tokens, result.seconds)
                     logits = result.logits
                 }
@@ -168,13 +168,13 @@ final class CoreMLRunner: AlternateBackend, @unchecked Sendable {
         }
     }
 
-    func reply(to tokens: [Int], maxTokens: Int, eos: Int?, onToken: (Int) -> Void) throws -> StepMetrics {
+    func reply(to tokens: [Int], maxTokens: Int, stop: Set<Int>, onToken: (Int) -> Void) throws -> StepMetrics {
         lock.lock()
         stopRequested = false
         lock.unlock()
         let prefilled = try prefill(tokens)
         guard let logits = prefilled.logits else { throw CoreMLEngineError.noLogits }
-        let decoded = try decode(from: logits, count: maxTokens, eos: eos, onToken: onToken)
+        let decoded = try decode(from: logits, count: maxTokens, stop: stop, onToken: onToken)
         return step(prefill: (tokens.count, prefilled.seconds), decode: (decoded.tokens, decoded.seconds))
     }
 }

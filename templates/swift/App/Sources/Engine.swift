@@ -48,7 +48,9 @@ final class Engine {
     @ObservationIgnored private var mlxLimitBytes = 0
     /// Set when this run uses the Core ML program instead of MLX (the soak plan's or the launch argument's
     /// backend); chat and soak then go through it, with the bundle's tokenizer.
-    @ObservationIgnored private var alternate: (backend: any AlternateBackend, tokenizer: any MLXLMCommon.Tokenizer)?
+    /// The Core ML backend, the bundle's tokenizer, and the ids that end a reply (it has no ModelConfiguration).
+    @ObservationIgnored private var alternate:
+        (backend: any AlternateBackend, tokenizer: any MLXLMCommon.Tokenizer, stop: Set<Int>)?
     /// Sampling temperature of chat turns and soaks (0: greedy) and the longest reply.
     @ObservationIgnored var chatTemperature: Float = 0.6
     @ObservationIgnored var chatMaxTokens = 2048
@@ -170,6 +172,23 @@ final class Engine {
         return available.map { footprint + $0 }
     }
 
+    /// The end-of-sequence ids config.json and generation_config.json name (`eos_token_id`: one id or a list), as
+    /// mlx-swift-lm's model factory collects them for ModelConfiguration.eosTokenIds.
+    static func endTokenIds(in bundle: URL) -> Set<Int> {
+        var ids = Set<Int>()
+        for name in ["config.json", "generation_config.json"] {
+            guard let data = try? Data(contentsOf: bundle.appendingPathComponent(name)),
+                let object = try? JSONSerialization.jsonObject(with: data) as? [String: Any]
+            else { continue }
+            if let one = object["eos_token_id"] as? Int {
+                ids.insert(one)
+            } else if let many = object["eos_token_id"] as? [Int] {
+                ids.formUnion(many)
+            }
+        }
+        return ids
+    }
+
     /// The model_type a bundle's config.json names (nil when it names none or cannot be read).
     static func modelType(in bundle: URL) -> String? {
         guard let data = try? Data(contentsOf: bundle.appendingPathComponent("config.json")),
@@ -224,7 +243,7 @@ final class Engine {
     /// One chat turn; `onToken` (on the generation thread) sees each generated token id.
     func send(_ prompt: String, onToken: (@Sendable (Int) -> Void)? = nil) async {
         if let alternate {
-            await sendAlternate(prompt, alternate.backend, alternate.tokenizer, onToken: onToken)
+            await sendAlternate(prompt, alternate.backend, alternate.tokenizer, alternate.stop, onToken: onToken)
             return
         }
         guard let container, let caches, !prompt.isEmpty else { return }
@@ -467,7 +486,12 @@ final class Engine {
         status = "Loading the Core ML model…"
         let backend = try Self.makeCoreMLBackend()
         let tokenizer = try await TransformersTokenizerLoader().load(from: bundleURL)
-        alternate = (backend, tokenizer)
+        // the ids MLXLMCommon's loop would stop at (TokenLoop.stopTokenIds), read from the bundle's configs
+        var stop = Self.endTokenIds(in: bundleURL)
+        if let eos = tokenizer.eosTokenId {
+            stop.insert(eos)
+        }
+        alternate = (backend, tokenizer, stop)
         pressure = PressureMonitor { [weak self] level in
             MainActor.assumeIsolated { self?.onPressure(level) }
         }
@@ -495,7 +519,7 @@ final class Engine {
 
     /// One chat turn on the Core ML program, continuing its state; one step record per turn, as MLX's chat.
     private func sendAlternate(
-        _ prompt: String, _ backend: any AlternateBackend, _ tokenizer: any MLXLMCommon.Tokenizer,
+        _ prompt: String, _ backend: any AlternateBackend, _ tokenizer: any MLXLMCommon.Tokenizer, _ stop: Set<Int>,
         onToken: (@Sendable (Int) -> Void)?
     ) async {
         guard !prompt.isEmpty else { return }
@@ -509,7 +533,7 @@ final class Engine {
             let step = try await Task.detached {
                 let tokens = try tokenizer.applyChatTemplate(messages: [["role": "user", "content": prompt]])
                 var detokenizer = NaiveStreamingDetokenizer(tokenizer: tokenizer)
-                let step = try backend.reply(to: tokens, maxTokens: maxTokens, eos: tokenizer.eosTokenId) { id in
+                let step = try backend.reply(to: tokens, maxTokens: maxTokens, stop: stop) { id in
                     onToken?(id)
                     detokenizer.append(token: id)
                     if let piece = detokenizer.next() {
@@ -582,8 +606,8 @@ protocol AlternateBackend: AnyObject, Sendable {
     func soak(_ plan: SoakPlan, tokenizer: any MLXLMCommon.Tokenizer, telemetry: TelemetryLog) -> (
         reason: EndReason, message: String?
     )
-    /// Feeds `tokens` and generates up to `maxTokens` greedily, stopping at `eos`; returns the turn's step.
-    func reply(to tokens: [Int], maxTokens: Int, eos: Int?, onToken: (Int) -> Void) throws -> StepMetrics
+    /// Feeds `tokens` and generates up to `maxTokens` greedily, stopping at any id in `stop`; returns the turn's step.
+    func reply(to tokens: [Int], maxTokens: Int, stop: Set<Int>, onToken: (Int) -> Void) throws -> StepMetrics
 }
 
 enum EngineError: Error, CustomStringConvertible {
