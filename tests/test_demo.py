@@ -67,3 +67,9 @@ def test_the_kill_step_counts_every_jetsam(
     result = DemoResult(tmp_path, tmp_path, tmp_path, "iphone-15-pro", 1, 1400, 1200, 0.1, 1, soak, tmp_path)
     result.step_tokens = 512
     assert result.killed_in_step == step and result.plan_within_one_step is within
+    # `kvrig demo --json` carries what the text shows: the margin, the outcome's detail, the step of the kill
+    from kvrig.cli.demo import _as_dict
+
+    row = _as_dict(result)
+    assert row["margin"] == 0.1 and row["outcome"] == outcome and row["outcome_detail"] == soak.outcome_detail
+    assert (row["killed_growing_from"], row["killed_growing_to"]) == (step or (None, None))
