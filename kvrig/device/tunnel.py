@@ -28,6 +28,7 @@ from pymobiledevice3.tunneld.api import TUNNELD_DEFAULT_ADDRESS, get_tunneld_dev
 from kvrig.device.address import resolve
 from kvrig.device.errors import translate
 from kvrig.exceptions import InputError, KvrigError, NoTunnelError, TunnelHandshakeTimeoutError
+from kvrig.schemas.results import udid_key
 
 Mode = Literal["auto", "userspace", "tunneld", "none"]
 Kind = Literal["lockdown", "userspace", "tunneld"]
@@ -95,9 +96,7 @@ def version_tuple(version: str | None) -> tuple[int, int]:
 
 
 def same_udid(a: str, b: str) -> bool:
-    """One phone's UDID as two hosts may spell it: some usbmuxd builds (and usbmuxd2) drop the hyphen of the
-    25-character form, tunneld keeps the phone's own (pymobiledevice3's usbmux matches them the same way)."""
-    return a.replace("-", "").upper() == b.replace("-", "").upper()
+    return udid_key(a) == udid_key(b)
 
 
 async def tunneld_key(udid: str, address: tuple[str, int]) -> str | None:

@@ -19,7 +19,7 @@ from kvrig.lab.report import write_report
 from kvrig.lab.save import save_results
 from kvrig.schemas import load_model_file
 from kvrig.schemas.lab import Gates, LabRecord, slug
-from kvrig.schemas.results import BAD_OUTCOMES, RESULTS_FILE, Confirmation, ResultsFile, SoakFiles, SoakResult
+from kvrig.schemas.results import BAD_OUTCOMES, RESULTS_FILE, Confirmation, ResultsFile, SoakFiles, SoakResult, udid_key
 from kvrig.version import __version__
 
 SHARDS_DIR = "shards"
@@ -59,7 +59,7 @@ class Merged:
 
 
 def _key(r: SoakResult) -> tuple[str, str, str]:
-    return (r.device.udid.replace("-", "").upper(), r.entry or r.app_id, r.variant)
+    return (udid_key(r.device.udid), r.entry or r.app_id, r.variant)
 
 
 def _same(a: SoakResult, b: SoakResult) -> bool:

@@ -15,6 +15,7 @@ from kvrig.device.discovery import DeviceInfo
 from kvrig.exceptions import LabShardError
 from kvrig.profiles import load_profile
 from kvrig.schemas.lab import ANY_DEVICE, Lab, LabDevice
+from kvrig.schemas.results import udid_key
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class Shard:
 
 def shard_of(udid: str, count: int) -> int:
     """The shard (1..count) that drives this phone."""
-    key = udid.replace("-", "").upper()  # the same phone whichever way usbmuxd spells its serial
+    key = udid_key(udid)
 
     def weight(k: int) -> int:
         return int.from_bytes(hashlib.sha256(f"{k}:{key}".encode()).digest()[:8], "big")
@@ -73,17 +74,13 @@ def select_targets(
     shows up in the results), then every other attached phone for each `any` entry; then this runner's share:
     the phones of `shard`, and of those only the UDIDs in `devices` (a UDID there that is not attached is
     reported missing when the lab would take it)."""
-    mine = {u.replace("-", "").upper() for u in devices} if devices else None
+    mine = {udid_key(u) for u in devices} if devices else None
 
     def wanted(udid: str) -> bool:
-        key = udid.replace("-", "").upper()
-        return (shard is None or shard.owns(udid)) and (mine is None or key in mine)
+        return (shard is None or shard.owns(udid)) and (mine is None or udid_key(udid) in mine)
 
-    def norm(udid: str) -> str:  # the same phone whichever way usbmuxd (or the lab file) spells its serial
-        return udid.replace("-", "").upper()
-
-    by_udid = {norm(d.udid): d for d in attached}
-    listed = {norm(d.udid) for d in lab.devices if d.udid != ANY_DEVICE}
+    by_udid = {udid_key(d.udid): d for d in attached}
+    listed = {udid_key(d.udid) for d in lab.devices if d.udid != ANY_DEVICE}
     targets: list[Target] = []
     taken: set[str] = set()
     for spec in lab.devices:
@@ -91,7 +88,7 @@ def select_targets(
         if spec.udid != ANY_DEVICE:
             if not wanted(spec.udid):
                 continue
-            info = by_udid.get(norm(spec.udid))
+            info = by_udid.get(udid_key(spec.udid))
             problem = None
             if info is None:
                 problem = f"device {spec.udid} is not attached"
@@ -103,16 +100,16 @@ def select_targets(
             taken.add(spec.udid)
             continue
         for info in attached:
-            if norm(info.udid) in listed or info.udid in taken or not wanted(info.udid):
+            if udid_key(info.udid) in listed or info.udid in taken or not wanted(info.udid):
                 continue
             if expected and info.profile != expected:
                 continue
             targets.append(Target(info.udid, spec, info, info.error))
             taken.add(info.udid)
         # A phone this runner was told it holds, that the `any` entry would take, but that is not attached.
-        keys = {t.udid.replace("-", "").upper() for t in targets}
+        keys = {udid_key(t.udid) for t in targets}
         for udid in devices or []:
-            key = udid.replace("-", "").upper()
+            key = udid_key(udid)
             if key in keys or key in listed or (shard is not None and not shard.owns(udid)):
                 continue
             if not expected:

@@ -140,6 +140,12 @@ class BackgroundStep(StrictModel):
     evidence: str = ""
 
 
+def udid_key(udid: str) -> str:
+    """One phone's UDID however a host spells it: usbmuxd2 and old Linux usbmuxd drop the hyphen of the 25-character
+    form, tunneld and lab files keep it (pymobiledevice3's usbmux matches them the same way)."""
+    return udid.replace("-", "").upper()
+
+
 def short_udid(udid: str) -> str:
     """What tells two phones apart at a glance: the ECID of a `0000XXXX-ECID` UDID (the chip id before the dash
     is the same on every phone of a model), else the first 12 characters of an older 40-hex UDID."""
