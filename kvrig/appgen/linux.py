@@ -20,7 +20,10 @@ import platform
 import re
 import shutil
 import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -194,11 +197,12 @@ def build_engine(
     env[MODE_ENV] = language_mode
     if deps is not None:
         env[DEPS_ENV] = str(deps)
-    _check_manifest(swift, project, scratch, env)
-    _resolve(swift, project, scratch, env)
     cmd = [swift, "build", *_package_args(project, scratch), "-c", configuration, "--product", PRODUCT]
     cmd += CXX_FLAGS if configuration == "debug" else ()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    with own_tmpdir(env) as env:
+        _check_manifest(swift, project, scratch, env)
+        _resolve(swift, project, scratch, env)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     if proc.returncode != 0:
         message = f"swift build (Swift {language_mode} mode) failed:\n" + _errors(proc)
         if platform.system() == "Linux" and deps is None:
@@ -221,6 +225,14 @@ def build_and_record(language_mode: str = XCODE_LANGUAGE_MODE, *, configuration:
         raise
     _write_status(scratch, "built", f"built {result.binary}", binary=str(result.binary), language_mode=language_mode)
     return result
+
+
+@contextmanager
+def own_tmpdir(env: dict[str, str]) -> Iterator[dict[str, str]]:
+    """`env` with TMPDIR pointing at a folder removed afterwards: Swift's driver on Linux leaves an empty
+    TemporaryDirectory.* in TMPDIR on every run (swift, swiftc, swift package), hundreds over a user's builds."""
+    with tempfile.TemporaryDirectory(prefix="kvrig-swift-") as tmp:
+        yield {**env, "TMPDIR": tmp}
 
 
 def _package_args(project: Path, scratch: Path) -> list[str]:

@@ -48,6 +48,7 @@ def swift_run(
     (inputs / "soakplan.json").write_text(plan.model_dump_json(by_alias=True, indent=2))
 
     env = {**os.environ, "KVRIG_CONTRACT_IN": str(inputs), "KVRIG_CONTRACT_OUT": str(outputs)}
+    env["TMPDIR"] = str(tmp_path_factory.mktemp("swift-tmp"))  # swift leaves a folder there on each run
     proc = subprocess.run([swift, "test"], cwd=package, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return {"in": inputs, "out": outputs}

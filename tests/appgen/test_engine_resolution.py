@@ -9,8 +9,10 @@ engine."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -79,11 +81,13 @@ def _kvrig(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, st
 def _mirror_all(project: Path, to: dict[str, Path]) -> None:
     for name, pin in PINS.items():
         mirror = ["--original", pin["url"], "--mirror", str(to[name])]
-        subprocess.run(
-            ["swift", "package", "--package-path", str(project), "config", "set-mirror", *mirror],
-            check=True,
-            capture_output=True,
-        )
+        with linux.own_tmpdir(dict(os.environ)) as env:
+            subprocess.run(
+                ["swift", "package", "--package-path", str(project), "config", "set-mirror", *mirror],
+                env=env,
+                check=True,
+                capture_output=True,
+            )
 
 
 def test_unresolvable_exits_30_saying_what_is_missing_and_how_to_provide_it(
@@ -151,8 +155,14 @@ def test_resolved_but_not_building_is_a_failure_not_a_skip(
         _mirror_all(linux.render_engine_project(), stand_ins)
     else:
         monkeypatch.setenv(linux.DEPS_ENV, str(tmp_path / "deps"))
+    # The user's temporary folder: Swift's driver leaves a TemporaryDirectory.* there on every run on Linux.
+    user_tmp = tmp_path / "tmp"
+    user_tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(user_tmp))
+    monkeypatch.setattr(tempfile, "tempdir", None)
     with pytest.raises(SwiftBuildError) as failure:
         linux.build_and_record()
+    assert sorted(user_tmp.iterdir()) == []
     assert failure.value.exit_code == 31
     # The app's sources reached the compiler, which found MLX's modules but none of their API in the stand-ins
     # (which name it meets first varies with the order the compiler takes the files in: MLXArray, Memory, ...).

@@ -7,6 +7,7 @@ compiles the same files (tests/appgen/test_engine_*.py).
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -101,7 +102,9 @@ def test_the_new_and_changed_swift_parses(sources: dict[str, bytes]) -> None:
     assert syntax_errors(b"let a = MLXArray(rawPointer: p, [1], dtype: .uint8 { }\n")
 
 
-def test_the_swift_compiler_parses_them(sources: dict[str, bytes], reference_project: Path, swift: str) -> None:
+def test_the_swift_compiler_parses_them(
+    sources: dict[str, bytes], reference_project: Path, swift: str, tmp_path: Path
+) -> None:
     """The real compiler's parser (`swiftc -parse`: syntax only; without MLX Swift nothing here type-checks)."""
     swiftc = str(Path(swift).with_name("swiftc"))
     every = sorted((reference_project / "App/Sources").glob("*.swift")) + sorted(
@@ -109,7 +112,10 @@ def test_the_swift_compiler_parses_them(sources: dict[str, bytes], reference_pro
     )
     assert {str(p.relative_to(reference_project)) for p in every} >= set(sources)
     for path in every:  # the iOS-only files too: nothing else here reads them with Swift's own parser
-        done = subprocess.run([swiftc, "-parse", str(path)], capture_output=True, text=True)
+        # swiftc leaves a folder in TMPDIR on each run: tmp_path's, not the machine's.
+        done = subprocess.run(
+            [swiftc, "-parse", str(path)], env={**os.environ, "TMPDIR": str(tmp_path)}, capture_output=True, text=True
+        )
         assert done.returncode == 0, (path.name, done.stderr[-2000:])
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import plistlib
 import re
 import subprocess
@@ -84,7 +85,11 @@ def test_escaped_names_compile_and_show_the_name(tmp_path: Path, make_bundle, sw
     )
     (tmp_path / "main.swift").write_text(program)
     swiftc = str(Path(swift).with_name("swiftc"))
-    subprocess.run([swiftc, "-o", str(tmp_path / "names"), str(tmp_path / "main.swift")], check=True)
+    subprocess.run(
+        [swiftc, "-o", str(tmp_path / "names"), str(tmp_path / "main.swift")],
+        env={**os.environ, "TMPDIR": str(tmp_path)},  # swiftc leaves a folder in TMPDIR on each run
+        check=True,
+    )
     lines = subprocess.run([str(tmp_path / "names")], capture_output=True, text=True, check=True).stdout.splitlines()
     for name, line in zip(NASTY_NAMES, lines, strict=True):
         scalars, _, folder = line.partition("] ")
