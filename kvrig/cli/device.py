@@ -202,11 +202,13 @@ def deploy(
     bundle: Path, ipa: Path | None, app_id: str | None, udid: str | None, usbmuxd: tuple[str, ...], as_json: bool
 ) -> None:
     """Install the app and push BUNDLE into its Documents; an interrupted push resumes where it stopped."""
+    from kvrig.device.apps import INSTALL_BARS
     from kvrig.device.deploy import deploy as run_deploy
 
     if ipa is None and app_id is None:
         raise click.UsageError("give the app to install (--app APP.ipa) or an installed app's id (--app-id)")
     address = phone_address(udid, usbmuxd)
+    INSTALL_BARS.set(not as_json and OUTPUT.verbosity >= 0)  # as kvrig's own push bar below
     if as_json:
         result = run_async(run_deploy(bundle, ipa=ipa, app_id=app_id, udid=udid, usbmux_address=address))
         echo_json(result.to_json())

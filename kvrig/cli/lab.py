@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from kvrig.cli.device import parse_tunnel, tunnel_option
-from kvrig.cli.output import console, info
+from kvrig.cli.output import OUTPUT, console, info
 from kvrig.cli.render import echo_json, json_option, usbmuxd_option
 
 
@@ -69,6 +69,7 @@ def run(
     (never overwritten); 38 results could not be written (disk full); 130 Ctrl-C and 143 SIGTERM (each phone's
     app stopped first). A phone whose preflight fails (Developer Mode off, no image, no tunnel)
     fails its runs with that cause."""
+    from kvrig.device.apps import INSTALL_BARS
     from kvrig.device.hosts import parse_hosts
     from kvrig.device.loop import run_async
     from kvrig.lab.check import check_lab
@@ -83,6 +84,7 @@ def run(
     udids = [u for text in devices for u in text.replace(",", " ").split()] or None
     mode = str(parse_tunnel(tunnel))
     echo = None if as_json else info
+    INSTALL_BARS.set(not as_json and OUTPUT.verbosity >= 0)  # pymobiledevice3's bars go where progress lines go
     results = run_async(
         run_lab(spec, out_dir, on_event=echo, hosts=hosts, shard=share, devices=udids, tunnel=mode, limits=limits_file)
     )

@@ -39,6 +39,18 @@ def test_deploy_installs_and_pushes_then_keeps(emulator: Emulator, ipa: Path, tm
     assert "sent 0 files" in second.stdout and "kept 8 already there" in second.stdout
 
 
+def test_quiet_deploy_draws_no_bars(emulator: Emulator, ipa: Path, tmp_path: Path) -> None:
+    """pymobiledevice3's upload and install bars follow kvrig's own: drawn by default, gone with -q and --json."""
+    bundle = make_bundle(tmp_path / "smol-q", weight_bytes=4_000)
+    loud = _cli(emulator, "deploy", str(bundle), "--app", str(ipa), "--udid", emulator.udid)
+    assert loud.returncode == 0, loud.stderr
+    assert f"{ipa.name} ━" in loud.stderr and "install ━" in loud.stderr  # pymobiledevice3's: the control
+    for quiet in (["-q", "deploy"], ["deploy", "--json"]):
+        done = _cli(emulator, *quiet, str(bundle), "--app", str(ipa), "--udid", emulator.udid)
+        assert done.returncode == 0, done.stderr
+        assert done.stderr == "", (quiet, done.stderr)
+
+
 def test_deploy_refusals(emulator: Emulator, tmp_path: Path) -> None:
     bundle = make_bundle(tmp_path / "b", weight_bytes=1000)
     usage = _cli(emulator, "deploy", str(bundle), "--udid", emulator.udid)
