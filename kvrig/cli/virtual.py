@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -220,12 +219,23 @@ def start(
     # the form libimobiledevice's tools need (UNIX:/path); kvrig reads it too
     exported = address if ":" in address and not address.startswith(("/", ".")) else client_form(address)
 
-    def ready() -> None:  # in the foreground: once the socket answers, before serving until stopped
+    def started(server: dict[str, Any], device: dict[str, Any], *, foreground: bool) -> None:
+        tcp_address = server.get("TcpAddress")
         if as_json:
-            # one line: a reader takes it while the server goes on running
-            click.echo(json.dumps({"socket": address, "usbmuxd_socket_address": exported, "pid": os.getpid()}))
+            out = {"socket": address, **({"tcp": tcp_address} if tcp_address else {}), **device}
+            out |= {"usbmuxd_socket_address": exported, "pid": server["Pid"]}
+            if foreground:  # one line, which a reader takes while the server goes on running
+                click.echo(json.dumps(out))
+            else:
+                echo_json(out)
         else:
-            click.echo(f"USBMUXD_SOCKET_ADDRESS={exported}", err=False)
+            click.echo(f"USBMUXD_SOCKET_ADDRESS={exported}")
+            if tcp_address:
+                click.echo(f"USBMUXD_SOCKET_ADDRESS={tcp_address}")
+            click.echo(f"{device['udid']}  {device['product_type']}  iOS {device['ios']}  limit {_limits(device)}")
+
+    def ready(server: dict[str, Any]) -> None:  # in the foreground: once the socket answers, before serving
+        started(server, server["Devices"][0], foreground=True)
 
     result = control.start(
         address,
@@ -240,14 +250,7 @@ def start(
         tcp=tcp,
     )
     if result:
-        tcp_address = control.status(address).get("TcpAddress")
-        if as_json:
-            echo_json({"socket": address, **({"tcp": tcp_address} if tcp_address else {}), **result})
-        else:
-            click.echo(f"USBMUXD_SOCKET_ADDRESS={exported}")
-            if tcp_address:
-                click.echo(f"USBMUXD_SOCKET_ADDRESS={tcp_address}")
-            click.echo(f"{result['udid']}  {result['product_type']}  iOS {result['ios']}  limit {_limits(result)}")
+        started(control.status(address), result, foreground=False)
 
 
 def _limits(device: dict[str, Any]) -> str:

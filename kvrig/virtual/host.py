@@ -49,17 +49,22 @@ def _find(server: UsbmuxServer, request: dict[str, Any]) -> VirtualDevice | None
     return None
 
 
+def server_status(server: UsbmuxServer) -> dict[str, Any]:
+    """What `kvrig virtual status` reads: the server's process, addresses and devices."""
+    return {
+        "Pid": os.getpid(),
+        "Address": server.address,
+        **({"TcpAddress": server.tcp_address} if server.tcp_address else {}),
+        "Devices": [d.status() for d in server.devices.values()],
+    }
+
+
 def control_handler(server_ref: list[UsbmuxServer], stop: asyncio.Event) -> Callable[..., Awaitable[Any]]:
     async def handle(request: dict[str, Any]) -> dict[str, Any]:
         server = server_ref[0]
         kind = request["MessageType"]
         if kind == "KvrigStatus":
-            return {
-                "Pid": os.getpid(),
-                "Address": server.address,
-                **({"TcpAddress": server.tcp_address} if server.tcp_address else {}),
-                "Devices": [d.status() for d in server.devices.values()],
-            }
+            return server_status(server)
         if kind == "KvrigAddDevice":
             if _find(server, {"State": request["State"]}) is not None:
                 raise ValueError(f"a device with state {request['State']} is already running")
@@ -88,9 +93,14 @@ def control_handler(server_ref: list[UsbmuxServer], stop: asyncio.Event) -> Call
 
 
 async def serve(
-    address: str, devices: list[VirtualDevice], *, ready: Callable[[], None] | None = None, tcp: str | None = None
+    address: str,
+    devices: list[VirtualDevice],
+    *,
+    ready: Callable[[dict[str, Any]], None] | None = None,
+    tcp: str | None = None,
 ) -> None:
-    """Serves until a KvrigShutdown, the last device is removed, or cancellation (on a TCP port too, with `tcp`)."""
+    """Serves until a KvrigShutdown, the last device is removed, or cancellation (on a TCP port too, with `tcp`).
+    `ready` gets the server's status once every device is on it."""
     stop = asyncio.Event()
     ref: list[UsbmuxServer] = []
     server = UsbmuxServer(address, control=control_handler(ref, stop), tcp=tcp)
@@ -100,7 +110,7 @@ async def serve(
         for device in devices:
             await server.add_device(device)
         if ready is not None:
-            ready()
+            ready(server_status(server))
         await stop.wait()
     finally:
         await server.close()

@@ -151,6 +151,8 @@ def test_kvrig_virtual_start_json_in_the_foreground(tmp_path: Path) -> None:
             address,
             "--state",
             str(tmp_path / "s"),
+            "--tcp",
+            "127.0.0.1:0",
             "--json",
         ],
         stdout=subprocess.PIPE,
@@ -160,9 +162,18 @@ def test_kvrig_virtual_start_json_in_the_foreground(tmp_path: Path) -> None:
     try:
         assert proc.stdout is not None
         first = json.loads(proc.stdout.readline())
-        assert first == {"socket": address, "usbmuxd_socket_address": f"UNIX:{address}", "pid": proc.pid}
         status = json.loads(kvrig("virtual", "status", "--socket", address, "--json").stdout)
         assert len(status["Devices"]) == 1
+        # What the detached form prints: the addresses (the TCP port the server picked) and the phone.
+        assert first == {
+            "socket": address,
+            "tcp": status["TcpAddress"],
+            "usbmuxd_socket_address": f"UNIX:{address}",
+            "pid": proc.pid,
+            **status["Devices"][0],
+        }
+        assert first["product_type"] == "iPhone16,1" and first["limit_bytes"] > 0
+        assert not status["TcpAddress"].endswith(":0")
     finally:
         kvrig("virtual", "stop", "--socket", address)
         proc.wait(timeout=60)
