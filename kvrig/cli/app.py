@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from kvrig.cli.options import retired_force_option
+from kvrig.cli.output import info
 from kvrig.cli.render import echo_json, json_option
 
 
@@ -82,10 +83,11 @@ def app(
 )
 @click.option(
     "--app-runtime",
-    type=click.Choice(["swift", "python"]),
+    type=click.Choice(["auto", "swift", "python"]),
     default=None,
-    help="With --virtual: run the app's Swift engine compiled for this host (`kvrig engine`) or kvrig's Python "
-    "runtime (default: $KVRIG_APP_RUNTIME, else python).",
+    help="With --virtual: run the app's Swift engine compiled for this host (`kvrig engine`), kvrig's Python "
+    "runtime, or auto: Swift when it can be built here (built now), else Python, as `kvrig demo` chooses "
+    "(default: $KVRIG_APP_RUNTIME, else python).",
 )
 @json_option
 def build(
@@ -98,6 +100,12 @@ def build(
         from kvrig.appgen.virtual_ipa import APP_RUNTIMES, build_virtual_ipa, default_app_runtime
 
         runtime = app_runtime or default_app_runtime()
+        if runtime == "auto":
+            from kvrig.virtual.swiftapp import resolve_runtime
+
+            chosen = resolve_runtime(runtime, on_event=info)
+            info(f"app runtime: {chosen.why}")
+            runtime = chosen.runtime
         # named by its product, as without -o (the folder's name is "." when built from inside it)
         named = output / f"{read_project(project)[1]}-virtual.ipa" if output else None
         ipa = build_virtual_ipa(project, named, APP_RUNTIMES[runtime])

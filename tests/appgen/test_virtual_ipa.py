@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import plistlib
 import subprocess
 import sys
@@ -83,6 +85,18 @@ def test_app_runtime_option_names_what_the_virtual_iphone_runs(reference_project
         )
         assert proc.returncode == 0, proc.stderr
         assert _info(out / f"{reference_project.name}-virtual.ipa")[VIRTUAL_RUNTIME_KEY] == value
+
+
+def test_auto_app_runtime_falls_back_to_python_saying_why(reference_project: Path, tmp_path: Path) -> None:
+    """`--app-runtime auto` chooses as `kvrig demo` does: here no Swift toolchain, so Python, and it says why."""
+    env = {**os.environ, "PATH": "/nonexistent"}
+    env.pop("KVRIG_SWIFT_DEPS", None)
+    cmd = [sys.executable, "-m", "kvrig", "build", str(reference_project), "--virtual", "-o", str(tmp_path)]
+    proc = subprocess.run([*cmd, "--app-runtime", "auto", "--json"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["app_runtime"] == "python"
+    assert "cannot be built here (MLX Swift packages not resolvable: no `swift` on PATH" in proc.stderr
+    assert _info(tmp_path / f"{reference_project.name}-virtual.ipa")[VIRTUAL_RUNTIME_KEY] == "llm"
 
 
 def test_a_signed_apps_entitlements_are_read_from_its_code_signature(tmp_path: Path) -> None:
