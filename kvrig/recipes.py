@@ -34,10 +34,9 @@ from dataclasses import dataclass, replace
 from typing import Final, Literal, cast
 
 from kvrig.exceptions import KVSchemeError, QuantizationError
-from kvrig.schemas.kvcache import KV_BITS  # what kvcache.json may carry
+from kvrig.schemas.kvcache import GROUP_SIZES, KV_BITS  # what kvcache.json may carry
 
 DEFAULT_GROUP_SIZE: Final = 64
-GROUP_SIZES: Final = (32, 64, 128)
 UNQUANTIZED: Final = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
 # --- weight recipes ----------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from kvrig.appgen.render import PINS, AppOptions, render_app
+from kvrig.appgen.render import PINS, AppOptions, render_project
 from kvrig.exceptions import SwiftBuildError, SwiftDepsNotFoundError
 from kvrig.schemas.kvcache import KVCacheConfig, LayerCache, host_kvcache
 
@@ -159,11 +159,8 @@ def render_engine_project(project: Path | None = None) -> Path:
     """Renders the app's templates into `project` (default .build/swift-engine-app), changed files only."""
     project = project or build_root() / "swift-engine-app"
     staging = build_root() / "swift-engine-render"
-    bundle = staging / "bundle" / "kvrig-engine"
-    bundle.mkdir(parents=True, exist_ok=True)
-    (bundle / "kvcache.json").write_text(_engine_kvcache().model_dump_json(by_alias=True, indent=2))
     shutil.rmtree(staging / "app", ignore_errors=True)  # kvrig's own staging, whatever rendered it before
-    render_app(bundle, staging / "app", ENGINE_OPTIONS)
+    render_project(_engine_kvcache(), {}, PRODUCT, staging / "app", ENGINE_OPTIONS)
     project.mkdir(parents=True, exist_ok=True)
     # SwiftPM's own state in the project (mirrors set with `swift package config set-mirror`, the resolved pins).
     sync_tree(staging / "app", project, keep=(".swiftpm", "Package.resolved"))

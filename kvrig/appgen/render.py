@@ -26,10 +26,12 @@ from pydantic import TypeAdapter
 
 from kvrig.appgen.escape import FILTERS
 from kvrig.exceptions import AppExistsError, AppGenError, InputError
-from kvrig.fileio import read_data, scratch_dir, swap_in
+from kvrig.fileio import scratch_dir, swap_in
+from kvrig.models import read_config
 from kvrig.schemas import json_schema, load_model_file
+from kvrig.schemas.bundle import load_manifest
 from kvrig.schemas.keys import COREML_MODEL_KEY
-from kvrig.schemas.kvcache import KVCacheConfig
+from kvrig.schemas.kvcache import KVCACHE_NAME, KVCacheConfig
 from kvrig.schemas.soakplan import SOAKPLAN_FILE, GrowthSchedule, SoakPlan
 from kvrig.schemas.telemetry import TelemetryEvent
 from kvrig.version import __version__
@@ -122,17 +124,12 @@ def validate_options(options: AppOptions) -> None:
 
 
 def read_bundle(bundle: Path) -> tuple[KVCacheConfig, dict[str, Any]]:
-    """kvcache.json (required) and config.json (optional: its model_type is the app's AppConfig.modelType, shown
-    in the app and used for the cache only when the bundle it runs names none)."""
-    if not bundle.is_dir():
-        raise InputError("bundle folder not found", file=bundle, expected="a folder written by `kvrig package`")
-    kv = load_model_file(KVCacheConfig, bundle / "kvcache.json")
-    model_config: dict[str, Any] = {}
-    config_path = bundle / "config.json"
-    if config_path.is_file():
-        loaded = read_data(config_path)
-        if isinstance(loaded, dict):
-            model_config = loaded
+    """kvcache.json and config.json of a bundle (its manifest read first, as every command reading bundles does).
+    config.json's model_type is the app's AppConfig.modelType, shown in the app and used for the cache only when
+    the bundle it runs names none."""
+    load_manifest(bundle)
+    kv = load_model_file(KVCacheConfig, bundle / KVCACHE_NAME)
+    model_config, _ = read_config(bundle)
     return kv, model_config
 
 
@@ -147,7 +144,7 @@ def example_soak_plan(kv: KVCacheConfig) -> SoakPlan:
 
 
 def template_context(
-    options: AppOptions, kv: KVCacheConfig, model_config: dict[str, Any], bundle: Path
+    options: AppOptions, kv: KVCacheConfig, model_config: dict[str, Any], bundle_folder: str
 ) -> dict[str, Any]:
     model_type = model_config.get("model_type")
     return {
@@ -158,7 +155,7 @@ def template_context(
         "extended_virtual_addressing": options.extended_virtual_addressing,
         "headroom_bytes": options.headroom_bytes,
         # The bundle is pushed into Documents/<this folder> (file sharing is on).
-        "bundle_folder": bundle.resolve().name,
+        "bundle_folder": bundle_folder,
         "model_type": model_type if isinstance(model_type, str) else "unknown",
         "kv": kv.model_dump(mode="json", by_alias=True),
         "pins": PINS,
@@ -255,9 +252,25 @@ def render_app(bundle: str | Path, out: str | Path, options: AppOptions, *, repl
 
     Raises InputError for bad options or a bad bundle, AppExistsError when `out` holds files and is not (or,
     without `replace`, may not be replaced as) a project kvrig generated."""
-    bundle, out = Path(bundle), Path(out)
+    bundle = Path(bundle)
     validate_options(options)
     kv, model_config = read_bundle(bundle)
+    return render_project(kv, model_config, bundle.resolve().name, out, options, replace=replace)
+
+
+def render_project(
+    kv: KVCacheConfig,
+    model_config: dict[str, Any],
+    bundle_folder: str,
+    out: str | Path,
+    options: AppOptions,
+    *,
+    replace: bool = False,
+) -> RenderResult:
+    """render_app for a bundle given by what the app reads of it: its KV configuration, its model's config and the
+    name of the folder it is pushed into (the Linux engine's project, which is rendered for no bundle)."""
+    out = Path(out)
+    validate_options(options)
     check_output(out, replace=replace)
     if options.coreml_model is not None and not (options.coreml_model / "Manifest.json").is_file():
         raise InputError(
@@ -268,7 +281,7 @@ def render_app(bundle: str | Path, out: str | Path, options: AppOptions, *, repl
     except OSError as exc:
         raise AppGenError(f"{out.parent}: cannot create the output folder: {exc.strerror or exc}") from None
     with _writes(out), scratch_dir(out.parent, f".{out.name}.partial-") as tmp:
-        written = _render_into(tmp, bundle, options, kv, model_config)
+        written = _render_into(tmp, bundle_folder, options, kv, model_config)
         check_output(out, replace=replace)  # again: it may have appeared while rendering
         swap_in(tmp, out)
     return RenderResult(project=out, files=[out / p.relative_to(tmp) for p in written], kvcache=kv)
@@ -284,12 +297,12 @@ def _writes(out: Path) -> Iterator[None]:
 
 
 def _render_into(
-    root_out: Path, bundle: Path, options: AppOptions, kv: KVCacheConfig, model_config: dict[str, Any]
+    root_out: Path, bundle_folder: str, options: AppOptions, kv: KVCacheConfig, model_config: dict[str, Any]
 ) -> list[Path]:
     """Every file of the project, written below `root_out`; returns them, the marker last."""
     root = templates_root()
     env = _environment(root)
-    context = template_context(options, kv, model_config, bundle)
+    context = template_context(options, kv, model_config, bundle_folder)
     written: list[Path] = []
     for source in sorted(root.rglob("*")):
         rel = source.relative_to(root)
@@ -322,7 +335,7 @@ def _render_into(
     marker = {
         "generator": f"kvrig {__version__}",
         "app": options.name,
-        "bundle": bundle.resolve().name,
+        "bundle": bundle_folder,
         "files": sorted(p.relative_to(root_out).as_posix() for p in written),
     }
     _write(root_out / MARKER, _dump(marker), written)

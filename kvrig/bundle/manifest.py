@@ -1,5 +1,5 @@
 """manifest.json: every file of a bundle with its size and sha256, and `check_bundle` / `verify_bundle`, which
-hold a bundle to it."""
+hold a bundle to it (`load_manifest` lives with the schema, for every reader of bundles)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvrig.bundle.mapped import misaligned
-from kvrig.exceptions import BundleError, SchemaError, VerifyError
+from kvrig.exceptions import BundleError, VerifyError
 from kvrig.fileio import sha256_file
 from kvrig.schemas import load_model_file
-from kvrig.schemas.bundle import MANIFEST_NAME, Manifest, ManifestFile
+from kvrig.schemas.bundle import MANIFEST_NAME, Manifest, ManifestFile, load_manifest
 from kvrig.schemas.kvcache import KVCACHE_NAME, KVCacheConfig
 
 
@@ -38,16 +38,6 @@ class VerifyResult:
     @property
     def ok(self) -> bool:
         return not self.problems
-
-
-def load_manifest(bundle: Path) -> Manifest:
-    if not bundle.is_dir():
-        raise BundleError(
-            f"{bundle}: {'not a folder' if bundle.exists() else 'no such folder'} (expected a bundle folder)"
-        )
-    if not (bundle / MANIFEST_NAME).exists():  # a folder, but not a bundle: the same cause as no folder at all
-        raise BundleError(f"{bundle}: no {MANIFEST_NAME} (expected a bundle folder `kvrig package` wrote)")
-    return load_model_file(Manifest, bundle / MANIFEST_NAME, error=SchemaError)
 
 
 def check_bundle(bundle: str | Path, *, progress: Callable[[str], None] | None = None) -> VerifyResult:

@@ -77,8 +77,10 @@ def show_coreml_plan(
     if as_json:
         echo_json(p)
         return
+    quantized = f"{p.bits}-bit" if p.bits else "fp16"
+    own = f", {p.own_layers} layers with their own bits or group size" if p.own_layers else ""
     click.echo(
-        f"Core ML program for {p.model} ({p.model_type}), {weights} g{group_size}, on {p.device} "
+        f"Core ML program for {p.model} ({p.model_type}), {quantized} g{p.group_size}{own}, on {p.device} "
         f"({p.limit_kind} app limit {human_bytes(p.limit_bytes or 0)})"
     )
     dtypes = ", ".join(f"{k} {human_bytes(v)}" for k, v in p.weights_by_dtype.items())

@@ -181,10 +181,8 @@ def plan(
         from kvrig.cli.export import show_coreml_plan
 
         _refuse_options_coreml_ignores(click.get_current_context())
-        # Core ML has exact forms of q4, q8 and fp16 only: auto counts q4 there (gpx-q4's bytes)
-        coreml_weights = "q4" if weights == "auto" else weights
         contexts_listed = list(contexts or DEFAULT_CONTEXTS)
-        show_coreml_plan(model, device, coreml_weights, group_size, contexts_listed, limit, as_json)
+        show_coreml_plan(model, device, weights, group_size, contexts_listed, limit, as_json)
         return
     if cap == "trained":
         cap_value = None

@@ -16,6 +16,7 @@ from kvrig.exceptions import CoreMLExportError, CoreMLToolsMissingError, CoreMLU
 from kvrig.models import read_config
 from kvrig.planner.coreml import CoreMLPlan, coreml_arch, plan_coreml
 from kvrig.schemas import StrictModel
+from kvrig.schemas.bundle import load_manifest
 
 from .inspect import PackageInfo, inspect_package
 
@@ -107,6 +108,7 @@ def export_coreml(
     if output.suffix != ".mlpackage":
         raise CoreMLExportError(f"{output}: the output must end in .mlpackage")
     _check_output(output, replace=replace)
+    load_manifest(bundle)  # a folder that is not a bundle, as every command reading bundles says
     # The architecture first: a family the exporter cannot express is refused before any weight is read.
     config, config_path = read_config(bundle)
     arch = coreml_arch(config, config_path)
@@ -158,7 +160,12 @@ def export_coreml(
         shutil.rmtree(tmp.parent, ignore_errors=True)
 
     plan = plan_coreml(
-        weights.config, config_path, bits=weights.bits, group_size=weights.group_size, contexts=[context]
+        weights.config,
+        config_path,
+        bits=weights.bits,
+        group_size=weights.group_size,
+        contexts=[context],
+        overrides=weights.overrides,
     )
     if (info.weight_blob_bytes, info.weight_file_bytes) != (plan.weights_bytes, plan.weight_file_bytes):
         raise CoreMLExportError(

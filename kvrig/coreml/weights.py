@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from kvrig.exceptions import BundleError, CoreMLUnsupportedError, ModelConfigError
+from kvrig.exceptions import BundleError, CoreMLUnsupportedError
 from kvrig.models import read_config
-from kvrig.planner.coreml import check_bits
+from kvrig.planner.coreml import Overrides, bundle_quantization, check_bits
 from kvrig.schemas import load_model_file
 from kvrig.schemas.kvcache import KVCACHE_NAME, KVCacheConfig
 
@@ -41,6 +41,7 @@ class BundleWeights:
     group_size: int
     tensors: dict[str, Tensor]
     kv_max_context: int | None
+    overrides: Overrides = field(default_factory=dict)  # layers a mixed recipe gave their own bits or group size
     used: set[str] = field(default_factory=set)
 
     def get(self, name: str) -> Tensor:
@@ -77,18 +78,12 @@ def read_bundle_weights(bundle: Path) -> BundleWeights:
 
     config, config_path = read_config(bundle)
     quant = config.get("quantization") or None
-    bits = group_size = None
-    if quant is not None:
-        if not isinstance(quant, dict) or not all(isinstance(quant.get(k), int) for k in ("bits", "group_size")):
-            raise ModelConfigError(
-                f"got {quant!r:.60}", file=config_path, field="quantization", expected="an object with bits, group_size"
-            )
-        if quant.get("mode", "affine") != "affine":
-            raise CoreMLUnsupportedError(
-                f"quantization mode '{quant.get('mode')}' is not affine", file=config_path, field="quantization.mode"
-            )
-        bits, group_size = int(quant["bits"]), int(quant["group_size"])
-        check_bits(bits, config_path, "quantization.bits")
+    if isinstance(quant, dict) and quant.get("mode", "affine") != "affine":
+        raise CoreMLUnsupportedError(
+            f"quantization mode '{quant.get('mode')}' is not affine", file=config_path, field="quantization.mode"
+        )
+    bits, group_size, overrides = bundle_quantization(config, config_path)
+    check_bits(bits, config_path, "quantization.bits")
     files = sorted(bundle.glob("*.safetensors"))
     if not files:
         raise BundleError(f"{bundle}: no .safetensors weights")
@@ -108,7 +103,8 @@ def read_bundle_weights(bundle: Path) -> BundleWeights:
         stem = name.removesuffix(".weight")
         if name.endswith(".weight") and f"{stem}.scales" in raw:
             scales, biases = _to_numpy(raw[f"{stem}.scales"]), _to_numpy(raw[f"{stem}.biases"])
-            layer_bits = value.shape[1] * 32 // (scales.shape[1] * (group_size or 64))
+            layer_group = overrides.get(stem, (bits, group_size))[1]  # a mixed recipe's layer: its own
+            layer_bits = value.shape[1] * 32 // (scales.shape[1] * layer_group)
             check_bits(layer_bits, files[0], f"{stem} (per-layer quantization)")
             in_dim = value.shape[1] * 32 // layer_bits
             tensors[name] = Quantized(unpack(_to_numpy(value), layer_bits, in_dim), scales, biases, layer_bits)
@@ -118,4 +114,4 @@ def read_bundle_weights(bundle: Path) -> BundleWeights:
     kv_path = bundle / KVCACHE_NAME
     if kv_path.is_file():
         kv_context = load_model_file(KVCacheConfig, kv_path).max_context
-    return BundleWeights(bundle, config, bits, group_size or 64, tensors, kv_context)
+    return BundleWeights(bundle, config, bits, group_size, tensors, kv_context, overrides)

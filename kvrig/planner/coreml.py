@@ -143,7 +143,35 @@ def coreml_arch(config: dict[str, Any], source: str | Path = "config.json") -> C
     )
 
 
-def _matrix(name: str, out_dim: int, in_dim: int, bits: int | None, group_size: int) -> list[CoreMLConstant]:
+Overrides = dict[str, tuple[int | None, int]]
+"""Layer name -> (bits, group size) where a mixed recipe gave a layer its own (bits None: left in fp16)."""
+
+
+def bundle_quantization(config: dict[str, Any], source: str | Path) -> tuple[int | None, int, Overrides]:
+    """The bits, group size and per-layer overrides a packaged bundle's config.json records (mlx-lm's
+    `quantization`: the defaults, and an object, or false for a layer left unquantized, under a layer's name)."""
+    quant = config.get("quantization")
+    if quant is None:
+        return None, 64, {}
+    if not isinstance(quant, dict) or not all(isinstance(quant.get(k), int) for k in ("bits", "group_size")):
+        raise ModelConfigError(
+            f"got {quant!r:.60}", file=source, field="quantization", expected="an object with bits, group_size"
+        )
+    overrides: Overrides = {}
+    for name, own in quant.items():
+        if own is False:
+            overrides[name] = (None, int(quant["group_size"]))
+        elif isinstance(own, dict):
+            if not all(isinstance(own.get(k), int) for k in ("bits", "group_size")):
+                raise ModelConfigError(
+                    f"got {own!r:.60}", file=source, field=f"quantization.{name}", expected="bits and group_size"
+                )
+            check_bits(int(own["bits"]), source, f"quantization.{name}.bits")
+            overrides[name] = (int(own["bits"]), int(own["group_size"]))
+    return int(quant["bits"]), int(quant["group_size"]), overrides
+
+
+def _layer_matrix(name: str, out_dim: int, in_dim: int, bits: int | None, group_size: int) -> list[CoreMLConstant]:
     # mlx-lm quantizes a Linear/Embedding only when its input dim divides into groups; the rest stay fp16.
     if bits is None or in_dim % group_size:
         return [CoreMLConstant(f"{name}.weight", "fp16", (out_dim, in_dim))]
@@ -155,9 +183,16 @@ def _matrix(name: str, out_dim: int, in_dim: int, bits: int | None, group_size: 
     ]
 
 
-def coreml_constants(arch: CoreMLArch, bits: int | None, group_size: int) -> list[CoreMLConstant]:
+def coreml_constants(
+    arch: CoreMLArch, bits: int | None, group_size: int, overrides: Overrides | None = None
+) -> list[CoreMLConstant]:
     """Every weight constant of the program, in the order the program creates (and the file stores) them."""
     a = arch
+    own = overrides or {}
+
+    def _matrix(name: str, out_dim: int, in_dim: int, bits: int | None, group_size: int) -> list[CoreMLConstant]:
+        return _layer_matrix(name, out_dim, in_dim, *own.get(name, (bits, group_size)))
+
     q_dim, kv_dim = a.heads * a.head_dim, a.kv_heads * a.head_dim
     out = _matrix("model.embed_tokens", a.vocab, a.hidden, bits, group_size)
     out.append(CoreMLConstant("rope.inv_freq", "fp32", (a.head_dim // 2,)))
@@ -212,6 +247,7 @@ class CoreMLPlan(StrictModel):
     model_type: str
     bits: int | None = Field(description="4 or 8; null for an fp16 program")
     group_size: int
+    own_layers: int = Field(default=0, description="layers a mixed recipe gave their own bits or group size")
     weights_bytes: int = Field(description="every weight constant's data at rest")
     weight_file_bytes: int = Field(description="size of Data/com.apple.CoreML/weights/weight.bin")
     weights_by_dtype: dict[str, int]
@@ -237,11 +273,13 @@ def plan_coreml(
     bits: int | None,
     group_size: int,
     contexts: list[int],
+    overrides: Overrides | None = None,
 ) -> CoreMLPlan:
-    """The Core ML program's bytes for a model config, quantized with `bits` in groups of `group_size`."""
+    """The Core ML program's bytes for a model config, quantized with `bits` in groups of `group_size` (and the
+    layers in `overrides` with their own)."""
     arch = coreml_arch(config, source)
     check_bits(bits, source, "bits")
-    constants = coreml_constants(arch, bits, group_size)
+    constants = coreml_constants(arch, bits, group_size, overrides)
     by_dtype: dict[str, int] = {}
     for c in constants:
         by_dtype[c.dtype] = by_dtype.get(c.dtype, 0) + c.nbytes
@@ -252,6 +290,7 @@ def plan_coreml(
         model_type=arch.model_type,
         bits=bits,
         group_size=group_size,
+        own_layers=sum(1 for own in (overrides or {}).values() if own != (bits, group_size)),
         weights_bytes=weights,
         weight_file_bytes=weight_file_bytes(constants),
         weights_by_dtype=by_dtype,
@@ -273,15 +312,27 @@ def plan_coreml_model(
     limit: Literal["entitled", "default"] = "entitled",
 ) -> CoreMLPlan:
     """`kvrig plan --backend coreml`: the program `kvrig export coreml` writes for MODEL packaged with
-    `weights` (q4, q8 or fp16), beside the device's app memory limit of kind `limit`."""
-
-    recipe = parse_weights(weights, group_size)
-    if recipe.mixed or (not recipe.quantized and recipe.name != "fp16"):
-        raise CoreMLUnsupportedError(
-            f"weight recipe '{recipe.name}' has no exact Core ML form (use q4, q8 or fp16)", field="weights"
-        )
+    `weights` (q4, q8 or fp16), beside the device's app memory limit of kind `limit`. A bundle (a config.json
+    that records its quantization) is planned as it is quantized, layer by layer, as the export writes it:
+    `weights` must then be `auto`."""
     config, path = read_config(model if model is not None else default_model_path())
     profile = load_profile(device)
-    result = plan_coreml(config, path, bits=recipe.bits, group_size=group_size, contexts=contexts)
+    if config.get("quantization") is not None:
+        if weights != "auto":
+            raise CoreMLUnsupportedError(
+                f"{path} is quantized already (a bundle), and its program is planned as it is quantized: "
+                f"leave --weights at auto, or plan the model it was packaged from",
+                field="weights",
+            )
+        bits, group_size, overrides = bundle_quantization(config, path)
+        result = plan_coreml(config, path, bits=bits, group_size=group_size, contexts=contexts, overrides=overrides)
+    else:
+        # Core ML has exact forms of q4, q8 and fp16 only: auto counts q4 there (gpx-q4's bytes)
+        recipe = parse_weights("q4" if weights == "auto" else weights, group_size)
+        if recipe.mixed or (not recipe.quantized and recipe.name != "fp16"):
+            raise CoreMLUnsupportedError(
+                f"weight recipe '{recipe.name}' has no exact Core ML form (use q4, q8 or fp16)", field="weights"
+            )
+        result = plan_coreml(config, path, bits=recipe.bits, group_size=group_size, contexts=contexts)
     limit_bytes = (profile.limit_entitled if limit == "entitled" else None) or profile.limit_default
     return result.model_copy(update={"device": profile.name, "limit_kind": limit, "limit_bytes": limit_bytes})

@@ -3,11 +3,13 @@ planner predicted for it (bundle contract; `kvrig verify` and the device side re
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Final, Literal
 
 from pydantic import Field
 
-from kvrig.schemas import StrictModel
+from kvrig.exceptions import BundleError, SchemaError
+from kvrig.schemas import StrictModel, load_model_file
 
 MANIFEST_SCHEMA_VERSION: Final = 3
 """2: the quality check names each gate kind's perplexity (`quality.kinds`) and `--weights auto` / `--kv auto`
@@ -124,3 +126,14 @@ class Manifest(StrictModel):
     quality: QualityCheck | None = Field(default=None, description="null when the gate was skipped")
     choice: Choice | None = Field(default=None, description="null when weights and KV were given, not chosen")
     files: list[ManifestFile]
+
+
+def load_manifest(bundle: Path) -> Manifest:
+    """The bundle's manifest: BundleError for a folder that is not a bundle, SchemaError for a wrong manifest."""
+    if not bundle.is_dir():
+        raise BundleError(
+            f"{bundle}: {'not a folder' if bundle.exists() else 'no such folder'} (expected a bundle folder)"
+        )
+    if not (bundle / MANIFEST_NAME).exists():  # a folder, but not a bundle: the same cause as no folder at all
+        raise BundleError(f"{bundle}: no {MANIFEST_NAME} (expected a bundle folder `kvrig package` wrote)")
+    return load_model_file(Manifest, bundle / MANIFEST_NAME, error=SchemaError)

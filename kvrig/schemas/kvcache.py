@@ -30,6 +30,18 @@ def _mlx_bits(bits: int) -> int:
 
 KVBits = Annotated[int, AfterValidator(_mlx_bits), Field(json_schema_extra={"enum": list(KV_BITS)})]
 
+GROUP_SIZES: Final = (32, 64, 128)
+"""The group sizes MLX quantizes with (mx.quantize), weights and KV caches alike."""
+
+
+def _mlx_group_size(size: int) -> int:
+    if size not in GROUP_SIZES:
+        raise ValueError(f"group size {size}: MLX quantizes in groups of {', '.join(map(str, GROUP_SIZES))}")
+    return size
+
+
+GroupSize = Annotated[int, AfterValidator(_mlx_group_size), Field(json_schema_extra={"enum": list(GROUP_SIZES)})]
+
 CacheKind = Literal["full", "sliding", "shared", "linear", "latent"]
 """full: grows with context; sliding: ring of `window` tokens; shared: reuses `source_layer`'s cache;
 linear: constant recurrent state; latent: MLA compressed latent (+ rope part) that grows with context."""
@@ -64,7 +76,7 @@ class KVCacheConfig(StrictModel):
     dtype: Literal["float16", "bfloat16", "float32"] = "float16"
     key_bits: KVBits | None = Field(description="null: keys unquantized")
     value_bits: KVBits | None
-    group_size: int = Field(ge=1)
+    group_size: GroupSize
     quantized_kv_start: int = Field(ge=0, description="context length at which quantization begins")
     rotation: Literal["none", "hadamard_keys", "hadamard"] = Field(
         default="none",

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from kvrig.appgen.render import AppOptions, render_app
+from kvrig.bundle.manifest import hash_files
+from kvrig.schemas.bundle import MANIFEST_NAME, Manifest, Recipe, SourceModel
 from kvrig.schemas.kvcache import KVCacheConfig, LayerCache, PressurePolicy
 
 # Every field set away from its default, every layer kind, per-layer bits: what the contract tests decode.
@@ -42,9 +44,27 @@ REFERENCE_OPTIONS = AppOptions(name="SmolLM2 Chat", bundle_id="com.example.smoll
 
 
 def write_bundle(folder: Path, kv: KVCacheConfig = REFERENCE_KVCACHE) -> Path:
+    """The files of a bundle the app reads (kvcache.json, config.json) under a manifest, as `kvrig package` writes."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "kvcache.json").write_text(kv.model_dump_json(by_alias=True, indent=2))
     (folder / "config.json").write_text('{"model_type": "llama"}\n')
+    manifest = Manifest(
+        tool_version="test",
+        created="2026-12-05T00:00:00+00:00",
+        source=SourceModel(kind="hf", path="tests", name="tests", architecture="llama"),
+        recipe=Recipe(
+            weights="q8",
+            bits=8,
+            group_size=64,
+            kv_scheme=kv.scheme,
+            key_bits=kv.key_bits,
+            value_bits=kv.value_bits,
+            kv_group_size=kv.group_size,
+        ),
+        prediction=None,
+        files=list(hash_files(folder)),
+    )
+    (folder / MANIFEST_NAME).write_text(manifest.model_dump_json(by_alias=True, indent=2))
     return folder
 
 

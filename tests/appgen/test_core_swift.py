@@ -120,3 +120,11 @@ def test_the_app_the_planner_and_the_packager_agree_on_the_families(swift_run: d
     assert set(families["keeps_kv_unquantized"]) == APP_UNQUANTIZED_KV == {"gemma3n"}
     # the families whose quantized layers the app reads dequantized are the ones the plan counts that way
     assert set(families["reads_dequantized"]) == NO_QUANTIZED_ATTENTION and "gemma2" in NO_QUANTIZED_ATTENTION
+
+
+def test_the_app_accepts_the_group_sizes_and_bits_the_schema_does(swift_run: dict[str, Path]) -> None:
+    """A group size or bit width MLX lacks is refused by both readers of kvcache.json, the same ones."""
+    from kvrig.schemas.kvcache import GROUP_SIZES, KV_BITS
+
+    accepted = json.loads((swift_run["out"] / "quantization.json").read_text())
+    assert accepted == {"group_sizes": list(GROUP_SIZES), "kv_bits": list(KV_BITS)}

@@ -37,6 +37,8 @@ TINY = {
     "llama-q8-untied": ("llama", "q8", {"tie_word_embeddings": False}),
     "qwen2-q4": ("qwen2", "q4", {}),
     "qwen3-q8": ("qwen3", "q8", {}),
+    # kvrig's mixed layout: 4-bit throughout, some layers in groups of 32 (their own entry in config.json)
+    "llama-gpx-4.6": ("llama", "gpx-4.6", {}),
 }
 
 

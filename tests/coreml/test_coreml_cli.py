@@ -4,6 +4,7 @@ exit codes."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,8 +27,10 @@ def _run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str,
 
 
 def _config_only_bundle(tmp_path: Path, smol_bundle: Path, **changes: object) -> Path:
+    """The bundle's manifest and an edited config.json: the export refuses on the config before any weight."""
     bundle = tmp_path / "bundle"
     bundle.mkdir()
+    shutil.copy(smol_bundle / "manifest.json", bundle)
     cfg = json.loads((smol_bundle / "config.json").read_text())
     for key, value in changes.items():
         if key == "bits":
@@ -114,6 +117,24 @@ def test_plan_backend_coreml(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 39 and "6-bit" in err
     code, stdout, _ = _run(["plan", "--device", "iPhone16,1", "--backend", "coreml"], capsys)
     assert code == 0 and "weight.bin" in stdout
+
+
+def test_plan_backend_coreml_on_a_mixed_bundle_is_what_the_export_wrote(
+    tiny_exports: dict[str, ExportResult], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """gpx-4.6 keeps some layers in groups of 32: planned as q4 g64 it read as fitting a smaller program than the
+    export writes (whose weight.bin is the independent count here)."""
+    result = tiny_exports["llama-gpx-4.6"]
+    args = ["plan", result.bundle, "-d", "iPhone16,1", "--backend", "coreml"]
+    code, stdout, _ = _run([*args, "--json"], capsys)
+    assert code == 0
+    data = json.loads(stdout)
+    assert (
+        data["weight_file_bytes"] == (Path(result.output) / "Data/com.apple.CoreML/weights/weight.bin").stat().st_size
+    )
+    assert data["own_layers"] > 0
+    code, _, err = _run([*args, "--weights", "q8"], capsys)  # a bundle is planned as it is quantized
+    assert code == CoreMLUnsupportedError.exit_code and "field 'weights'" in err
 
 
 def test_plan_backend_coreml_takes_the_limit_asked_for_and_refuses_what_it_cannot_honour(

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvrig.coreml.export import ExportResult
-from kvrig.planner.coreml import plan_coreml, plan_coreml_model
+from kvrig.planner.coreml import plan_coreml_model
 from tests.coreml.conftest import SMOL_CONTEXT, TINY, load_program
 
 WEIGHT_BIN = Path("Data/com.apple.CoreML/weights/weight.bin")
@@ -99,7 +99,8 @@ def _check_bytes(result: ExportResult, bundle: Path) -> None:
     rope_bytes = head_dim // 2 * 4
     # MLX's own bytes for every tensor of the bundle, plus the one fp32 RoPE table the program adds.
     mlx_bytes = sum(v.nbytes for v in _bundle_tensors(bundle).values())
-    plan = plan_coreml(cfg, bundle / "config.json", bits=cfg["quantization"]["bits"], group_size=64, contexts=[8])
+    # `kvrig plan BUNDLE --backend coreml`: the bundle as it is quantized, a mixed recipe's layers their own way.
+    plan = plan_coreml_model(bundle, "iPhone16,1", weights="auto", group_size=64, contexts=[8])
     assert plan.weights_bytes == mlx_bytes + rope_bytes
     prog = load_program(Path(result.output))
     read_back = sum(np.size(v.val) * BITS[_dtype_name(v)] // 8 for v in _weight_constants(prog))
@@ -124,12 +125,12 @@ def test_smollm2_weight_bytes_equal_the_plan(smol_export: ExportResult, smol_bun
     assert plan.state_bytes[SMOL_CONTEXT] == sum(int(np.prod(a.shape)) * 2 for a in states)
 
 
-def _check_dequantized(result: ExportResult, bundle: Path) -> int:
+def _check_dequantized(result: ExportResult, bundle: Path) -> tuple[int, set[int]]:
     prog = load_program(Path(result.output))
     consts = _const_values(prog)
     tensors = _bundle_tensors(bundle)
     quant = json.loads((bundle / "config.json").read_text())["quantization"]
-    checked = 0
+    checked, groups = 0, set()
     for op in prog.functions["main"].operations:
         if op.op_type != "constexpr_blockwise_shift_scale":
             continue
@@ -140,23 +141,25 @@ def _check_dequantized(result: ExportResult, bundle: Path) -> int:
         q, s = op.data.val.astype(np.float16), op.scale.val
         b = consts[f"{name}_biases"]
         group = q.shape[1] // s.shape[1]
+        own = quant.get(stem) if isinstance(quant.get(stem), dict) else quant  # a mixed recipe's layer: its own
+        groups.add(own["group_size"])
         # Core ML's s·q, then the group bias the program adds, in MLX's fp16 order of rounding.
         ours = (np.repeat(s, group, axis=1) * q).astype(np.float16) + np.repeat(b, group, axis=1)
         ref = mx.dequantize(
             tensors[f"{stem}.weight"],
             tensors[f"{stem}.scales"],
             tensors[f"{stem}.biases"],
-            group_size=quant["group_size"],
-            bits=quant["bits"],
+            group_size=own["group_size"],
+            bits=own["bits"],
         )
         np.testing.assert_array_equal(ours, np.array(ref))
         checked += 1
-    return checked
+    return checked, groups
 
 
 def test_smollm2_dequantized_constants_are_the_bundle_weights(smol_export: ExportResult, smol_bundle: Path) -> None:
     layers = json.loads((smol_bundle / "config.json").read_text())["num_hidden_layers"]
-    assert _check_dequantized(smol_export, smol_bundle) == 7 * layers + 1
+    assert _check_dequantized(smol_export, smol_bundle) == (7 * layers + 1, {64})
     # Unquantized vectors (norms) are the bundle's fp16 values, bit for bit.
     consts = _const_values(load_program(Path(smol_export.output)))
     tensors = _bundle_tensors(smol_bundle)
@@ -172,10 +175,12 @@ def test_other_families(name: str, tiny_exports: dict[str, ExportResult]) -> Non
     assert result.context == 64 and result.context_source == "kvcache.json"
     _check_bytes(result, bundle)
     untied = extra.get("tie_word_embeddings") is False
-    assert _check_dequantized(result, bundle) == 7 * 2 + 1 + untied
+    checked, groups = _check_dequantized(result, bundle)
+    assert checked == 7 * 2 + 1 + untied
+    assert groups == ({32, 64} if weights.startswith("gpx-") else {64})  # the mixed layout keeps its groups
     dtypes = {
         _dtype_name(op.data)
         for op in load_program(Path(result.output)).functions["main"].operations
         if op.op_type == "constexpr_blockwise_shift_scale"
     }
-    assert dtypes == {f"uint{weights[1:]}"}
+    assert dtypes == {f"uint{json.loads((bundle / 'config.json').read_text())['quantization']['bits']}"}

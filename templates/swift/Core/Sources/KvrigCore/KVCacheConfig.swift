@@ -146,6 +146,10 @@ public struct PressurePolicy: Codable, Equatable, Sendable {
 public struct KVCacheConfig: Codable, Equatable, Sendable {
     public static let schemaVersion = 3
     public static let readableSchemas = 2...3
+    /// What MLX quantizes with (mx.quantize / MLX.quantized): anything else would stop the app at its first
+    /// quantized cache write, so the file is refused where it is read (kvrig/schemas/kvcache.py holds the same).
+    public static let groupSizes = [32, 64, 128]
+    public static let kvBits = [2, 3, 4, 5, 6, 8]
 
     public var schema: Int
     public var scheme: String
@@ -296,7 +300,12 @@ public struct KVCacheConfig: Codable, Equatable, Sendable {
         if weightsLayout == .mapped {
             try require((weightsAlignmentBytes ?? 0) >= 1, "weights_alignment_bytes", "a mapped layout names it")
         }
-        try require(groupSize >= 1, "group_size", "must be >= 1")
+        try require(Self.groupSizes.contains(groupSize), "group_size", "one of \(Self.groupSizes), got \(groupSize)")
+        for (field, bits) in [("key_bits", keyBits), ("value_bits", valueBits)] + layers.flatMap({ entry in
+            [("layers.\(entry.layer).key_bits", entry.keyBits), ("layers.\(entry.layer).value_bits", entry.valueBits)]
+        }) {
+            if let bits { try require(Self.kvBits.contains(bits), field, "one of \(Self.kvBits), got \(bits)") }
+        }
         try require(quantizedKVStart >= 0, "quantized_kv_start", "must be >= 0")
         try require(sinkTokens >= 0, "sink_tokens", "must be >= 0")
         try require(recentTokens >= 0, "recent_tokens", "must be >= 0")

@@ -47,6 +47,14 @@ final class ContractTests: XCTestCase {
         try data.write(to: outDir.appendingPathComponent("families.json"))
     }
 
+    /// What the app accepts of kvcache.json's quantization, for the Python side to hold its schema to.
+    func testQuantizationForPython() throws {
+        guard let outDir else { return }
+        let accepted = ["group_sizes": KVCacheConfig.groupSizes, "kv_bits": KVCacheConfig.kvBits]
+        let data = try JSONSerialization.data(withJSONObject: accepted, options: [.sortedKeys])
+        try data.write(to: outDir.appendingPathComponent("quantization.json"))
+    }
+
     func testKVCacheJSONFromPython() throws {
         let config = try assertRoundTrip(KVCacheConfig.self, file: "kvcache.json")
         XCTAssertEqual(config.schema, 3)
@@ -128,6 +136,19 @@ final class ContractTests: XCTestCase {
         XCTAssertThrowsError(
             try ContractJSON.decoder().decode(
                 KVCacheConfig.self, from: JSONSerialization.data(withJSONObject: negative)))
+        // A group size or bit width MLX does not quantize with, at the top or on a layer, names its field.
+        var layers = try XCTUnwrap(object["layers"] as? [[String: Any]])
+        layers[0]["key_bits"] = 7
+        for (key, value, field) in [
+            ("group_size", 7 as Any, "group_size"), ("value_bits", 1 as Any, "value_bits"),
+            ("layers", layers as Any, "layers.0.key_bits"),
+        ] {
+            var odd = object
+            odd[key] = value
+            XCTAssertThrowsError(
+                try ContractJSON.decoder().decode(KVCacheConfig.self, from: JSONSerialization.data(withJSONObject: odd))
+            ) { error in XCTAssertEqual((error as? ContractError)?.field, field) }
+        }
         object.removeValue(forKey: "key_bits")
         XCTAssertThrowsError(
             try ContractJSON.decoder().decode(
