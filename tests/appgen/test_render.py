@@ -17,7 +17,7 @@ import yaml
 
 from kvrig.appgen.escape import swift_string
 from kvrig.appgen.render import MARKER, AppOptions, product_name, render_app, templates_root
-from kvrig.exceptions import AppExistsError, InputError
+from kvrig.exceptions import AppExistsError, BundleError, InputError
 
 PARSER = tree_sitter.Parser(tree_sitter.Language(tree_sitter_swift.language()))
 
@@ -220,6 +220,21 @@ def test_bad_bundle_names_file_and_field(tmp_path: Path, make_bundle) -> None:  
     with pytest.raises(InputError) as info:
         render_app(bundle, tmp_path / "out", AppOptions(name="X", bundle_id="com.example.x"))
     assert "kvcache.json" in str(info.value) and info.value.field
+
+
+def test_a_folder_that_is_not_a_bundle_is_refused_as_everywhere(tmp_path: Path, make_bundle) -> None:  # type: ignore[no-untyped-def]
+    """No manifest: BundleError (7), as verify, run and deploy say; a config.json that is no object names itself."""
+    options = AppOptions(name="X", bundle_id="com.example.x")
+    bundle = make_bundle(tmp_path / "b")
+    (bundle / "config.json").write_text("[1, 2]")
+    with pytest.raises(InputError) as info:
+        render_app(bundle, tmp_path / "out", options)
+    assert info.value.file == str(bundle / "config.json")
+    (bundle / "manifest.json").unlink()
+    with pytest.raises(BundleError) as refused:
+        render_app(bundle, tmp_path / "out", options)
+    assert refused.value.exit_code == 7 and "manifest.json" in str(refused.value)
+    assert not (tmp_path / "out").exists()
 
 
 def test_output_folder_not_overwritten_without_force(tmp_path: Path, reference_bundle: Path) -> None:
