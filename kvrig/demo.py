@@ -115,6 +115,7 @@ def _say(on_event: Event | None, text: str) -> None:
 
 
 def run_demo(options: DemoOptions, on_event: Event | None = None) -> DemoResult:
+    profile = load_profile(options.device)  # a wrong --device stops before minutes of packaging
     out = options.out
     out.mkdir(parents=True, exist_ok=True)
     name = f"smollm2-{options.weights}-{options.kv}-p{options.prefill_step}"
@@ -137,7 +138,6 @@ def run_demo(options: DemoOptions, on_event: Event | None = None) -> DemoResult:
     )
     bundle, kv = packaged.path, packaged.kvcache
 
-    profile = load_profile(options.device)
     spec = load_model_spec(bundle)
     runtime = resolve_runtime(options.app_runtime, on_event)
     # The buffer cache the app's MLX really keeps on this host (measured; the bundle's cap is what Metal keeps).

@@ -300,8 +300,8 @@ def load_profile(ref: str | Path, ram_gb: int | None = None) -> DeviceProfile:
 
 
 def _load_profile(ref: str | Path) -> DeviceProfile:
-    if isinstance(ref, Path) or ref.endswith((".yaml", ".yml")) or "/" in ref:
-        return load_profile_file(ref)
+    if isinstance(ref, Path) or ref.endswith((".yaml", ".yml", ".json")) or "/" in ref:
+        return load_profile_file(ref)  # YAML reads JSON too
     ref = ref.strip()
     if re.match(PRODUCT_TYPE_RE.pattern, ref, re.IGNORECASE):
         found = find_profile_by_product_type(ref)
@@ -311,6 +311,8 @@ def _load_profile(ref: str | Path) -> DeviceProfile:
         found = next((p for p in list_profiles() if p.name == ref.lower()), None)
         if found is not None:
             return found
+    if Path(ref).is_file():  # a profile file named without a folder or a .yaml suffix
+        return load_profile_file(ref)
     raise ProfileError(_unknown_message(ref), expected="a profile name, a ProductType or a path to a YAML file")
 
 

@@ -85,6 +85,13 @@ def test_a_bad_recipe_or_group_is_refused_at_the_command_line(
         (["package", "--keep-tokens", "-1", "-o", "never"], 2, "'--keep-tokens'"),
         (["package", "--quantized-kv-start", "-5", "-o", "never"], 2, "'--quantized-kv-start'"),
         (["package", "--max-context", "0", "-o", "never"], 2, "'--max-context'"),
+        # a NaN limit never triggers: a hang watch that never fires, a timeout that never ends
+        (["soak", "--app-id", "x", "--hang-after", "nan", "-o", "never"], 2, "'--hang-after'"),
+        (["soak", "--app-id", "x", "--timeout", "inf", "-o", "never"], 2, "'--timeout'"),
+        (["soak", "--app-id", "x", "--reconnect", "inf", "-o", "never"], 2, "'--reconnect'"),
+        (["run", "never", "-p", "hi", "--temperature", "nan"], 2, "'--temperature'"),
+        (["plan", "-d", "iPhone16,1", "--margin", "nan"], 2, "'--margin'"),
+        (["bench", "quantize", "--budget", "nan"], 2, "'--budget'"),
     ],
 )
 def test_numbers_out_of_range_are_refused_at_once_naming_the_option(
@@ -98,11 +105,13 @@ def test_numbers_out_of_range_are_refused_at_once_naming_the_option(
     assert not (tmp_path / "never").exists()
 
 
-def test_package_refuses_an_unknown_device_before_reading_the_model(tmp_path: Path) -> None:
-    """It used to measure the source's KV specs for 40 s and then refuse the device. (package re-executes itself
-    to preload OpenBLAS, so this runs the command itself rather than the in-process probe.)"""
+@pytest.mark.parametrize("command", [["package", "-d", "nosuch"], ["demo", "--device", "nosuch"]])
+def test_an_unknown_device_is_refused_before_the_model_is_read(command: list[str], tmp_path: Path) -> None:
+    """package used to measure the source's KV specs for 40 s and then refuse the device, demo to package for as
+    long and leave the bundle. (Both re-execute themselves to preload OpenBLAS, so this runs the command itself
+    rather than the in-process probe.)"""
     done = subprocess.run(
-        [sys.executable, "-m", "kvrig", "package", "-d", "nosuch", "-o", "never"],
+        [sys.executable, "-m", "kvrig", *command, "-o", "never"],
         capture_output=True,
         text=True,
         cwd=tmp_path,

@@ -125,7 +125,7 @@ def test_convenience_properties():
     assert load_profile("iphone-se-3rd-gen").limit_entitled is None
 
 
-def test_lookup_by_product_type_name_and_path(tmp_path):
+def test_lookup_by_product_type_name_and_path(tmp_path, monkeypatch):
     assert load_profile("iPhone16,1").name == "iphone-15-pro"
     assert load_profile("iphone16,1").name == "iphone-15-pro"
     assert load_profile("iPad16,4").name == "ipad-pro-11-m4"
@@ -138,6 +138,12 @@ def test_lookup_by_product_type_name_and_path(tmp_path):
     own.write_text(path.read_text())
     assert load_profile(own).name == "ipad-air-5th-gen"
     assert find_profile_by_product_type("iPhone99,9") is None
+    # named as a user types it in the folder that holds it: JSON (which YAML reads), or no suffix at all
+    for name in ("my-phone.json", "my-phone"):
+        (tmp_path / name).write_text(json.dumps(yaml.safe_load(path.read_text())))
+        with monkeypatch.context() as patch:
+            patch.chdir(tmp_path)
+            assert load_profile(name).name == "ipad-air-5th-gen"
 
 
 def test_loader_prefers_the_wheel_data_folder_then_the_repo():

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import click
 
-from kvrig.cli.options import checked_specs, int_list
+from kvrig.cli.options import checked_specs, int_list, seconds_option
 from kvrig.cli.output import info
 from kvrig.cli.plan import plan_bench
 from kvrig.cli.render import echo_json, human_bytes, json_option
@@ -32,9 +32,9 @@ def bench() -> None:
 
 @bench.command("runtime")
 @click.argument("bundle", type=click.Path(path_type=Path, exists=True, file_okay=False))
-@click.option("--prompt-tokens", default=64, show_default=True, type=int)
-@click.option("--decode-tokens", default=16, show_default=True, type=int)
-@click.option("--timeout", default=3600.0, show_default=True, type=float, help="Seconds per side.")
+@click.option("--prompt-tokens", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--decode-tokens", default=16, show_default=True, type=click.IntRange(min=1))
+@seconds_option("--timeout", 3600.0, "Seconds per side.", minimum=1)
 @click.option(
     "--reference/--no-reference",
     default=True,
@@ -279,9 +279,7 @@ def _print_quality(report: object, paths: list[Path]) -> None:
 @_count_option(
     "--passages", 4, "Evaluation passages per kind, spread over its files (as bench quality's --weights-passages)."
 )
-@click.option(
-    "--budget", default=600.0, show_default=True, type=float, help="Seconds a recipe may take; longer: skipped."
-)
+@seconds_option("--budget", 600.0, "Seconds a recipe may take; longer: skipped.", minimum=1)
 @click.option("--scaling/--no-scaling", default=True, show_default=True, help="Time kvrig's on two tiny models.")
 @json_option
 def quantize(

@@ -3,6 +3,7 @@ command still says in its own help what the option means for it). `--json` and `
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import click
@@ -57,10 +58,15 @@ def tokens_option(name: str, default: int, help: str, *, minimum: int = 1) -> De
 def seconds_option(
     name: str, default: float | None, help: str, *, minimum: float, dest: str | None = None
 ) -> Decorator:
-    """A duration in seconds, at least `minimum`; no default means no limit."""
+    """A duration in seconds, at least `minimum` and finite (NaN would never trigger); no default means no limit."""
     decls = (name, dest) if dest else (name,)
     return click.option(
-        *decls, type=click.FloatRange(min=minimum), default=default, show_default=default is not None, help=help
+        *decls,
+        type=click.FloatRange(min=minimum),
+        default=default,
+        show_default=default is not None,
+        callback=finite("a number of seconds"),
+        help=help,
     )
 
 
@@ -121,6 +127,17 @@ def ram_option(help_suffix: str = "") -> Decorator:
         "or 16 GB; `kvrig profiles list` names each configuration); default: the base configuration. The same as "
         "--device REF@NGB." + help_suffix,
     )
+
+
+def finite(expected: str) -> Any:
+    """A callback refusing NaN and infinity, which click's FloatRange lets through."""
+
+    def check(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+        if value is not None and not math.isfinite(value):
+            raise click.BadParameter(f"expected {expected}, got {value}")
+        return value
+
+    return check
 
 
 def not_nan(expected: str) -> Any:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from kvrig.cli.options import backend_option, checked_specs, group_size_option, int_list, ram_option
+from kvrig.cli.options import backend_option, checked_specs, group_size_option, int_list, not_nan, ram_option
 from kvrig.cli.output import console
 from kvrig.cli.render import echo_json, human_bytes, json_option
 from kvrig.recipes import DEFAULT_GROUP_SIZE, WEIGHT_CANDIDATES
@@ -83,7 +83,13 @@ def _buffer_cache(ctx: click.Context, param: click.Parameter, value: str) -> flo
     type=click.IntRange(min=0),
     help="Uncapped app: tokens each generation decodes one at a time (the rest of its context is prefilled).",
 )
-@click.option("--margin", default=0.10, show_default=True, type=click.FloatRange(0, 1, max_open=True))
+@click.option(
+    "--margin",
+    default=0.10,
+    show_default=True,
+    type=click.FloatRange(0, 1, max_open=True),
+    callback=not_nan("a share of the limit in [0, 1)"),
+)
 @click.option(
     "--limit",
     type=click.Choice(["entitled", "default"]),

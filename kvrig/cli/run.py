@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from kvrig.cli.options import finite
 from kvrig.cli.render import echo_json, human_bytes, json_option
 
 
@@ -25,7 +26,14 @@ def _not_empty(prompt: str) -> str:
     help="Prompt text (wrapped in the chat template unless --raw).",
 )
 @click.option("--max-tokens", "-n", default=128, show_default=True, type=click.IntRange(min=1))
-@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0), help="0 = greedy.")
+@click.option(
+    "--temperature",
+    default=0.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    callback=finite("a temperature of 0 or more"),
+    help="0 = greedy.",
+)
 @click.option("--raw", is_flag=True, help="Do not apply the chat template.")
 @json_option
 def run(bundle: Path, prompt: str, max_tokens: int, temperature: float, raw: bool, as_json: bool) -> None:

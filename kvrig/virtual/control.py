@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvrig.exceptions import DeviceError, DeviceNotFoundError, VirtualPhoneError
+from kvrig.exceptions import DeviceError, DeviceNotFoundError, InputError, VirtualPhoneError
+from kvrig.profiles import load_profile
 from kvrig.virtual.faults import FaultPlan
 
 HEADER = struct.Struct("<IIII")
@@ -105,10 +106,18 @@ def start(
     server also listens on the TCP address `tcp` (HOST:PORT, port 0 picks one; `status` tells which)."""
     faults = faults or FaultPlan()
     faults.check(ios)
+    load_profile(profile)  # here, not in a detached server that would only log it
     options = device_options(state, profile, ios, limit_bytes, faults, baseline_bytes)
     if tcp is not None:
         options["Tcp"] = tcp
     if server_alive(address):
+        if any(Path(d["state"]).resolve() == state.resolve() for d in status(address)["Devices"]):
+            raise InputError(
+                f"a virtual iPhone on {address} runs from this folder already",
+                file=state,
+                field="--state",
+                expected="another state folder for a second phone",
+            )
         reply = send_control(address, {"MessageType": "KvrigAddDevice", **options})
         return _device_status(address, reply["UDID"])
     if detach:

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -183,6 +184,27 @@ def test_kvrig_virtual_status_without_server_is_a_clear_error(tmp_path: Path) ->
     result = kvrig("virtual", "status", "--socket", str(tmp_path / "nothing.sock"))
     assert result.returncode == 11
     assert "no virtual iPhone server" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_wrong_profile_or_a_busy_state_folder_is_refused_at_once(tmp_path: Path) -> None:
+    """--detach with an unknown profile waited a minute for a server that had died logging it; a second phone on a
+    running phone's state folder was exit 10 (talking to a phone failed)."""
+    address = str(tmp_path / "v.sock")
+    began = time.monotonic()
+    wrong = kvrig(
+        "virtual", "start", "--socket", address, "--state", str(tmp_path / "a"), "--profile", "iPhone99,1", "--detach"
+    )
+    assert wrong.returncode == 3 and "unknown device profile 'iPhone99,1'" in wrong.stderr
+    assert time.monotonic() - began < 30 and not Path(address).exists()
+    first = kvrig("virtual", "start", "--socket", address, "--state", str(tmp_path / "a"), "--detach")
+    assert first.returncode == 0, first.stderr
+    try:
+        again = kvrig("virtual", "start", "--socket", address, "--state", str(tmp_path / "a"))
+        assert again.returncode == 3 and "--state" in again.stderr and "already" in again.stderr
+        joined = kvrig("virtual", "start", "--socket", address, "--state", str(tmp_path / "b"), "--profile", "nope")
+        assert joined.returncode == 3 and "unknown device profile 'nope'" in joined.stderr
+    finally:
+        kvrig("virtual", "stop", "--socket", address)
 
 
 @pytest.mark.parametrize("ios", ["15.0"])
