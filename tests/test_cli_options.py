@@ -5,6 +5,7 @@ read or MLX imported (`--schemes k9v9` used to be refused after seconds of loadi
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrig.exceptions import BundleError, QuantizationError
+from kvrig.exceptions import BundleError, DeviceNotFoundError, QuantizationError
 
 # Runs one command in a fresh interpreter and reports its exit code, stderr and whether MLX was imported.
 PROBE = """
@@ -143,6 +144,45 @@ def test_soak_refuses_schedule_options_a_plan_file_would_override(tmp_path: Path
         cwd=tmp_path,
     )
     assert seen["code"] == 2 and "--max-tokens, --step with --plan" in seen["err"], seen
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+
+
+def test_a_soak_that_reaches_no_phone_leaves_no_folder(tmp_path: Path) -> None:
+    env = {**os.environ, "USBMUXD_SOCKET_ADDRESS": f"UNIX:{tmp_path / 'nobody.sock'}"}
+    done = subprocess.run(
+        [sys.executable, "-m", "kvrig", "soak", "--app-id", "com.x.y", "-o", "out/soak"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == DeviceNotFoundError.exit_code, done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        ({"telemetry_file": "../../../etc/passwd"}, "telemetry_file"),
+        ({"run_id": "../x"}, "run_id"),
+        ({"text": ""}, "text"),
+        ({"schedule": {"start_tokens": 100000, "step_tokens": 512, "max_tokens": 4096}}, "schedule"),
+        ({"schedule": {"start_tokens": 1, "step_tokens": 1, "max_tokens": 1e30}}, "schedule.max_tokens"),
+        ({"stop": {"max_seconds": float("inf")}}, "stop.max_seconds"),
+    ],
+)
+def test_a_soak_plan_the_app_could_not_run_is_refused_before_the_phone(
+    edit: dict[str, object], field: str, tmp_path: Path
+) -> None:
+    """Each reached the phone: an endless soak, a telemetry file outside Documents, a run with no text to feed."""
+    from kvrig.soaking.plan import make_plan
+
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({**make_plan(max_tokens=4096).model_dump(mode="json", by_alias=True), **edit}))
+    seen = probe("soak", "--app-id", "com.x.y", "--plan", str(plan), "-o", "out", cwd=tmp_path)
+    assert seen["code"] == 3, seen
+    assert str(plan) in seen["err"] and f"field '{field}'" in seen["err"], seen
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
 
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Final, Literal
+from typing import Annotated, Final, Literal
 
-from pydantic import Field, model_validator
+from pydantic import AfterValidator, Field, model_validator
 
 from kvrig.schemas import StrictModel
 from kvrig.schemas.kvcache import WeightsResidency
@@ -27,27 +27,54 @@ SOAKPLAN_FILE = "soakplan.json"
 SOAKPLAN_LAUNCH_ARGUMENT = "--kvrig-soak-plan"
 
 
+MAX_TOKENS: Final = 1 << 30
+"""No context reaches it; a count past it is a typo (or 1e30), which the app would take as an endless soak."""
+
+
 class GrowthSchedule(StrictModel):
-    start_tokens: int = Field(ge=1, description="context fed before the first measurement")
-    step_tokens: int = Field(ge=1, description="tokens added between measurements")
-    max_tokens: int = Field(ge=1, description="stop growing here")
-    decode_tokens: int = Field(default=16, ge=1, description="tokens generated at each point to measure tok/s")
+    start_tokens: int = Field(ge=1, le=MAX_TOKENS, description="context fed before the first measurement")
+    step_tokens: int = Field(ge=1, le=MAX_TOKENS, description="tokens added between measurements")
+    max_tokens: int = Field(ge=1, le=MAX_TOKENS, description="stop growing here")
+    decode_tokens: int = Field(
+        default=16, ge=1, le=MAX_TOKENS, description="tokens generated at each point to measure tok/s"
+    )
+
+    @model_validator(mode="after")
+    def _starts_below_its_end(self) -> GrowthSchedule:
+        if self.start_tokens > self.max_tokens:
+            raise ValueError(f"start_tokens {self.start_tokens} is past max_tokens {self.max_tokens}")
+        return self
 
 
 class StopConditions(StrictModel):
-    min_decode_tps: float | None = Field(default=None, ge=0)
+    min_decode_tps: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     max_footprint_bytes: int | None = Field(default=None, ge=0)
-    max_seconds: float | None = Field(default=None, gt=0)
+    max_seconds: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+
+
+def _file_name_part(value: str) -> str:
+    """A run id names files (telemetry, results): no folder separators, no `.` or `..`."""
+    if "/" in value or "\x00" in value or value in (".", ".."):
+        raise ValueError(f"{value!r} would name another folder (no '/', '.' or '..')")
+    return value
+
+
+def _container_path(value: str) -> str:
+    """A file in the app's Documents, where the app writes it and kvrig pulls it from."""
+    parts = value.split("/")
+    if not value or value.startswith("/") or any(part in ("", ".", "..") for part in parts) or "\x00" in value:
+        raise ValueError(f"{value!r} is not a relative path inside the app's Documents (no '..', '.' or '//')")
+    return value
 
 
 class SoakPlan(StrictModel):
     schema_version: Literal[2, 3, 4] = Field(default=SOAKPLAN_SCHEMA_VERSION, alias="schema")
-    run_id: str = Field(min_length=1)
+    run_id: Annotated[str, AfterValidator(_file_name_part)] = Field(min_length=1)
     scheme: str
     schedule: GrowthSchedule
     stop: StopConditions = StopConditions()
-    text: str = Field(description="fed repeatedly to grow the context")
-    telemetry_file: str = "telemetry.jsonl"
+    text: str = Field(min_length=1, description="fed repeatedly to grow the context")
+    telemetry_file: Annotated[str, AfterValidator(_container_path)] = "telemetry.jsonl"
     on_critical: OnCritical = "stop_and_save"
     backend: Literal["mlx", "coreml"] = Field(
         default="mlx", description="the runtime the app soaks: MLX, or KvrigModel.mlpackage (`kvrig app --coreml`)"

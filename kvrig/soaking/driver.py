@@ -629,10 +629,18 @@ async def soak(
     `kvrig soak` calls). A failed preflight raises its typed error before anything is written."""
 
     opts = options or SoakOptions()
-    claim_soak_output(Path(out_dir))
-    async with open_session(
-        udid, tunnel=opts.tunnel, usbmux_address=usbmux_address, handshake_timeout_s=opts.handshake_timeout_s
-    ) as device:
-        if opts.on_event is not None and device.tunnel is not None:
-            opts.on_event(f"{device.udid}: tunnel {device.tunnel.kind} ({device.tunnel.plan.reason})")
-        return await run_soak(device, app_bundle_id, plan, out_dir, opts)
+    out = Path(out_dir)
+    made = [] if out.exists() else [out, *(p for p in out.parents if not p.exists())]
+    claim_soak_output(out)
+    try:
+        async with open_session(
+            udid, tunnel=opts.tunnel, usbmux_address=usbmux_address, handshake_timeout_s=opts.handshake_timeout_s
+        ) as device:
+            if opts.on_event is not None and device.tunnel is not None:
+                opts.on_event(f"{device.udid}: tunnel {device.tunnel.kind} ({device.tunnel.plan.reason})")
+            return await run_soak(device, app_bundle_id, plan, out_dir, opts)
+    except BaseException:
+        for folder in made:  # no phone reached: leave no empty folder behind
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+        raise

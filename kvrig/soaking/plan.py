@@ -39,7 +39,7 @@ def make_plan(
         run_id=run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}",
         scheme=scheme,
         schedule=GrowthSchedule(
-            start_tokens=start_tokens or step_tokens,
+            start_tokens=min(start_tokens or step_tokens, max_tokens),  # a step longer than the soak: one point
             step_tokens=step_tokens,
             max_tokens=max_tokens,
             decode_tokens=decode_tokens,
