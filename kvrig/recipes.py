@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from typing import Final, Literal, cast
 
 from kvrig.exceptions import KVSchemeError, QuantizationError
-from kvrig.schemas.kvcache import GROUP_SIZES, KV_BITS  # what kvcache.json may carry
+from kvrig.schemas.kvcache import GROUP_SIZES, KV_BITS, ROTATION_PARTS, Rotation  # what kvcache.json may carry
 
 DEFAULT_GROUP_SIZE: Final = 64
 UNQUANTIZED: Final = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
@@ -177,7 +177,6 @@ def _group(group_size: int, text: str) -> int:
 
 # --- KV specs ----------------------------------------------------------------------------------------------
 
-Rotation = Literal["none", "hadamard", "hadamard_keys"]
 AUTO: Final = "auto"
 WEIGHT_CANDIDATES: Final = ("gpx-q4", "gpx-4.6", "q5", "q6", "q8")
 """What `--weights auto` tries, smallest first on every model: 4.5, ~4.6, 5.5, 6.5, 8.5 bits per weight. kvrig
@@ -186,7 +185,6 @@ _BASE = re.compile(r"^k(\d+)v(\d+)(?:g(\d+))?$", re.ASCII)
 _LAYER_KEYS = re.compile(r"^k(\d+)@(\d+(?:\.\d+)*)$", re.ASCII)
 _TOP_KEYS = re.compile(r"^k(\d+)@top(\d+)$", re.ASCII)
 _EXTRA = re.compile(r"^(rot|rotk|s(\d+)|w(\d+))$", re.ASCII)
-_ROTATION_PARTS: Final[dict[Rotation, str]] = {"none": "", "hadamard": "+rot", "hadamard_keys": "+rotk"}
 
 
 @dataclass(frozen=True)
@@ -229,7 +227,7 @@ class KVSpec:
     def name(self) -> str:
         sinks = f"+s{self.sink_tokens}" if self.sink_tokens else ""
         recent = f"+w{self.recent_tokens}" if self.recent_tokens else ""
-        return self.scheme + _ROTATION_PARTS[self.rotation] + sinks + recent
+        return self.scheme + ROTATION_PARTS[self.rotation] + sinks + recent
 
     def __str__(self) -> str:
         return self.name

@@ -38,11 +38,11 @@ def host_config(spec: ModelSpec, kv: KVSpec, *, max_context: int = 4096) -> KVCa
         layer_caches(spec, kv),
         max_context=max_context,
         prefill_step_size=256,
-        **_kv_fields(kv),
+        **kv_fields(kv),
     )
 
 
-def _kv_fields(kv: KVSpec) -> dict[str, Any]:
+def kv_fields(kv: KVSpec) -> dict[str, Any]:
     """The fields of kvcache.json that one KV spec decides."""
     return {
         "scheme": kv.scheme,
@@ -82,5 +82,5 @@ def build_kvcache_config(
         weights_layout=options.weights_layout,
         weights_alignment_bytes=PAGE_BYTES if options.weights_layout == "mapped" else None,
         layers=layer_caches(spec, kv),
-        **_kv_fields(kv),
+        **kv_fields(kv),
     )

@@ -70,6 +70,7 @@ def run(bundle: Path, prompt: str, max_tokens: int, temperature: float, raw: boo
                 "peak_memory_bytes": stats.peak_memory_bytes,
                 "finish_reason": stats.finish_reason,
                 "kv_scheme": loaded.kvcache.scheme,
+                "kv": loaded.kvcache.spec,  # the scheme with its extras (rotation, sinks, window)
                 "openblas": openblas_loaded(),
             }
         )
@@ -78,6 +79,6 @@ def run(bundle: Path, prompt: str, max_tokens: int, temperature: float, raw: boo
     click.echo(
         f"-- {stats.prompt_tokens} prompt tokens at {stats.prefill_tps:.1f} tok/s, "
         f"{stats.generated_tokens} generated at {stats.decode_tps:.1f} tok/s, "
-        f"peak memory {human_bytes(stats.peak_memory_bytes)} (kv {loaded.kvcache.scheme})",
+        f"peak memory {human_bytes(stats.peak_memory_bytes)} (kv {loaded.kvcache.spec})",
         err=True,
     )

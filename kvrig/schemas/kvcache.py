@@ -42,6 +42,10 @@ def _mlx_group_size(size: int) -> int:
 
 GroupSize = Annotated[int, AfterValidator(_mlx_group_size), Field(json_schema_extra={"enum": list(GROUP_SIZES)})]
 
+Rotation = Literal["none", "hadamard", "hadamard_keys"]
+ROTATION_PARTS: Final[dict[Rotation, str]] = {"none": "", "hadamard": "+rot", "hadamard_keys": "+rotk"}
+"""How each rotation is written in a KV spec (`k8v4+rot`)."""
+
 CacheKind = Literal["full", "sliding", "shared", "linear", "latent"]
 """full: grows with context; sliding: ring of `window` tokens; shared: reuses `source_layer`'s cache;
 linear: constant recurrent state; latent: MLA compressed latent (+ rope part) that grows with context."""
@@ -78,7 +82,7 @@ class KVCacheConfig(StrictModel):
     value_bits: KVBits | None
     group_size: GroupSize
     quantized_kv_start: int = Field(ge=0, description="context length at which quantization begins")
-    rotation: Literal["none", "hadamard_keys", "hadamard"] = Field(
+    rotation: Rotation = Field(
         default="none",
         description="Walsh-Hadamard rotation before quantization: hadamard_keys rotates keys (and queries); "
         "hadamard also rotates values and un-rotates the attention output. Needs a power-of-two head dim.",
@@ -116,6 +120,14 @@ class KVCacheConfig(StrictModel):
         if self.weights_layout == "mapped" and self.weights_alignment_bytes is None:
             raise ValueError("a mapped layout names its weights_alignment_bytes")
         return self
+
+    @property
+    def spec(self) -> str:
+        """The KV spec in full, as `--kv` takes it and the manifest records it (`k8v4+rot+s4`): the scheme with
+        the extras this file holds beside it."""
+        sinks = f"+s{self.sink_tokens}" if self.sink_tokens else ""
+        recent = f"+w{self.recent_tokens}" if self.recent_tokens else ""
+        return self.scheme + ROTATION_PARTS[self.rotation] + sinks + recent
 
 
 def host_kvcache(
