@@ -158,6 +158,7 @@ def test_a_soak_that_reaches_no_phone_leaves_no_folder(tmp_path: Path) -> None:
         timeout=120,
     )
     assert done.returncode == DeviceNotFoundError.exit_code, done.stderr
+    assert f"cannot reach usbmuxd at {tmp_path / 'nobody.sock'}" in done.stderr  # where it looked
     assert not (tmp_path / "out").exists()
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from pymobiledevice3 import usbmux
+from pymobiledevice3.exceptions import ConnectionFailedToUsbmuxdError
 from pymobiledevice3.lockdown import LockdownClient, create_using_usbmux
 from pymobiledevice3.lockdown_service_provider import LockdownServiceProvider
 
@@ -100,6 +101,7 @@ def _info(udid: str, connection: str, values: dict[str, Any]) -> DeviceInfo:
     return dataclasses.replace(info, error=str(problem), problem=problem)
 
 
+SYSTEM_USBMUXD = "/var/run/usbmuxd"  # where usbmuxd listens on macOS and Linux, and pymobiledevice3 looks
 WIFI_ONLY = "reachable over Wi-Fi only; kvrig drives phones over USB: connect it with a cable"
 
 
@@ -110,11 +112,17 @@ async def list_devices(*, usbmux_address: str | None = None) -> list[DeviceInfo]
         try:
             mux_devices = await usbmux.list_devices(usbmux_address=usbmux_address)
         except PermissionError as exc:  # a socket this user may not open: not a phone that went away
-            socket_path = usbmux_address or "/var/run/usbmuxd"
             raise DeviceNotFoundError(
-                f"listing devices: cannot reach usbmuxd: this user may not open its socket {socket_path} "
-                f"({exc.strerror}); usbmuxd makes it writable by everyone: check its permissions (ls -l) and who "
-                "made it"
+                f"listing devices: cannot reach usbmuxd: this user may not open its socket "
+                f"{usbmux_address or SYSTEM_USBMUXD} ({exc.strerror}); usbmuxd makes it writable by everyone: check "
+                "its permissions (ls -l) and who made it"
+            ) from exc
+        except ConnectionFailedToUsbmuxdError as exc:  # nothing listens there: say where kvrig looked
+            where = (
+                usbmux_address or f"{SYSTEM_USBMUXD} (the system's; USBMUXD_SOCKET_ADDRESS or --usbmuxd name another)"
+            )
+            raise DeviceNotFoundError(
+                f"listing devices: cannot reach usbmuxd at {where}: is a phone attached, or a virtual one running?"
             ) from exc
     found: list[DeviceInfo] = []
     seen: set[str] = set()
