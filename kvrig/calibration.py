@@ -292,6 +292,9 @@ def collect_limits(results: list[Path], into: LimitsRegistry | None = None) -> L
             if stated is None or stated.limit_bytes is None:
                 continue
             where = f"{path}#{run.run_id}"
+            if run.device.virtual:  # its limit is whatever `kvrig virtual start` was given: no phone's fact
+                skipped.append(f"{where}: a virtual iPhone's limit, not a phone's")
+                continue
             missing = [
                 name
                 for name, value in (

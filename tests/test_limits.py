@@ -75,6 +75,17 @@ def test_a_run_whose_entitlement_is_unknown_is_skipped_with_why(tmp_path: Path) 
     assert got.skipped == [f"{path}#r1: runs[0].stated_limit has no entitled"]
 
 
+def test_a_virtual_iphones_limit_is_no_phones_fact(tmp_path: Path) -> None:
+    """The demo soaks a virtual iPhone 15 Pro with the limit it was started with: calibrating from it put that
+    limit in the registry as the phone's, and `plan --limits` planned real iPhone 15 Pros against it."""
+    virtual = _run("r1", 1.0, 160)
+    virtual["device"]["virtual"] = True
+    path = _results(tmp_path / "a.json", virtual, _run("r2", 2.0, 3072))
+    got = collect_limits([path])
+    assert got.added == 1 and [e.limit_bytes for e in got.registry.limits] == [3072 * MIB]
+    assert got.skipped == [f"{path}#r1: a virtual iPhone's limit, not a phone's"]
+
+
 def test_the_registry_is_read_strictly_and_exported_as_json_schema(tmp_path: Path) -> None:
     out = tmp_path / "limits.json"
     runner = CliRunner()
@@ -82,6 +93,13 @@ def test_the_registry_is_read_strictly_and_exported_as_json_schema(tmp_path: Pat
     done = runner.invoke(cli, ["calibrate", str(results), "--limits", str(out), "--limits-only"])
     assert done.exit_code == 0, done.output
     assert "iPhone16,1" in done.output and "23A341" in done.output
+    planned = runner.invoke(cli, ["plan", "-d", "iPhone16,1", "--limits", str(out), "--os-build", "23A341"])
+    # whose each limit is: the profile's two, and the one the phone stated that the plan takes
+    assert (
+        "App memory limit: the profile's: default 3.3 GiB, entitled 6.0 GiB; planning against the stated "
+        in (planned.output)
+        and "entitled 3.0 GiB" in planned.output
+    ), planned.output
     data = json.loads(out.read_text())
     schema = json.loads(runner.invoke(cli, ["profiles", "schema", "--limits"]).output)
     jsonschema.validate(data, schema)

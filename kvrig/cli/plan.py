@@ -302,9 +302,11 @@ def render_plan(p) -> None:  # type: ignore[no-untyped-def]
         chosen = d.ram_configurations_gb[0]
         out.print(f"Sold with {sizes} under these ProductTypes: this plan is for {chosen} GB (--ram N chooses)")
     entitled = human_bytes(d.limit_entitled_bytes) if d.limit_entitled_bytes else "unknown"
+    # A limit a phone stated differs from the profile's: say whose each number is.
+    whose = ("the profile's: " if p.limit_measured_from else "") + f"default {human_bytes(d.limit_default_bytes)}"
+    against = ("the stated " if p.limit_measured_from else "") + f"{p.limit_kind} {human_bytes(p.limit_bytes)}"
     out.print(
-        f"App memory limit: default {human_bytes(d.limit_default_bytes)}, entitled {entitled}; "
-        f"planning against {p.limit_kind} {human_bytes(p.limit_bytes)} − {p.margin:.0%} margin = "
+        f"App memory limit: {whose}, entitled {entitled}; planning against {against} − {p.margin:.0%} margin = "
         f"{human_bytes(p.budget_bytes)}"
     )
     if p.limit_measured_from:

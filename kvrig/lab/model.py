@@ -52,6 +52,7 @@ def device_ref(udid: str, info: DeviceInfo | None, host: str | None) -> DeviceRe
         build_version=info.build_version if info else None,
         profile=info.profile if info else None,
         host=host,
+        virtual=bool(info and info.virtual),
     )
 
 

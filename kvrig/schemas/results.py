@@ -65,6 +65,9 @@ class DeviceRef(StrictModel):
     profile: str | None = Field(default=None, description="our device profile for the ProductType")
     build_version: str | None = Field(default=None, description="the OS build, e.g. 23A341 (schema 4)")
     host: str | None = Field(default=None, description="the usbmuxd host the phone was reached through (lab)")
+    virtual: bool = Field(
+        default=False, description="kvrig's virtual iPhone: its limit is the one it was started with, not a phone's"
+    )
 
 
 class TpsPoint(StrictModel):

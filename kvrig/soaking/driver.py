@@ -153,6 +153,7 @@ async def run_soak(
             os_version=info.os_version,
             build_version=info.build_version,
             profile=info.profile,
+            virtual=info.virtual,
         ),
         app_id=app_bundle_id,
         bundle=opts.bundle,

@@ -57,6 +57,7 @@ def test_a_phone_with_developer_mode_off_fails_only_its_own_runs(lab_out: dict[s
     saved = load_model_file(ResultsFile, lab_out["out"] / "results.json")
     (run,) = [r for r in saved.runs if r.device.udid == lab_out["off"].identity.udid]
     assert run.outcome is None and run.error is not None and "Developer Mode is off" in run.error
+    assert run.device.virtual is True
     assert run.tunnel is None  # the preflight stopped it before any tunnel was opened
     assert not lab_out["results"].passed
     assert sum(r.outcome == "completed" for r in saved.runs) == 2

@@ -184,6 +184,7 @@ def test_missing_app_leaves_partial_results(installed: Emulator, tmp_path: Path)
     saved = load_model_file(ResultsFile, tmp_path / "results.json").runs[0]
     assert saved.outcome is None and saved.error.startswith("find app: ")
     assert saved.device.udid == installed.udid and saved.steps_done == []
+    assert saved.device.virtual is True  # the results say so: calibrate keeps its limit out of the registry
 
 
 def _cli(emulator: Emulator, *args: str) -> subprocess.CompletedProcess[str]:
