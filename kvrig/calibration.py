@@ -201,12 +201,12 @@ def calibrate(
             if bundle is not None:
                 ref = bundle_ref(bundle)
             elif run.bundle is not None:
-                ref = bundle_ref(find_bundle(run.bundle, path, f"runs[{i}].bundle"))
+                ref = bundle_ref(find_bundle(run.bundle, path, f"runs.{i}.bundle"))
             elif model is not None:
                 ref = ModelRef(path=model, weights=weights)
             else:
                 raise CalibrationError(
-                    "the run names no bundle", file=path, field=f"runs[{i}].bundle", expected="--bundle or --model"
+                    "the run names no bundle", file=path, field=f"runs.{i}.bundle", expected="--bundle or --model"
                 )
             profile = _profile_for(run, path, i)
             points = points_for_run(run, i, path, ref, profile)
@@ -305,7 +305,7 @@ def collect_limits(results: list[Path], into: LimitsRegistry | None = None) -> L
                 if value is None
             ]
             if missing:
-                skipped.append(f"{where}: runs[{i}].stated_limit has no {', '.join(missing)}")
+                skipped.append(f"{where}: runs.{i}.stated_limit has no {', '.join(missing)}")
                 continue
             assert stated.product_type is not None and stated.build_version is not None and stated.entitled is not None
             key = (stated.product_type, stated.build_version, stated.entitled)

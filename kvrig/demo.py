@@ -27,6 +27,7 @@ from kvrig.packaging import package
 from kvrig.planner import PlanRequest, plan_memory
 from kvrig.planner.memory import DEFAULT_MARGIN
 from kvrig.profiles import AppMemoryLimit, SourcedInt, load_profile
+from kvrig.quality.bench import Tally
 from kvrig.schemas.bundle import MANIFEST_NAME
 from kvrig.schemas.kvcache import PressurePolicy
 from kvrig.schemas.results import JETSAM_OUTCOMES, Prediction, SoakResult
@@ -123,19 +124,23 @@ def run_demo(options: DemoOptions, on_event: Event | None = None) -> DemoResult:
     bundle_dir = out / "bundles" / name
     if (bundle_dir / MANIFEST_NAME).is_file():
         shutil.rmtree(bundle_dir)  # the demo's own bundle from an earlier run: rebuilt, never forced past a check
-    packaged = package(
-        embedded_default_model(),
-        bundle_dir,
-        PackageOptions(
-            weights=options.weights,
-            kv=options.kv,
-            prefill_step_size=options.prefill_step,
-            quality_gate=options.quality_gate,
-            # The demo measures where jetsam strikes: an app that evicted under pressure would move it.
-            pressure=PressurePolicy(warning="none", critical="none"),
-            progress=lambda line: _say(on_event, line),
-        ),
-    )
+    tally = Tally(lambda line: _say(on_event, line))  # a count of layers quantized, not a line each
+    try:
+        packaged = package(
+            embedded_default_model(),
+            bundle_dir,
+            PackageOptions(
+                weights=options.weights,
+                kv=options.kv,
+                prefill_step_size=options.prefill_step,
+                quality_gate=options.quality_gate,
+                # The demo measures where jetsam strikes: an app that evicted under pressure would move it.
+                pressure=PressurePolicy(warning="none", critical="none"),
+                progress=tally,
+            ),
+        )
+    finally:
+        tally.close()
     bundle, kv = packaged.path, packaged.kvcache
 
     spec = load_model_spec(bundle)

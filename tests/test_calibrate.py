@@ -180,7 +180,7 @@ def test_bundle_not_found(soaked: Soaked, tmp_path: Path) -> None:
     path.write_text(soaked.results.read_text())
     with pytest.raises(CalibrationError) as caught:
         calibrate([path])
-    assert str(path) in str(caught.value) and "runs[0].bundle" in str(caught.value)
+    assert str(path) in str(caught.value) and "runs.0.bundle" in str(caught.value)
     assert "smollm2-q4-k8v4" in str(caught.value)
 
 

@@ -72,7 +72,7 @@ def test_a_run_whose_entitlement_is_unknown_is_skipped_with_why(tmp_path: Path) 
     path = _results(tmp_path / "a.json", _run("r1", 1.0, 3072, entitled=None))
     got = collect_limits([path])
     assert got.registry.limits == []
-    assert got.skipped == [f"{path}#r1: runs[0].stated_limit has no entitled"]
+    assert got.skipped == [f"{path}#r1: runs.0.stated_limit has no entitled"]
 
 
 def test_a_virtual_iphones_limit_is_no_phones_fact(tmp_path: Path) -> None:

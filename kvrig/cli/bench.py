@@ -279,7 +279,7 @@ def _print_quality(report: object, paths: list[Path]) -> None:
 @_count_option(
     "--passages", 4, "Evaluation passages per kind, spread over its files (as bench quality's --weights-passages)."
 )
-@seconds_option("--budget", 600.0, "Seconds a recipe may take; longer: skipped.", minimum=1)
+@seconds_option("--budget", 600.0, "Seconds a recipe may take; longer: skipped.", minimum=0.01)
 @click.option("--scaling/--no-scaling", default=True, show_default=True, help="Time kvrig's on two tiny models.")
 @json_option
 def quantize(

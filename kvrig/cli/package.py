@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from kvrig.cli.options import checked_specs, group_size_option, not_nan, ram_option, retired_force_option
-from kvrig.cli.output import info, warn
+from kvrig.cli.output import OUTPUT, info, warn
 from kvrig.cli.render import echo_json, human_bytes, json_option
 from kvrig.recipes import DEFAULT_GROUP_SIZE, WEIGHT_CANDIDATES
 
@@ -137,6 +137,7 @@ def package(
     from kvrig.bundle.options import PackageOptions
     from kvrig.packaging import package as package_bundle
     from kvrig.profiles import device_ref
+    from kvrig.quality.bench import Tally
 
     if ram_gb is not None and device is None:
         raise click.BadParameter("--ram names the RAM of --device; give the device too", param_hint="--ram")
@@ -160,9 +161,13 @@ def package(
         keep_tokens=keep_tokens,
         prefill_step_size=prefill_step,
         max_context=max_context,
-        progress=info,
+        # A count of layers quantized every few seconds, not a line each (-v: each layer's line)
+        progress=(tally := Tally(info, every_s=0 if OUTPUT.verbosity > 0 else 10.0)),
     )
-    result = package_bundle(model, output, options)
+    try:
+        result = package_bundle(model, output, options)
+    finally:
+        tally.close()
     for warning in result.warnings:
         warn(warning)
     if as_json:

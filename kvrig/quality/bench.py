@@ -137,8 +137,9 @@ def bench_source(model: str | Path | None) -> Iterator[tuple[Path, str, Path | N
 
 
 class Tally:
-    """The quantizer's progress for a bench that runs many recipes: its line per layer and per distillation step
-    become a count shown every `every_s` seconds and once at the end; other lines pass."""
+    """The quantizer's progress for a bench or a package that runs many recipes: its line per layer and per
+    distillation step become a count shown every `every_s` seconds, and once more before the next other line and
+    at the end (so each recipe's count closes before what follows it); other lines pass."""
 
     KINDS = (("quantized ", "layers quantized"), ("distilled step ", "distillation steps"))
 
@@ -146,21 +147,26 @@ class Tally:
         self.progress, self.every_s = progress, every_s
         self.counts = {what: 0 for _, what in self.KINDS}
         self.shown = time.monotonic()
+        self.indent = ""  # the counted lines' own (package indents a recipe's steps)
 
     def __call__(self, line: str) -> None:
-        what = next((what for prefix, what in self.KINDS if line.startswith(prefix)), None)
+        text = line.lstrip()
+        what = next((what for prefix, what in self.KINDS if text.startswith(prefix)), None)
         if what is None:
+            self.close()
             self.progress(line)
             return
+        self.indent = line[: len(line) - len(text)]
         self.counts[what] += 1
         if time.monotonic() - self.shown >= self.every_s:
-            self.progress(f"{what}: {self.counts[what]} (last: {line})")
+            self.progress(f"{self.indent}{what}: {self.counts[what]} (last: {text})")
             self.shown = time.monotonic()
 
     def close(self) -> None:
         done = [f"{what}: {n}" for what, n in self.counts.items() if n]
         if done:
-            self.progress(", ".join(done))
+            self.progress(self.indent + ", ".join(done))
+        self.counts = dict.fromkeys(self.counts, 0)
 
 
 def load_weights(

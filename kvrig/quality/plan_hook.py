@@ -26,7 +26,7 @@ def read_quality(path: Path) -> dict[str, Any]:
                 raise SchemaError(
                     "not a row of kvrig bench quality",
                     file=path,
-                    field=f"{section}[{i}]",
+                    field=f"{section}.{i}",
                     expected=f"an object with '{name}' (text) and 'ppl_delta_pct' (a number)",
                 )
     return data

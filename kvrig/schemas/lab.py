@@ -23,15 +23,15 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Annotated, Any, Final, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from kvrig.exceptions import SchemaError
 from kvrig.fileio import read_data
 from kvrig.schemas import StrictModel, validate_data
 from kvrig.schemas.kvcache import WeightsResidency
-from kvrig.schemas.soakplan import OnCritical
+from kvrig.schemas.soakplan import MAX_TOKENS, OnCritical
 
 LAB_SCHEMA_VERSION: Final = 1
 ANY_DEVICE = "any"
@@ -69,11 +69,19 @@ class SchemeSpec(StrictModel):
 
 
 class SoakSchedule(StrictModel):
-    start_tokens: int | None = Field(default=None, ge=1, description="default: step_tokens")
-    step_tokens: int = Field(default=256, ge=1)
-    max_tokens: int = Field(default=131072, ge=1)
-    decode_tokens: int = Field(default=16, ge=1)
-    max_seconds: float | None = Field(default=None, gt=0, description="the app stops itself after this long")
+    start_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS, description="default: step_tokens")
+    step_tokens: int = Field(default=256, ge=1, le=MAX_TOKENS)
+    max_tokens: int = Field(default=131072, ge=1, le=MAX_TOKENS)
+    decode_tokens: int = Field(default=16, ge=1, le=MAX_TOKENS)
+    max_seconds: float | None = Field(
+        default=None, gt=0, allow_inf_nan=False, description="the app stops itself after this long"
+    )
+
+    @model_validator(mode="after")
+    def _starts_below_its_end(self) -> SoakSchedule:
+        if self.start_tokens is not None and self.start_tokens > self.max_tokens:
+            raise ValueError(f"start_tokens {self.start_tokens} is past max_tokens {self.max_tokens}")
+        return self
 
 
 class PlanOptions(StrictModel):
@@ -84,7 +92,9 @@ class PlanOptions(StrictModel):
         description="the weight recipe to plan (recipes.py); default: the bundle's own (its manifest.json), else "
         "auto as kvrig plan counts it",
     )
-    margin: float = Field(default=0.0, ge=0, lt=1, description="0: predict the context at the limit itself")
+    margin: float = Field(
+        default=0.0, ge=0, lt=1, allow_inf_nan=False, description="0: predict the context at the limit itself"
+    )
     limit: LimitChoice = Field(
         default="app",
         description="the limit to predict against; app: the one iOS gives the run's app: the device's entitled limit "
@@ -97,11 +107,15 @@ class PlanOptions(StrictModel):
 
 class Gates(StrictModel):
     min_max_safe_context: int | None = Field(default=None, ge=0, description="tokens")
-    min_decode_tps_at: dict[int, float] = Field(
+    # A NaN threshold passes every run (no comparison with it is false), a context below 1 is none measured.
+    min_decode_tps_at: dict[Annotated[int, Field(ge=1)], Annotated[float, Field(ge=0, allow_inf_nan=False)]] = Field(
         default_factory=dict, description="context tokens -> minimum decode tok/s measured there"
     )
     max_predicted_error: float | None = Field(
-        default=None, ge=0, description="|measured - predicted| / predicted max context, as a fraction"
+        default=None,
+        ge=0,
+        allow_inf_nan=False,
+        description="|measured - predicted| / predicted max context, as a fraction",
     )
 
     def merged(self, override: Gates | None) -> Gates:
@@ -186,6 +200,8 @@ class ThresholdSearch(StrictModel):
 
 
 class Timeouts(StrictModel):
+    model_config = ConfigDict(allow_inf_nan=False)  # a NaN or infinite deadline never fires
+
     run_s: float | None = Field(default=None, gt=0, description="one soak run (default: no limit)")
     hang_after_s: float = Field(default=120.0, gt=0, description="no telemetry this long while alive: hung")
     reconnect_s: float = Field(default=30.0, ge=0, description="how long a vanished phone may take to return")

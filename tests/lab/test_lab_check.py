@@ -24,11 +24,19 @@ def _entry(**changes: Any) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("lab", "field", "words"),
     [
-        ({"matrix": [_entry(plan={"weights": "q9"})]}, "matrix[0].plan.weights", "q9"),
-        ({"matrix": [_entry(schemes=[{"name": "wide", "plan_scheme": "k9v9"}])]}, "matrix[0].schemes[0]", "k9v9"),
-        ({"matrix": [_entry(model="nowhere/config.json")]}, "matrix[0].model", "does not exist"),
-        ({"matrix": [_entry(ipa="App.ipa")]}, "matrix[0].ipa", "does not exist"),
-        ({"devices": [{"udid": "any", "profile": "iphone-99"}], "matrix": [_entry()]}, "devices[0].profile", "99"),
+        ({"matrix": [_entry(plan={"weights": "q9"})]}, "matrix.0.plan.weights", "q9"),
+        ({"matrix": [_entry(schemes=[{"name": "wide", "plan_scheme": "k9v9"}])]}, "matrix.0.schemes.0", "k9v9"),
+        ({"matrix": [_entry(model="nowhere/config.json")]}, "matrix.0.model", "does not exist"),
+        ({"matrix": [_entry(ipa="App.ipa")]}, "matrix.0.ipa", "does not exist"),
+        ({"devices": [{"udid": "any", "profile": "iphone-99"}], "matrix": [_entry()]}, "devices.0.profile", "99"),
+        # what the paths hold, not only that they are there
+        ({"matrix": [_entry(model=str(ROOT / "README.md"))]}, "matrix.0.model", "not valid JSON"),
+        ({"matrix": [_entry(model=None, bundle_path=str(ROOT))]}, "matrix.0.bundle_path", "no manifest.json"),
+        ({"matrix": [_entry(ipa=str(ROOT / "examples"))]}, "matrix.0.ipa", "a .app folder"),
+        # numbers a run could never meet or end on
+        ({"matrix": [_entry(gates={"min_decode_tps_at": {512: float("nan")}})]}, "matrix.0.gates", "finite"),
+        ({"matrix": [_entry(soak={"start_tokens": 9000, "max_tokens": 4096})]}, "matrix.0.soak", "past max_tokens"),
+        ({"matrix": [_entry()], "timeouts": {"run_s": float("inf")}}, "timeouts.run_s", "finite"),
     ],
 )
 def test_a_lab_file_mistake_is_refused_before_any_phone(

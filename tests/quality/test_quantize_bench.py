@@ -148,12 +148,18 @@ def test_dwq_trains_the_q4_layouts_scales() -> None:
     assert not mx.array_equal(ours.scales, theirs.scales)
 
 
-def test_package_names_each_layer_on_stderr_and_keeps_json_clean(tiny: Path, tmp_path: Path) -> None:
-    args = ["package", str(tiny), "--weights", "gpx-q4", "--kv", "fp16", "--no-quality-gate", "-o", str(tmp_path / "b")]
-    result = CliRunner().invoke(cli, [*args, "--json"], catch_exceptions=False)
+def test_package_counts_the_layers_on_stderr_and_keeps_json_clean(tiny: Path, tmp_path: Path) -> None:
+    """A count of the layers quantized (SmolLM2's 211 lines per recipe buried what package tried); -v names each."""
+    args = ["package", str(tiny), "--weights", "gpx-q4", "--kv", "fp16", "--no-quality-gate", "-o"]
+    result = CliRunner().invoke(cli, [*args, str(tmp_path / "b"), "--json"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["manifest"]["recipe"]["weights"] == "gpx-q4"
-    lines = [line.strip() for line in result.stderr.splitlines() if line.strip().startswith("quantized ")]
+    assert f"layers quantized: {7 * LAYERS + 1}" in result.stderr
+    assert not [line for line in result.stderr.splitlines() if line.strip().startswith("quantized ")]
+
+    verbose = CliRunner().invoke(cli, ["-v", *args, str(tmp_path / "c")], catch_exceptions=False)
+    assert verbose.exit_code == 0, verbose.output
+    lines = [line.split("(last: ")[-1].rstrip(")") for line in verbose.stderr.splitlines() if "(last: " in line]
     assert len(lines) == len(set(lines)) == 7 * LAYERS + 1
     assert "quantized model.layers.1.mlp.down_proj" in lines
 
