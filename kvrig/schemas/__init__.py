@@ -23,25 +23,34 @@ class StrictModel(BaseModel):
 M = TypeVar("M", bound=BaseModel)
 
 
-def describe_validation_error(exc: ValidationError) -> tuple[str, str, str]:
+def describe_validation_error(exc: ValidationError, model: type[BaseModel] | None = None) -> tuple[str, str, str]:
     """The first error as (field path, "" for the whole file; message; expected). An unknown key comes before the
-    missing ones (a misspelt key is both), with the missing key it most likely meant."""
+    missing ones (a misspelt key is both), with the missing key it most likely meant; at the top of a file of
+    `model`, the keys it takes are named (a file of another kind shows at once)."""
     errors = exc.errors()
     err = next((e for e in errors if e.get("type") == "extra_forbidden"), errors[0])
     loc = tuple(err.get("loc", ()))
     field = ".".join(str(p) for p in loc)
     kind = err.get("type", "")
+    got = err.get("input")
+    shown = repr(got) if not isinstance(got, dict | list) else type(got).__name__
     if kind == "extra_forbidden":
         missing = [str(e["loc"][-1]) for e in errors if e.get("type") == "missing" and tuple(e["loc"][:-1]) == loc[:-1]]
         meant = difflib.get_close_matches(str(loc[-1]), missing, n=1) if loc else []
-        return field, "unknown key" + (f"; did you mean '{meant[0]}'?" if meant else ""), "one of the documented keys"
+        keys = _keys(model) if model is not None and len(loc) == 1 else []
+        expected = f"one of {', '.join(keys)}" if keys else "one of the documented keys"
+        return field, "unknown key" + (f"; did you mean '{meant[0]}'?" if meant else ""), expected
+    if kind in ("model_type", "model_attributes_type", "dict_type"):  # not pydantic's class names: what it is
+        return field, f"not an object, got {shown}", "an object of named fields"
     if kind == "missing":
         return field, "missing", "a value"
     if kind == "value_error" and "error" in err.get("ctx", {}):
         return field, str(err["ctx"]["error"]), ""  # a check across fields: its own words, not the input's
-    got = err.get("input")
-    shown = repr(got) if not isinstance(got, dict | list) else type(got).__name__
     return field, f"{err.get('msg', 'invalid')}, got {shown}", ""
+
+
+def _keys(model: type[BaseModel]) -> list[str]:
+    return [info.alias or name for name, info in model.model_fields.items()]
 
 
 def load_model_file(model: type[M], path: str | Path, *, error: type[SchemaError] = SchemaError) -> M:
@@ -55,7 +64,7 @@ def validate_data(
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        field, message, expected = describe_validation_error(exc)
+        field, message, expected = describe_validation_error(exc, model)
         raise error(message, file=file, field=field or None, expected=expected or None) from None
 
 

@@ -1,0 +1,32 @@
+"""A file of the wrong shape or kind is named for what it is, in the words of the file, never pydantic's class names."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvrig.exceptions import SchemaError
+from kvrig.schemas import load_model_file
+from kvrig.schemas.kvcache import KVCacheConfig
+from kvrig.schemas.results import ResultsFile
+
+
+def test_a_list_where_an_object_belongs_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "kvcache.json"
+    path.write_text("[1, 2]")
+    with pytest.raises(SchemaError) as caught:
+        load_model_file(KVCacheConfig, path)
+    assert str(caught.value) == f"{path}: not an object, got list (expected an object of named fields)"
+
+
+def test_a_file_of_another_kind_names_the_keys_this_one_takes(tmp_path: Path) -> None:
+    """kvrig calibrate given a kvcache.json said only "unknown key (expected one of the documented keys)"."""
+    path = tmp_path / "kvcache.json"
+    path.write_text(json.dumps({"scheme": "k8v4", "key_bits": 8}))
+    with pytest.raises(SchemaError) as caught:
+        load_model_file(ResultsFile, path)
+    keys = [info.alias or name for name, info in ResultsFile.model_fields.items()]
+    assert caught.value.field == "scheme" and f"expected one of {', '.join(keys)}" in str(caught.value)
+    assert "runs" in keys and "KVCacheConfig" not in str(caught.value)
