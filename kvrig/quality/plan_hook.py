@@ -5,11 +5,13 @@ it already passes."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
-from kvrig.exceptions import SchemaError
+from kvrig.exceptions import QuantizationError, SchemaError
 from kvrig.fileio import read_data
+from kvrig.recipes import parse_kv, parse_weights
 
 DEFAULT_KV_LIMIT_PCT = 2.0
 
@@ -19,7 +21,7 @@ def read_quality(path: Path) -> dict[str, Any]:
     data = read_data(path, error=SchemaError, expected="quality.json from kvrig bench quality")
     if not isinstance(data, dict) or not isinstance(data.get("kv"), list) or not isinstance(data.get("weights"), list):
         raise SchemaError("not a quality report", file=path, field="kv", expected="lists 'kv' and 'weights'")
-    for section, name in (("kv", "kv"), ("weights", "recipe")):
+    for section, name, parse in (("kv", "kv", parse_kv), ("weights", "recipe", _parse_recipe)):
         for i, row in enumerate(data[section]):
             delta = row.get("ppl_delta_pct") if isinstance(row, dict) else None
             if not isinstance(row, dict) or not isinstance(row.get(name), str) or not _number(delta):
@@ -27,13 +29,21 @@ def read_quality(path: Path) -> dict[str, Any]:
                     "not a row of kvrig bench quality",
                     file=path,
                     field=f"{section}.{i}",
-                    expected=f"an object with '{name}' (text) and 'ppl_delta_pct' (a number)",
+                    expected=f"an object with '{name}' (text) and 'ppl_delta_pct' (a finite number)",
                 )
+            try:  # a misspelt name would match no plan row and drop out of the recommendation unseen
+                parse(row[name])
+            except QuantizationError as exc:
+                raise SchemaError(str(exc), file=path, field=f"{section}.{i}.{name}") from None
     return data
 
 
+def _parse_recipe(name: str) -> object:
+    return None if name == "source" else parse_weights(name)  # the bench's unquantized reference row
+
+
 def _number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and value == value  # NaN is not
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def apply_quality(

@@ -41,8 +41,12 @@ def test_recommendation_skips_schemes_measured_over_the_limit(tmp_path: Path) ->
     bad = tmp_path / "bad.json"
     for text, field in [
         ("{}", "field 'kv'"),
-        ('{"kv": [{"kv": "k8v4"}], "weights": []}', "field 'kv[0]'"),
-        ('{"kv": [], "weights": [{"recipe": "q4", "ppl_delta_pct": "high"}]}', "field 'weights[0]'"),
+        ('{"kv": [{"kv": "k8v4"}], "weights": []}', "field 'kv.0'"),
+        ('{"kv": [], "weights": [{"recipe": "q4", "ppl_delta_pct": "high"}]}', "field 'weights.0'"),
+        # a name that matches no plan row, or a change no limit can be compared with, dropped out unseen
+        ('{"kv": [{"kv": "k8v4x", "ppl_delta_pct": 1}], "weights": []}', "field 'kv.0.kv'"),
+        ('{"kv": [], "weights": [{"recipe": "q4x", "ppl_delta_pct": 1}]}', "field 'weights.0.recipe'"),
+        ('{"kv": [{"kv": "k8v4", "ppl_delta_pct": Infinity}], "weights": []}', "field 'kv.0'"),
     ]:
         bad.write_text(text)
         with pytest.raises(SchemaError):
