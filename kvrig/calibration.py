@@ -89,13 +89,13 @@ def _profile_for(run: SoakResult, results_path: Path, index: int):  # type: igno
         raise CalibrationError(
             "the run names no device profile or ProductType",
             file=results_path,
-            field=f"runs[{index}].device.profile",
+            field=f"runs.{index}.device.profile",
             expected="a profile name or ProductType",
         )
     try:
         return load_profile(ref)
     except ProfileError as exc:
-        raise CalibrationError(str(exc), file=results_path, field=f"runs[{index}].device.profile") from None
+        raise CalibrationError(str(exc), file=results_path, field=f"runs.{index}.device.profile") from None
 
 
 def points_for_run(
@@ -112,7 +112,7 @@ def points_for_run(
     try:
         parse_kv(run.scheme)
     except QuantizationError as exc:
-        raise CalibrationError(str(exc), file=results_path, field=f"runs[{index}].scheme") from None
+        raise CalibrationError(str(exc), file=results_path, field=f"runs.{index}.scheme") from None
     request = PlanRequest(
         schemes=(run.scheme,),
         weights=ref.weights,
@@ -127,14 +127,14 @@ def points_for_run(
     try:
         plan = plan_memory(load_model_spec(ref.path), profile, request)
     except PlanInputError as exc:  # contexts no plan takes, as the run's telemetry says
-        raise CalibrationError(str(exc), file=results_path, field=f"runs[{index}].tps_curve") from None
+        raise CalibrationError(str(exc), file=results_path, field=f"runs.{index}.tps_curve") from None
     caches = measured_buffer_caches(run, results_path)
     if run.weights_residency == "mapped" and run.mapped_weight_bytes is None:
         # the footprint left out some weights, but the app did not say how many: none can be subtracted right
         raise CalibrationError(
             "the run held its weights mapped but does not say how many bytes",
             file=results_path,
-            field=f"runs[{index}].mapped_weight_bytes",
+            field=f"runs.{index}.mapped_weight_bytes",
             expected="the bytes the app mapped (its start record's mapped_weight_bytes); rerun with a current app",
         )
     mapped = (run.mapped_weight_bytes or 0) if run.weights_residency == "mapped" else 0
@@ -145,6 +145,16 @@ def points_for_run(
         kv = plan.kv_bytes[run.scheme][str(p.context_tokens)]
         overhead = footprint - (plan.weights_bytes - mapped) - kv
         cache = caches.get(p.t, ref.buffer_cache_bytes) if p.t is not None else ref.buffer_cache_bytes
+        if overhead - cache < 0:  # less than the app's own weights and KV: no baseline can be below nothing
+            step = run.tps_curve.index(p)
+            raise CalibrationError(
+                f"a footprint of {footprint} bytes at {p.context_tokens} tokens is below the weights and KV cache "
+                f"the app holds there ({footprint - overhead + cache} bytes with its buffer cache): the run is of "
+                "another bundle than the one calibrated against, or the file was edited",
+                file=results_path,
+                field=f"runs.{index}.tps_curve.{step}.phys_footprint_bytes",
+                expected=f"the run's own bundle ({ref.path})",
+            )
         points.append(
             CalibrationPoint(
                 source=str(results_path),
@@ -217,7 +227,7 @@ def calibrate(
             raise CalibrationError(
                 "no run has telemetry footprints to calibrate from",
                 file=path,
-                field="runs[*].tps_curve[*].phys_footprint_bytes",
+                field="runs.*.tps_curve.*.phys_footprint_bytes",
                 expected="a soak whose app wrote step records with phys_footprint_bytes",
             )
     profiles = {}

@@ -157,16 +157,21 @@ def test_results_without_telemetry_points(soaked: Soaked, tmp_path: Path, capsys
 @pytest.mark.parametrize(
     ("change", "field", "words"),
     [
-        ({"scheme": "k9v9"}, "runs[0].scheme", "k9v9"),
-        ({"device": {"udid": "u", "profile": "iphone-99"}}, "runs[0].device.profile", "iphone-99"),
-        ({"weights_residency": "mapped", "mapped_weight_bytes": None}, "runs[0].mapped_weight_bytes", "how many"),
+        ({"scheme": "k9v9"}, "runs.0.scheme", "k9v9"),
+        ({"device": {"udid": "u", "profile": "iphone-99"}}, "runs.0.device.profile", "iphone-99"),
+        ({"weights_residency": "mapped", "mapped_weight_bytes": None}, "runs.0.mapped_weight_bytes", "how many"),
+        # a footprint below the app's own weights and KV: a negative baseline, which plans would add as room
+        ({"tps_curve": "footprint of 1 byte"}, "runs.0.tps_curve.0.phys_footprint_bytes", "another bundle"),
     ],
 )
 def test_a_run_the_plan_cannot_take_is_refused_naming_the_results_file_and_field(
     soaked: Soaked, tmp_path: Path, change: dict, field: str, words: str
 ) -> None:
     data = json.loads(soaked.results.read_text())
-    data["runs"][0].update(change)
+    if change.get("tps_curve") == "footprint of 1 byte":
+        data["runs"][0]["tps_curve"][0]["phys_footprint_bytes"] = 1
+    else:
+        data["runs"][0].update(change)
     path = tmp_path / "results.json"
     path.write_text(json.dumps(data))
     with pytest.raises(CalibrationError) as caught:

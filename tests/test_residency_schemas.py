@@ -66,7 +66,7 @@ def test_results_3_record_the_residency_and_2_still_reads() -> None:
     assert ResultsFile.model_validate(old).runs[0].weights_residency is None
     carrying = json.loads(json.dumps(old))
     carrying["runs"][0]["weights_residency"] = "mapped"
-    with pytest.raises(ValidationError, match=r"runs\[0\].*schema-3 fields"):
+    with pytest.raises(ValidationError, match=r"runs\.0: .*schema-3 fields"):
         ResultsFile.model_validate(carrying)
     assert ResultsFile.model_validate({**carrying, "schema": 3}).runs[0].weights_residency == "mapped"
     assert _run("mapped").variant == "k8v4/mapped" and _run(None).variant == "k8v4"

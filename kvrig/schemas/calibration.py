@@ -41,7 +41,7 @@ class CalibrationPoint(StrictModel):
 
 
 class ProfileCalibration(StrictModel):
-    baseline_bytes: int = Field(description="median of the points' baselines")
+    baseline_bytes: int = Field(ge=0, description="median of the points' baselines")
     points: int = Field(ge=1)
     spread_bytes: int = Field(ge=0, description="max − min of the points' baselines")
     min_baseline_bytes: int

@@ -46,7 +46,7 @@ class LimitsRegistry(StrictModel):
         seen: set[tuple[str, str, bool]] = set()
         for i, entry in enumerate(self.limits):
             if entry.key in seen:
-                raise ValueError(f"limits[{i}]: {entry.key} is listed twice (one per ProductType × build × entitled)")
+                raise ValueError(f"limits.{i}: {entry.key} is listed twice (one per ProductType × build × entitled)")
             seen.add(entry.key)
         return self
 

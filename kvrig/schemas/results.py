@@ -310,7 +310,7 @@ class ResultsFile(StrictModel):
             for i, run in enumerate(self.runs):
                 found = [name for name in RESIDENCY_FIELDS if getattr(run, name) is not None]
                 if found:
-                    raise ValueError(f"runs[{i}]: {found} are schema-3 fields; an older file cannot carry them")
+                    raise ValueError(f"runs.{i}: {found} are schema-3 fields; an older file cannot carry them")
         if self.schema_version < 4:
             for i, run in enumerate(self.runs):
                 found = [name for name in SCHEMA_4_FIELDS if getattr(run, name)]  # None and [] are every schema's
@@ -319,7 +319,7 @@ class ResultsFile(StrictModel):
                 found += [f"outcome {run.outcome}"] if run.outcome in SCHEMA_4_OUTCOMES else []
                 found += [f"confirmation {c.outcome}" for c in run.confirmations if c.outcome in SCHEMA_4_OUTCOMES]
                 if found:
-                    raise ValueError(f"runs[{i}]: {found} are schema 4's; an older file cannot carry them")
+                    raise ValueError(f"runs.{i}: {found} are schema 4's; an older file cannot carry them")
             if self.lab is not None and self.lab.outcomes:
                 raise ValueError("lab.outcomes is schema 4's; an older file cannot carry it")
         return self
