@@ -40,7 +40,7 @@ class _Frozen(StrictModel):
 
 
 class SourcedInt(_Frozen):
-    value: StrictInt = Field(gt=0)
+    value: StrictInt = Field(gt=0, le=1 << 50)  # bytes, counts: a petabyte is no phone's (a typo, or 1e29)
     basis: Basis
     source: str = Field(min_length=1, description="the evidence or the reasoning behind the value")
 

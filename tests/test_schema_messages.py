@@ -30,3 +30,25 @@ def test_a_file_of_another_kind_names_the_keys_this_one_takes(tmp_path: Path) ->
     keys = [info.alias or name for name, info in ResultsFile.model_fields.items()]
     assert caught.value.field == "scheme" and f"expected one of {', '.join(keys)}" in str(caught.value)
     assert "runs" in keys and "KVCacheConfig" not in str(caught.value)
+
+
+def test_values_no_run_or_phone_can_have_are_refused() -> None:
+    """Each was accepted: a shard past the lab's count, a NaN that sorts the limits registry, a NaN gate that
+    every run passes, a phone with 10^29 bytes of RAM (printed as 90949470177292816.0 TiB)."""
+    from pydantic import ValidationError
+
+    from kvrig.profiles import SourcedInt
+    from kvrig.schemas.lab import LabRecord
+    from kvrig.schemas.limits import MeasuredLimit
+    from kvrig.schemas.results import GateCheck
+
+    with pytest.raises(ValidationError, match="K/N with K from 1 to N"):
+        LabRecord(name="lab", shard="3/2")
+    assert LabRecord(name="lab", shard="2/2").shard == "2/2"
+    limit = {"product_type": "iPhone16,1", "build_version": "23A341", "entitled": True, "limit_bytes": 1 << 30}
+    with pytest.raises(ValidationError, match="last_seen"):
+        MeasuredLimit.model_validate({**limit, "last_seen": float("nan")})
+    with pytest.raises(ValidationError, match="threshold"):
+        GateCheck(gate="min_max_safe_context", status="passed", threshold=float("nan"), message="")
+    with pytest.raises(ValidationError, match="value"):
+        SourcedInt(value=10**29, basis="measured", source="a typo")

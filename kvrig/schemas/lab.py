@@ -267,6 +267,13 @@ class LabRecord(StrictModel):
         "confirmation runs included (results schema 4)",
     )
 
+    @field_validator("shard")
+    @classmethod
+    def _one_of_its_shards(cls, shard: str | None) -> str | None:
+        if shard is not None and int(shard.split("/")[0]) > int(shard.split("/")[1]):
+            raise ValueError(f"shard {shard}: K/N with K from 1 to N")
+        return shard
+
 
 def count_outcomes(outcomes: Iterable[str | None]) -> dict[str, int]:
     """How many runs ended each way, every kind apart (a run with no outcome as `none`)."""

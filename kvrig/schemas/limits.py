@@ -28,7 +28,9 @@ class MeasuredLimit(StrictModel):
         description="every foreground limit the runs stated, smallest first (one value: they agree)", min_length=1
     )
     runs: int = Field(ge=1, description="runs whose log stated it")
-    last_seen: float | None = Field(default=None, description="the latest run's start, seconds since the Unix epoch")
+    last_seen: float | None = Field(
+        default=None, allow_inf_nan=False, description="the latest run's start, seconds since the Unix epoch"
+    )
     sources: list[str] = Field(description="RESULTS.json#run_id of each run", min_length=1)
 
     @property

@@ -216,7 +216,7 @@ class GateCheck(StrictModel):
 
     gate: str = Field(description="min_max_safe_context, min_decode_tps_at[<context>] or max_predicted_error")
     status: Literal["passed", "failed", "not_evaluated"]
-    threshold: float
+    threshold: float = Field(allow_inf_nan=False)
     measured: float | None = None
     message: str
 
