@@ -147,6 +147,30 @@ def test_soak_refuses_schedule_options_a_plan_file_would_override(tmp_path: Path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["soak", "--app-id", "x", "--plan", "{missing}", "-o", "never"],
+        ["soak", "--app-id", "x", "--plan", "{folder}", "-o", "never"],
+        ["lab", "run", "{folder}", "-o", "never"],
+        ["lab", "run", "{missing}", "-o", "never"],
+        ["lab", "report", "{folder}"],
+        ["calibrate", "{missing}", "--limits", "{folder}"],
+        ["plan", "-d", "iPhone16,1", "--quality", "{folder}"],
+        ["plan", "-d", "iPhone16,1", "--limits", "{missing}"],
+        ["devices", "--limits", "{folder}"],
+    ],
+)
+def test_a_file_that_is_missing_or_a_folder_is_one_cause_everywhere(args: list[str], tmp_path: Path) -> None:
+    """Options click checked were usage errors (2), the same files read by kvrig input errors (3): now 3 for all."""
+    (tmp_path / "adir").mkdir()
+    filled = [a.format(missing="nofile.json", folder="adir") for a in args]
+    seen = probe(*filled, cwd=tmp_path)
+    assert seen["code"] == 3, seen
+    assert ("nofile.json" in seen["err"] or "adir" in seen["err"]) and "Traceback" not in seen["err"], seen
+    assert not (tmp_path / "never").exists()
+
+
 def test_a_soak_that_reaches_no_phone_leaves_no_folder(tmp_path: Path) -> None:
     env = {**os.environ, "USBMUXD_SOCKET_ADDRESS": f"UNIX:{tmp_path / 'nobody.sock'}"}
     done = subprocess.run(

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import click
 
-from kvrig.cli.options import checked_specs, int_list, seconds_option
+from kvrig.cli.options import InputPath, checked_specs, int_list, seconds_option
 from kvrig.cli.output import info
 from kvrig.cli.plan import plan_bench
 from kvrig.cli.render import echo_json, human_bytes, json_option
@@ -31,7 +31,7 @@ def bench() -> None:
 
 
 @bench.command("runtime")
-@click.argument("bundle", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.argument("bundle", type=click.Path(path_type=Path))  # not a bundle: BundleError (7), as everywhere
 @click.option("--prompt-tokens", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--decode-tokens", default=16, show_default=True, type=click.IntRange(min=1))
 @seconds_option("--timeout", 3600.0, "Seconds per side.", minimum=1)
@@ -84,7 +84,7 @@ def _csv(text: str) -> tuple[str, ...]:
 
 
 @bench.command("quality")
-@click.argument("model", required=False, type=click.Path(path_type=Path, exists=True))
+@click.argument("model", required=False, type=InputPath(path_type=Path, exists=True))
 @click.option(
     "--recipes",
     default="q4,q4g32,q8,mixed_4_6,gptq-q4,dq-4.6,imx-4.6,gpx-q4,gpx-4.6",
@@ -267,7 +267,7 @@ def _print_quality(report: object, paths: list[Path]) -> None:
 
 
 @bench.command("quantize")
-@click.argument("model", required=False, type=click.Path(path_type=Path, exists=True))
+@click.argument("model", required=False, type=InputPath(path_type=Path, exists=True))
 @click.option(
     "--recipes",
     default="imx-q4,imx-4.6,gpx-q4,gpx-4.6,gptq-q4,awq-q4,dwq-q4",

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from kvrig.cli.options import InputPath
 from kvrig.cli.output import console
 from kvrig.cli.render import echo_json, human_bytes, json_option
 
@@ -30,7 +31,7 @@ from kvrig.cli.render import echo_json, human_bytes, json_option
 @click.option(
     "--limits",
     "limits_file",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=InputPath(dir_okay=False, path_type=Path),
     help="Collect the memory limits the phones stated in their logs into this registry (merged with what it "
     "holds), per ProductType × OS build × entitlement; `kvrig plan --limits` reads it.",
 )

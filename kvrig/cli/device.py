@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from kvrig.cli.options import InputPath
 from kvrig.cli.output import OUTPUT, console
 from kvrig.cli.render import echo_json, human_bytes, json_option, usbmuxd_option
 from kvrig.device.loop import run_async
@@ -55,7 +56,7 @@ def _yes_no(value: bool | None, yes: str = "on", no: str = "off") -> str:
 @click.option(
     "--limits",
     "limits_file",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    type=InputPath(exists=True, dir_okay=False, path_type=Path),
     help="Limits registry (`kvrig calibrate --limits`): show the app memory limit each phone's ProductType and OS "
     "build stated, with and without the increased-memory-limit entitlement.",
 )
@@ -146,7 +147,7 @@ def _measured_limits(registry, phones):  # type: ignore[no-untyped-def]
 @click.option(
     "--image",
     "image_dir",
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    type=InputPath(exists=True, file_okay=False, path_type=Path),
     default=None,
     help="Mount from this folder (Image.dmg, BuildManifest.plist, Image.trustcache; before iOS 17 "
     "DeveloperDiskImage.dmg + .signature) instead of pymobiledevice3's download cache.",
@@ -192,8 +193,8 @@ def prepare(
 
 
 @click.command("deploy", short_help="Install the app and push a model bundle into its Documents (resumable).")
-@click.argument("bundle", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--app", "ipa", type=click.Path(exists=True, path_type=Path), help="The app (.ipa) to install first.")
+@click.argument("bundle", type=click.Path(path_type=Path))  # not a bundle: BundleError (7), as everywhere
+@click.option("--app", "ipa", type=InputPath(exists=True, path_type=Path), help="The app (.ipa) to install first.")
 @click.option("--app-id", default=None, help="Push into this installed app instead of installing one.")
 @_udid_option
 @usbmuxd_option

@@ -6,11 +6,12 @@ from pathlib import Path
 
 import click
 
+from kvrig.cli.options import InputPath
 from kvrig.cli.output import info
 
 _root = click.option(
     "--root",
-    type=click.Path(path_type=Path, exists=True, file_okay=False),
+    type=InputPath(path_type=Path, exists=True, file_okay=False),
     default=Path("."),
     show_default=True,
     help="The checkout whose docs/ to use.",

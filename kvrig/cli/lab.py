@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from kvrig.cli.device import parse_tunnel, tunnel_option
+from kvrig.cli.options import InputPath
 from kvrig.cli.output import OUTPUT, console, info
 from kvrig.cli.render import echo_json, json_option, usbmuxd_option
 
@@ -25,7 +26,7 @@ def _out_option(help: str):  # type: ignore[no-untyped-def]
 
 
 @lab.command("run")
-@click.argument("lab_file", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("lab_file", type=InputPath(dir_okay=False, path_type=Path))
 @_out_option("Output folder (results.json, junit.xml, report.html, runs/).")
 @click.option(
     "--shard",
@@ -45,7 +46,7 @@ def _out_option(help: str):  # type: ignore[no-untyped-def]
 @click.option(
     "--limits",
     "limits_file",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    type=InputPath(exists=True, dir_okay=False, path_type=Path),
     help="Limits registry (`kvrig calibrate --limits`): predict each phone against the limit its ProductType, OS "
     "build and entitlement stated, where the registry holds one (else the profile's).",
 )
@@ -96,7 +97,7 @@ def run(
 
 
 @lab.command("merge")
-@click.argument("folders", nargs=-1, required=True, type=click.Path(file_okay=False, path_type=Path))
+@click.argument("folders", nargs=-1, required=True, type=InputPath(file_okay=False, path_type=Path))
 @_out_option("Output folder for the merged results.json, junit.xml, report.html and shards/.")
 @json_option
 def merge(folders: tuple[Path, ...], out_dir: Path, as_json: bool) -> None:
@@ -146,7 +147,7 @@ def _where(r) -> str:  # type: ignore[no-untyped-def]
 
 
 @lab.command("report")
-@click.argument("results_file", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("results_file", type=InputPath(dir_okay=False, path_type=Path))
 @_out_option("Output folder.")
 @click.option("--title", default="kvrig results", show_default=True)
 def report(results_file: Path, out_dir: Path, title: str) -> None:

@@ -4,6 +4,7 @@ command still says in its own help what the option means for it). `--json` and `
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import click
@@ -149,3 +150,23 @@ def not_nan(expected: str) -> Any:
         return value
 
     return check
+
+
+class InputPath(click.Path):
+    """A file or folder a command reads: one that is missing or of the wrong kind is InputError (exit 3) naming it,
+    as every file kvrig reads is refused, not click's usage error (exit 2)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        from kvrig.exceptions import InputError
+
+        path = Path(value)
+        name = param and (param.opts[0] if param.param_type_name == "option" else param.human_readable_name)
+        given = f" (given to {name})" if name else ""
+        wanted = "a folder" if not self.file_okay else "a file" if not self.dir_okay else "a file or a folder"
+        if self.exists and not path.exists():
+            raise InputError(f"not found{given}", file=path, expected=wanted)
+        if path.is_dir() and not self.dir_okay:
+            raise InputError(f"is a folder{given}", file=path, expected=wanted)
+        if path.exists() and not path.is_dir() and not self.file_okay:
+            raise InputError(f"is not a folder{given}", file=path, expected=wanted)
+        return super().convert(value, param, ctx)

@@ -8,7 +8,7 @@ import click
 from click.core import ParameterSource
 
 from kvrig.cli.device import parse_tunnel, phone_address, tunnel_option
-from kvrig.cli.options import backend_option, seconds_option, tokens_option
+from kvrig.cli.options import InputPath, backend_option, seconds_option, tokens_option
 from kvrig.cli.output import info
 from kvrig.cli.render import echo_json, human_bytes, json_option, usbmuxd_option
 from kvrig.device.loop import run_async
@@ -21,7 +21,7 @@ from kvrig.device.loop import run_async
 @click.option("--app-id", required=True, help="Bundle id of the installed app to soak.")
 @click.option("--udid", default=None, help="The device's UDID (needed when several are attached).")
 @click.option(
-    "--plan", "plan_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="A soak plan file."
+    "--plan", "plan_file", type=InputPath(exists=True, dir_okay=False, path_type=Path), help="A soak plan file."
 )
 @tokens_option("--max-tokens", 131072, "Stop growing here.")
 @tokens_option("--step", 256, "Tokens added per step.")
