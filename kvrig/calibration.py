@@ -250,13 +250,13 @@ def load_calibration(path: Path) -> Calibration:
     return load_model_file(Calibration, path)
 
 
-def update_limits(results: list[Path], limits_file: Path) -> LimitsCollected:
+def update_limits(results: list[Path], limits_file: Path, *, include_virtual: bool = False) -> LimitsCollected:
     """The limits the runs in `results` stated, merged into the registry at `limits_file` (read first when it
     exists) and written back whole."""
     from kvrig.planner.limits import load_limits
 
     existing = load_limits(limits_file) if limits_file.exists() else None
-    collected = collect_limits(results, existing)
+    collected = collect_limits(results, existing, include_virtual=include_virtual)
     atomic_write(limits_file, json.dumps(collected.registry.model_dump(mode="json", by_alias=True), indent=2) + "\n")
     return collected
 
@@ -287,10 +287,12 @@ class LimitsCollected:
     skipped: list[str]  # runs that stated a limit the registry cannot key, each with why
 
 
-def collect_limits(results: list[Path], into: LimitsRegistry | None = None) -> LimitsCollected:
+def collect_limits(
+    results: list[Path], into: LimitsRegistry | None = None, *, include_virtual: bool = False
+) -> LimitsCollected:
     """The limits the phones stated in the runs of `results` (results schema 4), merged into `into` (a registry
     read from a team's file): one entry per ProductType × OS build × entitlement. A run already in the registry
-    (its RESULTS.json#run_id) is not counted twice."""
+    (its RESULTS.json#run_id) is not counted twice; a virtual iPhone's, only with `include_virtual`."""
     if not results:
         raise CalibrationError("no results files given", field="RESULTS", expected="one or more results.json")
     entries = {e.key: e.model_copy(deep=True) for e in (into.limits if into is not None else [])}
@@ -302,8 +304,8 @@ def collect_limits(results: list[Path], into: LimitsRegistry | None = None) -> L
             if stated is None or stated.limit_bytes is None:
                 continue
             where = f"{path}#{run.run_id}"
-            if run.device.virtual:  # its limit is whatever `kvrig virtual start` was given: no phone's fact
-                skipped.append(f"{where}: a virtual iPhone's limit, not a phone's")
+            if run.device.virtual and not include_virtual:  # the limit `kvrig virtual start` was given
+                skipped.append(f"{where}: a virtual iPhone's limit, not a phone's (--include-virtual keeps it)")
                 continue
             missing = [
                 name

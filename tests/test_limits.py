@@ -83,7 +83,9 @@ def test_a_virtual_iphones_limit_is_no_phones_fact(tmp_path: Path) -> None:
     path = _results(tmp_path / "a.json", virtual, _run("r2", 2.0, 3072))
     got = collect_limits([path])
     assert got.added == 1 and [e.limit_bytes for e in got.registry.limits] == [3072 * MIB]
-    assert got.skipped == [f"{path}#r1: a virtual iPhone's limit, not a phone's"]
+    assert got.skipped == [f"{path}#r1: a virtual iPhone's limit, not a phone's (--include-virtual keeps it)"]
+    kept = collect_limits([path], include_virtual=True)  # trying the registry out on virtual phones
+    assert kept.added == 2 and kept.skipped == []
 
 
 def test_the_registry_is_read_strictly_and_exported_as_json_schema(tmp_path: Path) -> None:

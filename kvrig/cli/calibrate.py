@@ -36,6 +36,12 @@ from kvrig.cli.render import echo_json, human_bytes, json_option
     "holds), per ProductType × OS build × entitlement; `kvrig plan --limits` reads it.",
 )
 @click.option("--limits-only", is_flag=True, help="With --limits: collect the limits, fit no baseline.")
+@click.option(
+    "--include-virtual",
+    is_flag=True,
+    help="With --limits: keep what virtual iPhones stated too (the limit each was started with: for trying the "
+    "registry out, never a real phone's fact; left out by default).",
+)
 @json_option
 def calibrate(
     results: tuple[Path, ...],
@@ -45,6 +51,7 @@ def calibrate(
     out: Path,
     limits_file: Path | None,
     limits_only: bool,
+    include_virtual: bool,
     as_json: bool,
 ) -> None:
     """Fit the app baseline per device profile from RESULTS.json files (kvrig soak, lab, demo): every
@@ -55,7 +62,9 @@ def calibrate(
 
     if limits_only and limits_file is None:
         raise click.BadParameter("--limits-only needs --limits FILE", param_hint="--limits-only")
-    collected = _collect_limits(list(results), limits_file) if limits_file is not None else None
+    if include_virtual and limits_file is None:
+        raise click.BadParameter("--include-virtual needs --limits FILE", param_hint="--include-virtual")
+    collected = _collect_limits(list(results), limits_file, include_virtual) if limits_file is not None else None
     if limits_only:
         assert collected is not None and limits_file is not None
         if as_json:
@@ -91,11 +100,11 @@ def calibrate(
     console().print(table)
 
 
-def _collect_limits(results: list[Path], limits_file: Path):  # type: ignore[no-untyped-def]
+def _collect_limits(results: list[Path], limits_file: Path, include_virtual: bool):  # type: ignore[no-untyped-def]
     """Collects into the registry at limits_file (read first when it exists) and writes it back whole."""
     from kvrig.calibration import update_limits
 
-    return update_limits(results, limits_file)
+    return update_limits(results, limits_file, include_virtual=include_virtual)
 
 
 def _limits_json(collected, limits_file: Path) -> dict[str, object]:  # type: ignore[no-untyped-def]

@@ -113,11 +113,14 @@ def test_a_soak_records_the_limit_the_phone_stated(entitled: Emulator, tmp_path:
     assert saved.runs[0].device.build_version == values["BuildVersion"]
 
     # The registry a team commits, and a plan made with it: the phone's 160 MiB, not the profile's limit.
+    # A virtual phone's limit is the one it was started with: kept only when asked for.
     registry = tmp_path / "limits.json"
     cli = CliRunner()
-    done = cli.invoke(
-        main_cli, ["calibrate", str(tmp_path / "results.json"), "--limits", str(registry), "--limits-only", "--json"]
-    )
+    args = ["calibrate", str(tmp_path / "results.json"), "--limits", str(registry), "--limits-only", "--json"]
+    left_out = json.loads(cli.invoke(main_cli, args).output)
+    assert left_out["added"] == 0 and "a virtual iPhone's limit" in left_out["skipped"][0]
+    registry.unlink()
+    done = cli.invoke(main_cli, [*args, "--include-virtual"])
     assert done.exit_code == 0, done.output
     said = json.loads(done.output)
     assert said["added"] == 1 and said["skipped"] == [] and said["file"] == str(registry)
