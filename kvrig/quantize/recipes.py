@@ -96,6 +96,14 @@ def apply_recipe(
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_map_with_path
 
+    vocab = (config.get("text_config") or config).get("vocab_size")
+    if isinstance(vocab, int) and int(calibration.max()) >= vocab:
+        # An id past the embedding reads whatever memory follows it: NaN scales, written without a word.
+        raise QuantizationError(
+            f"recipe {recipe.name}: the calibration text's token ids reach {int(calibration.max())}, past the "
+            f"model's vocabulary of {vocab}: the tokenizer beside the weights is not the model's"
+        )
+
     # Calibrate in float32 (float16 arithmetic is emulated on x86 CPUs), store scales as the source dtype.
     model, config = quantize(model, config, parse_weights("fp16"))
     dtype = getattr(mx, str(config.get("torch_dtype") or "float16"), mx.float16)

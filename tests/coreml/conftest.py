@@ -38,7 +38,7 @@ TINY = {
     "qwen2-q4": ("qwen2", "q4", {}),
     "qwen3-q8": ("qwen3", "q8", {}),
     # kvrig's mixed layout: 4-bit throughout, some layers in groups of 32 (their own entry in config.json)
-    "llama-gpx-4.6": ("llama", "gpx-4.6", {}),
+    "llama-gpx-4.6": ("llama", "gpx-4.6", {"vocab_size": 49152}),  # SmolLM2's: its tokenizer calibrates it
 }
 
 

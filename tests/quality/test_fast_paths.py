@@ -222,3 +222,13 @@ def test_statistics_kept_for_the_next_recipe_are_measured_once(monkeypatch: pyte
     assert 0 < fitted_after_q4 < len(fitted)  # gpx-q4's stacks were reused, not fitted again
     for (path, a), (_, b) in zip(tree_flatten(again.parameters()), tree_flatten(alone.parameters()), strict=True):
         assert mx.array_equal(a, b), path
+
+
+@pytest.mark.parametrize("recipe", ["gpx-q4", "imx-4.6"])
+def test_calibration_ids_past_the_vocabulary_are_refused(recipe: str) -> None:
+    """A tokenizer that is not the model's gave ids past the embedding: gpx wrote NaN scales without a word."""
+    from kvrig.exceptions import QuantizationError
+
+    ids = mx.array([[0, 1, CONFIG["vocab_size"]]])
+    with pytest.raises(QuantizationError, match="past the model's vocabulary"):
+        apply_recipe(tiny(), dict(CONFIG), parse_weights(recipe), ids)
