@@ -81,6 +81,10 @@ def test_a_virtual_iphones_limit_is_no_phones_fact(tmp_path: Path) -> None:
     virtual = _run("r1", 1.0, 160)
     virtual["device"]["virtual"] = True
     path = _results(tmp_path / "a.json", virtual, _run("r2", 2.0, 3072))
+    data = json.loads(path.read_text())
+    with pytest.raises(SchemaError, match=r"device\.virtual is schema 5's"):  # a schema-4 file cannot say it
+        validate_data(ResultsFile, data)
+    path.write_text(json.dumps({**data, "schema": 5}))
     got = collect_limits([path])
     assert got.added == 1 and [e.limit_bytes for e in got.registry.limits] == [3072 * MIB]
     assert got.skipped == [f"{path}#r1: a virtual iPhone's limit, not a phone's (--include-virtual keeps it)"]

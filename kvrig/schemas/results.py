@@ -22,7 +22,8 @@ from kvrig.schemas.soakplan import OnCritical
 #    how a run ended, and the ends told apart: jetsam_log, gpu_background, watchdog, vanished; the soak's background
 #    steps (issue 26, the same unreleased schema); what the soak plan told the app to do at critical pressure
 #    (`on_critical`, issue 22: the lab file sets it per entry).
-RESULTS_SCHEMA_VERSION: Final = 4
+# 5: whether the phone was kvrig's virtual iPhone (`device.virtual`): calibrate keeps its limit out of the registry.
+RESULTS_SCHEMA_VERSION: Final = 5
 RESIDENCY_FIELDS: Final = (
     "weights_residency_requested",
     "weights_residency",
@@ -299,7 +300,7 @@ class SoakResult(StrictModel):
 
 
 class ResultsFile(StrictModel):
-    schema_version: Literal[1, 2, 3, 4] = Field(default=RESULTS_SCHEMA_VERSION, alias="schema")  # 1-3 still read
+    schema_version: Literal[1, 2, 3, 4, 5] = Field(default=RESULTS_SCHEMA_VERSION, alias="schema")  # 1-4 still read
     tool_version: str
     runs: list[SoakResult]
     lab: LabRecord | None = Field(default=None, description="the lab (and shard) these runs belong to")
@@ -322,4 +323,8 @@ class ResultsFile(StrictModel):
                     raise ValueError(f"runs.{i}: {found} are schema 4's; an older file cannot carry them")
             if self.lab is not None and self.lab.outcomes:
                 raise ValueError("lab.outcomes is schema 4's; an older file cannot carry it")
+        if self.schema_version < 5:
+            for i, run in enumerate(self.runs):
+                if run.device.virtual:
+                    raise ValueError(f"runs.{i}: device.virtual is schema 5's; an older file cannot carry it")
         return self

@@ -99,7 +99,7 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
 
 def test_the_entry_runs_once_per_residency_and_records_what_ran(lab: Lab) -> None:
     saved = load_model_file(ResultsFile, lab.out / "results.json")
-    assert saved.schema_version == 4  # schema 3's residency fields, written by today's kvrig
+    assert saved.schema_version == 5  # schema 3's residency fields, written by today's kvrig
     assert sorted(r.weights_residency_requested or "" for r in saved.runs) == ["loaded", "mapped"]
     loaded, mapped = lab.runs["loaded"], lab.runs["mapped"]
     for run in (loaded, mapped):

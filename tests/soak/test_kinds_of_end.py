@@ -109,7 +109,7 @@ def test_a_soak_records_the_limit_the_phone_stated(entitled: Emulator, tmp_path:
     assert "exceeded mem limit: ActiveHard 160 MB (fatal)" in (result.evidence[1].line or "")
 
     saved = load_model_file(ResultsFile, tmp_path / "results.json")
-    assert saved.schema_version == 4 and saved.runs[0].stated_limit == stated
+    assert saved.schema_version == 5 and saved.runs[0].stated_limit == stated
     assert saved.runs[0].device.build_version == values["BuildVersion"]
 
     # The registry a team commits, and a plan made with it: the phone's 160 MiB, not the profile's limit.
