@@ -359,7 +359,7 @@ def test_soak_over_the_tunnel_until_jetsam_with_battery(clean: Phones, tmp_path:
     assert result.tunnel is not None and result.tunnel.kind == "userspace" and result.tunnel.mode == "auto"
     assert result.tunnel.opened == 1 and result.interruptions == [] and result.lost is None
     saved = json.loads((tmp_path / "results.json").read_text())
-    assert saved["schema"] == 4 and saved["runs"][0]["tunnel"]["kind"] == "userspace"
+    assert saved["schema"] == 5 and saved["runs"][0]["tunnel"]["kind"] == "userspace"
     # The device log is read over lockdown (no tunnel): the limit the phone was given, as it stated it at launch.
     assert result.stated_limit is not None and result.stated_limit.active_bytes == phone.identity.limit_bytes
     assert [e.kind for e in result.evidence] == ["jetsam_report", "log"]
