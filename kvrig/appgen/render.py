@@ -29,7 +29,7 @@ from kvrig.exceptions import AppExistsError, AppGenError, InputError
 from kvrig.fileio import scratch_dir, swap_in
 from kvrig.models import read_config
 from kvrig.schemas import json_schema, load_model_file
-from kvrig.schemas.bundle import load_manifest
+from kvrig.schemas.bundle import check_listed, load_manifest
 from kvrig.schemas.keys import COREML_MODEL_KEY
 from kvrig.schemas.kvcache import KVCACHE_NAME, KVCacheConfig
 from kvrig.schemas.soakplan import SOAKPLAN_FILE, GrowthSchedule, SoakPlan
@@ -124,10 +124,12 @@ def validate_options(options: AppOptions) -> None:
 
 
 def read_bundle(bundle: Path) -> tuple[KVCacheConfig, dict[str, Any]]:
-    """kvcache.json and config.json of a bundle (its manifest read first, as every command reading bundles does).
+    """kvcache.json and config.json of a bundle (its manifest read first, as every command reading bundles does, and
+    both files held to it: one edited after packaging, which deploy would refuse, is VerifyError).
     config.json's model_type is the app's AppConfig.modelType, shown in the app and used for the cache only when
     the bundle it runs names none."""
-    load_manifest(bundle)
+    manifest = load_manifest(bundle)
+    check_listed(bundle, manifest, (KVCACHE_NAME, "config.json"))  # what the project takes from the bundle
     kv = load_model_file(KVCacheConfig, bundle / KVCACHE_NAME)
     model_config, _ = read_config(bundle)
     return kv, model_config

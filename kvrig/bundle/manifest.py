@@ -11,7 +11,7 @@ from kvrig.bundle.mapped import misaligned
 from kvrig.exceptions import BundleError, VerifyError
 from kvrig.fileio import sha256_file
 from kvrig.schemas import load_model_file
-from kvrig.schemas.bundle import MANIFEST_NAME, Manifest, ManifestFile, load_manifest
+from kvrig.schemas.bundle import MANIFEST_NAME, Manifest, ManifestFile, file_problem, load_manifest
 from kvrig.schemas.kvcache import KVCACHE_NAME, KVCacheConfig
 
 
@@ -39,6 +39,11 @@ class VerifyResult:
     def ok(self) -> bool:
         return not self.problems
 
+    def error(self) -> VerifyError:
+        """The error naming every file at fault (for a result that is not ok)."""
+        detail = "; ".join(f"{p.path}: {p.problem}" for p in self.problems)
+        return VerifyError(f"{self.bundle}: {len(self.problems)} file(s) do not match the manifest: {detail}")
+
 
 def check_bundle(bundle: str | Path, *, progress: Callable[[str], None] | None = None) -> VerifyResult:
     """Every file against the manifest: present, same size, same sha256; files the manifest does not list."""
@@ -51,18 +56,10 @@ def check_bundle(bundle: str | Path, *, progress: Callable[[str], None] | None =
             problems.append(FileProblem(entry.path, "listed twice in the manifest"))
             continue
         listed.add(entry.path)
-        path = bundle / entry.path
         if progress:
             progress(entry.path)
-        if ".." in Path(entry.path).parts or Path(entry.path).is_absolute():
-            problems.append(FileProblem(entry.path, "path escapes the bundle"))
-        elif not path.is_file():
-            problems.append(FileProblem(entry.path, "missing"))
-        elif (size := path.stat().st_size) != entry.size:
-            how = "truncated" if size < entry.size else "grown"
-            problems.append(FileProblem(entry.path, f"size {size} bytes, manifest says {entry.size} ({how})"))
-        elif sha256_file(path) != entry.sha256:
-            problems.append(FileProblem(entry.path, "sha256 differs from the manifest (edited?)"))
+        if (problem := file_problem(bundle, entry)) is not None:
+            problems.append(FileProblem(entry.path, problem))
     for path in sorted(p for p in bundle.rglob("*") if p.is_file()):
         rel = path.relative_to(bundle).as_posix()
         if rel != MANIFEST_NAME and rel not in listed:
@@ -98,6 +95,5 @@ def verify_bundle(bundle: str | Path) -> VerifyResult:
     """Like check_bundle, but raises VerifyError naming every file at fault."""
     result = check_bundle(bundle)
     if not result.ok:
-        detail = "; ".join(f"{p.path}: {p.problem}" for p in result.problems)
-        raise VerifyError(f"{result.bundle}: {len(result.problems)} file(s) do not match the manifest: {detail}")
+        raise result.error()
     return result

@@ -15,7 +15,6 @@ from kvrig.cli.render import echo_json, json_option
 def verify(bundle: Path, as_json: bool) -> None:
     """Check that every file of BUNDLE is present with the size and sha256 its manifest lists."""
     from kvrig.bundle.manifest import check_bundle
-    from kvrig.exceptions import VerifyError
 
     result = check_bundle(bundle)
     if as_json:
@@ -28,7 +27,6 @@ def verify(bundle: Path, as_json: bool) -> None:
             }
         )
     if not result.ok:
-        detail = "; ".join(f"{p.path}: {p.problem}" for p in result.problems)
-        raise VerifyError(f"{bundle}: {len(result.problems)} file(s) do not match the manifest: {detail}")
+        raise result.error()
     if not as_json:
         click.echo(f"{bundle}: OK, {result.checked} files match the manifest")

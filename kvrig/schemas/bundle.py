@@ -8,7 +8,8 @@ from typing import Final, Literal
 
 from pydantic import Field
 
-from kvrig.exceptions import BundleError, SchemaError
+from kvrig.exceptions import BundleError, SchemaError, VerifyError
+from kvrig.fileio import sha256_file
 from kvrig.schemas import StrictModel, load_model_file
 
 MANIFEST_SCHEMA_VERSION: Final = 3
@@ -137,3 +138,36 @@ def load_manifest(bundle: Path) -> Manifest:
     if not (bundle / MANIFEST_NAME).exists():  # a folder, but not a bundle: the same cause as no folder at all
         raise BundleError(f"{bundle}: no {MANIFEST_NAME} (expected a bundle folder `kvrig package` wrote)")
     return load_model_file(Manifest, bundle / MANIFEST_NAME, error=SchemaError)
+
+
+def file_problem(bundle: Path, entry: ManifestFile) -> str | None:
+    """What is wrong with one file the manifest lists (escapes the bundle, missing, other size, other sha256), or
+    None when it is as the manifest says."""
+    path = bundle / entry.path
+    if ".." in Path(entry.path).parts or Path(entry.path).is_absolute():
+        return "path escapes the bundle"
+    if not path.is_file():
+        return "missing"
+    if (size := path.stat().st_size) != entry.size:
+        how = "truncated" if size < entry.size else "grown"
+        return f"size {size} bytes, manifest says {entry.size} ({how})"
+    if sha256_file(path) != entry.sha256:
+        return "sha256 differs from the manifest (edited?)"
+    return None
+
+
+def check_listed(bundle: Path, manifest: Manifest, names: tuple[str, ...]) -> None:
+    """The files `names` as the manifest lists them (the few a reader takes from a bundle without verifying all of
+    it): VerifyError naming each that is not, or is not listed."""
+    entries = {entry.path: entry for entry in manifest.files}
+    problems = []
+    for name in names:
+        entry = entries.get(name)
+        problem = "not listed in the manifest" if entry is None else file_problem(bundle, entry)
+        if problem is not None:
+            problems.append(f"{name}: {problem}")
+    if problems:
+        raise VerifyError(
+            f"{bundle}: {len(problems)} file(s) do not match the manifest: {'; '.join(problems)} "
+            "(changed after packaging: package again, or see `kvrig verify`)"
+        )

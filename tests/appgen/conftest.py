@@ -48,6 +48,12 @@ def write_bundle(folder: Path, kv: KVCacheConfig = REFERENCE_KVCACHE) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "kvcache.json").write_text(kv.model_dump_json(by_alias=True, indent=2))
     (folder / "config.json").write_text('{"model_type": "llama"}\n')
+    return seal(folder, kv)
+
+
+def seal(folder: Path, kv: KVCacheConfig = REFERENCE_KVCACHE) -> Path:
+    """(Re)writes the manifest over the folder's files as they are now: a bundle whose files, edited or not, agree
+    with it (a bad file kvrig package could have written, not one edited after)."""
     manifest = Manifest(
         tool_version="test",
         created="2026-12-05T00:00:00+00:00",
@@ -87,6 +93,11 @@ def swift_executable() -> str | None:
 @pytest.fixture(scope="session")
 def make_bundle():  # type: ignore[no-untyped-def]
     return write_bundle
+
+
+@pytest.fixture(scope="session")
+def reseal():  # type: ignore[no-untyped-def]
+    return seal
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ import yaml
 
 from kvrig.appgen.escape import swift_string
 from kvrig.appgen.render import MARKER, AppOptions, product_name, render_app, templates_root
-from kvrig.exceptions import AppExistsError, BundleError, InputError
+from kvrig.exceptions import AppExistsError, BundleError, InputError, VerifyError
 
 PARSER = tree_sitter.Parser(tree_sitter.Language(tree_sitter_swift.language()))
 
@@ -214,19 +214,35 @@ def test_bad_options(tmp_path: Path, reference_bundle: Path, options: AppOptions
     assert info.value.field == field
 
 
-def test_bad_bundle_names_file_and_field(tmp_path: Path, make_bundle) -> None:  # type: ignore[no-untyped-def]
+def test_bad_bundle_names_file_and_field(tmp_path: Path, make_bundle, reseal) -> None:  # type: ignore[no-untyped-def]
     bundle = make_bundle(tmp_path / "b")
     (bundle / "kvcache.json").write_text('{"schema": 1, "scheme": "x"}')
+    reseal(bundle)
     with pytest.raises(InputError) as info:
         render_app(bundle, tmp_path / "out", AppOptions(name="X", bundle_id="com.example.x"))
     assert "kvcache.json" in str(info.value) and info.value.field
 
 
-def test_a_folder_that_is_not_a_bundle_is_refused_as_everywhere(tmp_path: Path, make_bundle) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("name", ["kvcache.json", "config.json"])
+def test_a_file_edited_after_packaging_is_refused_as_deploy_refuses_it(tmp_path: Path, make_bundle, name: str) -> None:  # type: ignore[no-untyped-def]
+    """The project takes the KV configuration and the model type from the bundle; one of them edited after packaging
+    is VerifyError (8) naming the file, as `kvrig verify` and deploy say, and no project is written."""
+    bundle = make_bundle(tmp_path / "b")
+    edited = (bundle / name).read_text().replace("llama", "qwen2").replace('"max_context": 8192', '"max_context": 9')
+    assert edited != (bundle / name).read_text()
+    (bundle / name).write_text(edited)
+    with pytest.raises(VerifyError) as info:
+        render_app(bundle, tmp_path / "out", AppOptions(name="X", bundle_id="com.example.x"))
+    assert info.value.exit_code == 8 and f"{name}: " in str(info.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_folder_that_is_not_a_bundle_is_refused_as_everywhere(tmp_path: Path, make_bundle, reseal) -> None:  # type: ignore[no-untyped-def]
     """No manifest: BundleError (7), as verify, run and deploy say; a config.json that is no object names itself."""
     options = AppOptions(name="X", bundle_id="com.example.x")
     bundle = make_bundle(tmp_path / "b")
     (bundle / "config.json").write_text("[1, 2]")
+    reseal(bundle)
     with pytest.raises(InputError) as info:
         render_app(bundle, tmp_path / "out", options)
     assert info.value.file == str(bundle / "config.json")
