@@ -107,10 +107,11 @@ def test_swift_string_escapes() -> None:
 
 def test_swift_templates_escape_every_value() -> None:
     """Each `{{ ... }}` in a Swift template ends in a Swift escaper, so no value lands raw in Swift."""
-    root = templates_root()
-    for template in root.rglob("*.swift.j2"):
-        for expression in re.findall(r"\{\{(.*?)\}\}", template.read_text()):
-            assert re.search(r"\|\s*swift_(string|int|bool)\s*$", expression), (template.name, expression)
+    templates = list(templates_root().rglob("*.swift.j2"))
+    expressions = [(t.name, e) for t in templates for e in re.findall(r"\{\{(.*?)\}\}", t.read_text())]
+    assert len(templates) >= 2 and expressions, "no Swift templates with values found"
+    for name, expression in expressions:
+        assert re.search(r"\|\s*swift_(string|int|bool)\s*$", expression), (name, expression)
 
 
 def test_project_yml_plist_entitlements(reference_project: Path) -> None:

@@ -156,7 +156,7 @@ def test_the_report_sets_the_two_footprints_side_by_side(lab: Lab, tmp_path: Pat
     assert row["Footprint mapped"] == f"{mapped[context] / MIB:.1f} MiB"
     assert row["Loaded − mapped"] == f"{lab.weight_bytes / MIB:.1f} MiB"
     assert row["Weights ran (loaded / mapped)"] == f"loaded / mapped ({lab.weight_bytes / MIB:.1f} MiB)"
-    assert (lab.out / "report").glob("*-residency.png")
+    assert list((lab.out / "report").glob("*-residency.png"))
     # `kvrig lab report` renders the same from results.json alone, anywhere.
     done = subprocess.run(
         [sys.executable, "-m", "kvrig", "lab", "report", str(lab.out / "results.json"), "-o", str(tmp_path)],
