@@ -46,10 +46,13 @@ class ModelRef:
     dtype: str = "float16"
     prefill_step: int = 512
     buffer_cache_bytes: int = 20 * 1024 * 1024
+    kv: str | None = None
+    """the KV spec the app ran (the bundle's; None: the run's own scheme names it)."""
 
 
 def bundle_ref(bundle: Path) -> ModelRef:
-    """Recipe from manifest.json, dtype, prefill step and buffer cache from kvcache.json."""
+    """Recipe and KV spec from manifest.json (the KV spec from kvcache.json when the manifest predates it), dtype,
+    prefill step and buffer cache from kvcache.json."""
 
     manifest = load_model_file(Manifest, bundle / "manifest.json")
     kv = load_model_file(KVCacheConfig, bundle / "kvcache.json")
@@ -61,6 +64,7 @@ def bundle_ref(bundle: Path) -> ModelRef:
         dtype=kv.dtype,
         prefill_step=kv.prefill_step_size,
         buffer_cache_bytes=kv.buffer_cache_limit_bytes,
+        kv=manifest.recipe.kv or kv.spec,
     )
 
 
@@ -109,12 +113,15 @@ def points_for_run(
     if not measured:
         return []
     contexts = sorted({p.context_tokens for p in measured})
+    # The app runs its bundle's kvcache.json whatever the run is called (a lab scheme's name may be any label).
+    scheme = ref.kv or run.scheme
     try:
-        parse_kv(run.scheme)
+        parse_kv(scheme)
     except QuantizationError as exc:
-        raise CalibrationError(str(exc), file=results_path, field=f"runs.{index}.scheme") from None
+        where = (ref.path / "manifest.json", "recipe.kv") if ref.kv else (results_path, f"runs.{index}.scheme")
+        raise CalibrationError(str(exc), file=where[0], field=where[1], expected="a KV spec") from None
     request = PlanRequest(
-        schemes=(run.scheme,),
+        schemes=(scheme,),
         weights=ref.weights,
         recipes=(ref.weights,),
         group_size=ref.group_size,
@@ -142,7 +149,7 @@ def points_for_run(
     for p in measured:
         footprint = p.phys_footprint_bytes
         assert footprint is not None
-        kv = plan.kv_bytes[run.scheme][str(p.context_tokens)]
+        kv = plan.kv_bytes[scheme][str(p.context_tokens)]
         overhead = footprint - (plan.weights_bytes - mapped) - kv
         cache = caches.get(p.t, ref.buffer_cache_bytes) if p.t is not None else ref.buffer_cache_bytes
         if overhead - cache < 0:  # less than the app's own weights and KV: no baseline can be below nothing
@@ -159,7 +166,7 @@ def points_for_run(
             CalibrationPoint(
                 source=str(results_path),
                 run_id=run.run_id,
-                scheme=run.scheme,
+                scheme=scheme,
                 context_tokens=p.context_tokens,
                 footprint_bytes=footprint,
                 weights_bytes=plan.weights_bytes,

@@ -157,7 +157,6 @@ def test_results_without_telemetry_points(soaked: Soaked, tmp_path: Path, capsys
 @pytest.mark.parametrize(
     ("change", "field", "words"),
     [
-        ({"scheme": "k9v9"}, "runs.0.scheme", "k9v9"),
         ({"device": {"udid": "u", "profile": "iphone-99"}}, "runs.0.device.profile", "iphone-99"),
         ({"weights_residency": "mapped", "mapped_weight_bytes": None}, "runs.0.mapped_weight_bytes", "how many"),
         # a footprint below the app's own weights and KV: a negative baseline, which plans would add as room
@@ -177,6 +176,31 @@ def test_a_run_the_plan_cannot_take_is_refused_naming_the_results_file_and_field
     with pytest.raises(CalibrationError) as caught:
         calibrate([path], bundle=soaked.bundle)
     assert str(path) in str(caught.value) and f"field '{field}'" in str(caught.value) and words in str(caught.value)
+
+
+def test_the_kv_spec_is_the_one_the_app_ran_whatever_the_run_is_called(soaked: Soaked, tmp_path: Path) -> None:
+    """A lab scheme's name may be any label: the app runs its bundle's kvcache.json, and that is what is counted. A
+    run with no bundle (`--model`) is counted by its own scheme, which must then be a KV spec."""
+    data = json.loads(soaked.results.read_text())
+    data["runs"][0]["scheme"] = "baseline"
+    labelled = tmp_path / "labelled.json"
+    labelled.write_text(json.dumps(data))
+
+    def counted(results: Path) -> list[tuple[str, int, int]]:
+        cal = calibrate([results], bundle=soaked.bundle)
+        return [(p.scheme, p.context_tokens, p.kv_bytes) for c in cal.profiles.values() for p in c.measurements]
+
+    kv = json.loads((soaked.bundle / "kvcache.json").read_text())["scheme"]
+    assert counted(labelled) == counted(soaked.results)
+    assert {scheme for scheme, _, _ in counted(labelled)} == {kv}
+
+    data["runs"][0].update(scheme="k9v9", bundle=None)
+    misspelt = tmp_path / "misspelt.json"
+    misspelt.write_text(json.dumps(data))
+    with pytest.raises(CalibrationError) as caught:
+        calibrate([misspelt], model=soaked.bundle)
+    assert str(misspelt) in str(caught.value) and "field 'runs.0.scheme'" in str(caught.value)
+    assert "k9v9" in str(caught.value)
 
 
 def test_bundle_not_found(soaked: Soaked, tmp_path: Path) -> None:
