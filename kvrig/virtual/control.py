@@ -16,6 +16,7 @@ from typing import Any
 from kvrig.exceptions import DeviceError, DeviceNotFoundError, InputError, VirtualPhoneError
 from kvrig.profiles import load_profile
 from kvrig.virtual.faults import FaultPlan
+from kvrig.virtual.state import check_state
 
 HEADER = struct.Struct("<IIII")
 DEFAULT_SOCKET = "/tmp/kvrig-virtual-usbmuxd.sock"
@@ -107,6 +108,7 @@ def start(
     faults = faults or FaultPlan()
     faults.check(ios)
     load_profile(profile)  # here, not in a detached server that would only log it
+    check_state(state)
     options = device_options(state, profile, ios, limit_bytes, faults, baseline_bytes)
     if tcp is not None:
         options["Tcp"] = tcp
@@ -128,11 +130,17 @@ def start(
         env["PYTHONPATH"] = os.pathsep.join(
             filter(None, [str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH")])
         )
-        subprocess.Popen(command, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+        server = subprocess.Popen(
+            command, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True, env=env
+        )
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if server_alive(address):
                 return status(address)["Devices"][0]
+            if server.poll() is not None:  # it died starting: no need to wait out the deadline
+                raise VirtualPhoneError(
+                    f"the virtual iPhone server exited ({server.returncode}); see {state}/emulator.log"
+                )
             time.sleep(0.1)
         raise VirtualPhoneError(
             f"the virtual iPhone did not start within {START_TIMEOUT_S:.0f}s; see {state}/emulator.log"

@@ -15,11 +15,15 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from xml.parsers.expat import ExpatError
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.x509.oid import NameOID
+
+from kvrig.exceptions import InputError
+from kvrig.virtual.state import STATE_FILE
 
 SYSTEM_BUID_FILE = "system_buid"
 _VALIDITY = dt.timedelta(days=3650)
@@ -79,8 +83,11 @@ class Pairing:
         folder.mkdir(parents=True, exist_ok=True)
         record_file = folder / "pairing.plist"
         if record_file.exists():
-            data = plistlib.loads(record_file.read_bytes())
-            return cls(folder=folder, **data)
+            try:
+                data = plistlib.loads(record_file.read_bytes())
+                return cls(folder=folder, **data)
+            except (plistlib.InvalidFileException, ExpatError, ValueError, TypeError) as exc:
+                raise InputError(f"not a pairing record: {exc}", file=record_file, expected=STATE_FILE) from None
         root_key, host_key, device_key = _key(), _key(), _key()
         pairing = cls(
             folder=folder,

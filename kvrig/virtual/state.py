@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from kvrig.appgen.entitlements import app_entitlements
+from kvrig.exceptions import InputError
+from kvrig.fileio import read_data
 
 # ProductVersion -> BuildVersion of the releases the emulator imitates. iOS 27 from AppleDB's records
 # (littlebyteorg/appledb, osFiles/iOS/24x - 27.x): 27.0.1 is 24A446 (released 2026-09-28); 24B5099f is the 27.2
@@ -116,7 +118,7 @@ class DeviceState:
         identity_file = root / "device.json"
         hardware_model, chip_id = HARDWARE.get(product_type, ("D83AP", 0x8130))
         if identity_file.exists():
-            identity = Identity(**json.loads(identity_file.read_text()))
+            identity = state_record(identity_file, Identity)
         else:
             ecid = secrets.randbits(52)
             identity = Identity(
@@ -138,15 +140,14 @@ class DeviceState:
         identity.build_version = IOS_BUILDS[ios]
         identity.limit_bytes = limit_bytes
         identity_file.write_text(json.dumps(asdict(identity), indent=2))
+        state.developer(), state.user_apps()  # the other records read at start, not mid-session
         return state, identity
 
     # --- developer mode and the developer disk image -------------------------------------------------
 
     def developer(self) -> DeveloperState:
-        try:
-            return DeveloperState(**json.loads((self.root / "developer.json").read_text()))
-        except FileNotFoundError:
-            return DeveloperState()
+        path = self.root / "developer.json"
+        return state_record(path, DeveloperState) if path.exists() else DeveloperState()
 
     def save_developer(self, developer: DeveloperState) -> None:
         (self.root / "developer.json").write_text(json.dumps(asdict(developer), indent=2, sort_keys=True))
@@ -157,10 +158,13 @@ class DeviceState:
         return self.root / "apps.json"
 
     def user_apps(self) -> dict[str, dict[str, Any]]:
-        try:
-            return json.loads(self._apps_file().read_text())
-        except FileNotFoundError:
+        path = self._apps_file()
+        if not path.exists():
             return {}
+        apps = read_data(path, mapping=STATE_FILE, expected=STATE_FILE)
+        if not all(isinstance(record, dict) for record in apps.values()):
+            raise InputError("an app's record is not an object", file=path, expected=STATE_FILE)
+        return apps
 
     def all_apps(self) -> dict[str, dict[str, Any]]:
         apps: dict[str, dict[str, Any]] = {}
@@ -231,3 +235,29 @@ class DeviceState:
 def _entitlements(app: Path) -> dict[str, Any] | None:
     """The app's entitlements, as installation_proxy lists them (its signature's, else its .xcent's)."""
     return app_entitlements(app)
+
+
+STATE_FILE = "a file `kvrig virtual start` wrote in its --state folder (remove the folder to start a new phone)"
+
+
+def state_record(path: Path, cls: Any) -> Any:
+    """A dataclass of the virtual phone's state read from `path`: InputError naming the file when it is not one
+    kvrig wrote (cut short, edited, or from another version)."""
+    data = read_data(path, mapping=STATE_FILE, expected=STATE_FILE)
+    try:
+        return cls(**data)
+    except TypeError as exc:  # keys the record does not have, or lacks
+        raise InputError(f"not a {cls.__name__} record: {exc}", file=path, expected=STATE_FILE) from None
+
+
+def check_state(root: Path) -> None:
+    """The records an existing state folder holds, read as the server will read them: InputError naming a damaged
+    one here, before a detached server would only log it."""
+    from kvrig.virtual.pairing import Pairing
+
+    state = DeviceState(root)
+    if (root / "device.json").exists():
+        identity = state_record(root / "device.json", Identity)
+        if (state.pairing_dir / "pairing.plist").exists():
+            Pairing.load_or_create(state.pairing_dir, identity.wifi_mac)
+    state.developer(), state.user_apps()

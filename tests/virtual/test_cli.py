@@ -207,6 +207,44 @@ def test_a_wrong_profile_or_a_busy_state_folder_is_refused_at_once(tmp_path: Pat
         kvrig("virtual", "stop", "--socket", address)
 
 
+@pytest.fixture(scope="module")
+def state_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A virtual phone's state folder as `kvrig virtual start` leaves it (the phone stopped)."""
+    root = tmp_path_factory.mktemp("state")
+    address = str(root / "v.sock")
+    started = kvrig("virtual", "start", "--socket", address, "--state", str(root / "s"), "--detach")
+    assert started.returncode == 0, started.stderr
+    kvrig("virtual", "stop", "--socket", address)
+    assert (root / "s" / "device.json").is_file() and (root / "s" / "pairing" / "pairing.plist").is_file()
+    return root / "s"
+
+
+@pytest.mark.parametrize(
+    ("name", "data"),
+    [
+        ("device.json", b'{"udid": "0000'),  # cut short
+        ("device.json", b'{"udid": "x", "colour": "red"}'),  # not this kvrig's record
+        ("developer.json", b"[1, 2]"),
+        ("apps.json", b'{"com.example.app": 3}'),
+        ("pairing/pairing.plist", b"<?xml version='1.0'?><plist><dict><key>"),
+    ],
+)
+def test_a_damaged_state_folder_is_refused_naming_the_file(
+    state_folder: Path, tmp_path: Path, name: str, data: bytes
+) -> None:
+    """State files kvrig wrote and something cut short or edited: exit 3 naming the file, never a traceback."""
+    import shutil
+
+    state = tmp_path / "s"
+    shutil.copytree(state_folder, state)
+    (state / name).write_bytes(data)
+    address = str(tmp_path / "v.sock")
+    result = kvrig("virtual", "start", "--socket", address, "--state", str(state), "--detach")
+    assert result.returncode == 3, result.stderr
+    assert str(state / name) in result.stderr and "--state" in result.stderr and "Traceback" not in result.stderr
+    assert not Path(address).exists()
+
+
 @pytest.mark.parametrize("ios", ["15.0"])
 def test_kvrig_virtual_rejects_unknown_ios(tmp_path: Path, ios: str) -> None:
     result = kvrig("virtual", "start", "--socket", str(tmp_path / "x.sock"), "--state", str(tmp_path), "--ios", ios)
