@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import sys
 import uuid
 from collections.abc import Iterator
@@ -211,3 +212,47 @@ def swap_in(new: Path, out: Path) -> None:
     os.rename(out, old)
     os.rename(new, out)
     shutil.rmtree(old, ignore_errors=True)
+
+
+SAFETENSORS_MAX_HEADER = 100 * 1024 * 1024
+"""safetensors' own limit for the JSON header."""
+
+
+class SafetensorsHeaderError(Exception):
+    """Why a safetensors header cannot be read; each caller raises it again as its own error, naming the file."""
+
+
+def safetensors_header(path: Path) -> tuple[dict[str, dict[str, Any]], int]:
+    """A safetensors file's header (tensor name -> {dtype, shape, data_offsets}, and `__metadata__` when the file
+    has it) and where its data starts, every tensor's entry checked for the fields the format gives it:
+    SafetensorsHeaderError otherwise."""
+    try:
+        with path.open("rb") as fh:
+            raw = fh.read(8)
+            if len(raw) != 8:
+                raise SafetensorsHeaderError("not a safetensors file (shorter than its header length)")
+            (length,) = struct.unpack("<Q", raw)
+            if length > SAFETENSORS_MAX_HEADER:
+                raise SafetensorsHeaderError(f"a header of {length} bytes (at most {SAFETENSORS_MAX_HEADER})")
+            header = json.loads(fh.read(length))
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise SafetensorsHeaderError(f"cannot read the safetensors header: {exc}") from None
+    if not isinstance(header, dict):
+        raise SafetensorsHeaderError("the safetensors header is not a JSON object")
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        shape, offsets = (entry.get("shape"), entry.get("data_offsets")) if isinstance(entry, dict) else (None, None)
+        ints = (isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in [*(shape or []), *(offsets or [])])
+        if (
+            not isinstance(entry.get("dtype") if isinstance(entry, dict) else None, str)
+            or not isinstance(shape, list)
+            or not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(ints)
+            or offsets[0] > offsets[1]
+        ):
+            raise SafetensorsHeaderError(
+                f"tensor {name!r}: {entry!r:.80} is not {{dtype, shape, data_offsets}} as safetensors writes them"
+            )
+    return header, 8 + length

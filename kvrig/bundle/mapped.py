@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any, Final
 
 from kvrig.exceptions import BundleError
+from kvrig.fileio import SafetensorsHeaderError, safetensors_header
 
 PAGE_BYTES: Final = 16384
 """The iPhone's VM page size (16 KiB on every A9 and later SoC); what the app's mapping aligns to."""
 _HEADER_LEN = struct.Struct("<Q")
-_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit for the JSON header
 
 
 @dataclass(frozen=True)
@@ -35,36 +35,22 @@ class TensorExtent:
 
 
 def read_header(path: Path) -> tuple[dict[str, Any], int]:
-    """The safetensors header (JSON) and where the data starts, or BundleError naming the file."""
+    """The safetensors file's tensors and where the data starts, or BundleError naming the file."""
     try:
-        with path.open("rb") as fh:
-            raw = fh.read(_HEADER_LEN.size)
-            if len(raw) != _HEADER_LEN.size:
-                raise BundleError(f"{path}: not a safetensors file (shorter than its header length)")
-            (length,) = _HEADER_LEN.unpack(raw)
-            if length > _MAX_HEADER:
-                raise BundleError(f"{path}: safetensors header of {length} bytes (at most {_MAX_HEADER})")
-            header = json.loads(fh.read(length))
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
-        raise BundleError(f"{path}: cannot read the safetensors header: {exc}") from None
-    if not isinstance(header, dict):
-        raise BundleError(f"{path}: the safetensors header is not a JSON object")
-    return header, _HEADER_LEN.size + length
+        return safetensors_header(path)
+    except SafetensorsHeaderError as exc:
+        raise BundleError(f"{path}: {exc}") from None
 
 
 def extents(path: Path) -> list[TensorExtent]:
     """Every tensor of the file with its absolute offset and size, in file order."""
     header, data_start = read_header(path)
-    out = []
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            begin, end = (int(x) for x in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise BundleError(f"{path}: tensor {name!r} has no valid data_offsets") from None
-        out.append(TensorExtent(name, data_start + begin, end - begin))
+    out = [TensorExtent(name, data_start + begin, end - begin) for name, (begin, end) in _offsets(header)]
     return sorted(out, key=lambda e: e.offset)
+
+
+def _offsets(header: dict[str, Any]) -> list[tuple[str, tuple[int, int]]]:
+    return [(n, (e["data_offsets"][0], e["data_offsets"][1])) for n, e in header.items() if n != "__metadata__"]
 
 
 def misaligned(path: Path, alignment: int = PAGE_BYTES) -> list[TensorExtent]:

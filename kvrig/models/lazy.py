@@ -12,13 +12,12 @@ import contextlib
 import copy
 import dataclasses
 import io
-import json
-import struct
 from pathlib import Path
 from typing import Any
 
 from kvrig.compat.mlx_lm_classes import model_classes
 from kvrig.exceptions import ModelConfigError, UnsupportedArchitectureError
+from kvrig.fileio import SafetensorsHeaderError, safetensors_header
 
 TIE_KEY = "tie_word_embeddings"
 # transformers writes config.json without values equal to PretrainedConfig's defaults, and its default ties the
@@ -88,11 +87,9 @@ def safetensors_tensors(folder: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     out: dict[str, tuple[tuple[int, ...], str]] = {}
     for path in sorted(folder.glob("*.safetensors")):
         try:
-            with path.open("rb") as f:
-                (length,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(length))
-        except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ModelConfigError(f"cannot read the safetensors header: {exc}", file=path) from None
+            header, _ = safetensors_header(path)
+        except SafetensorsHeaderError as exc:
+            raise ModelConfigError(str(exc), file=path) from None
         for name, info in header.items():
             if name != "__metadata__":
                 out[name] = (tuple(info["shape"]), str(info["dtype"]))

@@ -16,7 +16,8 @@ from typing import Any
 from kvrig.exceptions import DeviceError, DeviceNotFoundError, InputError, VirtualPhoneError
 from kvrig.profiles import load_profile
 from kvrig.virtual.faults import FaultPlan
-from kvrig.virtual.state import check_state
+from kvrig.virtual.pairing import Pairing
+from kvrig.virtual.state import DeviceState, Identity, state_record
 
 HEADER = struct.Struct("<IIII")
 DEFAULT_SOCKET = "/tmp/kvrig-virtual-usbmuxd.sock"
@@ -150,6 +151,17 @@ def start(
 
     serve_foreground(address, options, on_ready)
     return {}
+
+
+def check_state(root: Path) -> None:
+    """The records an existing state folder holds, read as the server will read them: InputError naming a damaged
+    one here, before a detached server would only log it."""
+    state = DeviceState(root)
+    if (root / "device.json").exists():
+        identity = state_record(root / "device.json", Identity)
+        if (state.pairing_dir / "pairing.plist").exists():
+            Pairing.load_or_create(state.pairing_dir, identity.wifi_mac)
+    state.developer(), state.user_apps()
 
 
 def _device_status(address: str, udid: str) -> dict[str, Any]:

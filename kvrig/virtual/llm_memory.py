@@ -19,21 +19,17 @@ Eviction and the pressure decision mirror the generated app (CacheSet.evictFront
 
 from __future__ import annotations
 
-import json
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from kvrig.bundle.mapped import PAGE_BYTES, misaligned
+from kvrig.bundle.mapped import PAGE_BYTES, extents, misaligned
 from kvrig.exceptions import BundleError
 from kvrig.kvcache.kv_cache import DequantizingKVCache, SchemeKVCache
 from kvrig.schemas.kvcache import KVCacheConfig, WeightsResidency
 
 HOST_ACTIVATION_BYTES = 4  # kvrig.runtime.host computes in float32
 PHONE_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
-_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "U64": 8, "I32": 4, "U32": 4}
-_SAFETENSORS_BYTES.update({"I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1})
 # What the accounting converts (StartEvent.converted): numbers that are the phone's format, not the host's.
 CONVERTED_FIELDS = ("kv_bytes", "mlx_active_bytes", "phys_footprint_bytes")
 # ... and, when the phone maps the weights, the residency the host could not reproduce.
@@ -42,17 +38,7 @@ RESIDENCY_FIELDS = ("weights_residency", "mapped_weight_bytes")
 
 def stored_weight_bytes(bundle: Path) -> int:
     """Bytes of every tensor in the bundle's safetensors files, read from their headers (no data loaded)."""
-    total = 0
-    for path in sorted(bundle.glob("*.safetensors")):
-        with path.open("rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header: dict[str, Any] = json.loads(f.read(size))
-        for name, entry in header.items():
-            if name == "__metadata__":
-                continue
-            start, end = entry["data_offsets"]
-            total += int(end) - int(start)
-    return total
+    return sum(e.size for path in sorted(bundle.glob("*.safetensors")) for e in extents(path))
 
 
 @dataclass(frozen=True)

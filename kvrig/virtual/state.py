@@ -248,16 +248,3 @@ def state_record(path: Path, cls: Any) -> Any:
         return cls(**data)
     except TypeError as exc:  # keys the record does not have, or lacks
         raise InputError(f"not a {cls.__name__} record: {exc}", file=path, expected=STATE_FILE) from None
-
-
-def check_state(root: Path) -> None:
-    """The records an existing state folder holds, read as the server will read them: InputError naming a damaged
-    one here, before a detached server would only log it."""
-    from kvrig.virtual.pairing import Pairing
-
-    state = DeviceState(root)
-    if (root / "device.json").exists():
-        identity = state_record(root / "device.json", Identity)
-        if (state.pairing_dir / "pairing.plist").exists():
-            Pairing.load_or_create(state.pairing_dir, identity.wifi_mac)
-    state.developer(), state.user_apps()

@@ -75,6 +75,27 @@ def test_a_config_claiming_a_giant_is_refused_before_it_is_built(claim: str, tmp
     assert seconds < 20 and peak_mb < 400
 
 
+HEADERS: dict[str, Any] = {
+    "an entry that is a number": {"w": 1},
+    "a list": [1, 2],
+    "offsets backwards": {"w": {"dtype": "F16", "shape": [2], "data_offsets": [4, 0]}},
+    "no shape": {"w": {"dtype": "F16", "data_offsets": [0, 4]}},
+}
+
+
+@pytest.mark.parametrize("header", list(HEADERS))
+@hostile(9, "a model's safetensors header that is", "kvrig plan: exit 3 naming the file, no traceback")
+def test_a_safetensors_header_safetensors_would_not_write_is_refused(header: str, tmp_path: Path) -> None:
+    """The planner reads a folder's safetensors headers for its tensor names (they decide a tied embedding)."""
+    config, _ = read_config(default_model_path())
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    data = json.dumps(HEADERS[header]).encode()
+    (tmp_path / "model.safetensors").write_bytes(len(data).to_bytes(8, "little") + data + b"\0" * 4)
+    done = kvrig("plan", str(tmp_path), "--device", "iphone-15-pro")
+    assert done.code == 3, done.stderr
+    assert str(tmp_path / "model.safetensors") in done.stderr and "Traceback" not in done.stderr
+
+
 def _bundle_copy(factory: pytest.TempPathFactory, tmp_path: Path) -> Path:
     """The shared SmolLM2 q4 bundle, its big files hard-linked (never written through), small ones copied."""
     shared = smollm2_q4_k8v8(factory)
