@@ -14,6 +14,7 @@ import glob
 import hashlib
 import json
 import os
+import plistlib
 import re
 import shutil
 import struct
@@ -22,6 +23,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
+from xml.parsers.expat import ExpatError
 
 import yaml
 
@@ -65,6 +67,17 @@ def read_data(
     if mapping is not None and not isinstance(data, dict):
         raise error(f"not a {kind.upper()} mapping", file=path, expected=mapping)
     return data
+
+
+def plist_dict(data: bytes, *, file: str | Path, expected: str) -> dict[str, Any]:
+    """A property list that must be a dictionary (an app's Info.plist): InputError naming `file` otherwise."""
+    try:
+        info = plistlib.loads(data)
+    except (plistlib.InvalidFileException, ExpatError, ValueError) as exc:  # XML that does not parse is ExpatError
+        raise InputError(f"not a property list: {exc}", file=file, expected=expected) from None
+    if not isinstance(info, dict):
+        raise InputError(f"a property list of a {type(info).__name__}", file=file, expected=expected)
+    return info
 
 
 @contextlib.contextmanager

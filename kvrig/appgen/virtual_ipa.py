@@ -11,10 +11,10 @@ from __future__ import annotations
 import plistlib
 import zipfile
 from pathlib import Path
-from xml.parsers.expat import ExpatError
 
 from kvrig.appgen.build import read_project
 from kvrig.exceptions import AppGenError, InputError
+from kvrig.fileio import plist_dict
 from kvrig.schemas.keys import ENTITLEMENTS_FILE, VIRTUAL_RUNTIME_KEY
 
 VIRTUAL_RUNTIME_LLM = "llm"
@@ -58,15 +58,12 @@ def build_virtual_ipa(project: str | Path, output: str | Path | None = None, run
     name, bundle_id, entitlements = _project_settings(project)
     info_file = project / "App" / "Info.plist"
     try:
-        info = plistlib.loads(info_file.read_bytes())
+        data = info_file.read_bytes()
     except FileNotFoundError:
         raise InputError("missing from the generated project", file=info_file) from None
     except IsADirectoryError:
         raise InputError("a folder, not a file", file=info_file, expected="the project's Info.plist") from None
-    except (plistlib.InvalidFileException, ExpatError, ValueError) as exc:  # XML that does not parse is ExpatError
-        raise InputError(f"not a property list: {exc}", file=info_file) from None
-    if not isinstance(info, dict):
-        raise InputError(f"a property list of a {type(info).__name__}", file=info_file, expected="a dictionary")
+    info = plist_dict(data, file=info_file, expected="the project's Info.plist, a dictionary")
     variables = {"$(EXECUTABLE_NAME)": name, "$(PRODUCT_NAME)": name, "$(PRODUCT_BUNDLE_IDENTIFIER)": bundle_id}
     info = {k: variables.get(v, v) if isinstance(v, str) else v for k, v in info.items()}
     info[VIRTUAL_RUNTIME_KEY] = runtime

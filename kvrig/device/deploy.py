@@ -3,7 +3,6 @@ its manifest is deployed, and only the files the manifest lists (see `files.bund
 
 from __future__ import annotations
 
-import plistlib
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -13,6 +12,7 @@ from typing import Any
 from kvrig.device import apps, files
 from kvrig.device.discovery import DeviceInfo, connect
 from kvrig.exceptions import DeviceLostError, InputError
+from kvrig.fileio import plist_dict
 
 
 @dataclass
@@ -35,7 +35,7 @@ def ipa_bundle_id(ipa: Path) -> str:
     """CFBundleIdentifier from an .ipa's Payload/<App>.app/Info.plist (or an unpacked .app folder)."""
     try:
         if ipa.is_dir():
-            info = plistlib.loads((ipa / "Info.plist").read_bytes())
+            where, data = ipa / "Info.plist", (ipa / "Info.plist").read_bytes()
         else:
             with zipfile.ZipFile(ipa) as archive:
                 name = next(
@@ -43,12 +43,13 @@ def ipa_bundle_id(ipa: Path) -> str:
                     for n in archive.namelist()
                     if n.startswith("Payload/") and n.count("/") == 2 and n.endswith(".app/Info.plist")
                 )
-                info = plistlib.loads(archive.read(name))
+                where, data = Path(f"{ipa}:{name}"), archive.read(name)
     except FileNotFoundError:
         raise InputError("file not found", file=ipa, expected="an .ipa or a .app folder") from None
-    except (zipfile.BadZipFile, StopIteration, plistlib.InvalidFileException, OSError) as exc:
+    except (zipfile.BadZipFile, StopIteration, OSError) as exc:
         reason = "no Payload/<App>.app/Info.plist" if isinstance(exc, StopIteration) else str(exc)
         raise InputError(f"not an app package: {reason}", file=ipa, expected="an .ipa") from None
+    info = plist_dict(data, file=where, expected="the app's Info.plist, a dictionary")
     bundle_id = info.get("CFBundleIdentifier")
     if not isinstance(bundle_id, str) or not bundle_id:
         raise InputError("missing", file=ipa, field="CFBundleIdentifier", expected="the app's bundle id")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import plistlib
 import zipfile
 from pathlib import Path
 
@@ -50,6 +51,23 @@ def test_ipa_bundle_id(tmp_path: Path) -> None:
     (tmp_path / "junk.ipa").write_bytes(b"not a zip")
     with pytest.raises(InputError, match=r"junk\.ipa.*not an app package"):
         ipa_bundle_id(tmp_path / "junk.ipa")
+
+
+@pytest.mark.parametrize("info", [b"<?xml version='1.0'?><plist><dict><key>", b"\x00\x01", plistlib.dumps([1, 2])])
+def test_an_app_whose_info_plist_is_broken_is_refused_naming_it(tmp_path: Path, info: bytes) -> None:
+    """A .app folder or an .ipa with an Info.plist cut short, not a plist, or not a dictionary: InputError naming
+    the plist (it was exit 70 for XML cut short and for a plist that is an array)."""
+    app = tmp_path / "A.app"
+    app.mkdir()
+    (app / "Info.plist").write_bytes(info)
+    with pytest.raises(InputError) as folder:
+        ipa_bundle_id(app)
+    assert folder.value.file == str(app / "Info.plist")
+    with zipfile.ZipFile(tmp_path / "A.ipa", "w") as archive:
+        archive.writestr("Payload/A.app/Info.plist", info)
+    with pytest.raises(InputError) as packed:
+        ipa_bundle_id(tmp_path / "A.ipa")
+    assert packed.value.file == f"{tmp_path / 'A.ipa'}:Payload/A.app/Info.plist"
 
 
 def test_deploy_refuses_an_app_id_the_ipa_does_not_install(tmp_path: Path) -> None:
