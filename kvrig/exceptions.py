@@ -189,9 +189,14 @@ class DeviceNotFoundError(DeviceError):
 
 
 class ServiceRefusedError(DeviceError):
-    """The device refused a service (e.g. developer services on iOS 17+ without a tunnel)."""
+    """The device refused a service (e.g. developer services on iOS 17+ without a tunnel). `tunnel_hint`: the
+    message already says how iOS 17+ reaches developer services."""
 
     exit_code = 12
+
+    def __init__(self, message: str, *, tunnel_hint: bool = False) -> None:
+        super().__init__(message)
+        self.tunnel_hint = tunnel_hint
 
 
 class DeviceLostError(DeviceError):

@@ -29,7 +29,7 @@ import yaml
 
 from kvrig.exceptions import InputError, OutputWriteError
 
-# libyaml is ~10x faster when present
+# libyaml parses far faster when present
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 # JSON nests a few levels in any real file (a tokenizer.json under 10); Python's json and the tokenizers library
 # recurse per level and a file nested 200,000 deep overflows both, so deeper files are refused before them.

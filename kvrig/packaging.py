@@ -39,7 +39,7 @@ from kvrig.kvcache.caches import cache_settings
 from kvrig.kvcache.families import APP_UNQUANTIZED_KV
 from kvrig.models import load_model_spec, spec_from_config
 from kvrig.models.gguf import embedded_default_model
-from kvrig.models.source import CONVERT_PREFIX, source_dir
+from kvrig.models.source import CONVERT_PREFIX, read_tokenizer, source_dir
 from kvrig.planner import PlanRequest, plan_memory
 from kvrig.planner.kv import check_dims
 from kvrig.profiles import list_profiles, load_profile
@@ -166,12 +166,20 @@ class _Job:
         self.config_path = src_dir / "config.json"
         self.spec = load_model_spec(self.config_path)  # first: it holds the file to its depth and size claims
         self.config: dict[str, Any] = json.loads(self.config_path.read_text())
+        self._tokenizer: Any = None
         self._source: Any = None
         self._texts: GateTexts | None = None
         # What calibrated recipes measure on the source, measured once for every recipe this call tries.
         self.statistics = CalibrationStatistics()
         self.say = options.progress
         self._measurements: Measurements | None = None
+
+    @property
+    def tokenizer(self) -> Any:
+        """The source's tokenizer, read when first needed (a plan that refuses needs none)."""
+        if self._tokenizer is None:
+            self._tokenizer = read_tokenizer(self.src_dir)
+        return self._tokenizer
 
     def source(self) -> Any:
         if self._source is None:
@@ -206,9 +214,7 @@ class _Job:
         return values
 
     def _gate_ids(self) -> dict[str, list[list[int]]]:
-        from mlx_lm.utils import load_tokenizer
-
-        return gate_tokens(load_tokenizer(self.src_dir))
+        return gate_tokens(self.tokenizer)
 
     def texts(self) -> GateTexts:
         if self._texts is None:
@@ -345,6 +351,7 @@ class _Staged:
 
 def _stage(job: _Job, recipe: WeightRecipe, kv: KVSpec, plan: PlanView | None) -> _Staged:
     """Weights, tokenizer and kvcache.json into a folder of the run's scratch folder; removed on any error."""
+    job.tokenizer  # noqa: B018 - read before minutes of quantizing: a bundle needs a tokenizer that loads
     tmp = job.stage_dir()
     try:
         with _disk_errors(tmp):
@@ -641,13 +648,12 @@ def _closest(job: _Job, device: str, pairs: list[Candidate], context: int) -> st
 
 def _measure_weights(job: _Job, names: tuple[str, ...]) -> dict[str, float]:
     """Each recipe's worst-kind perplexity change with an unquantized KV cache, quantized in memory."""
-    from mlx_lm.utils import load_tokenizer
 
     texts = job.texts()
     fp16 = host_config(job.spec, parse_kv("fp16"))
     recipes = {name: parse_weights(name) for name in names}
     rows = max((calibration_rows(r) for r in recipes.values() if r.calibrated), default=0)
-    calibration: Any = calibration_tokens(load_tokenizer(job.src_dir), samples=rows) if rows else None
+    calibration: Any = calibration_tokens(job.tokenizer, samples=rows) if rows else None
     out = {}
     for name, recipe in recipes.items():
         used = calibration[: calibration_rows(recipe)] if recipe.calibrated else None
@@ -757,11 +763,11 @@ def _write_weights(
     statistics: CalibrationStatistics | None = None,
 ) -> dict[str, Any]:
     import mlx.core as mx
-    from mlx_lm.utils import load_tokenizer, save_config, save_model
+    from mlx_lm.utils import save_config, save_model
 
     model, config = load_source_model(src_dir)
     calibration = (
-        calibration_tokens(load_tokenizer(src_dir), samples=calibration_rows(recipe)) if recipe.calibrated else None
+        calibration_tokens(read_tokenizer(src_dir), samples=calibration_rows(recipe)) if recipe.calibrated else None
     )
     model, config = apply_recipe(model, config, recipe, calibration, progress or (lambda _: None), statistics)
     mx.eval(model.parameters())  # computed here, so a RuntimeError from the save below is the write's

@@ -5,9 +5,8 @@ prose, which is kvrig's own.
 Calibration (what AWQ, GPTQ and kvrig's importance-weighted recipes learn from) reads technical writing and code
 (Python's tutorial, Python and C source); the quality bench judges recipes on kinds it never reads (licences,
 quotations and dialogue). Calibrating on code and documentation measured better on every held-out kind than
-calibrating on licences and quotations (gpx-4.6 on SmolLM2: Python source +8.7 % vs +14.7 %, licence text +8.2 %
-vs +8.5 %). The package gate reads kvrig's own prose and files calibration never reads (other Python modules, the
-Debian Reference).
+calibrating on licences and quotations, in scratch runs. The package gate reads kvrig's own prose and files
+calibration never reads (other Python modules, the Debian Reference).
 """
 
 from __future__ import annotations
@@ -153,12 +152,6 @@ def read_kind(text_kind: TextKind | str) -> tuple[str, list[str]]:
     if text_kind.start is not None and text_kind.start in text:
         text = text[text.index(text_kind.start) :]
     return text, used
-
-
-def read_texts(names: tuple[str, ...], *, root: Path = LICENSES) -> tuple[str, list[str]]:
-    """Named files under `root` joined by blank lines, and the paths read (the licence texts by name)."""
-    text_kind = TextKind("files", f"files in {root}", "base-files", tuple(str(root / n) for n in names), "evaluation")
-    return read_kind(text_kind)
 
 
 def tokens_of(tokenizer: object, text: str, n: int, *, what: str, source: str) -> list[int]:

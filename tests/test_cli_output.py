@@ -129,6 +129,12 @@ def test_an_unexpected_error_is_one_line_and_verbose_shows_the_traceback(talk, c
     assert "Traceback (most recent call last)" in err and "KeyError: 'missing'" in err
 
 
+def test_docs_render_check_speaks_json() -> None:
+    done = kvrig("docs", "render", "--check", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"stale": []}
+
+
 def test_verbose_and_quiet_together_is_a_usage_error(capsys) -> None:  # type: ignore[no-untyped-def]
     code, _, err = run(capsys, "-v", "-q", "profiles", "list")
     assert code == click.UsageError.exit_code

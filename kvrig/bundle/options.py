@@ -95,9 +95,9 @@ def resolve_kv(text: str, config: dict[str, Any], file: Path) -> KVSpec:
 
 def auto_rotation(kv: KVSpec, config: dict[str, Any], file: Path) -> Rotation:
     """`hadamard` for a spec with keys or values below 8 bits whose caches kvrig's attention reads and whose head
-    dims are powers of two (the transform is then its own inverse, here and in MLX Swift), `none` otherwise. On
-    SmolLM2 it takes k8v4 from +1.4 % to +0.4 % PPL and k4v4 from +18 % to +7 % (`kvrig bench quality`); k8v8
-    (+0.1 %) keeps mlx-lm's own quantized cache and its fused attention."""
+    dims are powers of two (the transform is then its own inverse, here and in MLX Swift), `none` otherwise: it
+    spreads outlier channels over the group before 4-bit rounding (`kvrig bench quality` measures it); k8v8 keeps
+    mlx-lm's own quantized cache and its fused attention."""
     spec = spec_from_config(config, file)
     dims = [d for layer in spec.layers for d in (layer.k_head_dim, layer.v_head_dim) if d]
     powers_of_two = bool(dims) and all(d & (d - 1) == 0 for d in dims)

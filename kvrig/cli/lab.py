@@ -150,14 +150,19 @@ def _where(r) -> str:  # type: ignore[no-untyped-def]
 @click.argument("results_file", type=InputPath(dir_okay=False, path_type=Path))
 @_out_option("Output folder.")
 @click.option("--title", default="kvrig results", show_default=True)
-def report(results_file: Path, out_dir: Path, title: str) -> None:
+@json_option
+def report(results_file: Path, out_dir: Path, title: str, as_json: bool) -> None:
     """Render report.html (and its PNGs) from a results.json again."""
     from kvrig.lab.report import write_report
     from kvrig.schemas import load_model_file
     from kvrig.schemas.results import ResultsFile
 
     results = load_model_file(ResultsFile, results_file)
-    click.echo(str(write_report(results, out_dir, title=title)))  # it makes out_dir; a failed write is exit 38
+    page = write_report(results, out_dir, title=title)  # it makes out_dir; a failed write is exit 38
+    if as_json:
+        echo_json({"report": str(page), "files": sorted(p.name for p in page.parent.iterdir() if p.is_file())})
+        return
+    click.echo(str(page))
 
 
 def _render(results, *, title: str, out_dir: Path) -> None:  # type: ignore[no-untyped-def]

@@ -267,11 +267,15 @@ def _limits(device: dict[str, Any]) -> str:
     default=None,
     help="Stop only the device with this state folder (default: the whole server).",
 )
-def stop(address: str, state: Path | None) -> None:
+@json_option
+def stop(address: str, state: Path | None, as_json: bool) -> None:
     """Stop a virtual iPhone (or every one on the socket)."""
     from kvrig.virtual import control
 
     control.stop(address, state)
+    if as_json:
+        echo_json({"socket": address, "stopped": str(state) if state is not None else "all"})
+        return
     click.echo("stopped")
 
 

@@ -85,8 +85,3 @@ class BatteryReader:
                 await self.close()  # the next read reconnects
                 raise
         return parse_battery(entry or {}, time.time())
-
-
-async def read_battery(device: Device) -> BatterySample:
-    async with BatteryReader(device) as reader:
-        return await reader.read()

@@ -89,10 +89,3 @@ async def pull_reports(
                 continue
             result.pulled.append(target)
     return result
-
-
-async def pull_new_jetsam_reports(device: Device, before: set[str], out_dir: str | Path) -> ReportPull:
-    """Flushes, then pulls the JetsamEvent reports that were not in `before` (a listing taken earlier)."""
-    await flush(device)
-    new = [p for p in await list_jetsam_reports(device) if p not in before]
-    return await pull_reports(device, new, out_dir)

@@ -71,9 +71,8 @@ def translate(exc: BaseException, what: str, *, udid: str | None = None, os_vers
         return DeviceNotFoundError(f"{what}: device {udid or ''} is not attached".replace("  ", " "))
     if isinstance(exc, _REFUSED):
         message = f"{what}: the device{on} refused the service ({_text(exc)})"
-        if os_version and _major(os_version) >= 17:
-            message += f"; {TUNNEL_HINT}"
-        return ServiceRefusedError(message)
+        hint = bool(os_version and _major(os_version) >= 17)
+        return ServiceRefusedError(f"{message}; {TUNNEL_HINT}" if hint else message, tunnel_hint=hint)
     if isinstance(exc, pmd3.DeveloperModeIsNotEnabledError):
         return DeveloperModeOffError(f"{what}: Developer Mode is off{on}; {DEVELOPER_MODE_HINT}")
     if isinstance(exc, _PAIRING):

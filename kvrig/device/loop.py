@@ -47,10 +47,10 @@ async def to_the_end(awaitable: Awaitable[T]) -> T:
 def _quiet_lost_links(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
     # When a phone is unplugged, pymobiledevice3's background readers end with connection errors nobody
     # awaits; the operation that needed the link already raised DeviceLostError, so these are noise.
+    from pymobiledevice3.exceptions import ConnectionTerminatedError  # loaded by then: the exception is its
+
     exc = context.get("exception")
-    if isinstance(exc, ConnectionError | EOFError | asyncio.IncompleteReadError) or (
-        exc is not None and type(exc).__name__ in ("ConnectionTerminatedError", "StreamClosedError")
-    ):
+    if isinstance(exc, ConnectionError | EOFError | asyncio.IncompleteReadError | ConnectionTerminatedError):
         log.debug("ignored after the link dropped: %r", exc)
         return
     loop.default_exception_handler(context)

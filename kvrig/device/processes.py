@@ -59,8 +59,8 @@ class Processes:
                 f"starting process control on {self.device.udid}: the phone offers no instruments service, "
                 "so the developer disk image is not mounted: run `kvrig prepare`"
             )
-        if self.device.info.os_major >= 17 and TUNNEL_HINT not in str(error):
-            return ServiceRefusedError(f"{error}; {TUNNEL_HINT}")
+        if self.device.info.os_major >= 17 and not error.tunnel_hint:
+            return ServiceRefusedError(f"{error}; {TUNNEL_HINT}", tunnel_hint=True)
         return error
 
     async def __aexit__(self, *exc: object) -> None:

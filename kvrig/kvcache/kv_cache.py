@@ -139,10 +139,6 @@ class DequantizingKVCache(_QuantizedStore):
 # --- kvrig's scheme cache: quantized attention with K and V at their own widths ---------------------------
 
 
-def _is_power_of_two(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
 def rotate(x: mx.array) -> mx.array:
     """The orthonormal Walsh-Hadamard transform of the last axis. For power-of-two sizes it is symmetric and
     its own inverse, so one function rotates keys and queries alike and undoes the rotation of values."""

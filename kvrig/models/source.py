@@ -8,6 +8,7 @@ import contextlib
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from kvrig.exceptions import ModelConfigError
 from kvrig.fileio import check_json_files, read_data, scratch_dir, sha256_file
@@ -48,3 +49,20 @@ def source_dir(source: Path, *, scratch_parent: Path | None = None) -> Iterator[
                 architecture=config["model_type"],
             ),
         )
+
+
+def read_tokenizer(folder: Path, *, eos_token_ids: Any = None) -> Any:
+    """mlx-lm's tokenizer for a Hugging Face-layout folder, or ModelConfigError naming its file when mlx-lm (or
+    the tokenizers library under it) cannot load it: a file cut short, edited, or not a tokenizer."""
+    from mlx_lm.utils import load_tokenizer
+
+    check_json_files(folder, error=ModelConfigError)  # the tokenizers library parses recursively
+    try:
+        return load_tokenizer(folder, eos_token_ids=eos_token_ids)
+    except Exception as exc:  # the tokenizers library raises bare Exception for a file it cannot parse
+        file = folder / "tokenizer.json" if (folder / "tokenizer.json").exists() else folder
+        raise ModelConfigError(
+            f"mlx-lm cannot load the tokenizer ({type(exc).__name__}: {exc})",
+            file=file,
+            expected="the model's tokenizer files as Hugging Face writes them",
+        ) from None

@@ -18,7 +18,6 @@ from kvrig.models.spec import ModelSpec
 from kvrig.recipes import GROUP_SIZES, KVSpec
 
 MLX_STEP = 256
-DEFAULT_SCHEMES = ("fp16", "k8v8", "k8v4", "k4v8", "k4v4")
 ALL_NAMED_SCHEMES = ("fp16", "bf16", "k8v8", "k8v4", "k4v8", "k4v4")
 
 

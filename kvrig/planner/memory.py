@@ -918,7 +918,3 @@ def constant_kv_bytes(spec: ModelSpec, scheme: KVSpec, prefill_step: int) -> int
     if not windows:
         return 0
     return kv_bytes(spec, scheme, context_schedule(max(windows) + 1, prefill_step), kinds=("sliding", "linear"))
-
-
-def plan_to_json(plan: MemoryPlan) -> dict[str, Any]:
-    return plan.model_dump(mode="json", by_alias=True)

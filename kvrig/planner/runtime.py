@@ -58,7 +58,7 @@ def forward_buffers(
     if cfg.get("moe_intermediate_size") and cfg.get("num_experts_per_tok"):
         inter = max(inter, int(cfg["moe_intermediate_size"]) * int(cfg["num_experts_per_tok"]))
     # The residual stream, norms and RoPE: on the CPU MLX runs mx.fast.rms_norm and mx.fast.rope unfused (their
-    # peaks measured at 2.0 and 3.0 times a query-sized input), on the queries too, so there the buffers are as
+    # peaks measured at a few times a query-sized input), on the queries too, so there the buffers are as
     # wide as the wider of the stream and the queries (Qwen3-4B: 4096-wide queries beside a 2560-wide stream).
     wide = max(hidden, heads * head_dim) if backend == "cpu" else hidden
     stream = [s * wide * width] * 4

@@ -29,7 +29,7 @@ Which attention a quantized cache meets depends on its bits (the k4v4-vs-k8v4 di
   dequantized layer (counted as the dequantized read), no scores where the kernel is fused. On the host (`cpu`)
   kvrig's `SchemeKVCache` dequantizes a prefill chunk's segment and multiplies with BLAS; the plan counts it as
   mlx-lm's quantized attention at the key width plus the dequantized layer. (A probe of that cache's own graph
-  read between 0.03 and 1.28 buffers per score from one fresh process to the next: no plan can rest on it.)
+  read very different buffers per score from one fresh process to the next: no plan can rest on it.)
 
 So for Qwen3-4B at 8192 tokens on the phone a 512-token chunk of k4v4 holds 32 x 512 x 8192 scores (256 MiB at
 float16, times the measured buffers per score) where k8v4 holds one dequantized layer (2 x 8 x 8192 x 128 x 2 B

@@ -23,7 +23,7 @@ from kvrig.bundle.manifest import load_manifest
 from kvrig.bundle.options import package_default_kv
 from kvrig.models import load_model_spec
 from kvrig.models.gguf import embedded_default_model
-from kvrig.models.source import source_dir
+from kvrig.models.source import read_tokenizer, source_dir
 from kvrig.planner.kv import context_schedule, kv_bytes
 from kvrig.quality.gate import kind_perplexity, worst_first
 from kvrig.quality.kv_sensitivity import resolve_variant, sensitivity_tokens
@@ -36,7 +36,7 @@ from kvrig.runtime.host import load_bundle_model, prepare_for_host
 from kvrig.schemas.bundle import MANIFEST_NAME
 from kvrig.texts import EVALUATION_KINDS, kind_segments, read_kind
 
-# awq-q4 is left out: mlx-lm's AWQ takes ~80 s per layer here (ask for it with --recipes).
+# awq-q4 is left out: mlx-lm's AWQ takes longer per layer here than the rest together (ask for it with --recipes).
 DEFAULT_RECIPES = ("q4", "q4g32", "q8", "mixed_4_6", "gptq-q4", "dq-4.6", "imx-4.6", "gpx-q4", "gpx-4.6")
 DEFAULT_KV = (
     "fp16",
@@ -295,12 +295,11 @@ def run_quality_bench(
     factual_kv: str | None = None,
     progress: Callable[[str], None] = lambda _: None,
 ) -> QualityReport:
-    from mlx_lm.utils import load_tokenizer
 
     variants = unquantized_first([parse_kv(v) for v in kv_variants])
     weights_recipes = [parse_weights(r) for r in recipes]
     with bench_source(model) as (src, name, bundle):
-        tokenizer = load_tokenizer(src)
+        tokenizer = read_tokenizer(src)
         spec = load_model_spec(src / "config.json")
         kv_ids, passages, text = {}, {}, {}
         for k in kinds:

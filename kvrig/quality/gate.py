@@ -10,14 +10,11 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from kvrig.exceptions import QualityGateError
 from kvrig.kvcache.caches import make_caches
 from kvrig.quality.perplexity import rows_nll
-from kvrig.quantize.base import load_source_model
-from kvrig.runtime.host import load_bundle_model, prepare_for_host
 from kvrig.schemas.bundle import KindCheck, QualityCheck
 from kvrig.schemas.kvcache import KVCacheConfig
 from kvrig.texts import GATE_KINDS as FILE_KINDS
@@ -28,8 +25,8 @@ DEFAULT_MAX_INCREASE_PCT = 10.0
 GATE_TOKENS = 320
 """kvrig's prose: its first tokens."""
 GATE_SEGMENTS, SEGMENT_TOKENS = 4, 256
-"""A file kind: passages spread over its files. One 320-token passage per kind was a noisy sample: gpx-4.6 on
-SmolLM2 measured +2.5 % to +10.4 % on twelve passages of the same Python modules."""
+"""A file kind: passages spread over its files. One short passage per kind was a noisy sample: the same recipe
+measured far apart on different passages of the same files."""
 GATE_KINDS = ("prose", *FILE_KINDS)
 LOGITS_BYTES = 256 * 2**20
 """A batch of passages holds float32 logits for each of its positions: SmolLM2's 49k vocabulary reads 5 passages
@@ -186,22 +183,6 @@ def judge(
         seconds=round(time.perf_counter() - began, 2) if began is not None else 0.0,
         kinds=kinds,
     )
-
-
-def measure_quality(
-    source_dir: Path, bundle_dir: Path, kv: KVCacheConfig, *, max_increase_pct: float = DEFAULT_MAX_INCREASE_PCT
-) -> QualityCheck:
-    """The gate on the bundle in `bundle_dir` (read as the host runtime reads it, with its kvcache.json) against
-    the source in `source_dir`."""
-    from mlx_lm.utils import load_tokenizer
-
-    began = time.perf_counter()
-    source = prepare_for_host(load_source_model(source_dir)[0])
-    texts = measure_source(source, load_tokenizer(source_dir))
-    del source
-    model, _, config = load_bundle_model(bundle_dir)
-    model_type = str(config.get("model_type", ""))
-    return check_model(model, kv, model_type, texts, max_increase_pct=max_increase_pct, began=began)
 
 
 def enforce(check: QualityCheck, *, force: bool, recipe: str, kv: str) -> QualityCheck:

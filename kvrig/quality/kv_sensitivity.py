@@ -11,6 +11,7 @@ from kvrig.bundle.kvcache_json import host_config
 from kvrig.kvcache.caches import check_scheme, scheme_extras
 from kvrig.kvcache.kv_cache import SchemeKVCache, install_attention
 from kvrig.models import load_model_spec
+from kvrig.models.source import read_tokenizer
 from kvrig.models.spec import ModelSpec
 from kvrig.quantize.base import load_source_model
 from kvrig.quantize.recipes import calibration_tokens
@@ -63,12 +64,11 @@ def resolve_variant(model: Any, spec: ModelSpec, variant: KVSpec, tokens: list[i
 def resolve_for_source(src_dir: Any, variant: KVSpec) -> KVSpec:
     """A package's `--kv` with `+kN@topM`, resolved on the source model in `src_dir` (float weights, the local
     calibration text): what `kvrig package` writes to kvcache.json."""
-    from mlx_lm.utils import load_tokenizer
 
     if variant.promote_keys is None:
         return variant
     model = prepare_for_host(load_source_model(src_dir)[0])
-    tokens = sensitivity_tokens(load_tokenizer(src_dir))
+    tokens = sensitivity_tokens(read_tokenizer(src_dir))
     return resolve_variant(model, load_model_spec(src_dir / "config.json"), variant, tokens)
 
 

@@ -31,6 +31,7 @@ from typing import Any
 from kvrig.exceptions import KvrigError, ModelConfigError
 from kvrig.models import load_model_spec
 from kvrig.models.gguf import embedded_default_model
+from kvrig.models.source import read_tokenizer
 from kvrig.quality.bench import bench_source, load_weights, passages_ppl
 from kvrig.quantize.recipes import calibration_files
 from kvrig.recipes import parse_weights
@@ -203,12 +204,11 @@ def run_quantize_bench(
     """Quantizes MODEL (a model folder, GGUF or bundle; None: the embedded SmolLM2) with each recipe in its
     own process and measures it against the unquantized source on the evaluation text; then, with `scaling`,
     times kvrig's quantizers on two tiny models."""
-    from mlx_lm.utils import load_tokenizer
 
     load = [os.getloadavg()[0]]
     embedded = model is None or _is_embedded(Path(model))
     with bench_source(model) as (src, name, _):
-        tokenizer = load_tokenizer(src)
+        tokenizer = read_tokenizer(src)
         ids = {k: kind_segments(tokenizer, k, passages, tokens + 1) for k in EVALUATION_KINDS}
         progress(f"source: perplexity on {passages} x {tokens} tokens of each of {', '.join(EVALUATION_KINDS)}")
         source, _ = load_weights(src, "source", None)
@@ -332,7 +332,7 @@ def scaling_check(progress: Callable[[str], None] = lambda _: None) -> list[Scal
 def _measure(job: dict[str, Any]) -> RecipeRun:
     """Quantizes the source with the job's recipe within its budget and measures perplexity on its tokens."""
     import mlx.core as mx
-    from mlx_lm.utils import compute_bits_per_weight, load_tokenizer
+    from mlx_lm.utils import compute_bits_per_weight
 
     from kvrig.planner.layout import quantized_layout
     from kvrig.quantize.base import load_source_model
@@ -341,7 +341,7 @@ def _measure(job: dict[str, Any]) -> RecipeRun:
 
     src, recipe, budget = Path(job["source"]), job["recipe"], float(job["budget"])
     run = RecipeRun(recipe, method_of(recipe))
-    tokenizer = load_tokenizer(src)
+    tokenizer = read_tokenizer(src)
     model, config = load_source_model(src)
     last = [""]  # what the quantizer said last, for a recipe stopped at its budget
 

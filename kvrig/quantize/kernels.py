@@ -22,13 +22,13 @@ import numpy as np
 from numba import njit
 
 SCALE_STEPS = 20
-"""Stretched grids tried per group (range/(levels-1) stretched by -1 .. +1 level), each refitted. Half as many
-searched a third faster but cost gpx-q4 and gpx-4.6 1-2 % perplexity on SmolLM2."""
+"""Stretched grids tried per group (range/(levels-1) stretched by -1 .. +1 level), each refitted. Fewer searched
+faster but cost the gpx recipes perplexity."""
 DTYPES = {"float16": 0, "bfloat16": 1, "float32": 2}
 """The scales' dtype as the kernel takes it."""
 
 # The sums of `_error` and `_refit` (compiled apart, not inlined) may be reordered, which vectorizes them. Nothing
-# else may: reordered, the stretched levels crossed level boundaries and some groups' searches ended 7 % worse.
+# else may: reordered, the stretched levels crossed level boundaries and some groups' searches ended worse.
 _MATH = {"reassoc", "nsz", "contract"}
 
 

@@ -16,6 +16,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from kvrig.models.source import read_tokenizer
+
 COMPUTE_DTYPE = mx.float32
 MANY_ROWS = 16
 """From this many input rows on, dequantize + GEMM beats the quantized matrix-vector kernel."""
@@ -123,7 +125,7 @@ def _dequantized_matmul(
     parts = []
     for start in range(0, w.shape[0], rows):
         sl = slice(start, start + rows)
-        # Float32 scales: with float16 ones MLX's CPU dequantize runs in emulated float16, about 6x slower.
+        # Float32 scales: with float16 ones MLX's CPU dequantize runs in emulated float16, several times slower.
         chunk = mx.dequantize(
             w[sl],
             scales[sl].astype(COMPUTE_DTYPE),
@@ -142,7 +144,7 @@ def _dequantized_matmul(
 def _qmv(
     x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int, bits: int, mode: str
 ) -> mx.array:
-    # Float16 scales would make the kernel run in emulated float16 (about 50x slower on x86).
+    # Float16 scales would make the kernel run in emulated float16 (far slower on x86).
     return mx.quantized_matmul(
         x,
         w,
@@ -185,8 +187,10 @@ def prepare_for_host(model: nn.Module) -> nn.Module:
 
 
 def load_bundle_model(bundle: str | Path) -> tuple[nn.Module, Any, dict[str, Any]]:
-    """mlx-lm loads the bundle (model, tokenizer, config); the model is then prepared for the host."""
-    from mlx_lm.utils import load
+    """mlx-lm loads the bundle (model, tokenizer, config) as its `load` does; the model is then prepared for the
+    host. A tokenizer mlx-lm cannot load is ModelConfigError naming it."""
+    from mlx_lm.utils import load_model
 
-    model, tokenizer, config = load(str(bundle), return_config=True)  # type: ignore[misc]
+    model, config = load_model(Path(bundle))
+    tokenizer = read_tokenizer(Path(bundle), eos_token_ids=config.get("eos_token_id"))
     return prepare_for_host(model), tokenizer, config

@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Annotated, Any, Final, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
@@ -33,7 +33,6 @@ from kvrig.schemas import StrictModel, validate_data
 from kvrig.schemas.kvcache import WeightsResidency
 from kvrig.schemas.soakplan import MAX_TOKENS, OnCritical
 
-LAB_SCHEMA_VERSION: Final = 1
 ANY_DEVICE = "any"
 LimitChoice = Literal["app", "default", "entitled"]
 

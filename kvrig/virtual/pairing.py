@@ -25,7 +25,6 @@ from cryptography.x509.oid import NameOID
 from kvrig.exceptions import InputError
 from kvrig.virtual.state import STATE_FILE
 
-SYSTEM_BUID_FILE = "system_buid"
 _VALIDITY = dt.timedelta(days=3650)
 
 

@@ -163,6 +163,45 @@ def test_a_deeply_nested_tokenizer_stops_kvrig_package(
     assert list((tmp_path / "out").iterdir()) == []
 
 
+BROKEN_TOKENIZERS = {
+    "cut short": lambda text: text[: len(text) // 2],
+    "not a tokenizer": lambda _: json.dumps({"version": "1.0", "added_tokens": [], "model": 3}),
+}
+
+
+@pytest.mark.parametrize("broken", list(BROKEN_TOKENIZERS))
+@hostile(10, "a tokenizer.json the tokenizers library cannot load", "kvrig package and run: exit 3 naming it")
+def test_a_tokenizer_that_does_not_load_is_refused_naming_it(
+    broken: str, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """The tokenizers library raises a bare Exception (exit 70 before); package refuses before quantizing, and
+    leaves nothing; run refuses a bundle whose manifest agrees with the broken file."""
+    source = tmp_path / "model"
+    shutil.copytree(converted_source(tmp_path_factory), source, copy_function=os.link)
+    text = (source / "tokenizer.json").read_text()
+    (source / "tokenizer.json").unlink()
+    (source / "tokenizer.json").write_text(BROKEN_TOKENIZERS[broken](text))
+    ran = kvrig("package", str(source), "-o", str(tmp_path / "out" / "b"), "--weights", "q8", "--kv", "fp16")
+    assert ran.code == 3, ran.stderr
+    assert f"{source / 'tokenizer.json'}: mlx-lm cannot load the tokenizer" in ran.stderr
+    assert "Traceback" not in ran.stderr and ran.seconds < 60
+    assert list((tmp_path / "out").iterdir()) == []
+
+    bundle = _bundle_copy(tmp_path_factory, tmp_path)
+    data = (source / "tokenizer.json").read_bytes()
+    (bundle / "tokenizer.json").unlink()
+    (bundle / "tokenizer.json").write_bytes(data)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    for entry in manifest["files"]:
+        if entry["path"] == "tokenizer.json":
+            entry.update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    (bundle / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    ran = kvrig("run", str(bundle), "--prompt", "hi", "--max-tokens", "1")
+    assert ran.code == 3, ran.stderr
+    assert f"{bundle / 'tokenizer.json'}: mlx-lm cannot load the tokenizer" in ran.stderr
+    assert "Traceback" not in ran.stderr
+
+
 def _hidden(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
 

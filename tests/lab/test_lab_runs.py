@@ -248,7 +248,7 @@ def test_report_html_references_pngs_that_exist(matrix_lab: tuple[LabResults, Pa
 
     # `kvrig lab report` renders the same from results.json alone, elsewhere
     proc = subprocess.run(
-        [sys.executable, "-m", "kvrig", "lab", "report", str(out / "results.json"), "-o", str(tmp_path)],
+        [sys.executable, "-m", "kvrig", "lab", "report", str(out / "results.json"), "-o", str(tmp_path), "--json"],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -257,6 +257,8 @@ def test_report_html_references_pngs_that_exist(matrix_lab: tuple[LabResults, Pa
     assert proc.returncode == 0, proc.stderr
     again = re.findall(r'<img src="([^"]+)"', (tmp_path / "report.html").read_text())
     assert sorted(again) == sorted(images) and all((tmp_path / src).exists() for src in again)
+    said = json.loads(proc.stdout)
+    assert said["report"] == str(tmp_path / "report.html") and set(again) <= set(said["files"])
 
 
 # --- gates and exit codes -----------------------------------------------------------------------------------

@@ -214,7 +214,9 @@ def state_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     address = str(root / "v.sock")
     started = kvrig("virtual", "start", "--socket", address, "--state", str(root / "s"), "--detach")
     assert started.returncode == 0, started.stderr
-    kvrig("virtual", "stop", "--socket", address)
+    stopped = kvrig("virtual", "stop", "--socket", address, "--json")
+    assert stopped.returncode == 0 and json.loads(stopped.stdout) == {"socket": address, "stopped": "all"}
+    assert not Path(address).exists()
     assert (root / "s" / "device.json").is_file() and (root / "s" / "pairing" / "pairing.plist").is_file()
     return root / "s"
 
