@@ -114,6 +114,35 @@ def test_run_on_a_damaged_bundle_names_it(q4_bundle: Path, tmp_path: Path, how: 
     assert words in proc.stderr and str(copy) in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize(
+    ("how", "code", "words"),
+    [
+        ("not a bundle", 7, "manifest.json"),
+        ("config not JSON", 3, "config.json: not valid JSON"),
+        ("kv bits", 3, "key_bits"),
+    ],
+)
+def test_bench_runtime_reads_the_bundle_before_its_sides_run(
+    q4_bundle: Path, tmp_path: Path, how: str, code: int, words: str
+) -> None:
+    """Each side runs in a process of its own, whose failure was exit 1 whatever the cause: the bundle is read
+    first, and a wrong one gets its own exit code naming the file."""
+    copy = tmp_path / "b"
+    shutil.copytree(q4_bundle, copy)
+    if how == "not a bundle":
+        (copy / "manifest.json").unlink()
+    elif how == "kv bits":
+        kv = json.loads((copy / "kvcache.json").read_text())
+        (copy / "kvcache.json").write_text(json.dumps({**kv, "key_bits": 7}))
+    else:
+        _damage(copy, how)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvrig", "bench", "runtime", str(copy), "--no-reference"], capture_output=True, text=True
+    )
+    assert proc.returncode == code, proc.stderr
+    assert words in proc.stderr and str(copy) in proc.stderr and "benchmark side" not in proc.stderr
+
+
 PERPLEXITY = """
 import math, sys
 import mlx.core as mx, mlx.nn as nn

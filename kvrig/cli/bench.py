@@ -49,24 +49,15 @@ def runtime(
 
     Plain mlx-lm runs the bundle as installed (float16, MLX's bundled BLAS); it is slow on a CPU, so keep the
     prompt short. Ratios are ours / plain; the reference row shows how much of the gap float32 alone closes."""
-    from kvrig.bundle.manifest import load_manifest
-    from kvrig.runtime.bench import run_side
+    from kvrig.runtime.bench import compare
 
-    load_manifest(bundle)
-    ours = run_side("ours", bundle, prompt_tokens, decode_tokens, timeout=timeout)
-    plain = run_side("plain", bundle, prompt_tokens, decode_tokens, timeout=timeout)
-    rows = [ours, plain]
-    if reference:
-        rows.append(run_side("plain-f32", bundle, prompt_tokens, decode_tokens, timeout=timeout))
-    ratios = {
-        "prefill": ours.prefill_tps / plain.prefill_tps if plain.prefill_tps else float("inf"),
-        "decode": ours.decode_tps / plain.decode_tps if plain.decode_tps else float("inf"),
-        "peak_memory": ours.peak_memory_bytes / plain.peak_memory_bytes if plain.peak_memory_bytes else 0.0,
-    }
+    result = compare(bundle, prompt_tokens, decode_tokens, timeout=timeout, reference=reference)
+    ours, plain, ratios = result.ours, result.plain, result.ratios
+    rows = [ours, plain] + ([result.reference] if result.reference is not None else [])
     if as_json:
         out = {"bundle": str(bundle), "ours": vars(ours), "plain": vars(plain), "ratios": ratios}
-        if reference:
-            out["reference_f32"] = vars(rows[2])
+        if result.reference is not None:
+            out["reference_f32"] = vars(result.reference)
         echo_json(out)
         return
     click.echo(f"bundle {bundle}: {ours.prompt_tokens} prompt tokens, {ours.generated_tokens} generated")

@@ -9,11 +9,16 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from kvrig.exceptions import KvrigError
 from kvrig.kvcache.caches import make_caches
+from kvrig.models import read_config
 from kvrig.runtime.blas import openblas_loaded, preload_env
 from kvrig.runtime.generate import GenerationStats, generate_tokens, load_bundle
+from kvrig.schemas import load_model_file
+from kvrig.schemas.bundle import load_manifest
+from kvrig.schemas.kvcache import KVCACHE_NAME, KVCacheConfig
 
 TEXT = (
     "The history of the printing press begins in the fifteenth century, when movable type made books cheaper "
@@ -76,12 +81,12 @@ def measure_plain(bundle: Path, n_prompt: int, n_decode: int, *, float32: bool =
     model, tokenizer = load(str(bundle))[:2]
     if float32:
         model.set_dtype(mx.float32)
-    kv = json.loads((bundle / "kvcache.json").read_text())
+    kv = load_model_file(KVCacheConfig, bundle / KVCACHE_NAME)
     ids = prompt_ids(tokenizer, n_prompt)
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     # Plain mlx-lm takes one KV bit width; with different K and V bits it runs an fp16 cache.
-    if kv.get("key_bits") is not None and kv.get("key_bits") == kv.get("value_bits"):
-        kwargs = {"kv_bits": kv["key_bits"], "kv_group_size": kv["group_size"], "quantized_kv_start": 0}
+    if kv.key_bits is not None and kv.key_bits == kv.value_bits:
+        kwargs = {"kv_bits": kv.key_bits, "kv_group_size": kv.group_size, "quantized_kv_start": 0}
     mx.reset_peak_memory()
     last = None
     for last in stream_generate(model, tokenizer, ids, max_tokens=n_decode, **kwargs):  # noqa: B007
@@ -111,6 +116,39 @@ def run_side(side: str, bundle: Path, n_prompt: int, n_decode: int, *, timeout: 
     if proc.returncode != 0:
         raise KvrigError(f"benchmark side '{side}' failed: {proc.stderr.strip()[-2000:]}")
     return SideResult(**json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+@dataclass
+class Comparison:
+    """Our runtime beside plain mlx-lm on one bundle, each side in its own process; `reference`: mlx-lm with the
+    model cast to float32 and OpenBLAS preloaded (how much of the gap float32 alone closes)."""
+
+    bundle: Path
+    ours: SideResult
+    plain: SideResult
+    reference: SideResult | None
+
+    @property
+    def ratios(self) -> dict[str, float]:
+        """Ours / plain: prefill and decode speed, peak memory."""
+        ours, plain = self.ours, self.plain
+        return {
+            "prefill": ours.prefill_tps / plain.prefill_tps if plain.prefill_tps else float("inf"),
+            "decode": ours.decode_tps / plain.decode_tps if plain.decode_tps else float("inf"),
+            "peak_memory": ours.peak_memory_bytes / plain.peak_memory_bytes if plain.peak_memory_bytes else 0.0,
+        }
+
+
+def compare(bundle: Path, n_prompt: int, n_decode: int, *, timeout: float, reference: bool = True) -> Comparison:
+    """Runs each side on `bundle`, read first here (a folder that is not a bundle is BundleError, a kvcache.json
+    or config.json that is wrong InputError naming it) rather than failing in the sides' processes."""
+    load_manifest(bundle)
+    load_model_file(KVCacheConfig, bundle / KVCACHE_NAME)
+    read_config(bundle)
+    ours = run_side("ours", bundle, n_prompt, n_decode, timeout=timeout)
+    plain = run_side("plain", bundle, n_prompt, n_decode, timeout=timeout)
+    f32 = run_side("plain-f32", bundle, n_prompt, n_decode, timeout=timeout) if reference else None
+    return Comparison(bundle, ours, plain, f32)
 
 
 def main(argv: list[str]) -> None:
