@@ -20,6 +20,16 @@ import kvrig.compat
 
 REPO = Path(__file__).resolve().parents[1]
 JETSAM = REPO / "tests" / "data" / "jetsam" / "JetsamEvent-ios16.6-iPhone14-2-excerpt.ips"
+TINY_LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 16,
+    "num_hidden_layers": 1,
+    "intermediate_size": 32,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": 32,
+}
 ADAPTERS = [f"kvrig.compat.{m.name}" for m in pkgutil.iter_modules(kvrig.compat.__path__)]
 
 
@@ -53,6 +63,53 @@ def test_base_cache_is_the_base_of_mlx_lms_caches() -> None:
     from kvrig.compat.mlx_lm_cache import BaseCache
 
     assert all(issubclass(cls, BaseCache) for cls in (KVCache, QuantizedKVCache, RotatingKVCache))
+
+
+def test_attention_is_routed_where_mlx_lm_models_call_it() -> None:
+    """Model modules call the `scaled_dot_product_attention` they import from mlx_lm.models.base: routed, a cache
+    the predicate takes goes to the handler and any other cache to mlx-lm's function."""
+    import mlx.core as mx
+    import mlx_lm.models.base as base
+    import mlx_lm.models.llama as llama
+
+    from kvrig.compat.mlx_lm_attention import route_attention
+
+    assert "scaled_dot_product_attention" in vars(llama) and llama.scaled_dot_product_attention.__module__ in (
+        base.__name__,
+        __name__,
+        "kvrig.compat.mlx_lm_attention",
+    )
+    model = llama.Model(llama.ModelArgs.from_dict(TINY_LLAMA))
+    seen: list[object] = []
+    marker = object()
+    assert route_attention(model, lambda cache: cache is marker, lambda cache, q, *_: seen.append(cache) or q)
+    q = mx.ones((1, 2, 3, 8))
+    assert llama.scaled_dot_product_attention(q, q, q, cache=marker, scale=1.0, mask=None) is q and seen == [marker]
+    plain = llama.scaled_dot_product_attention(q, q, q, cache=None, scale=1.0, mask=None)
+    assert mx.allclose(plain, base.scaled_dot_product_attention(q, q, q, cache=None, scale=1.0, mask=None))
+
+
+def test_install_bars_are_drawn_through_the_name_the_adapter_rebinds() -> None:
+    import inspect
+
+    from pymobiledevice3.services import installation_proxy
+
+    from kvrig.compat import pymobiledevice3_install_bars as adapter
+
+    assert installation_proxy.ProgressBar is adapter._install_bar
+    for method in (
+        installation_proxy.InstallationProxyService._upload_package,
+        installation_proxy.InstallationProxyService._watch_completion,
+    ):
+        assert "with ProgressBar(" in inspect.getsource(method)
+    token = adapter.INSTALL_BARS.set(False)
+    try:
+        with installation_proxy.ProgressBar(total=1) as bar:  # a disabled bar holds no display (pinned internals)
+            assert bar._progress is None
+    finally:
+        adapter.INSTALL_BARS.reset(token)
+    with installation_proxy.ProgressBar(total=1) as bar:
+        assert bar._progress is not None
 
 
 def test_crash_report_header_and_body_are_the_files_two_json_parts() -> None:

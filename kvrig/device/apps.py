@@ -2,32 +2,20 @@
 
 from __future__ import annotations
 
-from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from pymobiledevice3.progress import ProgressBar
-from pymobiledevice3.services import installation_proxy
 from pymobiledevice3.services.installation_proxy import InstallationProxyService
 
+from kvrig.compat import pymobiledevice3_install_bars as install_bars
 from kvrig.device.discovery import Device
 from kvrig.exceptions import AppError, InputError
 from kvrig.profiles import INCREASED_MEMORY_LIMIT
 from kvrig.schemas.keys import COREML_MODEL_KEY, VIRTUAL_RUNTIME_KEY
 
-# Whether installs draw pymobiledevice3's upload and install bars (`kvrig -q` hides them): per task, so phones
-# installing side by side in one lab process all follow the command that started them.
-INSTALL_BARS: ContextVar[bool] = ContextVar("kvrig_install_bars", default=True)
-
-
-def _install_bar(*args: Any, **kwargs: Any) -> ProgressBar:
-    return ProgressBar(*args, **{**kwargs, "disable": bool(kwargs.get("disable")) or not INSTALL_BARS.get()})
-
-
-# Adapter (pymobiledevice3 11.45): install_from_local draws its bars through installation_proxy's module-level
-# ProgressBar with no switch of its own; a disabled ProgressBar is pymobiledevice3's own way to draw none.
-installation_proxy.ProgressBar = _install_bar  # type: ignore[misc,assignment]
+# Whether installs draw pymobiledevice3's upload and install bars (`kvrig -q` hides them).
+INSTALL_BARS = install_bars.INSTALL_BARS
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.models.cache import KVCache, create_attention_mask
 
+from kvrig.compat.mlx_lm_attention import route_attention
 from kvrig.compat.mlx_lm_cache import BaseCache
 from kvrig.exceptions import KVSchemeError
 
@@ -374,34 +375,16 @@ class SchemeKVCache(_QuantizedStore):
 
 
 def install_attention(model: Any) -> None:
-    """Routes the model's attention through `SchemeKVCache.attention` when a layer holds one.
-
-    Adapter on mlx-lm's private layout (mlx-lm >=0.28,<0.33): model modules import
-    `scaled_dot_product_attention` from `mlx_lm.models.base` by name, so it is rebound in every module that
-    defines one of the model's layers (a family may reuse another's attention), and any other cache still goes
-    to mlx-lm's function."""
-    import sys
-
-    names = {type(m).__module__ for m in model.modules()} | {type(model).__module__}
-    modules = [sys.modules[n] for n in sorted(names) if hasattr(sys.modules.get(n), "scaled_dot_product_attention")]
-    if not modules:
+    """Routes the model's attention through `SchemeKVCache.attention` when a layer holds one (any other cache
+    still goes to mlx-lm's function; kvrig/compat/mlx_lm_attention.py)."""
+    if not route_attention(model, lambda cache: isinstance(cache, SchemeKVCache), _scheme_attention):
         raise KVSchemeError(
             f"{type(model).__module__}: its attention does not go through mlx-lm's scaled_dot_product_attention, "
             "so kvrig's KV schemes (mixed bits, rotation, sinks, recent window) cannot be applied"
         )
-    for module in modules:
-        original = module.scaled_dot_product_attention
-        if not getattr(original, "_kvrig", False):
-            setattr(module, "scaled_dot_product_attention", _routed(original))  # noqa: B010
 
 
-def _routed(original: Any) -> Any:
-    def sdpa(queries: mx.array, keys: Any, values: Any, cache: Any, scale: float, mask: Any, **kw: Any) -> Any:
-        if isinstance(cache, SchemeKVCache):
-            if kw.get("sinks") is not None:
-                raise ValueError("kvrig's scheme cache cannot take attention sinks")
-            return cache.attention(queries, scale, mask)
-        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kw)
-
-    sdpa._kvrig = True  # type: ignore[attr-defined]
-    return sdpa
+def _scheme_attention(cache: SchemeKVCache, queries: mx.array, scale: float, mask: Any, kw: dict[str, Any]) -> Any:
+    if kw.get("sinks") is not None:
+        raise ValueError("kvrig's scheme cache cannot take attention sinks")
+    return cache.attention(queries, scale, mask)
