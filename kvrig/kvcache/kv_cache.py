@@ -24,9 +24,9 @@ DEQUANTIZED_ROWS = 16
 
 
 class _QuantizedStore(BaseCache):
-    """What both caches share: keys and values stored as mx.quantize triples, grown in mlx-lm's 256-token steps."""
+    """What both caches share: keys and values stored as mx.quantize triples, grown in mlx-lm's steps."""
 
-    step = 256
+    step = KVCache.step  # mlx-lm's growth, so these caches allocate as its own do
     keys: Quantized | None
     values: Quantized | None
     offset: int

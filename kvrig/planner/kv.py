@@ -18,6 +18,8 @@ from kvrig.models.spec import ModelSpec
 from kvrig.recipes import GROUP_SIZES, KVSpec
 
 MLX_STEP = 256
+"""mlx-lm's KVCache.step, the tokens a growing cache adds at a time; held here so planning imports no MLX until it
+builds a model (tests/plan/test_plan.py holds it to mlx-lm's)."""
 ALL_NAMED_SCHEMES = ("fp16", "bf16", "k8v8", "k8v4", "k4v8", "k4v4")
 
 

@@ -14,7 +14,7 @@ import contextlib
 import json
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from kvrig.recipes import KVSpec, parse_kv, parse_weights
 from kvrig.runtime.generate import encode_prompt, generate_tokens
 from kvrig.runtime.host import load_bundle_model, prepare_for_host
 from kvrig.schemas.bundle import MANIFEST_NAME
+from kvrig.schemas.quality import FactualCheck, QualityReport, Row
 from kvrig.texts import EVALUATION_KINDS, kind_segments, read_kind
 
 # awq-q4 is left out: mlx-lm's AWQ takes longer per layer here than the rest together (ask for it with --recipes).
@@ -63,64 +64,6 @@ GOAL_RECIPES = ((4.6, 5.0), (4.0, 10.0))
 """(bits per weight at most, PPL increase at most): a recipe that small within that much on every kind."""
 GOAL_ROT_K8V4_DELTA = 0.5
 GOAL_KV_FRACTION, GOAL_KV_DELTA, GOAL_CONTEXT = 0.25, 2.0, 4096
-
-
-@dataclass
-class Row:
-    recipe: str
-    kv: str
-    kind: str
-    """The kind of evaluation text (texts.py)."""
-    ppl: float
-    ppl_delta_pct: float
-    tokens: int
-    """Tokens per passage."""
-    bits_per_weight: float | None = None
-    seconds: float = 0.0
-    kv_bytes: dict[int, int] = field(default_factory=dict)
-    predicted_kv_bytes: dict[int, int] = field(default_factory=dict)
-    phone_kv_bytes: dict[int, int] = field(default_factory=dict)
-    """The planner's bytes at float16 (the phone's activation dtype) for a prompt of that length."""
-    decode_tps: dict[int, float] = field(default_factory=dict)
-    kv_scheme: str = ""
-    """The planner's scheme the KV row ran (a `+kN@topM` variant names the layers the measurement chose)."""
-    passages: int = 1
-    """Passages of `tokens` tokens, spread over the kind, the perplexity is over."""
-
-
-@dataclass
-class FactualCheck:
-    prompt: str
-    expected: str
-    source_answer: str
-    answer: str
-    source_ok: bool
-    ok: bool
-
-
-@dataclass
-class QualityReport:
-    model: str
-    text: dict[str, list[str]]
-    """Evaluation kind -> the files read."""
-    calibration: dict[str, list[str]]
-    """Calibration kind -> the files read (empty when no recipe needed calibration)."""
-    source_ppl: dict[str, float]
-    """"KIND/PASSAGESxTOKENS" (the weight rows' passages, the KV rows') -> the unquantized model's perplexity
-    there."""
-    weights: list[Row]
-    kv: list[Row]
-    paired_decode_tps: dict[str, float] = field(default_factory=dict)
-    """fp16, k8v4 (and k8v4+rot) decode tok/s at GOAL_CONTEXT, their steps interleaved (the side-by-side ratio)."""
-    kv_reads: str = "decoded"
-    """decoded: KV rows read a recent window per position, as decoding does; chunked: as a prefill chunk does."""
-    factual_recipe: str = ""
-    factual_kv: str = ""
-    factual: list[FactualCheck] = field(default_factory=list)
-    goals: list[dict[str, Any]] = field(default_factory=list)
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @contextlib.contextmanager
@@ -314,8 +257,9 @@ def run_quality_bench(
         needs_calibration = bool(calibrated)
         samples = max((calibration_rows(r) for r in calibrated), default=0)
         calibration = calibration_tokens(tokenizer, samples=samples) if needs_calibration else None
-        report = QualityReport(name, text, calibration_files() if needs_calibration else {}, {}, [], [])
-        report.kv_reads = kv_reads
+        report = QualityReport(
+            model=name, text=text, calibration=calibration_files() if needs_calibration else {}, kv_reads=kv_reads
+        )
         source, _ = load_weights(src, "source", None)
         report.weights = _weight_rows(
             src,
@@ -387,7 +331,19 @@ def _weight_rows(
         for k, (count, tokens) in shape.items():
             ppl = measured[k]
             delta = 100 * (ppl / base[k] - 1)
-            rows.append(Row(recipe, "fp16", k, ppl, delta, tokens, bpw, quantized, passages=count))
+            rows.append(
+                Row(
+                    recipe=recipe,
+                    kv="fp16",
+                    kind=k,
+                    ppl=ppl,
+                    ppl_delta_pct=delta,
+                    tokens=tokens,
+                    bits_per_weight=bpw,
+                    seconds=quantized,
+                    passages=count,
+                )
+            )
             progress(f"  {k}: ppl {ppl:.3f} ({rows[-1].ppl_delta_pct:+.2f} %), {bpw:.3f} bits/weight")
         del m
     return rows
@@ -439,14 +395,13 @@ def _kv_rows(
                 report.source_ppl[f"{k}/{count}x{tokens}"] = ppl
             rows.append(
                 Row(
-                    "source",
-                    requested,
-                    k,
-                    ppl,
-                    100 * (ppl / base[k] - 1),
-                    tokens,
-                    None,
-                    time.perf_counter() - t0,
+                    recipe="source",
+                    kv=requested,
+                    kind=k,
+                    ppl=ppl,
+                    ppl_delta_pct=100 * (ppl / base[k] - 1),
+                    tokens=tokens,
+                    seconds=time.perf_counter() - t0,
                     kv_bytes=measured,
                     predicted_kv_bytes=predicted,
                     phone_kv_bytes=phone,
@@ -468,7 +423,14 @@ def factual_check(
 
     a, b = greedy_answer(source, tokenizer, prompt, spec), greedy_answer(model, tokenizer, prompt, spec, kv)
     pat = re.compile(rf"\b({expected})\b", re.IGNORECASE)
-    return FactualCheck(prompt, expected, a, b, bool(pat.search(a)), bool(pat.search(b)))
+    return FactualCheck(
+        prompt=prompt,
+        expected=expected,
+        source_answer=a,
+        answer=b,
+        source_ok=bool(pat.search(a)),
+        ok=bool(pat.search(b)),
+    )
 
 
 def unquantized_first(variants: list[KVSpec]) -> list[KVSpec]:

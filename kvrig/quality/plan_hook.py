@@ -6,44 +6,38 @@ it already passes."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from kvrig.exceptions import QuantizationError, SchemaError
-from kvrig.fileio import read_data
 from kvrig.recipes import parse_kv, parse_weights
+from kvrig.schemas import load_model_file
+from kvrig.schemas.quality import QualityReport, Row
 
 DEFAULT_KV_LIMIT_PCT = 2.0
 
 
-def read_quality(path: Path) -> dict[str, Any]:
-    """quality.json as `kvrig bench quality` writes it; a file that is not one is refused naming the field."""
-    data = read_data(path, error=SchemaError, expected="quality.json from kvrig bench quality")
-    if not isinstance(data, dict) or not isinstance(data.get("kv"), list) or not isinstance(data.get("weights"), list):
-        raise SchemaError("not a quality report", file=path, field="kv", expected="lists 'kv' and 'weights'")
-    for section, name, parse in (("kv", "kv", parse_kv), ("weights", "recipe", _parse_recipe)):
-        for i, row in enumerate(data[section]):
-            delta = row.get("ppl_delta_pct") if isinstance(row, dict) else None
-            if not isinstance(row, dict) or not isinstance(row.get(name), str) or not _number(delta):
+def read_quality(path: Path) -> QualityReport:
+    """quality.json as `kvrig bench quality` writes it (its schema); a row whose name does not parse, or whose
+    change is not a finite number, is refused naming the field."""
+    report = load_model_file(QualityReport, path, error=SchemaError)
+    for section, rows in (("kv", report.kv), ("weights", report.weights)):
+        for i, row in enumerate(rows):
+            name, value = ("kv", row.kv) if section == "kv" else ("recipe", row.recipe)
+            if not math.isfinite(row.ppl_delta_pct):  # a run that measured nothing can rank no choice
                 raise SchemaError(
-                    "not a row of kvrig bench quality",
-                    file=path,
-                    field=f"{section}.{i}",
-                    expected=f"an object with '{name}' (text) and 'ppl_delta_pct' (a finite number)",
+                    f"got {row.ppl_delta_pct}", file=path, field=f"{section}.{i}.ppl_delta_pct", expected="a number"
                 )
             try:  # a misspelt name would match no plan row and drop out of the recommendation unseen
-                parse(row[name])
+                parse_kv(value) if section == "kv" else _parse_recipe(value)
             except QuantizationError as exc:
                 raise SchemaError(str(exc), file=path, field=f"{section}.{i}.{name}") from None
-    return data
+    return report
 
 
 def _parse_recipe(name: str) -> object:
     return None if name == "source" else parse_weights(name)  # the bench's unquantized reference row
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def apply_quality(
@@ -52,7 +46,7 @@ def apply_quality(
     """A copy of `plan` whose recommendation only takes schemes measured within `kv_limit_pct` (schemes the
     report did not measure are left out when any measured one fits)."""
     data = read_quality(path)
-    measured = {k: float(r["ppl_delta_pct"]) for k, r in _worst(data["kv"], "kv").items() if "+" not in k}
+    measured = {k: r.ppl_delta_pct for k, r in _worst(data.kv, lambda r: r.kv).items() if "+" not in k}
     rec = plan.recommendation
     reasons = list(rec.reasons)
     ok = [s for s, ctx in plan.max_context.items() if ctx > 0 and s in measured and measured[s] <= kv_limit_pct]
@@ -70,32 +64,28 @@ def apply_quality(
         )
     else:
         reasons.append(f"measured quality ({path.name}): no fitting scheme is within {kv_limit_pct:g} % perplexity.")
-    weights = _worst(data["weights"], "recipe")
+    weights = _worst(data.weights, lambda r: r.recipe)
     w = weights.get(plan.weights_recipe) or weights.get(f"{plan.weights_recipe}g{plan.group_size}")
-    if w is not None and float(w["ppl_delta_pct"]) > weights_limit_pct:
+    if w is not None and w.ppl_delta_pct > weights_limit_pct:
         passing = sorted(
-            (
-                r
-                for r in weights.values()
-                if float(r["ppl_delta_pct"]) <= weights_limit_pct and r.get("bits_per_weight")
-            ),
-            key=lambda r: r["bits_per_weight"],
+            (r for r in weights.values() if r.ppl_delta_pct <= weights_limit_pct and r.bits_per_weight),
+            key=lambda r: r.bits_per_weight or 0.0,
         )
-        hint = f"; the smallest that passes: {passing[0]['recipe']}" if passing else ""
+        hint = f"; the smallest that passes: {passing[0].recipe}" if passing else ""
         reasons.append(
-            f"weights {plan.weights_recipe}: {float(w['ppl_delta_pct']):+.1f} % perplexity, over the package gate's "
+            f"weights {plan.weights_recipe}: {w.ppl_delta_pct:+.1f} % perplexity, over the package gate's "
             f"{weights_limit_pct:g} %{hint}."
         )
     new = rec.model_copy(update={"scheme": chosen, "max_context": context, "reasons": reasons})
     return plan.model_copy(update={"recommendation": new})
 
 
-def _worst(rows: list[dict[str, Any]], name: str) -> dict[str, dict[str, Any]]:
+def _worst(rows: list[Row], name: Callable[[Row], str]) -> dict[str, Row]:
     """Each recipe's or KV spec's row on its worst kind of text: the report has one row per kind, and a choice
     holds only if it holds on every kind."""
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, Row] = {}
     for row in rows:
-        kept = out.get(row[name])
-        if kept is None or float(row["ppl_delta_pct"]) > float(kept["ppl_delta_pct"]):
-            out[row[name]] = row
+        kept = out.get(name(row))
+        if kept is None or row.ppl_delta_pct > kept.ppl_delta_pct:
+            out[name(row)] = row
     return out

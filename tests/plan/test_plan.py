@@ -43,6 +43,15 @@ def test_real_smollm2_kv_bytes_match_mlx(smollm2_plan) -> None:
         assert smollm2_plan.kv_bytes[name]["40"] == sum(c.nbytes for c in caches), name
 
 
+def test_the_planners_cache_step_is_mlx_lms() -> None:
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+    from kvrig.kvcache.kv_cache import SchemeKVCache
+    from kvrig.planner.kv import MLX_STEP
+
+    assert MLX_STEP == KVCache.step == QuantizedKVCache.step == SchemeKVCache.step
+
+
 def test_plan_json_carries_the_contract_keys() -> None:
     out = subprocess.run(
         [

@@ -191,7 +191,9 @@ def test_a_goal_nothing_qualified_for_says_so(capsys: pytest.CaptureFixture[str]
     from kvrig.quality import bench
 
     goal = "a <= 4.0 bits/weight recipe within +10.0 % PPL on every kind (legal)"
-    report = bench.QualityReport("m", {"legal": []}, {}, {}, [], [], goals=[{"goal": goal, "met": False, "best": None}])
+    report = bench.QualityReport(
+        model="m", text={"legal": []}, calibration={}, goals=[{"goal": goal, "met": False, "best": None}]
+    )
     _print_quality(report, [])
     assert f"[MISSED] {goal}: nothing this run measured qualifies" in capsys.readouterr().out
 

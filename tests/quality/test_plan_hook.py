@@ -12,17 +12,25 @@ import pytest
 
 from kvrig.exceptions import SchemaError
 from kvrig.quality.plan_hook import apply_quality
+from kvrig.schemas.quality import QualityReport, Row
+
+
+def row(name: str, kind: str, delta: float, bpw: float | None = None) -> Row:
+    """A bench row: a KV spec's on the source weights, or (with bits per weight) a recipe's on an fp16 cache."""
+    kv, recipe = ("fp16", name) if bpw is not None else (name, "source")
+    return Row(recipe=recipe, kv=kv, kind=kind, ppl=30.0, ppl_delta_pct=delta, tokens=512, bits_per_weight=bpw)
+
+
+def write(path: Path, kv: list[Row], weights: list[Row]) -> Path:
+    """quality.json as `kvrig bench quality` writes it."""
+    text = {"legal": ["GPL-3"], "quotes": ["literature"]}
+    path.write_text(json.dumps(QualityReport(model="m", text=text, calibration={}, kv=kv, weights=weights).to_json()))
+    return path
 
 
 def report(tmp_path: Path, kv: dict[str, float]) -> Path:
-    path = tmp_path / "quality.json"
-    rows = [{"kv": k, "ppl_delta_pct": d} for k, d in kv.items()]
-    weights = [
-        {"recipe": "q4", "ppl_delta_pct": 18.4, "bits_per_weight": 4.5},
-        {"recipe": "q6", "ppl_delta_pct": 6.2, "bits_per_weight": 6.5},
-    ]
-    path.write_text(json.dumps({"kv": rows, "weights": weights}))
-    return path
+    weights = [row("q4", "legal", 18.4, 4.5), row("q6", "legal", 6.2, 6.5)]
+    return write(tmp_path / "quality.json", [row(k, "legal", d) for k, d in kv.items()], weights)
 
 
 def test_recommendation_skips_schemes_measured_over_the_limit(tmp_path: Path) -> None:
@@ -39,16 +47,18 @@ def test_recommendation_skips_schemes_measured_over_the_limit(tmp_path: Path) ->
 
     # the CLI takes the same file; a file that is no quality report is exit 3 naming it and the field
     bad = tmp_path / "bad.json"
-    for text, field in [
-        ("{}", "field 'kv'"),
-        ('{"kv": [{"kv": "k8v4"}], "weights": []}', "field 'kv.0'"),
-        ('{"kv": [], "weights": [{"recipe": "q4", "ppl_delta_pct": "high"}]}', "field 'weights.0'"),
+    good = json.loads(write(bad, [row("k8v4", "legal", 1.0)], [row("q4", "legal", 1.0, 4.5)]).read_text())
+    for change, field in [
+        ({"model": None}, "field 'model'"),
+        ({"kv": [{"kv": "k8v4"}]}, "field 'kv.0.recipe'"),
+        ({"weights": [{**good["weights"][0], "ppl_delta_pct": "high"}]}, "field 'weights.0.ppl_delta_pct'"),
+        ({"colour": "red"}, "colour"),  # a key the report does not have
         # a name that matches no plan row, or a change no limit can be compared with, dropped out unseen
-        ('{"kv": [{"kv": "k8v4x", "ppl_delta_pct": 1}], "weights": []}', "field 'kv.0.kv'"),
-        ('{"kv": [], "weights": [{"recipe": "q4x", "ppl_delta_pct": 1}]}', "field 'weights.0.recipe'"),
-        ('{"kv": [{"kv": "k8v4", "ppl_delta_pct": Infinity}], "weights": []}', "field 'kv.0'"),
+        ({"kv": [{**good["kv"][0], "kv": "k8v4x"}]}, "field 'kv.0.kv'"),
+        ({"weights": [{**good["weights"][0], "recipe": "q4x"}]}, "field 'weights.0.recipe'"),
+        ({"kv": [{**good["kv"][0], "ppl_delta_pct": float("inf")}]}, "field 'kv.0.ppl_delta_pct'"),
     ]:
-        bad.write_text(text)
+        bad.write_text(json.dumps({k: v for k, v in {**good, **change}.items() if v is not None}))
         with pytest.raises(SchemaError):
             apply_quality(p, bad)
         proc = subprocess.run(
@@ -69,22 +79,11 @@ def test_a_choice_is_judged_on_its_worst_kind_of_text(tmp_path: Path) -> None:
     assert p.recommendation.scheme == "k8v4"  # the planner's own choice, before the measurements
     kv = {"k8v4": (3.0, 0.5), "k4v4": (0.3, 1.0)}
     weights = {"q4": (4.5, 18.4, 20.1), "q5": (5.5, 12.0, 4.0), "q6": (6.5, 6.2, 6.0)}
-    path = tmp_path / "quality.json"
-    path.write_text(
-        json.dumps(
-            {
-                "kv": [
-                    {"kv": k, "kind": kind, "ppl_delta_pct": d}
-                    for k, deltas in kv.items()
-                    for kind, d in zip(("legal", "quotes"), deltas, strict=True)
-                ],
-                "weights": [
-                    {"recipe": r, "kind": kind, "ppl_delta_pct": d, "bits_per_weight": bpw}
-                    for r, (bpw, *deltas) in weights.items()
-                    for kind, d in zip(("legal", "quotes"), deltas, strict=True)
-                ],
-            }
-        )
+    kinds = ("legal", "quotes")
+    path = write(
+        tmp_path / "quality.json",
+        [row(k, kind, d) for k, deltas in kv.items() for kind, d in zip(kinds, deltas, strict=True)],
+        [row(r, kind, d, bpw) for r, (bpw, *deltas) in weights.items() for kind, d in zip(kinds, deltas, strict=True)],
     )
     out = apply_quality(p, path)
     assert out.recommendation.scheme == "k4v4"

@@ -164,12 +164,20 @@ def test_kv_rows_are_measured_against_the_unquantized_cache_wherever_it_was_list
 
 def test_a_goal_with_a_row_that_is_not_a_number_is_missed() -> None:
     """NaN compares false with everything: a worst-kind pick by `>` keeps the other kind and reads as met."""
-    from kvrig.quality.bench import QualityReport, Row, goals
+    from kvrig.quality.bench import goals
+    from kvrig.schemas.quality import QualityReport, Row
 
     nan = float("nan")
-    weights = [Row("gpx-4.6", "fp16", kind, 30.0, delta, 512, 4.5) for kind, delta in (("legal", 1.0), ("quotes", nan))]
-    kv = [Row("source", "k8v4+rot", kind, 30.0, delta, 1024) for kind, delta in (("legal", 0.1), ("quotes", nan))]
-    report = QualityReport("m", {"legal": [], "quotes": []}, {}, {}, weights, kv)
+    common = {"ppl": 30.0}
+    weights = [
+        Row(recipe="gpx-4.6", kv="fp16", kind=kind, ppl_delta_pct=delta, tokens=512, bits_per_weight=4.5, **common)
+        for kind, delta in (("legal", 1.0), ("quotes", nan))
+    ]
+    kv = [
+        Row(recipe="source", kv="k8v4+rot", kind=kind, ppl_delta_pct=delta, tokens=1024, **common)
+        for kind, delta in (("legal", 0.1), ("quotes", nan))
+    ]
+    report = QualityReport(model="m", text={"legal": [], "quotes": []}, calibration={}, weights=weights, kv=kv)
     judged = {g["goal"].split(" ")[2]: g for g in goals(report)}
     assert not judged["4.6"]["met"] and "nan" in judged["4.6"]["best"]
     assert not next(g for g in goals(report) if g["goal"].startswith("rotated k8v4"))["met"]

@@ -102,10 +102,11 @@ def test_a_run_without_kv_variants_plots_weights_only(tmp_path: Path) -> None:
     """`--kv ''` measures no KV memory: no empty kv_memory.png (and no matplotlib warning about its legend)."""
     import warnings
 
-    from kvrig.quality.bench import QualityReport, Row, write_plots
+    from kvrig.quality.bench import write_plots
+    from kvrig.schemas.quality import QualityReport, Row
 
-    row = Row("q4", "", "legal", 20.0, 5.0, 512, bits_per_weight=4.5)
-    report = QualityReport("m", {}, {}, {"legal/512": 19.0}, weights=[row], kv=[])
+    row = Row(recipe="q4", kv="", kind="legal", ppl=20.0, ppl_delta_pct=5.0, tokens=512, bits_per_weight=4.5)
+    report = QualityReport(model="m", text={}, calibration={}, source_ppl={"legal/512": 19.0}, weights=[row])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         paths = write_plots(report, tmp_path)
