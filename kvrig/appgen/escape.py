@@ -9,6 +9,8 @@ import json
 import re
 from typing import Any
 
+import markupsafe
+
 _SWIFT_SIMPLE = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t", "\0": "\\0"}
 
 
@@ -56,8 +58,7 @@ def xml_text(value: Any) -> str:
     """Text for a plist <string>: XML-escaped; characters XML 1.0 cannot carry are dropped."""
     if not isinstance(value, str):
         raise TypeError(f"xml_text expects a str, got {type(value).__name__}")
-    value = xml_chars(value)
-    return value.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
+    return str(markupsafe.escape(xml_chars(value)))
 
 
 def yaml_string(value: Any) -> str:

@@ -26,10 +26,10 @@ from typing import Any, Literal
 from kvrig.bundle.mapped import PAGE_BYTES, extents, misaligned
 from kvrig.exceptions import BundleError
 from kvrig.kvcache.kv_cache import DequantizingKVCache, SchemeKVCache
+from kvrig.models.layers import DTYPE_BYTES
 from kvrig.schemas.kvcache import KVCacheConfig, WeightsResidency
 
 HOST_ACTIVATION_BYTES = 4  # kvrig.runtime.host computes in float32
-PHONE_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 # What the accounting converts (StartEvent.converted): numbers that are the phone's format, not the host's.
 CONVERTED_FIELDS = ("kv_bytes", "mlx_active_bytes", "phys_footprint_bytes")
 # ... and, when the phone maps the weights, the residency the host could not reproduce.
@@ -103,7 +103,7 @@ def kv_bytes(caches: list[Any], phone_dtype: str) -> tuple[int, int]:
     """(host bytes, phone bytes) of the caches' buffers: float32 buffers count at the phone's dtype."""
     import mlx.core as mx
 
-    phone_width = PHONE_DTYPE_BYTES[phone_dtype]
+    phone_width = DTYPE_BYTES[phone_dtype]
     host = phone = 0
     for cache in caches:
         for a in cache_buffers(cache):
@@ -152,7 +152,7 @@ class PhoneAccount:
         """Phone minus host bytes for `host_bytes` of MLX memory holding the weights, the caches and float32
         activations (the rest), each at the phone's element size."""
         host_activations = max(0, host_bytes - self.host_weight_bytes - host_kv)
-        phone_activations = host_activations * PHONE_DTYPE_BYTES[self.phone_dtype] // HOST_ACTIVATION_BYTES
+        phone_activations = host_activations * DTYPE_BYTES[self.phone_dtype] // HOST_ACTIVATION_BYTES
         return (
             (self.phone_weight_bytes - self.host_weight_bytes)
             + (phone_kv - host_kv)
