@@ -133,15 +133,13 @@ def soak(
     as_json: bool,
 ) -> None:
     """Grow the app's context until it completes or iOS kills it; pull telemetry and the jetsam report."""
-    from kvrig.exceptions import SoakFailedError, TunnelLostError
     from kvrig.schemas import load_model_file
-    from kvrig.schemas.results import BAD_OUTCOMES
     from kvrig.schemas.soakplan import SoakPlan
-    from kvrig.soaking.analyse import END_ERRORS
+    from kvrig.soaking.analyse import raise_for
     from kvrig.soaking.background import parse_phases
     from kvrig.soaking.driver import SoakOptions
     from kvrig.soaking.driver import soak as run
-    from kvrig.soaking.plan import UNNAMED_SCHEME, make_plan
+    from kvrig.soaking.plan import make_plan, with_overrides
 
     try:
         phases = parse_phases(background)
@@ -157,23 +155,16 @@ def soak(
                 "out --plan"
             )
         plan = load_model_file(SoakPlan, plan_file)
-        if scheme is not None:
-            plan = plan.model_copy(update={"scheme": scheme})
     else:
-        plan = make_plan(
-            max_tokens=max_tokens, step_tokens=step, decode_tokens=decode_tokens, scheme=scheme or UNNAMED_SCHEME
-        )
-    if backend is not None:
-        plan = plan.model_copy(update={"backend": backend})
-    if weights_residency is not None:
-        # A schema-3 field: a plan file written as schema 2 is carried forward with it.
-        carried = {**plan.model_dump(by_alias=True), "schema": max(3, plan.schema_version)}
-        plan = SoakPlan.model_validate({**carried, "weights_residency": weights_residency})
-    if buffer_cache is not None:
-        # A schema-4 field: an older plan file is carried forward with it.
-        plan = SoakPlan.model_validate({**plan.model_dump(by_alias=True), "schema": 4, "buffer_cache": buffer_cache})
-    if on_critical is not None:
-        plan = plan.model_copy(update={"on_critical": on_critical})
+        plan = make_plan(max_tokens=max_tokens, step_tokens=step, decode_tokens=decode_tokens)
+    plan = with_overrides(
+        plan,
+        scheme=scheme,
+        backend=backend,
+        weights_residency=weights_residency,
+        buffer_cache=buffer_cache,
+        on_critical=on_critical,
+    )
     echo = None if as_json else info
     options = SoakOptions(
         hang_after_s=hang_after,
@@ -194,14 +185,7 @@ def soak(
         echo_json(result)
     else:
         _render(result, out_dir)
-    if result.outcome == "device_lost" and result.lost == "tunnel":
-        raise TunnelLostError(f"soak {result.run_id}: {result.outcome_detail} (results: {out_dir / 'results.json'})")
-    if result.outcome in END_ERRORS or result.outcome in BAD_OUTCOMES:
-        error = END_ERRORS.get(result.outcome or "", SoakFailedError)
-        raise error(
-            f"soak {result.run_id} ended in {result.outcome}: {result.outcome_detail} "
-            f"(results: {out_dir / 'results.json'})"
-        )
+    raise_for(result, out_dir / "results.json")
 
 
 def _render(result, out_dir: Path) -> None:  # type: ignore[no-untyped-def]

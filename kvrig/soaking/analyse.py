@@ -16,12 +16,13 @@ from kvrig.exceptions import (
     JetsamWithoutReportError,
     ReportError,
     SoakFailedError,
+    TunnelLostError,
     WatchdogKillError,
 )
 from kvrig.reports.devicelog import GPU_BACKGROUND, AppLog
 from kvrig.reports.jetsam import JetsamReport, read_report, verdict
 from kvrig.reports.telemetry import TelemetryRun, correlate, read_telemetry, summarize_run
-from kvrig.schemas.results import DeviceRef, Evidence, Outcome, SoakResult, StatedLimit, TpsPoint
+from kvrig.schemas.results import BAD_OUTCOMES, DeviceRef, Evidence, Outcome, SoakResult, StatedLimit, TpsPoint
 from kvrig.soaking.plan import UNNAMED_SCHEME
 
 # End-record reasons that mean the app failed (telemetry EndEvent.reason -> outcome). The others (completed,
@@ -36,6 +37,17 @@ END_ERRORS: dict[str, type[SoakFailedError]] = {
     "crash": AppCrashError,
     "vanished": AppVanishedError,
 }
+
+
+def raise_for(result: SoakResult, results_file: Path) -> None:
+    """The error (exit code) a soak that ended as `result` ends with, if any: a lost tunnel, each kind of end that
+    is not what a soak is for, and the other bad outcomes; jetsam and a completed run are what a soak is for."""
+    where = f"(results: {results_file})"
+    if result.outcome == "device_lost" and result.lost == "tunnel":
+        raise TunnelLostError(f"soak {result.run_id}: {result.outcome_detail} {where}")
+    if result.outcome in END_ERRORS or result.outcome in BAD_OUTCOMES:
+        error = END_ERRORS.get(result.outcome or "", SoakFailedError)
+        raise error(f"soak {result.run_id} ended in {result.outcome}: {result.outcome_detail} {where}")
 
 
 def telemetry_run(path: Path, run_id: str) -> TelemetryRun | None:

@@ -6,6 +6,7 @@ import time
 import uuid
 from typing import Literal
 
+from kvrig.schemas import validate_data
 from kvrig.schemas.kvcache import WeightsResidency
 from kvrig.schemas.soakplan import BufferCacheMode, GrowthSchedule, OnCritical, SoakPlan, StopConditions
 
@@ -51,3 +52,23 @@ def make_plan(
         buffer_cache=buffer_cache,
         on_critical=on_critical,
     )
+
+
+def with_overrides(
+    plan: SoakPlan,
+    *,
+    scheme: str | None = None,
+    backend: str | None = None,
+    weights_residency: str | None = None,
+    buffer_cache: str | None = None,
+    on_critical: str | None = None,
+) -> SoakPlan:
+    """`plan` with the options given set (None: the plan's own), validated as a plan file is. A field a later
+    schema brought (the residency: 3, the buffer cache: 4) carries an older plan file forward to that schema."""
+    given = {"scheme": scheme, "backend": backend, "on_critical": on_critical}
+    update: dict[str, object] = {k: v for k, v in given.items() if v is not None}
+    if weights_residency is not None:
+        update |= {"schema": max(3, plan.schema_version), "weights_residency": weights_residency}
+    if buffer_cache is not None:
+        update |= {"schema": max(4, plan.schema_version), "buffer_cache": buffer_cache}
+    return validate_data(SoakPlan, {**plan.model_dump(by_alias=True), **update}) if update else plan
