@@ -74,6 +74,7 @@ def run(
     from kvrig.device.hosts import parse_hosts
     from kvrig.device.loop import run_async
     from kvrig.lab.check import check_lab
+    from kvrig.lab.model import raise_for
     from kvrig.lab.schedule import run_lab
     from kvrig.lab.targets import Shard
     from kvrig.schemas.lab import load_lab
@@ -93,7 +94,7 @@ def run(
         echo_json(results.results)
     else:
         _render(results.results, title=f"lab {results.lab.name}", out_dir=out_dir)
-    _exit_for(results.results, out_dir, empty_shard_ok=share is not None)
+    raise_for(results.results, out_dir, empty_shard_ok=share is not None)
 
 
 @lab.command("merge")
@@ -108,6 +109,7 @@ def merge(folders: tuple[Path, ...], out_dir: Path, as_json: bool) -> None:
     labs or gates); 44 a shard of the lab is missing. The merged files are written in every case."""
     from kvrig.exceptions import MergeConflictError, MissingShardError
     from kvrig.lab.merge import merge_folders
+    from kvrig.lab.model import raise_for
 
     merged = merge_folders(list(folders), out_dir)
     if as_json:
@@ -121,29 +123,7 @@ def merge(folders: tuple[Path, ...], out_dir: Path, as_json: bool) -> None:
         raise MergeConflictError(f"{len(merged.conflicts)} conflicts between shards: " + "; ".join(merged.conflicts))
     if merged.missing_shards:
         raise MissingShardError(f"shards missing from the merge: {', '.join(merged.missing_shards)}")
-    _exit_for(merged.results, out_dir)
-
-
-def _exit_for(results, out_dir: Path, *, empty_shard_ok: bool = False) -> None:  # type: ignore[no-untyped-def]
-    """Exit codes shared by `lab run` and `lab merge`: 18 nothing ran, 17 a run failed (naming host and phone).
-    A shard that owns none of the phones has no runs and passes."""
-    from kvrig.exceptions import GateFailedError, LabError
-    from kvrig.lab.model import fails
-
-    if empty_shard_ok and not results.runs:
-        return
-    if not any(r.outcome is not None for r in results.runs):
-        raise LabError(f"no run could be made; see {out_dir / 'results.json'}")
-    failed = [r for r in results.runs if fails(r)]
-    if failed:
-        names = ", ".join(f"{_where(r)}/{r.entry}[{r.variant}]" for r in failed)
-        raise GateFailedError(f"{len(failed)} of {len(results.runs)} runs failed: {names}")
-
-
-def _where(r) -> str:  # type: ignore[no-untyped-def]
-    from kvrig.schemas.results import short_udid
-
-    return f"{r.device.host}:{short_udid(r.device.udid)}" if r.device.host else short_udid(r.device.udid)
+    raise_for(merged.results, out_dir)
 
 
 @lab.command("report")

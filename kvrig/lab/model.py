@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvrig.device.discovery import DeviceInfo
+from kvrig.exceptions import GateFailedError, LabError
 from kvrig.lab import gates as gate_checks
 from kvrig.schemas.kvcache import WeightsResidency
 from kvrig.schemas.lab import Lab, LabRecord, MatrixEntry, SchemeSpec, slug
@@ -24,6 +25,24 @@ Event = Callable[[str], None]
 def fails(result: SoakResult) -> bool:
     """A run CI fails on: a bad outcome, a failed gate, or a run that could not be made."""
     return bool(gate_checks.failures(result)) or result.outcome is None
+
+
+def raise_for(results: ResultsFile, out_dir: Path, *, empty_shard_ok: bool = False) -> None:
+    """The error `lab run` and `lab merge` end with: LabError (18) when nothing ran, GateFailedError (17) naming
+    each run that failed by host, phone, entry and variant. A shard that owns none of the phones has no runs and
+    passes."""
+    if empty_shard_ok and not results.runs:
+        return
+    if not any(r.outcome is not None for r in results.runs):
+        raise LabError(f"no run could be made; see {out_dir / 'results.json'}")
+    failed = [r for r in results.runs if fails(r)]
+    if failed:
+        names = ", ".join(f"{_where(r)}/{r.entry}[{r.variant}]" for r in failed)
+        raise GateFailedError(f"{len(failed)} of {len(results.runs)} runs failed: {names}")
+
+
+def _where(r: SoakResult) -> str:
+    return f"{r.device.host}:{short_udid(r.device.udid)}" if r.device.host else short_udid(r.device.udid)
 
 
 @dataclass
