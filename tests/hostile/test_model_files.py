@@ -202,6 +202,30 @@ def test_a_tokenizer_that_does_not_load_is_refused_naming_it(
     assert "Traceback" not in ran.stderr
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "code", "words"),
+    [
+        ("weights", "q9x", 3, "field 'recipe.weights'"),
+        ("kv", "k8v4+rotz", 3, "field 'recipe.kv'"),
+        ("kv", "k4v4+rot", 8, "kvcache.json: holds k8v8, where the manifest's recipe.kv says k4v4+rot"),
+    ],
+    ids=["weights misspelt", "kv misspelt", "kv not kvcache.json's"],
+)
+@hostile(10, "a manifest whose recipe", "kvrig verify: exit 3 naming the field, or 8 naming kvcache.json")
+def test_a_manifest_recipe_outside_the_grammar_or_beside_another_kvcache_is_refused(
+    field: str, value: str, code: int, words: str, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """The manifest records the recipe and KV spec in the grammar `--weights` and `--kv` take, and kvcache.json is
+    what the app runs: verify holds both (the manifest is not in its own file list, so only this can)."""
+    bundle = _bundle_copy(tmp_path_factory, tmp_path)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest["recipe"][field] = value
+    (bundle / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    ran = kvrig("verify", str(bundle))
+    assert ran.code == code, ran.stderr
+    assert words in ran.stderr and "Traceback" not in ran.stderr
+
+
 def _hidden(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
 
