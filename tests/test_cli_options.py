@@ -225,6 +225,7 @@ def test_a_folder_that_is_not_a_bundle_is_one_cause_everywhere(args: list[str], 
     )
     assert done.returncode == BundleError.exit_code == 7, done.stderr
     assert "no manifest.json" in done.stderr and "Traceback" not in done.stderr
+    assert done.stderr.count("\n") == 1  # the error alone: no empty push bar drawn before the refusal
 
 
 def test_every_dash_o_takes_both_long_names() -> None:

@@ -215,24 +215,31 @@ def deploy(
         echo_json(result.to_json())
         return
 
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+    from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColumn, TransferSpeedColumn
 
-    with Progress(
+    bar = Progress(
         TextColumn("{task.description}"),
         BarColumn(),
         DownloadColumn(),
         TransferSpeedColumn(),
         console=console(stderr=True, live=True),
         disable=OUTPUT.verbosity < 0,
-    ) as bar:
-        task = bar.add_task("pushing", total=None)
+    )
+    tasks: list[TaskID] = []  # the bar shows from the first file pushed: a bundle refused before leaves no bar
 
-        def on_progress(p) -> None:  # type: ignore[no-untyped-def]
-            bar.update(task, completed=p.sent, total=p.to_send or None, description=p.file)
+    def on_progress(p) -> None:  # type: ignore[no-untyped-def]
+        if not tasks:
+            bar.start()
+            tasks.append(bar.add_task("pushing", total=None))
+        bar.update(tasks[0], completed=p.sent, total=p.to_send or None, description=p.file)
 
+    try:
         result = run_async(
             run_deploy(bundle, ipa=ipa, app_id=app_id, udid=udid, progress=on_progress, usbmux_address=address)
         )
+    finally:
+        if tasks:
+            bar.stop()
     push = result.push
     installed = f"installed {result.app_id}; " if result.installed else ""
     click.echo(
