@@ -31,10 +31,18 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Final, Literal, cast
 
-from kvrig.exceptions import KVSchemeError, QuantizationError
-from kvrig.schemas.kvcache import GROUP_SIZES, KV_BITS, ROTATION_PARTS, Rotation  # what kvcache.json may carry
+from kvrig.exceptions import KVSchemeError, QuantizationError, SchemaError
+from kvrig.schemas.bundle import Recipe
+from kvrig.schemas.kvcache import (  # what kvcache.json may carry
+    GROUP_SIZES,
+    KV_BITS,
+    ROTATION_PARTS,
+    KVCacheConfig,
+    Rotation,
+)
 
 DEFAULT_GROUP_SIZE: Final = 64
 UNQUANTIZED: Final = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
@@ -326,3 +334,27 @@ def _kv_bits(digits: str, what: str, text: str) -> int:
     if bits not in KV_BITS:
         raise QuantizationError(f"KV spec '{text}': {what} bits {bits} not in {KV_BITS}")
     return bits
+
+
+def manifest_kv_problem(recipe: Recipe, kv: KVCacheConfig, manifest_file: Path) -> str | None:
+    """A bundle's manifest recipe (`recipe`, read from `manifest_file`) against its kvcache.json (`kv`): the
+    recipe's strings must be in the grammar `--weights` and `--kv` take (SchemaError naming the field), and the KV
+    spec the manifest records must be the one kvcache.json holds, which is what the app runs; returns what
+    differs, or None."""
+    for field, value, parse in (("recipe.weights", recipe.weights, parse_weights), ("recipe.kv", recipe.kv, parse_kv)):
+        if value:  # recipe.kv is empty in manifests written before it was recorded
+            try:
+                parse(value)
+            except QuantizationError as exc:
+                raise SchemaError(str(exc), file=manifest_file, field=field) from None
+    if not recipe.kv:
+        return None
+    spec = parse_kv(recipe.kv)
+    if (spec.scheme, spec.rotation, spec.sink_tokens, spec.recent_tokens) == (
+        kv.scheme,
+        kv.rotation,
+        kv.sink_tokens,
+        kv.recent_tokens,
+    ):
+        return None
+    return f"holds {kv.spec}, where the manifest's recipe.kv says {recipe.kv}"

@@ -25,11 +25,12 @@ import jinja2
 from pydantic import TypeAdapter
 
 from kvrig.appgen.escape import FILTERS
-from kvrig.exceptions import AppExistsError, AppGenError, InputError
+from kvrig.exceptions import AppExistsError, AppGenError, InputError, VerifyError
 from kvrig.fileio import scratch_dir, swap_in
 from kvrig.models import read_config
+from kvrig.recipes import manifest_kv_problem
 from kvrig.schemas import json_schema, load_model_file
-from kvrig.schemas.bundle import check_listed, load_manifest
+from kvrig.schemas.bundle import MANIFEST_NAME, check_listed, load_manifest
 from kvrig.schemas.keys import COREML_MODEL_KEY
 from kvrig.schemas.kvcache import KVCACHE_NAME, KVCacheConfig
 from kvrig.schemas.soakplan import SOAKPLAN_FILE, GrowthSchedule, SoakPlan
@@ -131,6 +132,8 @@ def read_bundle(bundle: Path) -> tuple[KVCacheConfig, dict[str, Any]]:
     manifest = load_manifest(bundle)
     check_listed(bundle, manifest, (KVCACHE_NAME, "config.json"))  # what the project takes from the bundle
     kv = load_model_file(KVCacheConfig, bundle / KVCACHE_NAME)
+    if (differs := manifest_kv_problem(manifest.recipe, kv, bundle / MANIFEST_NAME)) is not None:
+        raise VerifyError(f"{bundle}: {KVCACHE_NAME} {differs} (see `kvrig verify`)")
     model_config, _ = read_config(bundle)
     return kv, model_config
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvrig.bundle.mapped import misaligned
-from kvrig.exceptions import BundleError, QuantizationError, SchemaError, VerifyError
+from kvrig.exceptions import BundleError, VerifyError
 from kvrig.fileio import sha256_file
-from kvrig.recipes import parse_kv, parse_weights
+from kvrig.recipes import manifest_kv_problem
 from kvrig.schemas import load_model_file
 from kvrig.schemas.bundle import MANIFEST_NAME, Manifest, ManifestFile, file_problem, load_manifest
 from kvrig.schemas.kvcache import KVCACHE_NAME, KVCacheConfig
@@ -66,39 +66,11 @@ def check_bundle(bundle: str | Path, *, progress: Callable[[str], None] | None =
         if rel != MANIFEST_NAME and rel not in listed:
             problems.append(FileProblem(rel, "not listed in the manifest"))
     problems += _alignment_problems(bundle, manifest, {p.path for p in problems})
-    _check_recipe(bundle, manifest)
     if not problems and KVCACHE_NAME in listed:
         kv = load_model_file(KVCacheConfig, bundle / KVCACHE_NAME)  # what the app decodes: SchemaError naming the field
-        problems += _kv_problems(manifest, kv)
+        if (differs := manifest_kv_problem(manifest.recipe, kv, bundle / MANIFEST_NAME)) is not None:
+            problems.append(FileProblem(KVCACHE_NAME, differs))
     return VerifyResult(bundle, manifest, len(manifest.files), problems)
-
-
-def _check_recipe(bundle: Path, manifest: Manifest) -> None:
-    """The manifest's recipe strings in the grammar `--weights` and `--kv` take: SchemaError naming the field."""
-    for field, value, parse in (
-        ("recipe.weights", manifest.recipe.weights, parse_weights),
-        ("recipe.kv", manifest.recipe.kv, parse_kv),
-    ):
-        if value:  # recipe.kv is empty in manifests written before it was recorded
-            try:
-                parse(value)
-            except QuantizationError as exc:
-                raise SchemaError(str(exc), file=bundle / MANIFEST_NAME, field=field) from None
-
-
-def _kv_problems(manifest: Manifest, kv: KVCacheConfig) -> list[FileProblem]:
-    """kvcache.json against the KV spec the manifest records (what the app runs against what was measured)."""
-    if not manifest.recipe.kv:
-        return []
-    spec = parse_kv(manifest.recipe.kv)
-    if (spec.scheme, spec.rotation, spec.sink_tokens, spec.recent_tokens) == (
-        kv.scheme,
-        kv.rotation,
-        kv.sink_tokens,
-        kv.recent_tokens,
-    ):
-        return []
-    return [FileProblem(KVCACHE_NAME, f"holds {kv.spec}, where the manifest's recipe.kv says {manifest.recipe.kv}")]
 
 
 def _alignment_problems(bundle: Path, manifest: Manifest, broken: set[str]) -> list[FileProblem]:

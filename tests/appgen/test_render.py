@@ -224,6 +224,23 @@ def test_bad_bundle_names_file_and_field(tmp_path: Path, make_bundle, reseal) ->
     assert "kvcache.json" in str(info.value) and info.value.field
 
 
+def test_a_kvcache_other_than_the_manifest_records_is_refused(tmp_path: Path, make_bundle) -> None:  # type: ignore[no-untyped-def]
+    """The manifest records the KV spec the bundle was measured with; a kvcache.json holding another is what the app
+    would run: VerifyError (8), as `kvrig verify` says. The spec kvcache.json holds passes."""
+    bundle = make_bundle(tmp_path / "b")
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    options = AppOptions(name="X", bundle_id="com.example.x")
+    for kv, refused in (("k4v4", True), ("k8v4+rot+s4+w128", False)):
+        (bundle / "manifest.json").write_text(json.dumps({**manifest, "recipe": {**manifest["recipe"], "kv": kv}}))
+        if refused:
+            with pytest.raises(VerifyError) as info:
+                render_app(bundle, tmp_path / "out", options)
+            assert "kvcache.json holds k8v4+rot+s4+w128, where the manifest's recipe.kv says k4v4" in str(info.value)
+            assert not (tmp_path / "out").exists()
+        else:
+            assert render_app(bundle, tmp_path / "out", options).files
+
+
 @pytest.mark.parametrize("name", ["kvcache.json", "config.json"])
 def test_a_file_edited_after_packaging_is_refused_as_deploy_refuses_it(tmp_path: Path, make_bundle, name: str) -> None:  # type: ignore[no-untyped-def]
     """The project takes the KV configuration and the model type from the bundle; one of them edited after packaging
