@@ -297,9 +297,10 @@ class LimitsCollected:
 def collect_limits(
     results: list[Path], into: LimitsRegistry | None = None, *, include_virtual: bool = False
 ) -> LimitsCollected:
-    """The limits the phones stated in the runs of `results` (results schema 4), merged into `into` (a registry
+    """The limits the phones stated in the runs of `results` (results schema 4 on), merged into `into` (a registry
     read from a team's file): one entry per ProductType × OS build × entitlement. A run already in the registry
-    (its RESULTS.json#run_id) is not counted twice; a virtual iPhone's, only with `include_virtual`."""
+    (its RESULTS.json#run_id) is not counted twice; a virtual iPhone's, and one from a file before schema 5 (which
+    cannot say), only with `include_virtual`."""
     if not results:
         raise CalibrationError("no results files given", field="RESULTS", expected="one or more results.json")
     entries = {e.key: e.model_copy(deep=True) for e in (into.limits if into is not None else [])}
@@ -313,6 +314,12 @@ def collect_limits(
             where = f"{path}#{run.run_id}"
             if run.device.virtual and not include_virtual:  # the limit `kvrig virtual start` was given
                 skipped.append(f"{where}: a virtual iPhone's limit, not a phone's (--include-virtual keeps it)")
+                continue
+            if data.schema_version < 5 and not include_virtual:  # device.virtual came with schema 5
+                skipped.append(
+                    f"{where}: results schema {data.schema_version} does not say whether the phone was kvrig's virtual "
+                    "iPhone, whose limit is whatever it was started with (--include-virtual keeps it)"
+                )
                 continue
             missing = [
                 name

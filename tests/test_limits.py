@@ -47,8 +47,8 @@ def _run(run_id: str, started: float, limit_mb: int, *, build: str = "23A341", e
     }
 
 
-def _results(path: Path, *runs: dict) -> Path:
-    path.write_text(json.dumps({"schema": 4, "tool_version": "test", "runs": list(runs)}))
+def _results(path: Path, *runs: dict, schema: int = 5) -> Path:
+    path.write_text(json.dumps({"schema": schema, "tool_version": "test", "runs": list(runs)}))
     return path
 
 
@@ -80,7 +80,7 @@ def test_a_virtual_iphones_limit_is_no_phones_fact(tmp_path: Path) -> None:
     limit in the registry as the phone's, and `plan --limits` planned real iPhone 15 Pros against it."""
     virtual = _run("r1", 1.0, 160)
     virtual["device"]["virtual"] = True
-    path = _results(tmp_path / "a.json", virtual, _run("r2", 2.0, 3072))
+    path = _results(tmp_path / "a.json", virtual, _run("r2", 2.0, 3072), schema=4)
     data = json.loads(path.read_text())
     with pytest.raises(SchemaError, match=r"device\.virtual is schema 5's"):  # a schema-4 file cannot say it
         validate_data(ResultsFile, data)
@@ -90,6 +90,19 @@ def test_a_virtual_iphones_limit_is_no_phones_fact(tmp_path: Path) -> None:
     assert got.skipped == [f"{path}#r1: a virtual iPhone's limit, not a phone's (--include-virtual keeps it)"]
     kept = collect_limits([path], include_virtual=True)  # trying the registry out on virtual phones
     assert kept.added == 2 and kept.skipped == []
+
+
+def test_a_file_that_cannot_say_whether_the_phone_was_virtual_is_kept_out(tmp_path: Path) -> None:
+    """Results before schema 5 have no device.virtual: a virtual iPhone's run there read as a real phone's, and its
+    limit went into the registry. Such runs are kept only when asked (--include-virtual)."""
+    path = _results(tmp_path / "a.json", _run("r1", 1.0, 160), schema=4)
+    got = collect_limits([path])
+    assert got.added == 0 and got.registry.limits == []
+    assert got.skipped == [
+        f"{path}#r1: results schema 4 does not say whether the phone was kvrig's virtual iPhone, whose limit is "
+        "whatever it was started with (--include-virtual keeps it)"
+    ]
+    assert collect_limits([path], include_virtual=True).added == 1
 
 
 def test_the_registry_is_read_strictly_and_exported_as_json_schema(tmp_path: Path) -> None:
