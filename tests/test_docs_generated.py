@@ -54,7 +54,6 @@ NOT_MEASURED = {
     ("docs/planning.md", "10 %"),
     ("docs/planning.md", "20 %"),
     # kvrig's settings and defaults
-    ("README.md", "4.6 bits per weight"),
     ("docs/quality.md", "+2 %"),
     ("docs/commands.md", "+2 %"),  # the same setting of --kv auto
     ("docs/quality.md", "10 %"),

@@ -3,7 +3,7 @@ decode speed, factual answers), and what `kvrig plan --quality` reads back."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final, Literal
 
 from pydantic import Field
 
@@ -43,7 +43,12 @@ class FactualCheck(StrictModel):
     ok: bool
 
 
+QUALITY_SCHEMA_VERSION: Final = 1
+"""1: the first with a schema (files written before it have no `schema` key and read as 1)."""
+
+
 class QualityReport(StrictModel):
+    schema_version: Literal[1] = Field(default=QUALITY_SCHEMA_VERSION, alias="schema")
     model: str
     text: dict[str, list[str]] = Field(description="evaluation kind -> the files read")
     calibration: dict[str, list[str]] = Field(
@@ -71,4 +76,4 @@ class QualityReport(StrictModel):
     goals: list[dict[str, Any]] = Field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
+        return self.model_dump(mode="json", by_alias=True)
