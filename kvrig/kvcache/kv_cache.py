@@ -377,11 +377,15 @@ class SchemeKVCache(_QuantizedStore):
 def install_attention(model: Any) -> None:
     """Routes the model's attention through `SchemeKVCache.attention` when a layer holds one (any other cache
     still goes to mlx-lm's function; kvrig/compat/mlx_lm_attention.py)."""
-    if not route_attention(model, lambda cache: isinstance(cache, SchemeKVCache), _scheme_attention):
+    if not route_attention(model, _is_scheme_cache, _scheme_attention):
         raise KVSchemeError(
             f"{type(model).__module__}: its attention does not go through mlx-lm's scaled_dot_product_attention, "
             "so kvrig's KV schemes (mixed bits, rotation, sinks, recent window) cannot be applied"
         )
+
+
+def _is_scheme_cache(cache: Any) -> bool:
+    return isinstance(cache, SchemeKVCache)
 
 
 def _scheme_attention(cache: SchemeKVCache, queries: mx.array, scale: float, mask: Any, kw: dict[str, Any]) -> Any:
