@@ -89,7 +89,12 @@ def read_bundle_weights(bundle: Path) -> BundleWeights:
         raise BundleError(f"{bundle}: no .safetensors weights")
     raw: dict[str, Any] = {}
     for f in files:
-        raw.update(mx.load(str(f)))  # type: ignore[arg-type]
+        try:
+            raw.update(mx.load(str(f)))  # type: ignore[arg-type]
+        except (RuntimeError, ValueError, OSError) as exc:  # what MLX's loader raises on a damaged file
+            raise BundleError(
+                f"{f}: MLX cannot load it ({type(exc).__name__}: {exc}); `kvrig verify {bundle}` checks every file"
+            ) from None
     dtypes = {str(v.dtype) for k, v in raw.items() if not k.endswith(".weight") or v.dtype != mx.uint32}
     if dtypes - {"mlx.core.float16"}:
         raise CoreMLUnsupportedError(

@@ -200,6 +200,23 @@ def test_a_damaged_bundle_is_named_not_a_crash(
     assert not (tmp_path / "Q.mlpackage").exists()
 
 
+def test_weights_mlx_cannot_load_are_the_bundles_error(
+    tiny_exports: dict[str, ExportResult], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A weights file cut short reached MLX's loader unguarded: exit 70. It is the bundle's error (7), as `kvrig run`
+    says, naming the file; nothing is written."""
+    import shutil
+
+    bundle = tmp_path / "b"
+    shutil.copytree(tiny_exports["qwen3-q8"].bundle, bundle)
+    weights = next(bundle.glob("*.safetensors"))
+    with weights.open("r+b") as fh:
+        fh.truncate(weights.stat().st_size // 2)
+    code, _, err = _run(["export", "coreml", str(bundle), "-o", str(tmp_path / "Q.mlpackage")], capsys)
+    assert code == 7 and f"{weights}: MLX cannot load it" in err, err
+    assert not (tmp_path / "Q.mlpackage").exists()
+
+
 def test_an_output_that_is_no_package_is_refused_before_the_export(
     tiny_exports: dict[str, ExportResult], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
