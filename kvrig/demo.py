@@ -21,6 +21,7 @@ from kvrig.appgen.render import AppOptions, render_app
 from kvrig.appgen.virtual_ipa import APP_RUNTIMES, build_virtual_ipa
 from kvrig.bundle.options import PackageOptions
 from kvrig.device.deploy import deploy
+from kvrig.fileio import make_folder
 from kvrig.models import load_model_spec
 from kvrig.models.gguf import embedded_default_model
 from kvrig.packaging import package
@@ -118,7 +119,7 @@ def _say(on_event: Event | None, text: str) -> None:
 def run_demo(options: DemoOptions, on_event: Event | None = None) -> DemoResult:
     profile = load_profile(options.device)  # a wrong --device stops before minutes of packaging
     out = options.out
-    out.mkdir(parents=True, exist_ok=True)
+    make_folder(out, "the demo's folder")
     name = f"smollm2-{options.weights}-{options.kv}-p{options.prefill_step}"
     _say(on_event, f"packaging SmolLM2-135M ({options.weights} weights, {options.kv} KV) ...")
     bundle_dir = out / "bundles" / name

@@ -69,6 +69,15 @@ def read_data(
     return data
 
 
+def make_folder(path: Path, what: str = "the output folder") -> None:
+    """`path` and its parents made: OutputWriteError naming it when they cannot be (a file where a folder goes, no
+    permission, a full disk)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputWriteError(f"{path}: cannot create {what}: {exc.strerror or exc}") from None
+
+
 def plist_dict(data: bytes, *, file: str | Path, expected: str) -> dict[str, Any]:
     """A property list that must be a dictionary (an app's Info.plist): InputError naming `file` otherwise."""
     try:

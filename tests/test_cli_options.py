@@ -228,6 +228,26 @@ def test_a_folder_that_is_not_a_bundle_is_one_cause_everywhere(args: list[str], 
     assert done.stderr.count("\n") == 1  # the error alone: no empty push bar drawn before the refusal
 
 
+@pytest.mark.parametrize(
+    ("args", "code"),
+    [
+        (["demo", "-o", "afile/sub"], 38),
+        (["virtual", "start", "--socket", "./v.sock", "--state", "afile/sub", "--detach"], 3),
+    ],
+    ids=["demo", "virtual start"],
+)
+def test_a_folder_under_a_file_is_refused_naming_it(args: list[str], code: int, tmp_path: Path) -> None:
+    """An output folder whose parent is a file was exit 70 (a bug in kvrig): now the error of the output (38) or of
+    the option (3), naming the path, and nothing written."""
+    (tmp_path / "afile").write_text("mine")
+    done = subprocess.run(
+        [sys.executable, "-m", "kvrig", *args], capture_output=True, text=True, cwd=tmp_path, timeout=300
+    )
+    assert done.returncode == code, done.stderr
+    assert "afile/sub" in done.stderr and "Not a directory" in done.stderr and "Traceback" not in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
 def test_every_dash_o_takes_both_long_names() -> None:
     """`-o` was `--output` in some commands and `--out` in others (`kvrig calibrate x --output y`: no such option)."""
     import click

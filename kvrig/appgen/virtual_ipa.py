@@ -8,6 +8,7 @@ A phone would refuse this .ipa (it is unsigned, with no executable); `kvrig buil
 
 from __future__ import annotations
 
+import contextlib
 import plistlib
 import zipfile
 from pathlib import Path
@@ -82,6 +83,7 @@ def build_virtual_ipa(project: str | Path, output: str | Path | None = None, run
                 ipa.write(entitlements, f"Payload/{name}.app/{ENTITLEMENTS_FILE}")
         tmp.replace(out)
     except OSError as exc:  # a folder where the .ipa goes, a file where its folder goes, a full disk
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # where the folder could not be made, there is nothing to remove
+            tmp.unlink(missing_ok=True)
         raise AppGenError(f"{out}: cannot write the .ipa ({exc.strerror or exc}); nothing was written") from None
     return out

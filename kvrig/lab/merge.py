@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvrig.exceptions import LabOutputExistsError, LabShardError
+from kvrig.fileio import make_folder
 from kvrig.lab.model import RUNS_DIR, fails
 from kvrig.lab.report import write_report
 from kvrig.lab.save import save_results
@@ -104,7 +105,7 @@ def merge_folders(folders: list[Path], out: Path) -> Merged:
     loaded = [(folder, _load(folder)) for folder in folders]
     _check_merge_folder(out, folders)
     merged = Merged(ResultsFile(tool_version=__version__, runs=[]))
-    out.mkdir(parents=True, exist_ok=True)
+    make_folder(out)
 
     records = [(folder, r.lab) for folder, r in loaded if r.lab is not None]
     names = {rec.name for _, rec in records}

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from kvrig.appgen.escape import xml_chars
-from kvrig.exceptions import OutputWriteError, ReportError, ReportFolderError
-from kvrig.fileio import atomic_output, atomic_write
+from kvrig.exceptions import ReportError, ReportFolderError
+from kvrig.fileio import atomic_output, atomic_write, make_folder
 from kvrig.lab.gates import failures, prediction_error
 from kvrig.schemas.lab import slug
 from kvrig.schemas.results import RESULTS_FILE, Evidence, ResultsFile, SoakResult, short_udid
@@ -315,10 +315,7 @@ def write_report(results: ResultsFile, out_dir: str | Path, *, title: str = "kvr
     out = Path(out_dir)
     _check_report_folder(out)
     images = out / IMAGES_DIR
-    try:
-        images.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise OutputWriteError(f"{images}: cannot create the report folder: {exc.strerror or exc}") from None
+    make_folder(images, "the report folder")
     views = []
     used: set[str] = set()
     for r in results.runs:

@@ -52,10 +52,9 @@ from kvrig.exceptions import (
     DeviceNotFoundError,
     KvrigError,
     NoTunnelError,
-    OutputWriteError,
     SoakOutputExistsError,
 )
-from kvrig.fileio import atomic_write
+from kvrig.fileio import atomic_write, make_folder
 from kvrig.reports.devicelog import AppLog
 from kvrig.reports.telemetry import end_record
 from kvrig.schemas.keys import COREML_MODEL_KEY
@@ -611,10 +610,7 @@ def claim_soak_output(out: Path) -> None:
         raise SoakOutputExistsError(
             f"{out}: holds a soak's results already ({RESULTS_FILE}); give another -o folder, or move them first"
         )
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise OutputWriteError(f"{out}: cannot create the output folder: {exc.strerror or exc}") from None
+    make_folder(out)
 
 
 async def soak(

@@ -124,7 +124,10 @@ def start(
         reply = send_control(address, {"MessageType": "KvrigAddDevice", **options})
         return _device_status(address, reply["UDID"])
     if detach:
-        state.mkdir(parents=True, exist_ok=True)
+        try:
+            state.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise InputError(f"cannot create it: {exc.strerror or exc}", file=state, field="--state") from None
         log = open(state / "emulator.log", "ab")  # noqa: SIM115 - handed to the child process
         command = [sys.executable, "-m", "kvrig.virtual.host", address, plistlib.dumps(options).hex()]
         env = dict(os.environ)

@@ -35,6 +35,18 @@ def test_ipa_carries_the_projects_info_plist(reference_project: Path, tmp_path: 
     assert info[VIRTUAL_RUNTIME_KEY] in {*APP_RUNTIMES, swiftapp.RUNTIME}
 
 
+def test_an_ipa_under_a_file_is_the_generators_error(reference_project: Path, tmp_path: Path) -> None:
+    """Its folder cannot be made: the clean-up of the part file raised again inside the handler (exit 70)."""
+    import pytest
+
+    from kvrig.exceptions import AppGenError
+
+    (tmp_path / "afile").write_text("mine")
+    with pytest.raises(AppGenError, match=r"cannot write the \.ipa"):
+        build_virtual_ipa(reference_project, tmp_path / "afile" / "sub" / "App.ipa")
+    assert (tmp_path / "afile").read_text() == "mine"
+
+
 def test_virtual_iphone_installs_it_through_pymobiledevice3(
     reference_project: Path,
     tmp_path: Path,
