@@ -47,6 +47,9 @@ def probe(*args: str, cwd: Path) -> dict:
         (["demo", "--kv", "auto,k4v1", "-o", "out"], QuantizationError.exit_code, "--kv", "k4v1"),
         (["bench", "quantize", "--recipes", "gpx-q4,bogus"], QuantizationError.exit_code, "--recipes", "bogus"),
         (["bench", "quantize", "--recipes", "dwq-q9"], QuantizationError.exit_code, "--recipes", "q9"),
+        (["bench", "quality", "--recipes", "q4,q4x", "-o", "out"], QuantizationError.exit_code, "--recipes", "q4x"),
+        (["bench", "quality", "--kv", "fp16,k9v9", "-o", "out"], QuantizationError.exit_code, "--kv", "k9v9"),
+        (["bench", "quality", "--factual-recipe", "q9", "-o", "out"], QuantizationError.exit_code, "--factual", "q9"),
         # --force meant three things: now refused, naming the flag for each
         (["package", "--force", "-o", "out"], 2, "--ignore-gate", "--replace"),
         # app and export: --force meant replace, and says so
@@ -232,9 +235,10 @@ def test_a_folder_that_is_not_a_bundle_is_one_cause_everywhere(args: list[str], 
     ("args", "code"),
     [
         (["demo", "-o", "afile/sub"], 38),
+        (["bench", "quality", "--recipes", "", "--kv", "", "--factual-recipe", "", "-o", "afile/sub"], 38),
         (["virtual", "start", "--socket", "./v.sock", "--state", "afile/sub", "--detach"], 3),
     ],
-    ids=["demo", "virtual start"],
+    ids=["demo", "bench quality", "virtual start"],
 )
 def test_a_folder_under_a_file_is_refused_naming_it(args: list[str], code: int, tmp_path: Path) -> None:
     """An output folder whose parent is a file was exit 70 (a bug in kvrig): now the error of the output (38) or of

@@ -80,6 +80,7 @@ def _csv(text: str) -> tuple[str, ...]:
     "--recipes",
     default="q4,q4g32,q8,mixed_4_6,gptq-q4,dq-4.6,imx-4.6,gpx-q4,gpx-4.6",
     show_default=True,
+    callback=checked_specs("weights", auto=False, several=True, empty_ok=True),
     help="Weight recipes: qN[gG], awq-qN, gptq-qN, imx-qN, gpx-qN, dq-BPW, imx-BPW, gpx-BPW, mixed_X_Y; each "
     "quantized one optionally +kd[N] (distilled).",
 )
@@ -87,6 +88,7 @@ def _csv(text: str) -> tuple[str, ...]:
     "--kv",
     "kv_variants",
     default=None,
+    callback=checked_specs("kv", auto=False, several=True, empty_ok=True),
     help="KV variants, e.g. k8v4,k8v4+rot,k4v4+rot+s4+w64 "
     "(rot: Hadamard on K and V, rotk: keys only, sN: sink tokens, wN: recent window).",
 )
@@ -128,6 +130,7 @@ def _csv(text: str) -> tuple[str, ...]:
     "--factual-recipe",
     default="q8",
     show_default=True,
+    callback=checked_specs("weights", auto=False, several=False, empty_ok=True),
     help="Recipe checked on factual prompts, with k8v4 KV rotated where the head dims allow (--kv auto's rule "
     "when nothing is measured); '' skips.",
 )
@@ -144,8 +147,8 @@ def _csv(text: str) -> tuple[str, ...]:
 @json_option
 def quality(
     model: Path | None,
-    recipes: str,
-    kv_variants: str | None,
+    recipes: list[str],
+    kv_variants: list[str] | None,
     kinds: str,
     weights_tokens: int,
     weights_passages: int,
@@ -164,15 +167,17 @@ def quality(
 
     MODEL: a bundle (its manifest names the source; its own weights get a row), a model folder or GGUF; none:
     the embedded SmolLM2. Minutes on a 2-core CPU; not part of the test suite."""
+    from kvrig.fileio import make_folder
     from kvrig.runtime.blas import ensure_openblas
 
+    make_folder(output)  # before minutes of measuring: an -o that cannot be a folder is refused now
     ensure_openblas()
     from kvrig.quality.bench import DEFAULT_KV, run_quality_bench, write_plots
 
     report = run_quality_bench(
         model,
-        recipes=_csv(recipes),
-        kv_variants=DEFAULT_KV if kv_variants is None else _csv(kv_variants),  # '' runs no KV rows
+        recipes=tuple(recipes),
+        kv_variants=DEFAULT_KV if kv_variants is None else tuple(kv_variants),  # '' runs no KV rows
         kinds=_csv(kinds),
         weights_tokens=weights_tokens,
         weights_passages=weights_passages,

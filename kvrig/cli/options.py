@@ -87,10 +87,11 @@ def group_size_option(name: str, default: int | None, help: str) -> Decorator:
     )
 
 
-def checked_specs(kind: str, *, auto: bool, several: bool, beside: str | None = None) -> Any:
+def checked_specs(kind: str, *, auto: bool, several: bool, beside: str | None = None, empty_ok: bool = False) -> Any:
     """A callback that reads weight recipes (`kind` "weights") or KV specs ("kv") as the recipe grammar does, so a
     misspelt one is refused with the option's name before any model loads (the error keeps its own exit code).
-    `beside`: a prefix naming another tool's method on the same layout (bench quantize's `dwq-` + a recipe)."""
+    `beside`: a prefix naming another tool's method on the same layout (bench quantize's `dwq-` + a recipe);
+    `empty_ok`: '' means none (the bench's rows of one kind left out)."""
     from kvrig.exceptions import KvrigError
     from kvrig.recipes import AUTO, parse_kv, parse_weights
 
@@ -99,7 +100,9 @@ def checked_specs(kind: str, *, auto: bool, several: bool, beside: str | None = 
     def check(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
         if value is None:
             return None
-        items = [v.strip() for v in value.split(",") if v.strip()] if several else [value]
+        items = [v.strip() for v in value.split(",") if v.strip()] if several else [value] if value.strip() else []
+        if not items and empty_ok:
+            return [] if several else ""
         if not items:  # an empty list would plan the defaults, as if the option had not been given
             raise click.BadParameter(f"expected one or more, separated by commas, got {value!r}")
         for item in items:

@@ -21,6 +21,7 @@ from typing import Any
 from kvrig.bundle.kvcache_json import host_config
 from kvrig.bundle.manifest import load_manifest
 from kvrig.bundle.options import package_default_kv
+from kvrig.fileio import atomic_write
 from kvrig.models import load_model_spec
 from kvrig.models.gguf import embedded_default_model
 from kvrig.models.source import read_tokenizer, source_dir
@@ -558,6 +559,6 @@ def write_plots(report: QualityReport, out: Path) -> list[Path]:
     paths.append(out / "ppl_delta.png")
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
-    (out / "quality.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    atomic_write(out / "quality.json", json.dumps(report.to_json(), indent=2) + "\n")
     paths.append(out / "quality.json")
     return paths
