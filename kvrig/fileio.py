@@ -78,6 +78,22 @@ def make_folder(path: Path, what: str = "the output folder") -> None:
         raise OutputWriteError(f"{path}: cannot create {what}: {exc.strerror or exc}") from None
 
 
+def check_folder_possible(path: Path, what: str = "the output folder") -> None:
+    """That `path` is a folder or could be made one (its nearest existing ancestor a folder this process may write
+    in), made by nothing here: OutputWriteError naming it otherwise, before work whose results would go there."""
+    if path.exists():
+        if not path.is_dir():
+            raise OutputWriteError(f"{path}: cannot be {what}: it exists and is not a folder")
+        return
+    ancestor = path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise OutputWriteError(f"{path}: cannot create {what}: {ancestor} is not a folder")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise OutputWriteError(f"{path}: cannot create {what}: {ancestor} is not writable")
+
+
 def plist_dict(data: bytes, *, file: str | Path, expected: str) -> dict[str, Any]:
     """A property list that must be a dictionary (an app's Info.plist): InputError naming `file` otherwise."""
     try:

@@ -167,10 +167,10 @@ def quality(
 
     MODEL: a bundle (its manifest names the source; its own weights get a row), a model folder or GGUF; none:
     the embedded SmolLM2. Minutes on a 2-core CPU; not part of the test suite."""
-    from kvrig.fileio import make_folder
+    from kvrig.fileio import check_folder_possible
     from kvrig.runtime.blas import ensure_openblas
 
-    make_folder(output)  # before minutes of measuring: an -o that cannot be a folder is refused now
+    check_folder_possible(output)  # before minutes of measuring: an -o that cannot be a folder is refused now
     ensure_openblas()
     from kvrig.quality.bench import DEFAULT_KV, run_quality_bench, write_plots
 
