@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvrig.bundle.manifest import verify_bundle
 from kvrig.device import apps, files
 from kvrig.device.discovery import DeviceInfo, connect
 from kvrig.exceptions import DeviceLostError, InputError
@@ -68,7 +69,8 @@ async def deploy(
     """Installs `ipa` (when given) and pushes `bundle` into the app's Documents on the selected device."""
     if ipa is None and app_id is None:
         raise InputError("nothing to deploy into", expected="an .ipa (--app) or an installed app's id (--app-id)")
-    files.deployable(bundle)  # refuse a broken bundle before touching the phone
+    files.deployable(bundle)  # refuse a broken bundle before touching the phone: its folder as the push sends it,
+    verify_bundle(bundle)  # and every file's content as `kvrig verify` holds it
     target = ipa_bundle_id(ipa) if ipa is not None else str(app_id)
     if ipa is not None and app_id is not None and app_id != target:  # one of them is not what the user means
         raise InputError(

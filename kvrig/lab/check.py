@@ -9,7 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvrig.exceptions import BundleError, InputError, ProfileError, QuantizationError, SchemaError
+from kvrig.bundle.manifest import verify_bundle
+from kvrig.exceptions import BundleError, InputError, ProfileError, QuantizationError, SchemaError, VerifyError
 from kvrig.models import read_config
 from kvrig.profiles import load_profile
 from kvrig.recipes import AUTO, parse_kv, parse_weights
@@ -40,6 +41,10 @@ def check_lab(lab: Lab, file: str | Path | None = None) -> None:
             )
         if entry.bundle_path is not None:
             _read(file, f"matrix.{i}.bundle_path", load_manifest, entry.bundle_path)
+            try:  # every file as `kvrig verify` holds it: a damaged bundle stops the lab before it starts
+                verify_bundle(entry.bundle_path)
+            except VerifyError as exc:
+                raise VerifyError(f"{file}: field 'matrix.{i}.bundle_path': {exc}") from None
         if entry.model is not None:
             _read(file, f"matrix.{i}.model", read_config, entry.model)
         if entry.plan.weights is not None and entry.plan.weights.strip().lower() != AUTO:

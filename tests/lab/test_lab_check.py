@@ -58,3 +58,27 @@ def test_a_lab_file_mistake_is_refused_before_any_phone(
     assert str(lab_file) in done.stderr and f"field '{field}" in done.stderr and words in done.stderr
     assert "Traceback" not in done.stderr
     assert not out.exists()
+
+
+def test_a_bundle_that_does_not_match_its_manifest_stops_the_lab_before_it_starts(tmp_path: Path) -> None:
+    """A bundle edited after packaging was found only when its push failed, after the output folder was claimed and
+    the app installed (exit 18, "no run could be made"): now `kvrig verify`'s refusal (8), naming the lab field."""
+    from tests.device.test_device_files import make_bundle
+
+    bundle = make_bundle(tmp_path / "bundle", weight_bytes=5_000)
+    (bundle / "config.json").write_text('{"model_type": "qwen2"}')  # same size: only its sha256 tells
+    lab_file = tmp_path / "lab.yaml"
+    entry = _entry(model=None, bundle_path=str(bundle))
+    lab_file.write_text(yaml.safe_dump({"schema": 1, "matrix": [entry]}))
+    out = tmp_path / "out"
+    env = dict(os.environ, USBMUXD_SOCKET_ADDRESS=str(tmp_path / "no-usbmuxd.sock"))
+    done = subprocess.run(
+        [sys.executable, "-m", "kvrig", "lab", "run", str(lab_file), "-o", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 8, done.stderr
+    assert "field 'matrix.0.bundle_path'" in done.stderr and "config.json: sha256 differs" in done.stderr
+    assert not out.exists()
