@@ -27,7 +27,7 @@ from kvrig.profiles import load_profile
 from kvrig.recipes import parse_kv
 from kvrig.reports.telemetry import read_telemetry
 from kvrig.schemas import load_model_file
-from kvrig.schemas.bundle import Manifest
+from kvrig.schemas.bundle import load_manifest
 from kvrig.schemas.calibration import Calibration, CalibrationPoint, ProfileCalibration
 from kvrig.schemas.kvcache import KVCacheConfig
 from kvrig.schemas.limits import LimitsRegistry, MeasuredLimit
@@ -54,7 +54,7 @@ def bundle_ref(bundle: Path) -> ModelRef:
     """Recipe and KV spec from manifest.json (the KV spec from kvcache.json when the manifest predates it), dtype,
     prefill step and buffer cache from kvcache.json."""
 
-    manifest = load_model_file(Manifest, bundle / "manifest.json")
+    manifest = load_manifest(bundle)  # a folder that is not a bundle is BundleError (7), as everywhere
     kv = load_model_file(KVCacheConfig, bundle / "kvcache.json")
     return ModelRef(
         path=bundle,

@@ -207,7 +207,9 @@ def stale_pages(root: Path) -> list[str]:
 
 
 def write_docs(root: Path) -> list[Path]:
-    """Renders every page and writes those that changed; returns them."""
+    """Renders every page and writes those that changed; returns them. A root without the docs' benchmarks is
+    refused as `--check` refuses it (a checkout's docs/, not a folder where nothing would be rendered)."""
+    load_benchmarks(root)
     changed = {page: text for page, text in render_docs(root).items() if page.read_text() != text}
     for page, text in changed.items():
         atomic_write(page, text)

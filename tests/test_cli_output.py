@@ -135,6 +135,14 @@ def test_docs_render_check_speaks_json() -> None:
     assert json.loads(done.stdout) == {"stale": []}
 
 
+def test_docs_render_on_a_folder_without_the_docs_is_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """It rendered nothing and said nothing (exit 0) where `--check` and `docs measure` refuse (3)."""
+    for check in ([], ["--check"]):
+        done = kvrig("docs", "render", "--root", str(tmp_path), *check)
+        assert done.returncode == 3 and "benchmarks.yaml: file not found" in done.stderr, done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_verbose_and_quiet_together_is_a_usage_error(capsys) -> None:  # type: ignore[no-untyped-def]
     code, _, err = run(capsys, "-v", "-q", "profiles", "list")
     assert code == click.UsageError.exit_code

@@ -118,15 +118,16 @@ def test_run_on_a_damaged_bundle_names_it(q4_bundle: Path, tmp_path: Path, how: 
     ("how", "code", "words"),
     [
         ("not a bundle", 7, "manifest.json"),
-        ("config not JSON", 3, "config.json: not valid JSON"),
-        ("kv bits", 3, "key_bits"),
+        ("config not JSON", 8, "config.json: size"),
+        ("kv bits", 8, "kvcache.json: s"),
+        ("weights cut short", 8, "safetensors: size"),
     ],
 )
 def test_bench_runtime_reads_the_bundle_before_its_sides_run(
     q4_bundle: Path, tmp_path: Path, how: str, code: int, words: str
 ) -> None:
-    """Each side runs in a process of its own, whose failure was exit 1 whatever the cause: the bundle is read
-    first, and a wrong one gets its own exit code naming the file."""
+    """Each side runs in a process of its own, whose failure was exit 1 whatever the cause: the bundle is held to
+    its manifest first, as `kvrig verify` holds it, and a wrong one gets its own exit code naming the file."""
     copy = tmp_path / "b"
     shutil.copytree(q4_bundle, copy)
     if how == "not a bundle":

@@ -11,13 +11,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from kvrig.bundle.manifest import verify_bundle
 from kvrig.exceptions import KvrigError
 from kvrig.kvcache.caches import make_caches
 from kvrig.models import read_config
 from kvrig.runtime.blas import openblas_loaded, preload_env
 from kvrig.runtime.generate import GenerationStats, generate_tokens, load_bundle
 from kvrig.schemas import load_model_file
-from kvrig.schemas.bundle import load_manifest
 from kvrig.schemas.kvcache import KVCACHE_NAME, KVCacheConfig
 
 TEXT = (
@@ -140,10 +140,10 @@ class Comparison:
 
 
 def compare(bundle: Path, n_prompt: int, n_decode: int, *, timeout: float, reference: bool = True) -> Comparison:
-    """Runs each side on `bundle`, read first here (a folder that is not a bundle is BundleError, a kvcache.json
-    or config.json that is wrong InputError naming it) rather than failing in the sides' processes."""
-    load_manifest(bundle)
-    load_model_file(KVCacheConfig, bundle / KVCACHE_NAME)
+    """Runs each side on `bundle`, checked first here as `kvrig verify` checks it (a folder that is not a bundle is
+    BundleError, a file that does not match the manifest VerifyError, a kvcache.json or config.json that is wrong
+    InputError naming it) rather than failing in the sides' processes, whose errors reach here only as text."""
+    verify_bundle(bundle)
     read_config(bundle)
     ours = run_side("ours", bundle, n_prompt, n_decode, timeout=timeout)
     plain = run_side("plain", bundle, n_prompt, n_decode, timeout=timeout)
