@@ -138,7 +138,8 @@ def test_docs_render_check_speaks_json() -> None:
 def test_docs_render_on_a_folder_without_the_docs_is_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """It rendered nothing and said nothing (exit 0) where `--check` and `docs measure` refuse (3)."""
     for check in ([], ["--check"]):
-        done = kvrig("docs", "render", "--root", str(tmp_path), *check)
+        command = [sys.executable, "-m", "kvrig", "docs", "render", "--root", str(tmp_path), *check]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
         assert done.returncode == 3 and "benchmarks.yaml: file not found" in done.stderr, done.stderr
     assert list(tmp_path.iterdir()) == []
 
