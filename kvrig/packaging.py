@@ -24,7 +24,6 @@ from kvrig.bundle.manifest import hash_files
 from kvrig.bundle.mapped import PAGE_BYTES, align_file
 from kvrig.bundle.options import MLX_CACHE_STEP, PackageOptions, PlanView, check_app_kv, resolve_kv
 from kvrig.exceptions import (
-    BundleError,
     BundleExistsError,
     BundleWriteError,
     DoesNotFitError,
@@ -302,7 +301,7 @@ def _check_paths(model: str | Path | None, out: Path, *, replace: bool) -> Path:
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise BundleError(f"{out.parent}: cannot create the output folder: {exc.strerror or exc}") from None
+        raise BundleWriteError(f"{out.parent}: cannot create the output folder: {exc.strerror or exc}") from None
     return source
 
 

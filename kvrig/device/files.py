@@ -347,6 +347,9 @@ def bundle_files(bundle: Path) -> list[LocalFile]:
 def deployable(bundle: Path) -> list[LocalFile]:
     """`bundle_files` of a bundle `kvrig package` wrote: one without its manifest is refused (deploy and the lab
     send only what a manifest lists)."""
+    if not bundle.is_dir():
+        what = "not a folder" if bundle.exists() else "no such folder"
+        raise BundleError(f"{bundle}: {what} (expected a bundle folder `kvrig package` wrote)")
     if not (bundle / MANIFEST).is_file():
         raise BundleError(f"{bundle}: no {MANIFEST}; kvrig deploys a bundle `kvrig package` wrote, as it lists")
     return bundle_files(bundle)
