@@ -48,6 +48,7 @@ def probe(*args: str, cwd: Path) -> dict:
         (["bench", "quantize", "--recipes", "gpx-q4,bogus"], QuantizationError.exit_code, "--recipes", "bogus"),
         (["bench", "quantize", "--recipes", "dwq-q9"], QuantizationError.exit_code, "--recipes", "q9"),
         (["bench", "quality", "--recipes", "q4,q4x", "-o", "out"], QuantizationError.exit_code, "--recipes", "q4x"),
+        (["calibrate", "r.json", "--weights", "q4x", "-o", "out"], QuantizationError.exit_code, "--weights", "q4x"),
         (["bench", "quality", "--kv", "fp16,k9v9", "-o", "out"], QuantizationError.exit_code, "--kv", "k9v9"),
         (["bench", "quality", "--factual-recipe", "q9", "-o", "out"], QuantizationError.exit_code, "--factual", "q9"),
         # --force meant three things: now refused, naming the flag for each

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from kvrig.cli.options import InputPath
+from kvrig.cli.options import InputPath, checked_specs
 from kvrig.cli.output import console
 from kvrig.cli.render import echo_json, human_bytes, json_option
 
@@ -18,7 +18,13 @@ from kvrig.cli.render import echo_json, human_bytes, json_option
 @click.argument("results", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--bundle", type=click.Path(path_type=Path), help="Bundle the runs ran (default: the one each names).")
 @click.option("--model", type=click.Path(path_type=Path), help="Model for runs without a bundle (dir, config, GGUF).")
-@click.option("--weights", default="q4", show_default=True, help="Weight recipe with --model.")
+@click.option(
+    "--weights",
+    default="q4",
+    show_default=True,
+    callback=checked_specs("weights", auto=False, several=False),
+    help="Weight recipe with --model.",
+)
 @click.option(
     "-o",
     "--out",
