@@ -8,9 +8,8 @@ from pathlib import Path
 import pytest
 
 from kvrig.appgen.render import AppOptions, render_app
-from kvrig.bundle.manifest import hash_files
-from kvrig.schemas.bundle import MANIFEST_NAME, Manifest, Recipe, SourceModel
 from kvrig.schemas.kvcache import KVCacheConfig, LayerCache, PressurePolicy
+from tests.manifests import write_manifest
 
 # Every field set away from its default, every layer kind, per-layer bits: what the contract tests decode.
 REFERENCE_KVCACHE = KVCacheConfig(
@@ -54,24 +53,7 @@ def write_bundle(folder: Path, kv: KVCacheConfig = REFERENCE_KVCACHE) -> Path:
 def seal(folder: Path, kv: KVCacheConfig = REFERENCE_KVCACHE) -> Path:
     """(Re)writes the manifest over the folder's files as they are now: a bundle whose files, edited or not, agree
     with it (a bad file kvrig package could have written, not one edited after)."""
-    manifest = Manifest(
-        tool_version="test",
-        created="2026-12-05T00:00:00+00:00",
-        source=SourceModel(kind="hf", path="tests", name="tests", architecture="llama"),
-        recipe=Recipe(
-            weights="q8",
-            bits=8,
-            group_size=64,
-            kv_scheme=kv.scheme,
-            key_bits=kv.key_bits,
-            value_bits=kv.value_bits,
-            kv_group_size=kv.group_size,
-        ),
-        prediction=None,
-        files=list(hash_files(folder)),
-    )
-    (folder / MANIFEST_NAME).write_text(manifest.model_dump_json(by_alias=True, indent=2))
-    return folder
+    return write_manifest(folder, kv)
 
 
 @pytest.fixture(scope="session")

@@ -27,8 +27,8 @@ def _sha(data: bytes) -> str:
 def make_bundle(root: Path, *, weight_bytes: int = 200_000, manifest: bool = True) -> Path:
     """A bundle-shaped folder (random weights, config, tokenizer, a kvcache.json the app reads) under a manifest as
     `kvrig package` writes one (what deploy and `kvrig verify` hold every file to)."""
-    from kvrig.schemas.bundle import Manifest, ManifestFile, Recipe, SourceModel
     from kvrig.schemas.kvcache import LayerCache, host_kvcache
+    from tests.manifests import write_manifest
 
     root.mkdir(parents=True)
     kv = host_kvcache([LayerCache(layer=0, kind="full")], max_context=256, prefill_step_size=64)
@@ -42,24 +42,7 @@ def make_bundle(root: Path, *, weight_bytes: int = 200_000, manifest: bool = Tru
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_bytes(data)
     if manifest:
-        record = Manifest(
-            tool_version="test",
-            created="2026-12-05T00:00:00+00:00",
-            source=SourceModel(kind="hf", path="tests", name="tests", architecture="llama"),
-            recipe=Recipe(
-                weights="q4",
-                bits=4,
-                group_size=64,
-                kv_scheme="fp16",
-                kv="fp16",
-                key_bits=None,
-                value_bits=None,
-                kv_group_size=64,
-            ),
-            prediction=None,
-            files=[ManifestFile(path=n, size=len(d), sha256=_sha(d)) for n, d in sorted(files.items())],
-        )
-        (root / "manifest.json").write_text(record.model_dump_json(by_alias=True, indent=2))
+        write_manifest(root, kv, weights="q4", bits=4, kv_spec=kv.spec)
     return root
 
 

@@ -21,6 +21,17 @@ def _entry(**changes: Any) -> dict[str, Any]:
     return {"app_id": "dev.kvrig.demo", "model": str(MODEL), "schemes": ["k8v4"], **changes}
 
 
+def _lab_run(tmp_path: Path, lab: dict[str, Any]) -> tuple[Path, Path, subprocess.CompletedProcess[str]]:
+    """`kvrig lab run` on this lab file: (the file, its output folder, what the command did)."""
+    lab_file = tmp_path / "lab.yaml"
+    lab_file.write_text(yaml.safe_dump({"schema": 1, **lab}))
+    out = tmp_path / "out"
+    # No usbmuxd at this address: a lab that went on to look for phones would fail there instead (exit 11 or 18).
+    env = dict(os.environ, USBMUXD_SOCKET_ADDRESS=str(tmp_path / "no-usbmuxd.sock"))
+    command = [sys.executable, "-m", "kvrig", "lab", "run", str(lab_file), "-o", str(out)]
+    return lab_file, out, subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+
+
 @pytest.mark.parametrize(
     ("lab", "field", "words"),
     [
@@ -42,18 +53,7 @@ def _entry(**changes: Any) -> dict[str, Any]:
 def test_a_lab_file_mistake_is_refused_before_any_phone(
     tmp_path: Path, lab: dict[str, Any], field: str, words: str
 ) -> None:
-    lab_file = tmp_path / "lab.yaml"
-    lab_file.write_text(yaml.safe_dump({"schema": 1, **lab}))
-    out = tmp_path / "out"
-    # No usbmuxd at this address: a lab that went on to look for phones would fail there instead (exit 11 or 18).
-    env = dict(os.environ, USBMUXD_SOCKET_ADDRESS=str(tmp_path / "no-usbmuxd.sock"))
-    done = subprocess.run(
-        [sys.executable, "-m", "kvrig", "lab", "run", str(lab_file), "-o", str(out)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    lab_file, out, done = _lab_run(tmp_path, lab)
     assert done.returncode == 3, done.stderr
     assert str(lab_file) in done.stderr and f"field '{field}" in done.stderr and words in done.stderr
     assert "Traceback" not in done.stderr
@@ -67,18 +67,7 @@ def test_a_bundle_that_does_not_match_its_manifest_stops_the_lab_before_it_start
 
     bundle = make_bundle(tmp_path / "bundle", weight_bytes=5_000)
     (bundle / "config.json").write_text('{"model_type": "qwen2"}')  # same size: only its sha256 tells
-    lab_file = tmp_path / "lab.yaml"
-    entry = _entry(model=None, bundle_path=str(bundle))
-    lab_file.write_text(yaml.safe_dump({"schema": 1, "matrix": [entry]}))
-    out = tmp_path / "out"
-    env = dict(os.environ, USBMUXD_SOCKET_ADDRESS=str(tmp_path / "no-usbmuxd.sock"))
-    done = subprocess.run(
-        [sys.executable, "-m", "kvrig", "lab", "run", str(lab_file), "-o", str(out)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    _, out, done = _lab_run(tmp_path, {"matrix": [_entry(model=None, bundle_path=str(bundle))]})
     assert done.returncode == 8, done.stderr
     assert "field 'matrix.0.bundle_path'" in done.stderr and "config.json: sha256 differs" in done.stderr
     assert not out.exists()
