@@ -278,19 +278,22 @@ def safetensors_header(path: Path) -> tuple[dict[str, dict[str, Any]], int]:
     if not isinstance(header, dict):
         raise SafetensorsHeaderError("the safetensors header is not a JSON object")
     for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        shape, offsets = (entry.get("shape"), entry.get("data_offsets")) if isinstance(entry, dict) else (None, None)
-        ints = (isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in [*(shape or []), *(offsets or [])])
-        if (
-            not isinstance(entry.get("dtype") if isinstance(entry, dict) else None, str)
-            or not isinstance(shape, list)
-            or not isinstance(offsets, list)
-            or len(offsets) != 2
-            or not all(ints)
-            or offsets[0] > offsets[1]
-        ):
+        if name != "__metadata__" and not _tensor_entry(entry):
             raise SafetensorsHeaderError(
                 f"tensor {name!r}: {entry!r:.80} is not {{dtype, shape, data_offsets}} as safetensors writes them"
             )
     return header, 8 + length
+
+
+def _tensor_entry(entry: Any) -> bool:
+    """{dtype: text, shape: [counts], data_offsets: [begin, end]} with begin <= end."""
+
+    def counts(value: Any) -> bool:
+        return isinstance(value, list) and all(type(x) is int and x >= 0 for x in value)
+
+    if not isinstance(entry, dict) or not isinstance(entry.get("dtype"), str):
+        return False
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    if not (counts(shape) and isinstance(offsets, list) and counts(offsets) and len(offsets) == 2):
+        return False
+    return bool(offsets[0] <= offsets[1])

@@ -76,7 +76,6 @@ def test_attention_is_routed_where_mlx_lm_models_call_it() -> None:
 
     assert "scaled_dot_product_attention" in vars(llama) and llama.scaled_dot_product_attention.__module__ in (
         base.__name__,
-        __name__,
         "kvrig.compat.mlx_lm_attention",
     )
     model = llama.Model(llama.ModelArgs.from_dict(TINY_LLAMA))

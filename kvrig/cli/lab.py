@@ -140,10 +140,10 @@ def report(results_file: Path, out_dir: Path, title: str, as_json: bool) -> None
     results = load_model_file(ResultsFile, results_file)
     page = write_report(results, out_dir, title=title)  # it makes out_dir; a failed write is exit 38
     if as_json:
-        folder = page.parent  # a report's own folder (`-o` takes no folder of other files)
-        echo_json(
-            {"report": str(page), "files": sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())}
-        )
+        from kvrig.lab.report import IMAGES_DIR
+
+        images = sorted(str(p.relative_to(page.parent)) for p in (page.parent / IMAGES_DIR).glob("*") if p.is_file())
+        echo_json({"report": str(page), "files": [page.name, *images]})
         return
     click.echo(str(page))
 

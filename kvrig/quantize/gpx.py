@@ -18,8 +18,7 @@ from kvrig.recipes import PACKED_BITS
 
 DAMPING = 0.1
 """Added to H's diagonal, as a fraction of its mean: keeps the inverse finite for rarely driven channels, and
-keeps the feedback from fitting the calibration text too closely (the best of the values tried on held-out text,
-docs/quality.md)."""
+keeps the feedback from fitting the calibration text too closely (chosen on held-out text; docs/quality.md)."""
 EMBEDDING_DAMPING = 1.0
 """The same for a tied embedding: its rows are also looked up, where the error feedback moves onto other
 columns only hurts, so H is pulled towards its diagonal (chosen as DAMPING was)."""

@@ -15,7 +15,6 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from xml.parsers.expat import ExpatError
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -23,6 +22,7 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.x509.oid import NameOID
 
 from kvrig.exceptions import InputError
+from kvrig.fileio import plist_dict
 from kvrig.virtual.state import STATE_FILE
 
 _VALIDITY = dt.timedelta(days=3650)
@@ -82,10 +82,10 @@ class Pairing:
         folder.mkdir(parents=True, exist_ok=True)
         record_file = folder / "pairing.plist"
         if record_file.exists():
+            data = plist_dict(record_file.read_bytes(), file=record_file, expected=STATE_FILE)
             try:
-                data = plistlib.loads(record_file.read_bytes())
                 return cls(folder=folder, **data)
-            except (plistlib.InvalidFileException, ExpatError, ValueError, TypeError) as exc:
+            except TypeError as exc:  # keys the record does not have, or lacks
                 raise InputError(f"not a pairing record: {exc}", file=record_file, expected=STATE_FILE) from None
         root_key, host_key, device_key = _key(), _key(), _key()
         pairing = cls(

@@ -140,7 +140,6 @@ class DeviceState:
         identity.build_version = IOS_BUILDS[ios]
         identity.limit_bytes = limit_bytes
         identity_file.write_text(json.dumps(asdict(identity), indent=2))
-        state.developer(), state.user_apps()  # the other records read at start, not mid-session
         return state, identity
 
     # --- developer mode and the developer disk image -------------------------------------------------
