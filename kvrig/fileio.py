@@ -72,6 +72,8 @@ def read_data(
 def make_folder(path: Path, what: str = "the output folder") -> None:
     """`path` and its parents made: OutputWriteError naming it when they cannot be (a file where a folder goes, no
     permission, a full disk)."""
+    if path.exists() and not path.is_dir():
+        raise OutputWriteError(f"{path}: cannot be {what}: it exists and is not a folder")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

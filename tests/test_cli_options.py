@@ -253,6 +253,42 @@ def test_a_folder_under_a_file_is_refused_naming_it(args: list[str], code: int, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
 
 
+@pytest.mark.parametrize(
+    ("args", "code", "says"),
+    [
+        (["soak", "--app-id", "com.example.x", "-o", "afile"], 38, "it exists and is not a folder"),
+        (["demo", "-o", "afile"], 38, "it exists and is not a folder"),
+        (["lab", "merge", "afile", "-o", "merged"], 3, "is not a folder (given to FOLDERS)"),
+        (["lab", "merge", "gone", "-o", "merged"], 3, "not found (given to FOLDERS)"),
+        (["virtual", "stop", "--socket", "./v.sock", "--state", "afile"], 3, "is not a folder (given to --state)"),
+    ],
+    ids=["soak", "demo", "lab merge of a file", "lab merge of nothing", "virtual stop"],
+)
+def test_a_file_where_a_folder_goes_is_the_folders_error(args: list[str], code: int, says: str, tmp_path: Path) -> None:
+    """A file given as an output folder was click's usage error (2) in soak and demo, where every other output is
+    the output's own error (38); a folder to read that is a file or missing was 3 or 42 by which: now 3 for both,
+    as every input. Nothing is written and the file is left as it was."""
+    (tmp_path / "afile").write_text("mine")
+    done = subprocess.run(
+        [sys.executable, "-m", "kvrig", *args], capture_output=True, text=True, cwd=tmp_path, timeout=300
+    )
+    assert done.returncode == code, done.stderr
+    assert says in done.stderr and "Traceback" not in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+    assert (tmp_path / "afile").read_text() == "mine"
+
+
+def test_a_lab_output_that_is_a_file_is_not_called_a_labs_results(tmp_path: Path) -> None:
+    """The lab's claim on its folder read a file there as "holds a lab's results already" (34)."""
+    from kvrig.exceptions import OutputWriteError
+    from kvrig.lab.schedule import claim_output
+
+    (tmp_path / "afile").write_text("mine")
+    with pytest.raises(OutputWriteError, match="it exists and is not a folder"):
+        claim_output(tmp_path / "afile")
+    assert (tmp_path / "afile").read_text() == "mine"
+
+
 def test_every_dash_o_takes_both_long_names() -> None:
     """`-o` was `--output` in some commands and `--out` in others (`kvrig calibrate x --output y`: no such option)."""
     import click

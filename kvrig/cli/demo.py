@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     "--out",
     "--output",
     "out",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=click.Path(path_type=Path),
     default=Path("build/demo"),
     show_default=True,
 )

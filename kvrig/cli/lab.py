@@ -20,9 +20,7 @@ def lab() -> None:
 
 
 def _out_option(help: str):  # type: ignore[no-untyped-def]
-    return click.option(
-        "-o", "--out", "--output", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True, help=help
-    )
+    return click.option("-o", "--out", "--output", "out_dir", type=click.Path(path_type=Path), required=True, help=help)
 
 
 @lab.command("run")
@@ -98,7 +96,7 @@ def run(
 
 
 @lab.command("merge")
-@click.argument("folders", nargs=-1, required=True, type=InputPath(file_okay=False, path_type=Path))
+@click.argument("folders", nargs=-1, required=True, type=InputPath(exists=True, file_okay=False, path_type=Path))
 @_out_option("Output folder for the merged results.json, junit.xml, report.html and shards/.")
 @json_option
 def merge(folders: tuple[Path, ...], out_dir: Path, as_json: bool) -> None:

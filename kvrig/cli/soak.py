@@ -101,7 +101,7 @@ from kvrig.device.loop import run_async
     "--out",
     "--output",
     "out_dir",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=click.Path(path_type=Path),  # a file there is the library's OutputWriteError (38), as for every output folder
     required=True,
     help="Output folder (results.json, telemetry.jsonl, reports/).",
 )

@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from kvrig.cli.options import ios_option, not_nan
+from kvrig.cli.options import InputPath, ios_option, not_nan
 from kvrig.cli.output import console
 from kvrig.cli.render import echo_json, human_bytes, json_option
 from kvrig.device.address import client_form, usbmux_address
@@ -37,7 +37,7 @@ def _socket_option(func):  # type: ignore[no-untyped-def]
 @click.option(
     "--state",
     "state",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=InputPath(file_okay=False, path_type=Path),
     required=True,
     help="State folder (apps, containers, crash reports); kept across restarts.",
 )
@@ -263,7 +263,7 @@ def _limits(device: dict[str, Any]) -> str:
 @_socket_option
 @click.option(
     "--state",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=InputPath(file_okay=False, path_type=Path),
     default=None,
     help="Stop only the device with this state folder (default: the whole server).",
 )

@@ -19,6 +19,7 @@ from typing import Any
 
 from kvrig.device.hosts import UsbmuxHost, list_devices_on, local_host
 from kvrig.exceptions import LabError, LabOutputExistsError, OutputWriteError
+from kvrig.fileio import check_folder_possible
 from kvrig.lab.check import check_lab
 from kvrig.lab.model import JUNIT_FILE, RUNS_DIR, Event, LabResults, LabRun, device_ref, new_run
 from kvrig.lab.predict import Predictor, installed_entitlements, ipa_entitlements
@@ -35,6 +36,7 @@ LAB_OUTPUTS = (RESULTS_FILE, JUNIT_FILE, REPORT_FILE, IMAGES_DIR, RUNS_DIR)
 
 def claim_output(out: Path) -> None:
     """Makes `out` this lab's: refused when a lab has written there (or is starting there now)."""
+    check_folder_possible(out, "the lab's output folder")  # a file there is not "a lab's results already"
     try:
         out.mkdir(parents=True, exist_ok=True)
         found = [name for name in LAB_OUTPUTS if (out / name).exists() or (out / name).is_symlink()]
