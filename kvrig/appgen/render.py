@@ -26,7 +26,7 @@ from pydantic import TypeAdapter
 
 from kvrig.appgen.escape import FILTERS
 from kvrig.exceptions import AppExistsError, AppGenError, InputError, VerifyError
-from kvrig.fileio import scratch_dir, swap_in
+from kvrig.fileio import read_data, scratch_dir, swap_in
 from kvrig.models import read_config
 from kvrig.recipes import manifest_kv_problem
 from kvrig.schemas import json_schema, load_model_file
@@ -277,10 +277,8 @@ def render_project(
     out = Path(out)
     validate_options(options)
     check_output(out, replace=replace)
-    if options.coreml_model is not None and not (options.coreml_model / "Manifest.json").is_file():
-        raise InputError(
-            "not a Core ML package", file=options.coreml_model, expected="a .mlpackage written by `kvrig export coreml`"
-        )
+    if options.coreml_model is not None:
+        check_mlpackage(options.coreml_model)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -299,6 +297,27 @@ def _writes(out: Path) -> Iterator[None]:
         yield
     except OSError as exc:
         raise AppGenError(f"{out}: cannot write the project ({exc.strerror or exc}); nothing was changed") from None
+
+
+MLPACKAGE_EXPECTED = "a .mlpackage written by `kvrig export coreml`"
+
+
+def check_mlpackage(path: Path) -> None:
+    """InputError naming the file unless `path` is a Core ML package whose Manifest.json names a root model that is
+    there: Xcode compiles what the app ships, so a package it cannot read fails the build, not this command."""
+    manifest = path / "Manifest.json"
+    if not manifest.is_file():
+        raise InputError("not a Core ML package (no Manifest.json)", file=path, expected=MLPACKAGE_EXPECTED)
+    data = read_data(manifest, mapping="a Core ML package manifest", expected=MLPACKAGE_EXPECTED)
+    entries, root = data.get("itemInfoEntries"), data.get("rootModelIdentifier")
+    entry = entries.get(root) if isinstance(entries, dict) and isinstance(root, str) else None
+    if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
+        problem = "rootModelIdentifier names no entry of itemInfoEntries with a path"
+        raise InputError(problem, file=manifest, expected=MLPACKAGE_EXPECTED)
+    model = path / "Data" / entry["path"]
+    if not model.resolve().is_relative_to(path.resolve()) or not model.is_file():
+        problem = f"the root model Data/{entry['path']} is not there"
+        raise InputError(problem, file=manifest, expected=MLPACKAGE_EXPECTED)
 
 
 def _render_into(

@@ -44,6 +44,9 @@ def import_coremltools() -> Any:
 
     # On Linux coremltools logs a warning per missing Core ML framework proxy at import; the export needs none.
     logging.getLogger("coremltools").setLevel(logging.ERROR)
+    # coremltools imports transformers, which advises installing PyTorch; the export needs none. mlx-lm silences
+    # the same advice this way at its import.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     try:
         import coremltools as ct
     except ImportError as exc:

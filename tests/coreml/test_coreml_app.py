@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import filecmp
 import plistlib
+import shutil
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,35 @@ def test_flag_needs_a_core_ml_package(tiny_exports: dict[str, ExportResult], tmp
     with pytest.raises(InputError, match="Core ML package") as info:
         render_app(bundle, tmp_path / "out", options)
     assert info.value.file == str(bundle) and info.value.exit_code == 3
+
+
+@pytest.mark.parametrize(
+    ("damage", "says"),
+    [
+        (lambda m: m.write_text("{not json"), "not valid JSON"),
+        (lambda m: m.write_text("[]"), "not a JSON mapping"),
+        (lambda m: m.write_text('{"itemInfoEntries": {}, "rootModelIdentifier": "x"}'), "rootModelIdentifier"),
+        (lambda m: (m.parent / "Data/com.apple.CoreML/model.mlmodel").unlink(), "is not there"),
+        (
+            lambda m: m.write_text(m.read_text().replace("com.apple.CoreML/model.mlmodel", "../../../etc/hostname")),
+            "is not there",
+        ),
+    ],
+    ids=["cut short", "a list", "no root entry", "no root model", "root outside the package"],
+)
+def test_a_damaged_package_is_refused_before_it_is_shipped(
+    tiny_exports: dict[str, ExportResult], tmp_path: Path, damage, says: str
+) -> None:
+    """Only Manifest.json's presence was checked: a package Xcode cannot read was copied into the project, to fail
+    the build on a Mac."""
+    package = tmp_path / "Bad.mlpackage"
+    shutil.copytree(tiny_exports["qwen3-q8"].output, package)
+    damage(package / "Manifest.json")
+    options = AppOptions(name="Tiny", bundle_id="com.example.tiny", coreml_model=package)
+    with pytest.raises(InputError, match=says) as info:
+        render_app(Path(tiny_exports["qwen3-q8"].bundle), tmp_path / "out", options)
+    assert info.value.exit_code == 3 and "Manifest.json" in str(info.value.file)
+    assert not (tmp_path / "out").exists()
 
 
 def _parse(path: Path):  # type: ignore[no-untyped-def]

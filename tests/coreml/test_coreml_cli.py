@@ -4,6 +4,7 @@ exit codes."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -57,6 +58,20 @@ def test_export_json_and_existing_output(
     assert str(out) in err and "--replace" in err
     code, stdout, _ = _run(["export", "coreml", bundle, "-o", str(out), "--replace"], capsys)
     assert code == 0 and "context 64 (kvcache.json)" in stdout
+
+
+def test_export_prints_nothing_of_the_libraries_it_imports(
+    tiny_exports: dict[str, ExportResult], tmp_path: Path
+) -> None:
+    """coremltools imports transformers, which advised installing PyTorch on stderr at every export; coremltools
+    itself warns of each Core ML framework proxy Linux lacks. Neither says anything about the export."""
+    env = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"}  # mlx-lm sets it here
+    bundle = tiny_exports["qwen3-q8"].bundle
+    args = ["export", "coreml", str(bundle), "-o", str(tmp_path / "Q.mlpackage"), "--context", "32"]
+    done = subprocess.run([sys.executable, "-m", "kvrig", *args], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == "", done.stderr
+    assert "weight.bin" in done.stdout
 
 
 @pytest.mark.parametrize(
