@@ -61,6 +61,7 @@ _API: dict[str, str] = {
     "calibrate": "kvrig.calibration",
     "DemoOptions": "kvrig.demo",
     "run_demo": "kvrig.demo",
+    "run_demos": "kvrig.demo",
     # reading what phones report
     "read_report": "kvrig.reports.jetsam",
     "verdict": "kvrig.reports.jetsam",
@@ -104,6 +105,7 @@ __all__ = [
     "render_app",
     "run_bundle",
     "run_demo",
+    "run_demos",
     "run_lab",
     "run_quality_bench",
     "soak",
@@ -118,7 +120,7 @@ if TYPE_CHECKING:
     from kvrig.bundle.options import PackageOptions
     from kvrig.calibration import calibrate
     from kvrig.coreml.export import export_coreml
-    from kvrig.demo import DemoOptions, run_demo
+    from kvrig.demo import DemoOptions, run_demo, run_demos
     from kvrig.device.deploy import deploy
     from kvrig.device.discovery import list_devices
     from kvrig.device.session import open_session

@@ -14,7 +14,7 @@ import asyncio
 import os
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvrig.appgen.render import AppOptions, render_app
@@ -116,6 +116,24 @@ def _say(on_event: Event | None, text: str) -> None:
         on_event(text)
 
 
+def run_demos(
+    options: DemoOptions,
+    kv: list[str],
+    prefill_steps: list[int],
+    on_event: Callable[[str, str], None] | None = None,
+) -> list[DemoResult]:
+    """`run_demo` for each KV spec × prefill step, in that order: one run in `options.out` itself, several each in
+    its own folder under it (`<kv>-p<step>`). `on_event(tag, line)`: the run's `<kv>/p<step>` and its line."""
+    combos = [(k, p) for k in kv for p in prefill_steps]
+    results = []
+    for scheme, step in combos:
+        folder = options.out if len(combos) == 1 else options.out / f"{scheme}-p{step}"
+        tag = f"{scheme}/p{step}"
+        say = None if on_event is None else (lambda line, tag=tag: on_event(tag, line))
+        results.append(run_demo(replace(options, out=folder, kv=scheme, prefill_step=step), on_event=say))
+    return results
+
+
 def run_demo(options: DemoOptions, on_event: Event | None = None) -> DemoResult:
     profile = load_profile(options.device)  # a wrong --device stops before minutes of packaging
     out = options.out
@@ -182,7 +200,7 @@ def run_demo(options: DemoOptions, on_event: Event | None = None) -> DemoResult:
 
     _say(on_event, "rendering the app and building the .ipa for the virtual iPhone ...")
     project = render_app(bundle, out / "app", AppOptions(name=APP_NAME, bundle_id=APP_ID), replace=True).project
-    ipa = build_virtual_ipa(project, out / f"{project.name}-virtual.ipa", APP_RUNTIMES[runtime.runtime])
+    ipa = build_virtual_ipa(project, out, APP_RUNTIMES[runtime.runtime])
     _say(on_event, f"the virtual iPhone runs {runtime.why}")
 
     soak_result = _soak_on_virtual_iphone(options, bundle, ipa, limit, predicted, kv.scheme, on_event)

@@ -71,7 +71,7 @@ def soaked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Soaked]:
     assert sizing.max_context["k8v4"] == ROOM_TOKENS, sizing.max_context
     limit = sizing.budget_at_max_context["k8v4"].total_bytes
     project = render_app(bundle, root / "project", AppOptions(name="Calibrate", bundle_id=APP_ID)).project
-    ipa = build_virtual_ipa(project, root / "Calibrate-virtual.ipa")
+    ipa = build_virtual_ipa(project, root)
     address = f"/tmp/kvrig-cal-{os.getpid()}.sock"
     with EmulatorHost(address) as host:
         device = host.add_device(root / "phone", profile=PROFILE, limit_bytes=limit, baseline_bytes=TRUE_BASELINE)

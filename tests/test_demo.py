@@ -73,3 +73,28 @@ def test_the_kill_step_counts_every_jetsam(
     row = _as_dict(result)
     assert row["margin"] == 0.1 and row["outcome"] == outcome and row["outcome_detail"] == soak.outcome_detail
     assert (row["killed_growing_from"], row["killed_growing_to"]) == (step or (None, None))
+
+
+def test_several_schemes_and_steps_each_get_their_own_folder(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`run_demos` (what `kvrig demo --kv A,B --prefill-step P,Q` calls), with `run_demo` replaced by a recorder:
+    the runs in order, each in `<kv>-p<step>` under the output, its lines tagged; one run in the output itself."""
+    import kvrig.demo as demo
+
+    calls: list[DemoOptions] = []
+
+    def fake(options: DemoOptions, on_event=None):  # type: ignore[no-untyped-def]
+        calls.append(options)
+        if on_event is not None:
+            on_event("packaging")
+        return options.out
+
+    monkeypatch.setattr(demo, "run_demo", fake)
+    lines: list[tuple[str, str]] = []
+    base = DemoOptions(out=tmp_path, weights="q4", room_tokens=1024)
+    got = demo.run_demos(base, ["k8v4", "fp16"], [256, 512], on_event=lambda tag, line: lines.append((tag, line)))
+    assert got == [tmp_path / "k8v4-p256", tmp_path / "k8v4-p512", tmp_path / "fp16-p256", tmp_path / "fp16-p512"]
+    assert [(c.kv, c.prefill_step) for c in calls] == [("k8v4", 256), ("k8v4", 512), ("fp16", 256), ("fp16", 512)]
+    assert {(c.weights, c.room_tokens) for c in calls} == {("q4", 1024)}  # the rest as given
+    assert lines[0] == ("k8v4/p256", "packaging") and lines[-1] == ("fp16/p512", "packaging")
+    calls.clear()
+    assert demo.run_demos(base, ["k8v4"], [512]) == [tmp_path] and calls[0].kv == "k8v4"

@@ -243,7 +243,7 @@ def _real_iphone(request: pytest.FixtureRequest, cwd: Path) -> Iterator[Setup]:
     with _with_bundle(request, cwd) as setup:
         options = AppOptions(name="SmolLM2 Demo", bundle_id="dev.kvrig.demo")
         project = render_app(cwd / "out" / "smollm2", cwd / "project", options).project
-        build_virtual_ipa(project, cwd / "SmolLM2Demo.ipa", runtime="test")
+        build_virtual_ipa(project, cwd / "ipa", runtime="test").rename(cwd / "SmolLM2Demo.ipa")  # a Mac's name
         with emulator_host(cwd, "docs") as host:
             phone = host.add_device(
                 cwd / "phone", profile="iPhone16,1", limit_bytes=160 * 2**20, baseline_bytes=48 * 2**20

@@ -52,8 +52,9 @@ def _project_settings(project: Path) -> tuple[str, str, Path | None]:
 
 
 def build_virtual_ipa(project: str | Path, output: str | Path | None = None, runtime: str | None = None) -> Path:
-    """Writes `<Name>-virtual.ipa` (Payload/<Name>.app/Info.plist) for the project; returns its path.
-    `runtime`: an Info.plist value (`swift`, `llm`); default: see `default_app_runtime`."""
+    """Writes `<Name>-virtual.ipa` (Payload/<Name>.app/Info.plist) for the project into the folder `output`
+    (default: the project's build/, as `build_app`'s .ipa); returns its path. `runtime`: an Info.plist value
+    (`swift`, `llm`); default: see `default_app_runtime`."""
     project = Path(project)
     runtime = runtime or APP_RUNTIMES[default_app_runtime()]
     name, bundle_id, entitlements = _project_settings(project)
@@ -68,7 +69,7 @@ def build_virtual_ipa(project: str | Path, output: str | Path | None = None, run
     variables = {"$(EXECUTABLE_NAME)": name, "$(PRODUCT_NAME)": name, "$(PRODUCT_BUNDLE_IDENTIFIER)": bundle_id}
     info = {k: variables.get(v, v) if isinstance(v, str) else v for k, v in info.items()}
     info[VIRTUAL_RUNTIME_KEY] = runtime
-    out = Path(output) if output else project / "build" / f"{name}-virtual.ipa"
+    out = (Path(output) if output else project / "build") / f"{name}-virtual.ipa"
     tmp = out.with_name(out.name + ".part")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)

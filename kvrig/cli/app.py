@@ -96,7 +96,6 @@ def build(
     """Build a generated project into an .ipa with xcodegen and xcodebuild (macOS only), or with --virtual an
     .ipa the virtual iPhone runs."""
     if virtual:
-        from kvrig.appgen.build import read_project
         from kvrig.appgen.virtual_ipa import APP_RUNTIMES, build_virtual_ipa, default_app_runtime
 
         runtime = app_runtime or default_app_runtime()
@@ -106,9 +105,7 @@ def build(
             chosen = resolve_runtime(runtime, on_event=info)
             info(f"app runtime: {chosen.why}")
             runtime = chosen.runtime
-        # named by its product, as without -o (the folder's name is "." when built from inside it)
-        named = output / f"{read_project(project)[1]}-virtual.ipa" if output else None
-        ipa = build_virtual_ipa(project, named, APP_RUNTIMES[runtime])
+        ipa = build_virtual_ipa(project, output, APP_RUNTIMES[runtime])
         if as_json:
             echo_json({"ipa": str(ipa), "virtual": True, "app_runtime": runtime})
         else:

@@ -87,28 +87,20 @@ def demo(
     from kvrig.runtime.blas import ensure_openblas
 
     ensure_openblas()  # packaging measures and quantizes with float matmuls, as `kvrig package` does
-    from kvrig.demo import DemoOptions, run_demo
+    from kvrig.demo import DemoOptions, run_demos
 
-    schemes = kv
-    steps = prefill_step
-    combos = [(k, p) for k in schemes for p in steps]
-    results = []
-    for scheme, step in combos:
-        folder = out if len(combos) == 1 else out / f"{scheme}-p{step}"
-        options = DemoOptions(
-            out=folder,
-            device=device,
-            weights=weights,
-            kv=scheme,
-            prefill_step=step,
-            room_tokens=room_tokens,
-            step_tokens=step_tokens,
-            decode_tokens=decode_tokens,
-            ios=ios,
-            app_runtime=app_runtime,
-        )
-        say = None if as_json else (lambda line, tag=f"{scheme}/p{step}": info(f"  [{tag}] {line}"))
-        results.append(run_demo(options, on_event=say))
+    options = DemoOptions(
+        out=out,
+        device=device,
+        weights=weights,
+        room_tokens=room_tokens,
+        step_tokens=step_tokens,
+        decode_tokens=decode_tokens,
+        ios=ios,
+        app_runtime=app_runtime,
+    )
+    say = None if as_json else (lambda tag, line: info(f"  [{tag}] {line}"))
+    results = run_demos(options, kv, prefill_step, on_event=say)
     if as_json:
         echo_json([_as_dict(r) for r in results] if len(results) > 1 else _as_dict(results[0]))
         return

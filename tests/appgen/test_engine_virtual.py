@@ -71,7 +71,7 @@ def phone(engine_binary: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     limit = sizing.budget_at_max_context[SCHEME].total_bytes + TRANSIENT_ROOM
     root = tmp_path_factory.mktemp("swiftsoak")
     project = render_app(bundle, root / "project", AppOptions(name="Swift Soak", bundle_id=APP_ID)).project
-    ipa = build_virtual_ipa(project, root / "SwiftSoak-virtual.ipa", "swift")
+    ipa = build_virtual_ipa(project, root, "swift")
     with emulator_host(root, "swift") as host:
         device = host.add_device(root / "phone", profile=PROFILE, limit_bytes=limit)
         run(deploy(bundle, ipa=ipa, udid=device.identity.udid))

@@ -26,7 +26,8 @@ def _info(ipa: Path) -> dict:
 
 
 def test_ipa_carries_the_projects_info_plist(reference_project: Path, tmp_path: Path) -> None:
-    ipa = build_virtual_ipa(reference_project, tmp_path / "App.ipa")
+    ipa = build_virtual_ipa(reference_project, tmp_path)
+    assert ipa == tmp_path / f"{read_project(reference_project)[1]}-virtual.ipa"  # into the folder, by its product
     info = _info(ipa)
     source = plistlib.loads((reference_project / "App" / "Info.plist").read_bytes())
     assert info["UIFileSharingEnabled"] is True and source["UIFileSharingEnabled"] is True
@@ -43,7 +44,7 @@ def test_an_ipa_under_a_file_is_the_generators_error(reference_project: Path, tm
 
     (tmp_path / "afile").write_text("mine")
     with pytest.raises(AppGenError, match=r"cannot write the \.ipa"):
-        build_virtual_ipa(reference_project, tmp_path / "afile" / "sub" / "App.ipa")
+        build_virtual_ipa(reference_project, tmp_path / "afile" / "sub")
     assert (tmp_path / "afile").read_text() == "mine"
 
 
@@ -52,7 +53,7 @@ def test_virtual_iphone_installs_it_through_pymobiledevice3(
     tmp_path: Path,
     emulator: Emulator,  # noqa: F811
 ) -> None:
-    ipa = build_virtual_ipa(reference_project, tmp_path / "App.ipa", "llm")
+    ipa = build_virtual_ipa(reference_project, tmp_path, "llm")
 
     async def job(device):  # type: ignore[no-untyped-def]
         await apps.install(device, ipa)

@@ -48,7 +48,7 @@ def soaked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Soaked]:
     limit = memory.runtime.baseline_bytes + memory.weights_bytes + memory.runtime.buffer_cache_bytes
     limit += kv + TRANSIENT_ROOM
     project = render_app(bundle, root / "project", AppOptions(name="LabCritical", bundle_id=APP_ID)).project
-    ipa = build_virtual_ipa(project, root / "LabCritical-virtual.ipa")
+    ipa = build_virtual_ipa(project, root)
     common = {
         "app_id": APP_ID,
         "schemes": ["k8v4"],

@@ -65,7 +65,7 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     kv = memory.kv_bytes["fp16"][str(2 * MAX_TOKENS)]
     limit = BASELINE + memory.weights_bytes + memory.runtime.buffer_cache_bytes + kv + 64 * MIB
     project = render_app(bundle, root / "project", AppOptions(name="LabMapped", bundle_id=APP_ID)).project
-    ipa = build_virtual_ipa(project, root / "LabMapped-virtual.ipa")
+    ipa = build_virtual_ipa(project, root)
     with emulator_host(root, "labmap") as host:
         phone = host.add_device(root / "phone", profile=PROFILE, limit_bytes=limit, baseline_bytes=BASELINE)
         udid = phone.identity.udid

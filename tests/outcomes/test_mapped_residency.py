@@ -106,7 +106,7 @@ def soaked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Soaked]:
     predicted = {residency: planned(residency) for residency in ("loaded", "mapped")}
 
     project = render_app(bundle, root / "project", AppOptions(name="Mapped", bundle_id=APP_ID)).project
-    ipa = build_virtual_ipa(project, root / "Mapped-virtual.ipa")
+    ipa = build_virtual_ipa(project, root)
     address = f"/tmp/kvrig-mapped-{os.getpid()}.sock"
     runs = {}
     with EmulatorHost(address) as host:

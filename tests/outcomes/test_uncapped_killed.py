@@ -106,7 +106,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     uncapped = plan_memory(spec, small, request).max_context["fp32"]
     capped = plan_memory(spec, small, request.model_copy(update={"app": "kvrig"})).max_context["fp32"]
     project = render_app(packaged.path, root / "app", AppOptions(name="Uncapped", bundle_id=APP_ID)).project
-    ipa = build_virtual_ipa(project, root / "Uncapped-virtual.ipa", APP_RUNTIMES["python"])
+    ipa = build_virtual_ipa(project, root, APP_RUNTIMES["python"])
     with emulator_host(root, "uncap") as host:
         phone = host.add_device(root / "phone", profile=PROFILE, limit_bytes=limit, baseline_bytes=0)
         run(deploy(packaged.path, ipa=ipa, udid=phone.identity.udid))

@@ -61,7 +61,7 @@ def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _ipa(bundle: Path, out: Path, bundle_id: str) -> Path:
     project = render_app(bundle, out / "project", AppOptions(name="SmolLM2 Soak", bundle_id=bundle_id)).project
-    return build_virtual_ipa(project, out / "SmolLM2Soak-virtual.ipa")
+    return build_virtual_ipa(project, out)
 
 
 @pytest.fixture(scope="module")
