@@ -113,7 +113,7 @@ def test_tok_s_is_labelled_with_the_context_its_step_measured(tmp_path: Path) ->
     assert [c for c, _ in rows] == [260, 780, 1560]  # the last at or below 512, 1024 and 2048 (the last step)
 
 
-def test_report_without_process_and_without_results_is_a_usage_error(tmp_path: Path) -> None:
+def test_report_without_process_and_without_results_is_refused_naming_the_file(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
     path.write_text("\n".join(run_records("r1", [64, 128], end=False)) + "\n")
     proc = subprocess.run(
@@ -121,7 +121,8 @@ def test_report_without_process_and_without_results_is_a_usage_error(tmp_path: P
         capture_output=True,
         text=True,
     )
-    assert proc.returncode == 2 and "--process" in proc.stderr and str(path) in proc.stderr
+    assert proc.returncode == 3 and "--process" in proc.stderr and str(path) in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_bad_lines_in_the_middle_are_skipped_with_their_numbers(tmp_path: Path) -> None:
@@ -136,13 +137,13 @@ def test_bad_lines_in_the_middle_are_skipped_with_their_numbers(tmp_path: Path) 
     assert [s.line for s in log.skipped] == [3, 4] and log.partial
     assert "phys_footprint_bytes" in log.skipped[0].reason
     assert log.torn_line is None
-    assert summarize(log)[0].steps == 2
+    assert summarize(log)[0][0].steps == 2
 
 
 def test_two_runs_in_one_file(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
     path.write_text("\n".join(run_records("a", [10, 20], end=True) + run_records("b", [30, 40, 50], end=True)))
-    summaries = {s.run_id: s for s in summarize(read_telemetry(path))}
+    summaries = {s.run_id: s for s, _ in summarize(read_telemetry(path))}
     assert summaries["a"].max_context_tokens == 20 and summaries["b"].max_context_tokens == 50
     assert summaries["a"].end_reason == "completed"
 
@@ -228,7 +229,7 @@ def test_fuzz_random_lines(tmp_path: Path, lines: list[dict], tail: str) -> None
     # Whatever was kept comes from the lines written: a run's steps are some of its step lines, in their order.
     written = [x for x in lines if isinstance(x.get("run_id"), str)]
     assert sum(len(r.events) for r in log.runs) + log.skipped_lines <= len(lines) + tail.count("\n") + 1
-    for s in summarize(log):
+    for s, _ in summarize(log):
         step_lines = [x for x in written if x["run_id"] == s.run_id and x.get("event") == "step"]
         assert any(x["run_id"] == s.run_id for x in written)
         assert s.steps <= len(step_lines)

@@ -31,23 +31,13 @@ if TYPE_CHECKING:
 def telemetry(files: tuple[Path, ...], report_path: Path | None, process: str | None, as_json: bool) -> None:
     """Summarise telemetry runs: max context, tok/s at context points, footprint curve, jetsam correlation."""
     from kvrig.reports.jetsam import read_report
-    from kvrig.reports.telemetry import correlate, read_telemetry, recorded_process, summarize_run
+    from kvrig.reports.telemetry import read_telemetry, summarize
 
     report = read_report(report_path) if report_path is not None else None
     results: list[dict[str, Any]] = []
     errors: list[ReportError] = []
-    for path, log in read_each(files, read_telemetry, as_json=as_json, results=results, errors=errors):
-        for run in log.runs:
-            summary = summarize_run(run, file=log.file)
-            corr = None
-            if report is not None:
-                name = process or recorded_process(path, run.run_id)
-                if name is None:
-                    raise click.UsageError(
-                        f"--report needs --process NAME: no results.json beside {path} records run {run.run_id}'s "
-                        "process (the app's executable name in the jetsam report)"
-                    )
-                corr = correlate(run, report, process=name, file=log.file)
+    for _, log in read_each(files, read_telemetry, as_json=as_json, results=results, errors=errors):
+        for summary, corr in summarize(log, report, process=process):
             entry = summary.model_dump(mode="json")
             entry["skipped_lines"] = [s.model_dump() for s in log.skipped]
             entry["skipped_count"] = log.skipped_lines

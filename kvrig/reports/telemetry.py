@@ -222,8 +222,26 @@ def _short(exc: Exception) -> str:
 # --- summarising ---------------------------------------------------------------------------------------
 
 
-def summarize(log: TelemetryLog) -> list[RunSummary]:
-    return [summarize_run(run, file=log.file) for run in log.runs]
+def summarize(
+    log: TelemetryLog, report: JetsamReport | None = None, *, process: str | None = None
+) -> list[tuple[RunSummary, Correlation | None]]:
+    """Each run of the log summarised and, with a JetsamEvent report, lined up with it (`correlate`) as the app's
+    process `process`, else as the results.json beside the telemetry records it (`recorded_process`); InputError
+    when neither names it."""
+    out = []
+    for run in log.runs:
+        corr = None
+        if report is not None:
+            name = process or recorded_process(log.file, run.run_id)
+            if name is None:
+                raise InputError(
+                    f"no results.json beside it records run {run.run_id}'s process, and no --process names it",
+                    file=log.file,
+                    expected="--process NAME, the app's executable name in the jetsam report",
+                )
+            corr = correlate(run, report, process=name, file=log.file)
+        out.append((summarize_run(run, file=log.file), corr))
+    return out
 
 
 def summarize_run(run: TelemetryRun, *, file: str = "") -> RunSummary:
