@@ -70,15 +70,10 @@ def devices(tunnel: str, usbmuxd: tuple[str, ...], limits_file: Path | None, as_
     hosts = parse_hosts(usbmuxd)
     registry = load_limits(limits_file) if limits_file is not None else None  # a bad file is refused before phones
     found, unreachable = run_async(preflight_on(hosts, parse_tunnel(tunnel)))
-    if unreachable and len(unreachable) == len(hosts):
-        from kvrig.exceptions import DeviceNotFoundError
-
-        raise DeviceNotFoundError(
-            "; ".join(unreachable.values() if len(hosts) == 1 else map(": ".join, unreachable.items()))
-        )
     for name, why in unreachable.items():
         click.echo(f"host {name}: {why}", err=True)
-    measured = _measured_limits(registry, [p.device for p in found]) if registry is not None else None
+    phones = [p.device for p in found]
+    measured = [registry.for_phone(d.product_type, d.build_version) for d in phones] if registry is not None else None
     if as_json:
         rows = [d.to_json() for d in found]
         if measured is not None:
@@ -118,21 +113,6 @@ def devices(tunnel: str, usbmuxd: tuple[str, ...], limits_file: Path | None, as_
     for p in found:
         for problem in p.problems:
             out.print(f"[red]{p.device.udid}[/red]: {problem}", markup=True, highlight=False)
-
-
-def _measured_limits(registry, phones):  # type: ignore[no-untyped-def]
-    """Per phone: {"entitled": entry or None, "default": entry or None} for its ProductType and OS build."""
-    out = []
-    for d in phones:
-        types = [d.product_type] if d.product_type else []
-        build = d.build_version
-        out.append(
-            {
-                kind: registry.find(types, build, kind == "entitled") if build is not None else None
-                for kind in ("entitled", "default")
-            }
-        )
-    return out
 
 
 @click.command(

@@ -102,8 +102,8 @@ async def preflight_on(
     hosts: list[UsbmuxHost], tunnel: TunnelMode | str | None = None
 ) -> tuple[list[Preflight], dict[str, str]]:
     """`kvrig devices`: every phone on every host with its preflight (Developer Mode, image, tunnel), tagged
-    with its host, and the hosts that could not be asked. A phone seen on two hosts is kept as list_devices_on
-    keeps it."""
+    with its host, and the hosts that could not be asked (DeviceNotFoundError saying why when none could be). A
+    phone seen on two hosts is kept as list_devices_on keeps it."""
 
     found: list[Preflight] = []
     unreachable: dict[str, str] = {}
@@ -122,4 +122,7 @@ async def preflight_on(
             elif udid not in at:
                 at[udid] = len(found)
                 found.append(report)
+    if unreachable and len(unreachable) == len(hosts):
+        why = unreachable.values() if len(hosts) == 1 else map(": ".join, unreachable.items())
+        raise DeviceNotFoundError("; ".join(why))
     return found, unreachable

@@ -52,6 +52,14 @@ class LimitsRegistry(StrictModel):
             seen.add(entry.key)
         return self
 
+    def for_phone(self, product_type: str | None, build: str | None) -> dict[str, MeasuredLimit | None]:
+        """A phone's measured limits on its OS build, {"entitled": ..., "default": ...} (None where none is)."""
+        types = [product_type] if product_type else []
+        return {
+            kind: self.find(types, build, kind == "entitled") if build is not None else None
+            for kind in ("entitled", "default")
+        }
+
     def find(self, product_types: list[str], build: str | None, entitled: bool) -> MeasuredLimit | None:
         """The entry for one of these ProductTypes with this entitlement: on `build`, or (no build given) the one
         seen last, whatever its build."""

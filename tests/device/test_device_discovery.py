@@ -134,3 +134,15 @@ def test_device_layer_and_soak_import_neither_the_emulator_nor_mlx() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_devices_on_hosts_none_of_which_answers_is_device_not_found(tmp_path: Path) -> None:
+    """`kvrig devices --usbmuxd ...` (`hosts.preflight_on`): no host answering is DeviceNotFoundError naming each
+    host and why; one that answers lists its phones and the others are only reported."""
+    from kvrig.device.hosts import parse_hosts, preflight_on
+
+    hosts = parse_hosts([f"a={tmp_path / 'a.sock'}", f"b={tmp_path / 'b.sock'}"])
+    with pytest.raises(DeviceNotFoundError) as refusal:
+        run(preflight_on(hosts))
+    assert str(refusal.value).startswith("a: ") and "; b: " in str(refusal.value)
+    assert str(tmp_path / "a.sock") in str(refusal.value) and str(tmp_path / "b.sock") in str(refusal.value)
