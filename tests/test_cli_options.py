@@ -96,7 +96,7 @@ def test_a_bad_recipe_or_group_is_refused_at_the_command_line(
         (["soak", "--app-id", "x", "--reconnect", "inf", "-o", "never"], 2, "'--reconnect'"),
         (["run", "never", "-p", "hi", "--temperature", "nan"], 2, "'--temperature'"),
         (["plan", "-d", "iPhone16,1", "--margin", "nan"], 2, "'--margin'"),
-        (["bench", "quantize", "--budget", "nan"], 2, "'--budget'"),
+        (["bench", "quantize", "--timeout", "nan"], 2, "'--timeout'"),
     ],
 )
 def test_numbers_out_of_range_are_refused_at_once_naming_the_option(

@@ -275,11 +275,11 @@ def _print_quality(report: object, paths: list[Path]) -> None:
 @_count_option(
     "--passages", 4, "Evaluation passages per kind, spread over its files (as bench quality's --weights-passages)."
 )
-@seconds_option("--budget", 600.0, "Seconds a recipe may take; longer: skipped.", minimum=0.01)
+@seconds_option("--timeout", 600.0, "Seconds a recipe may take; longer: stopped and skipped.", minimum=0.01)
 @click.option("--scaling/--no-scaling", default=True, show_default=True, help="Time kvrig's on two tiny models.")
 @json_option
 def quantize(
-    model: Path | None, recipes: list[str], tokens: int, passages: int, budget: float, scaling: bool, as_json: bool
+    model: Path | None, recipes: list[str], tokens: int, passages: int, timeout: float, scaling: bool, as_json: bool
 ) -> None:
     """Wall time, bits per weight and perplexity of each recipe on MODEL (default: the embedded SmolLM2),
     kvrig's beside mlx-lm's GPTQ, AWQ and DWQ, each in its own process; calibrated as kvrig package calibrates,
@@ -294,7 +294,7 @@ def quantize(
         recipes=tuple(recipes),  # already read by the option's callback
         tokens=tokens,
         passages=passages,
-        budget=budget,
+        timeout=timeout,
         scaling=scaling,
         progress=lambda line: click.echo(line, err=True),
     )

@@ -39,7 +39,7 @@ from kvrig.runtime.blas import preload_env
 from kvrig.texts import EVALUATION_KINDS, kind_segments, read_kind
 
 DEFAULT_RECIPES = ("imx-q4", "imx-4.6", "gpx-q4", "gpx-4.6", "gptq-q4", "awq-q4", "dwq-q4")
-DEFAULT_BUDGET = 600.0
+DEFAULT_TIMEOUT = 600.0
 """Seconds a recipe's quantization may take before it is stopped and named as skipped."""
 DWQ_DEFAULT_STEPS = 2048 // 4
 """Steps of mlx-lm's DWQ command at its defaults (2048 samples, batch 4; 1025-token rows, 4x ours)."""
@@ -70,7 +70,7 @@ class RecipeRun:
     peak_rss_bytes: int | None = None
     note: str = ""
     skipped: str | None = None
-    """Why the recipe has no result (it did not finish in the budget, cannot apply here, ...)."""
+    """Why the recipe has no result (it did not finish within its timeout, cannot apply here, ...)."""
 
 
 @dataclass
@@ -90,7 +90,7 @@ class QuantizeReport:
     tokens: int
     """Tokens per evaluation passage."""
     source_ppl: dict[str, float]
-    budget_seconds: float
+    timeout_seconds: float
     runs: list[RecipeRun]
     scaling: list[ScalingPoint] = field(default_factory=list)
     cpus: int = 0
@@ -106,7 +106,7 @@ class QuantizeReport:
 
     def goals(self) -> list[dict[str, Any]]:
         """The goals this run can judge, each {goal, met, best}: kvrig's recipes within GOAL_SECONDS on the
-        embedded SmolLM2 (one over its budget counts as missed), and each scaled recipe's time growing no faster
+        embedded SmolLM2 (one stopped at its timeout counts as missed), and each scaled recipe's time growing no faster
         than parameters x hidden size."""
         out: list[dict[str, Any]] = []
         # The goal is the layer-by-layer fits'; a distilled recipe (+kd) trains for minutes by design.
@@ -197,7 +197,7 @@ def run_quantize_bench(
     recipes: tuple[str, ...] = DEFAULT_RECIPES,
     tokens: int = 512,
     passages: int = 4,
-    budget: float = DEFAULT_BUDGET,
+    timeout: float = DEFAULT_TIMEOUT,
     scaling: bool = True,
     progress: Callable[[str], None] = lambda _: None,
 ) -> QuantizeReport:
@@ -217,8 +217,8 @@ def run_quantize_bench(
         del source
         runs = []
         for recipe in recipes:
-            progress(f"{recipe}: quantizing (budget {budget:g} s)")
-            run = _in_child(src, recipe, ids, budget)
+            progress(f"{recipe}: quantizing (timeout {timeout:g} s)")
+            run = _in_child(src, recipe, ids, timeout)
             if run.ppl is not None:
                 run.ppl_delta_pct = {k: 100 * (v / base[k] - 1) for k, v in run.ppl.items()}
             measured = ", ".join(f"{k} {v:.3f}" for k, v in (run.ppl or {}).items())
@@ -234,7 +234,7 @@ def run_quantize_bench(
         {k: read_kind(k)[1] for k in EVALUATION_KINDS},
         tokens,
         base,
-        budget,
+        timeout,
         runs,
         points,
         os.cpu_count() or 0,
@@ -259,25 +259,25 @@ def method_of(recipe: str) -> str:
     return {"imx": "kvrig", "gpx": "kvrig", "none": "-"}.get(parse_weights(recipe).method, "mlx-lm")
 
 
-def _in_child(src: Path, recipe: str, ids: dict[str, list[list[int]]], budget: float) -> RecipeRun:
+def _in_child(src: Path, recipe: str, ids: dict[str, list[list[int]]], timeout: float) -> RecipeRun:
     """One recipe in a child process; its result, or why there is none."""
     try:
         by = method_of(recipe)
     except KvrigError as exc:
         return RecipeRun(recipe, "?", skipped=str(exc))
-    job = json.dumps({"source": str(src), "recipe": recipe, "ids": ids, "budget": budget})
+    job = json.dumps({"source": str(src), "recipe": recipe, "ids": ids, "timeout": timeout})
     try:
-        # The child stops itself at the budget; this limit only catches a child that cannot.
+        # The child stops itself at the timeout; this one only catches a child that cannot.
         done = subprocess.run(
             [sys.executable, "-m", "kvrig.quality.quantize_bench"],
             input=job,
             stdout=subprocess.PIPE,
             text=True,
             env=preload_env(),
-            timeout=budget + 600,
+            timeout=timeout + 600,
         )
     except subprocess.TimeoutExpired:
-        return RecipeRun(recipe, by, skipped=f"did not finish within {budget:g} s (the process was killed)")
+        return RecipeRun(recipe, by, skipped=f"did not finish within {timeout:g} s (the process was killed)")
     lines = done.stdout.strip().splitlines()
     if done.returncode < 0:
         return RecipeRun(recipe, by, skipped=f"the process died of signal {-done.returncode} (out of memory?)")
@@ -330,7 +330,7 @@ def scaling_check(progress: Callable[[str], None] = lambda _: None) -> list[Scal
 
 
 def _measure(job: dict[str, Any]) -> RecipeRun:
-    """Quantizes the source with the job's recipe within its budget and measures perplexity on its tokens."""
+    """Quantizes the source with the job's recipe within its timeout and measures perplexity on its tokens."""
     import mlx.core as mx
     from mlx_lm.utils import compute_bits_per_weight
 
@@ -339,11 +339,11 @@ def _measure(job: dict[str, Any]) -> RecipeRun:
     from kvrig.quantize.recipes import apply_recipe, calibration_rows, calibration_tokens, distill_dwq
     from kvrig.runtime.host import prepare_for_host
 
-    src, recipe, budget = Path(job["source"]), job["recipe"], float(job["budget"])
+    src, recipe, timeout = Path(job["source"]), job["recipe"], float(job["timeout"])
     run = RecipeRun(recipe, method_of(recipe))
     tokenizer = read_tokenizer(src)
     model, config = load_source_model(src)
-    last = [""]  # what the quantizer said last, for a recipe stopped at its budget
+    last = [""]  # what the quantizer said last, for a recipe stopped at its timeout
 
     def progress(line: str) -> None:
         last[0] = f"last: {line} at {time.perf_counter() - wall:.0f} s"
@@ -354,7 +354,7 @@ def _measure(job: dict[str, Any]) -> RecipeRun:
         print(f"  {recipe}: {line}", file=sys.stderr, flush=True)
 
     wall, cpu = time.perf_counter(), time.process_time()
-    with _budget(run, budget, last):
+    with _timeout(run, timeout, last):
         if recipe.startswith("dwq-"):
             rows = calibration_tokens(tokenizer, samples=20)
             model, config, steps = distill_dwq(
@@ -380,12 +380,12 @@ def _measure(job: dict[str, Any]) -> RecipeRun:
 
 
 @contextlib.contextmanager
-def _budget(run: RecipeRun, seconds: float, status: list[str]) -> Iterator[None]:
+def _timeout(run: RecipeRun, seconds: float, status: list[str]) -> Iterator[None]:
     """Ends the process with `run` marked skipped when the block takes longer than `seconds` (and status[0],
     what the quantizer reported last)."""
 
     def stop() -> None:
-        run.skipped = f"did not finish within the {seconds:g} s budget" + (f" ({status[0]})" if status[0] else "")
+        run.skipped = f"did not finish within its {seconds:g} s timeout" + (f" ({status[0]})" if status[0] else "")
         print(json.dumps(asdict(run)), file=sys.__stdout__, flush=True)  # the result line, past the redirect
         os._exit(0)
 

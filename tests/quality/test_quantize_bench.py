@@ -1,6 +1,6 @@
 """`kvrig bench quantize` on a tiny model (a random llama with SmolLM2's tokenizer): every requested recipe has
 a row, measured or named as skipped with why, in the requested order; kvrig's quantizers report every layer;
-a recipe over its time budget is stopped and named; the JSON carries the texts, the load and the scaling check.
+a recipe past its timeout is stopped and named; the JSON carries the texts, the load and the scaling check.
 No timing is asserted."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def bench(*args: str) -> dict[str, Any]:
 def test_every_recipe_is_measured_or_named_as_skipped(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(quantize_bench, "SCALING_HIDDEN", (64, 128))
     recipes = ["q4", "imx-q4", "gpx-4.6", "gptq-q4"]
-    report = bench(str(tiny), "--recipes", ",".join(recipes), "--tokens", "64", "--passages", "2", "--budget", "600")
+    report = bench(str(tiny), "--recipes", ",".join(recipes), "--tokens", "64", "--passages", "2", "--timeout", "600")
     assert [r["recipe"] for r in report["runs"]] == recipes
     runs = {r["recipe"]: r for r in report["runs"]}
     for name in ("q4", "imx-q4", "gpx-4.6", "gptq-q4"):
@@ -78,7 +78,7 @@ def test_every_recipe_is_measured_or_named_as_skipped(tiny: Path, monkeypatch: p
 
 
 def test_goals_judge_the_time_and_the_scaling() -> None:
-    """The time goal holds only when every kvrig recipe finished within GOAL_SECONDS (one stopped at its budget
+    """The time goal holds only when every kvrig recipe finished within GOAL_SECONDS (one stopped at its timeout
     is a miss; mlx-lm's and distilled ones are not judged); a recipe whose time grew more than parameters x hidden
     misses its goal."""
     from kvrig.quality.quantize_bench import GOAL_SECONDS, QuantizeReport, RecipeRun, ScalingPoint
@@ -105,13 +105,13 @@ def test_goals_judge_the_time_and_the_scaling() -> None:
     assert any(line.startswith("- [MISSED] gpx-q4's time grows") for line in lines)
 
 
-def test_a_recipe_over_its_budget_is_stopped_and_named(tiny: Path) -> None:
+def test_a_recipe_past_its_timeout_is_stopped_and_named(tiny: Path) -> None:
     """mlx-lm's DWQ (backpropagation through quantized matmuls: minutes per step on this CPU) and gpx."""
-    report = bench(str(tiny), "--recipes", "dwq-q4,gpx-q4", "--tokens", "16", "--budget", "0.05", "--no-scaling")
+    report = bench(str(tiny), "--recipes", "dwq-q4,gpx-q4", "--tokens", "16", "--timeout", "0.05", "--no-scaling")
     assert [r["recipe"] for r in report["runs"]] == ["dwq-q4", "gpx-q4"]
     for run in report["runs"]:
         assert run["ppl"] is None and run["seconds"] is None
-        assert run["skipped"].startswith("did not finish within the 0.05 s budget")
+        assert run["skipped"].startswith("did not finish within its 0.05 s timeout")
     assert report["runs"][0]["by"] == "mlx-lm"
     assert report["scaling"] == []
 
