@@ -5,8 +5,9 @@ RemoteServiceDiscovery (RSD) inside a tunnel; lockdown keeps serving everything 
 - userspace: pymobiledevice3's no-root in-process tunnel over lockdown's CoreDeviceProxy service (iOS 17.4+).
   Its network stack is process-wide, so one process holds one userspace tunnel: a lab runs one worker
   process per iOS 17+ phone.
-- tunneld: an RSD served by a running `pymobiledevice3 remote tunneld` (root; any iOS 17).
-- auto: tunneld when it is reachable and serves this phone, else userspace (17.4+), else a refusal that says
+- tunneld: an RSD served by a running `pymobiledevice3 remote tunneld` (root; any iOS 17), through one of its
+  tunnels to the phone over USB (never one it runs over Wi-Fi).
+- auto: tunneld when it is reachable and serves this phone over USB, else userspace (17.4+), else a refusal that says
   what to do. Phones before iOS 17 need no tunnel ("lockdown").
 pymobiledevice3's Wi-Fi fallback (RemotePairing found by bonjour browsing) is never used: it sends
 multicast off the machine, and kvrig drives USB phones.
@@ -17,14 +18,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
+import sys
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from pymobiledevice3 import exceptions as pmd3
 from pymobiledevice3.remote.remote_service_discovery import RemoteServiceDiscoveryService
-from pymobiledevice3.tunneld.api import TUNNELD_DEFAULT_ADDRESS, get_tunneld_device_by_udid, get_tunneld_tunnels
+from pymobiledevice3.tunneld.api import TUNNELD_DEFAULT_ADDRESS, get_tunneld_tunnels
 
+from kvrig.compat.pymobiledevice3_tunneld import connect_listed
 from kvrig.device.address import resolve
 from kvrig.device.errors import translate
 from kvrig.exceptions import InputError, KvrigError, NoTunnelError, TunnelHandshakeTimeoutError
@@ -36,7 +40,13 @@ MODES: tuple[Mode, ...] = ("auto", "userspace", "tunneld", "none")
 CORE_DEVICE_PROXY_FROM = (17, 4)  # the first iOS with lockdown's CoreDeviceProxy service
 HANDSHAKE_TIMEOUT_S = 20.0
 
-TUNNELD_HINT = "start `sudo python3 -m pymobiledevice3 remote tunneld` on this computer and pass --tunnel tunneld"
+# The interpreter kvrig runs in holds pymobiledevice3 (sudo's python3 is the system's); tunneld's Wi-Fi and
+# mobdev2 monitors would serve the phone over the network, where kvrig never soaks.
+TUNNELD_COMMAND = f"sudo {sys.executable} -m pymobiledevice3 remote tunneld --no-wifi --no-mobdev2"
+TUNNELD_HINT = f"start `{TUNNELD_COMMAND}` on this computer and pass --tunnel tunneld"
+NETWORK_TUNNEL = re.compile(r"usbmux-.+-Network|mobdev2-.+")
+"""The `interface` of a tunnel tunneld runs over the network: a Wi-Fi usbmux connection or a mobdev2 one (its
+Wi-Fi RemotePairing tunnels, named by host, are off with --no-wifi)."""
 OLD_17_HINT = (
     "iOS {version} has no CoreDeviceProxy service (it came with iOS 17.4), so kvrig cannot open a tunnel "
     "without root: " + TUNNELD_HINT + ", or update the phone to iOS 17.4 or later"
@@ -99,22 +109,28 @@ def same_udid(a: str, b: str) -> bool:
     return udid_key(a) == udid_key(b)
 
 
-async def tunneld_key(udid: str, address: tuple[str, int]) -> str | None:
-    """The key under which the tunneld at `address` lists its tunnel to `udid` ("" if it lists none), or None
-    if it is not reachable."""
+async def tunneld_tunnels(udid: str, address: tuple[str, int]) -> tuple[str, list[dict[str, Any]]] | None:
+    """The key under which the tunneld at `address` lists `udid` and its tunnels to it ("" and [] if none), or
+    None if it is not reachable."""
     try:
-        tunnels = await get_tunneld_tunnels(address)
+        listing = await get_tunneld_tunnels(address)
     except pmd3.TunneldConnectionError:
         return None
-    if not isinstance(tunnels, dict):
-        return ""
-    return next((key for key in tunnels if isinstance(key, str) and same_udid(key, udid)), "")
+    if not isinstance(listing, dict):
+        return "", []
+    key = next((k for k in listing if isinstance(k, str) and same_udid(k, udid)), "")
+    tunnels = listing.get(key) if key else None
+    return key, [t for t in tunnels if isinstance(t, dict)] if isinstance(tunnels, list) else []
 
 
-async def tunneld_serves(udid: str, address: tuple[str, int]) -> bool | None:
-    """True if the tunneld at `address` holds a tunnel to `udid`, False if not, None if it is not reachable."""
-    key = await tunneld_key(udid, address)
-    return None if key is None else bool(key)
+def over_usb(tunnels: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The tunnels of a tunneld listing that do not run over the network (`NETWORK_TUNNEL`)."""
+    return [t for t in tunnels if not NETWORK_TUNNEL.fullmatch(str(t.get("interface", "")))]
+
+
+def _network_only(tunnels: list[dict[str, Any]]) -> str:
+    names = ", ".join(str(t.get("interface")) for t in tunnels)
+    return f"holds tunnels to this phone over the network only ({names}), and kvrig soaks over USB"
 
 
 async def plan_tunnel(udid: str, os_version: str | None, mode: TunnelMode | str | None = None) -> TunnelPlan:
@@ -128,11 +144,14 @@ async def plan_tunnel(udid: str, os_version: str | None, mode: TunnelMode | str 
         why = f"iOS {os_version} needs a tunnel for process control and --tunnel none was given"
         return TunnelPlan(None, why, "none")
     if mode.mode in ("auto", "tunneld"):
-        serves = await tunneld_serves(udid, mode.tunneld)
-        if serves:
-            return TunnelPlan("tunneld", f"tunneld at {where} serves this phone", str(mode), where)
+        listed = await tunneld_tunnels(udid, mode.tunneld)
+        if listed is not None and over_usb(listed[1]):
+            return TunnelPlan("tunneld", f"tunneld at {where} serves this phone over USB", str(mode), where)
         if mode.mode == "tunneld":
-            why = "is not reachable" if serves is None else "holds no tunnel to this phone"
+            if listed is None:
+                why = "is not reachable"
+            else:
+                why = _network_only(listed[1]) if listed[1] else "holds no tunnel to this phone"
             return TunnelPlan(None, f"tunneld at {where} {why}; {TUNNELD_HINT}", str(mode))
     if version >= CORE_DEVICE_PROXY_FROM:
         return TunnelPlan("userspace", "no-root userspace tunnel over CoreDeviceProxy (iOS 17.4+)", str(mode))
@@ -241,19 +260,22 @@ class Tunnel:
         if self.plan.kind == "tunneld":
             host, _, port = (self.plan.tunneld or "").rpartition(":")
             address = (host.strip("[]"), int(port))
-            key = await tunneld_key(self.udid, address)
-            if key is None:
+            listed = await tunneld_tunnels(self.udid, address)
+            if listed is None:
                 raise NoTunnelError(f"tunneld at {self.plan.tunneld} is not reachable; {TUNNELD_HINT}")
+            key, tunnels = listed
+            if not over_usb(tunnels):
+                why = _network_only(tunnels) if tunnels else f"holds no tunnel to {self.udid}"
+                raise NoTunnelError(f"tunneld at {self.plan.tunneld} {why}; {TUNNELD_HINT}")
             try:
-                rsd = await get_tunneld_device_by_udid(key, address) if key else None
-            except IndexError:
-                # pymobiledevice3 11.45 skips each listed tunnel it cannot connect to, then takes the first of none
+                rsd = await connect_listed(key, over_usb(tunnels), address)
+            except OSError:  # a dead tunnel interface (EHOSTUNREACH), which pymobiledevice3 does not skip
+                rsd = None
+            if rsd is None:
                 raise NoTunnelError(
                     f"tunneld at {self.plan.tunneld} lists a tunnel to {self.udid} that does not answer (a stale one, "
                     "as after the phone was replugged or restarted): wait for tunneld to renew it, or restart tunneld"
-                ) from None
-            if rsd is None:
-                raise NoTunnelError(f"tunneld at {self.plan.tunneld} holds no tunnel to {self.udid}; {TUNNELD_HINT}")
+                )
             return rsd
         global _userspace_holder
         if _userspace_holder not in (None, self.udid):

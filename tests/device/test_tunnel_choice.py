@@ -140,3 +140,67 @@ def test_tunneld_finds_a_phone_whose_udid_usbmuxd_spells_without_the_hyphen(tunn
     bare = UDID.replace("-", "")
     assert plan("18.6", TunnelMode("tunneld", tunneld), udid=bare).kind == "tunneld"
     assert plan("18.6", TunnelMode("tunneld", tunneld), udid=bare.lower()).kind == "tunneld"
+
+
+NETWORK_TUNNELS = [
+    {"tunnel-address": "fd00::2", "tunnel-port": 55556, "interface": f"usbmux-{UDID}-Network"},
+    {"tunnel-address": "fd00::3", "tunnel-port": 55557, "interface": f"mobdev2-{UDID}-192.168.1.5"},
+]
+
+
+def test_tunnels_tunneld_runs_over_the_network_are_never_used() -> None:
+    """tunneld's usbmux monitor tunnels a phone seen over Wi-Fi, and its mobdev2 monitor one found on the network
+    (their `interface` names say so): pymobiledevice3's client connects to whichever answers first, and kvrig had
+    planned and soaked over them as over USB."""
+    with serving({UDID: NETWORK_TUNNELS}) as address:
+        assert plan("18.6", TunnelMode("auto", address)).kind == "userspace"  # on, as without tunneld
+        for version in ("17.2", "18.6"):
+            refused = plan(version, TunnelMode("tunneld", address))
+            assert refused.kind is None and "over the network only" in refused.reason
+            assert f"usbmux-{UDID}-Network" in refused.reason and "--no-wifi --no-mobdev2" in refused.reason
+        assert plan("17.2", TunnelMode("auto", address)).kind is None
+        forced = Tunnel(UDID, TunnelPlan("tunneld", "", "tunneld", f"{address[0]}:{address[1]}"), os_version="18.6")
+        with pytest.raises(NoTunnelError, match="over the network only"):
+            asyncio.run(forced.open())
+
+
+def test_only_the_usb_tunnels_are_connected_to(monkeypatch: pytest.MonkeyPatch, closed_port: tuple[str, int]) -> None:
+    """With USB and network tunnels listed, kvrig hands pymobiledevice3's connector the USB ones alone; a dead
+    tunnel interface (OSError, which the connector does not skip) is the stale tunnel's NoTunnelError."""
+    import kvrig.device.tunnel as tunnel
+
+    usb = {"tunnel-address": closed_port[0], "tunnel-port": closed_port[1], "interface": "fe80::1%en7"}
+    handed: list[list[dict[str, object]]] = []
+
+    async def connect(key: str, tunnels: list[dict[str, object]], address: tuple[str, int]) -> None:
+        handed.append(tunnels)
+        raise OSError(113, "No route to host")
+
+    monkeypatch.setattr(tunnel, "connect_listed", connect)
+    with serving({UDID: [*NETWORK_TUNNELS, usb]}) as address:
+        chosen = plan("18.6", TunnelMode("tunneld", address))
+        assert chosen.kind == "tunneld" and "over USB" in chosen.reason
+        with pytest.raises(NoTunnelError, match="does not answer"):
+            asyncio.run(Tunnel(UDID, chosen, os_version="18.6").open())
+    assert handed == [[usb]]
+
+
+def test_the_tunneld_command_kvrig_gives_is_one_pymobiledevice3_takes() -> None:
+    """The hint names this interpreter (sudo's python3 is the system's, without pymobiledevice3) and flags that
+    pymobiledevice3's own tunneld command lists."""
+    import subprocess
+    import sys
+
+    from kvrig.device.tunnel import TUNNELD_COMMAND
+
+    assert TUNNELD_COMMAND.startswith(f"sudo {sys.executable} -m pymobiledevice3 remote tunneld ")
+    flags = TUNNELD_COMMAND.split("tunneld ", 1)[1].split()
+    shown = subprocess.run(
+        [sys.executable, "-m", "pymobiledevice3", "remote", "tunneld", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"},
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert flags and all(flag in shown.stdout for flag in flags), (flags, shown.stdout)
