@@ -24,7 +24,9 @@ from kvrig.device.paths import flat_name, safe_join, taken_names, unique
 from kvrig.exceptions import DeviceFileError
 from kvrig.reports.jetsam import MAX_REPORT_BYTES
 
-JETSAM_PATTERN = re.compile(r"^JetsamEvent-.*\.ips$")
+JETSAM_PATTERN = re.compile(r"^JetsamEvent-.*\.ips(\.synced)?$")
+"""A JetsamEvent report's name; `.synced` is added once a computer (Finder, Xcode) has copied the report."""
+SYNCED = ".synced"
 REPORT = Bounds(MAX_REPORT_BYTES, 30.0)  # one report
 MAX_LISTED = 10_000  # entries read from one listing of the store (a phone keeps a few hundred at most)
 MAX_PULLED = 64  # reports pulled in one go; newest names first (they carry the date)
@@ -54,6 +56,12 @@ async def list_reports(device: Device, pattern: str | re.Pattern[str] | None = N
         if match is None or match.search(posixpath.basename(entry)):
             names.append("/" + entry.lstrip("/"))
     return sorted(names)
+
+
+def filed_since(listed: list[str], before: set[str]) -> list[str]:
+    """The reports of `listed` that were not in the store at `before`: a report a computer synced meanwhile comes
+    back under its `.synced` name, and is not new."""
+    return [p for p in listed if p not in before and p.removesuffix(SYNCED) not in before]
 
 
 async def list_jetsam_reports(device: Device) -> list[str]:

@@ -591,7 +591,7 @@ async def _pull_new_reports(
     deadline = time.monotonic() + wait_s
     while True:
         await _call(crash.flush(device), "flushing crash reports")
-        new = [p for p in await _call(crash.list_reports(device), "listing crash reports") if p not in before]
+        new = crash.filed_since(await _call(crash.list_reports(device), "listing crash reports"), before)
         jetsam = [p for p in new if crash.JETSAM_PATTERN.match(os.path.basename(p))]
         own = [p for p in new if os.path.basename(p).startswith(f"{process}-")]
         if jetsam or own or time.monotonic() >= deadline:

@@ -108,3 +108,21 @@ def test_syslog_stream_sees_a_line(emulator: Emulator) -> None:
     lines = run(on_device(emulator.udid, lambda d: syslog.stream(d, 3.0, contains="kvrig-syslog-probe")))
     assert lines and all("kvrig-syslog-probe" in line for line in lines)
     assert any("KVSoak" in line for line in lines)
+
+
+def test_a_report_a_computer_synced_is_listed_and_is_not_new(emulator: Emulator) -> None:
+    """iOS adds `.synced` to a report once Finder or Xcode has copied it: such a JetsamEvent report is one (it was
+    missed), and an old report renamed so during a soak is not this run's."""
+    store = emulator.device.state.crash
+    (store / "JetsamEvent-2026-03-03-000000.ips.synced").write_text('{"bug_type":"298"}\n{}\n')
+    (store / "JetsamEvent-2026-03-03-000000.ips.old").write_text("not a report")
+    try:
+        jetsam = run(on_device(emulator.udid, crash.list_jetsam_reports))
+    finally:
+        (store / "JetsamEvent-2026-03-03-000000.ips.synced").unlink()
+        (store / "JetsamEvent-2026-03-03-000000.ips.old").unlink()
+    assert "/JetsamEvent-2026-03-03-000000.ips.synced" in jetsam
+    assert "/JetsamEvent-2026-03-03-000000.ips.old" not in jetsam
+    before = {"/JetsamEvent-1.ips", "/App-1.ips"}
+    listed = ["/JetsamEvent-1.ips.synced", "/App-1.ips", "/JetsamEvent-2.ips", "/JetsamEvent-3.ips.synced"]
+    assert crash.filed_since(listed, before) == ["/JetsamEvent-2.ips", "/JetsamEvent-3.ips.synced"]
