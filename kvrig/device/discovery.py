@@ -7,9 +7,11 @@ the ProductType maps to one of our device profiles.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import re
+import time
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -21,7 +23,7 @@ from pymobiledevice3.lockdown_service_provider import LockdownServiceProvider
 from kvrig.device.address import resolve
 from kvrig.device.errors import answer_errors, device_errors, translate
 from kvrig.device.tunnel import Tunnel, same_udid
-from kvrig.exceptions import DeviceAnswerError, DeviceError, DeviceLockedError, DeviceNotFoundError
+from kvrig.exceptions import DeviceAnswerError, DeviceError, DeviceLockedError, DeviceLostError, DeviceNotFoundError
 from kvrig.profiles import find_profile_by_product_type
 from kvrig.schemas.keys import VIRTUAL_KEY
 
@@ -178,6 +180,10 @@ async def select_device(udid: str | None = None, *, usbmux_address: str | None =
     return devices[0]
 
 
+RESTART_S = 300.0
+"""How long a restarting phone may take to leave usbmuxd and come back (about a minute; more for an old phone)."""
+
+
 class Device:
     """An open lockdown session to one phone; every service starts from it. Use `async with connect(...)`.
 
@@ -215,6 +221,26 @@ class Device:
         self.lockdown = await _session("reconnecting", self.udid, self.usbmux_address)
         if self.tunnel is not None:
             await self.tunnel.open()
+
+    async def restarted(self, timeout_s: float = RESTART_S, poll_s: float = 0.5) -> None:
+        """Waits for the phone to leave usbmuxd and come back over USB (it restarts), then opens a fresh session:
+        DeviceLostError when that takes longer than `timeout_s`. pymobiledevice3's own wait (AMFI's) has no
+        bound and pairs when the phone asks."""
+        deadline = time.monotonic() + timeout_s
+        gone = False
+        while time.monotonic() < deadline:
+            try:
+                listed = await usbmux.list_devices(usbmux_address=self.usbmux_address)
+            except ConnectionFailedToUsbmuxdError:
+                listed = []  # usbmuxd restarting with the phone (macOS does): the phone is not back yet
+            here = any(same_udid(d.serial, self.udid) and d.connection_type == "USB" for d in listed)
+            if gone and here:
+                await self.reconnect()
+                return
+            gone = gone or not here
+            await asyncio.sleep(poll_s)
+        state = "did not come back" if gone else "did not restart"
+        raise DeviceLostError(f"{self.udid}: {state} within {timeout_s:g} s; check the phone and run the command again")
 
     async def reopen_tunnel(self) -> None:
         """The phone is still there but its tunnel dropped: open a new one over the same lockdown session."""

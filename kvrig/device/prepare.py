@@ -33,7 +33,7 @@ from pymobiledevice3.services.mobile_image_mounter import (
 from kvrig.device import preflight
 from kvrig.device.discovery import Device, DeviceInfo, connect
 from kvrig.device.errors import DEVELOPER_MODE_HINT, problem_json
-from kvrig.device.tunnel import HANDSHAKE_TIMEOUT_S, Tunnel, TunnelMode, _usbmux_env, plan_tunnel
+from kvrig.device.tunnel import HANDSHAKE_TIMEOUT_S, Tunnel, TunnelMode, plan_tunnel
 from kvrig.exceptions import (
     DeveloperModeOffError,
     DeviceError,
@@ -105,7 +105,7 @@ async def prepare(
 
     async with device:
         try:
-            await _developer_mode(device, enable_developer_mode, usbmux_address, report)
+            await _developer_mode(device, enable_developer_mode, report)
             plan = await plan_tunnel(device.udid, device.info.os_version, tunnel)
             device.tunnel = Tunnel(
                 device.udid,
@@ -122,9 +122,7 @@ async def prepare(
     return result
 
 
-async def _developer_mode(
-    device: Device, enable: bool, usbmux_address: str | None, report: Callable[[str, Status, str], None]
-) -> None:
+async def _developer_mode(device: Device, enable: bool, report: Callable[[str, Status, str], None]) -> None:
     name = "developer mode"
     state = await preflight.developer_mode(device)
     if state is None:
@@ -138,8 +136,9 @@ async def _developer_mode(
         raise DeveloperModeOffError(f"{device.udid}: Developer Mode is off; {DEVELOPER_MODE_HINT}")
     try:
         async with device.errors("switching Developer Mode on"):
-            with _usbmux_env(usbmux_address):  # AMFI waits for the restarted phone through usbmuxd
-                await AmfiService(device.lockdown).enable_developer_mode()
+            await AmfiService(device.lockdown).enable_developer_mode(enable_post_restart=False)
+            await device.restarted()  # bounded, over USB, never pairing
+            await AmfiService(device.lockdown).enable_developer_mode_post_restart()
     except DeviceError as exc:
         if isinstance(exc.__cause__, pmd3.DeviceHasPasscodeSetError):
             report(name, "blocked", "the phone has a passcode, so AMFI will not switch it on remotely")
@@ -148,7 +147,6 @@ async def _developer_mode(
                 "Settings > Privacy & Security > Developer Mode"
             ) from exc
         raise
-    await device.reconnect()  # the phone restarted
     if not await preflight.developer_mode(device):
         report(name, "blocked", "asked to switch on, but the phone still reports it off")
         raise DeveloperModeOffError(f"{device.udid}: Developer Mode is still off; {DEVELOPER_MODE_HINT}")

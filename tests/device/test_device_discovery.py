@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import yaml
 
 from kvrig.device.discovery import connect, list_devices, select_device
 from kvrig.exceptions import DeviceNotFoundError
-from tests.device.conftest import Emulator, run
+from tests.device.conftest import Emulator, on_device, run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -146,3 +147,25 @@ def test_devices_on_hosts_none_of_which_answers_is_device_not_found(tmp_path: Pa
         run(preflight_on(hosts))
     assert str(refusal.value).startswith("a: ") and "; b: " in str(refusal.value)
     assert str(tmp_path / "a.sock") in str(refusal.value) and str(tmp_path / "b.sock") in str(refusal.value)
+
+
+def test_waiting_for_a_restart_is_bounded_and_reconnects(emulator: Emulator) -> None:
+    """What `prepare --enable-developer-mode` waits on after AMFI's enable request (pymobiledevice3's own wait has
+    no bound and pairs if asked): a phone that never leaves is DeviceLostError within the bound; one that leaves
+    and comes back gets a fresh session."""
+    from kvrig.exceptions import DeviceLostError
+
+    async def stays(device):  # type: ignore[no-untyped-def]
+        await device.restarted(timeout_s=1.5, poll_s=0.1)
+
+    with pytest.raises(DeviceLostError, match=r"did not restart within 1\.5 s"):
+        run(on_device(emulator.udid, stays))
+
+    async def restarts(device):  # type: ignore[no-untyped-def]
+        old = device.lockdown
+        emulator.host.run(emulator.device.unplug())
+        threading.Timer(1.0, lambda: emulator.host.run(emulator.device.replug())).start()
+        await device.restarted(timeout_s=60, poll_s=0.1)
+        return old is not device.lockdown and (await device.lockdown.get_value(key="UniqueDeviceID")) == device.udid
+
+    assert run(on_device(emulator.udid, restarts))
