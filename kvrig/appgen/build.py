@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import plistlib
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -15,6 +16,8 @@ from kvrig.exceptions import AppGenError, InputError, PlatformNotSupportedError
 from kvrig.fileio import read_data
 
 TEAM_ENV = "KVRIG_TEAM_ID"
+MIN_XCODE = (16, 3)
+"""The first Xcode with Swift 6.1: mlx-swift-lm's manifest at the pinned version says swift-tools-version 6.1."""
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,19 @@ def _run(cmd: list[str], cwd: Path) -> None:
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-20:])
         raise AppGenError(f"{cmd[0]} failed (exit {proc.returncode}):\n{tail}")
+
+
+def xcode_problem(version_output: str) -> str | None:
+    """Why the Xcode that `xcodebuild -version` printed cannot build the app (None: it can)."""
+    found = re.search(r"^Xcode (\d+)\.(\d+)", version_output, re.MULTILINE)
+    if found is None:
+        return f"`xcodebuild -version` printed no Xcode version: {version_output.strip()[:200]!r}"
+    if (int(found[1]), int(found[2])) < MIN_XCODE:
+        return (
+            f"{found[0]} is too old: the app's MLX Swift packages need Xcode {MIN_XCODE[0]}.{MIN_XCODE[1]} or later "
+            "(Swift 6.1); install a newer Xcode, or select one with xcode-select"
+        )
+    return None
 
 
 def read_project(project: Path) -> tuple[dict[str, Any], str]:
@@ -56,6 +72,9 @@ def build_app(project: str | Path, *, team: str | None = None, output: str | Pat
     for tool in ("xcodegen", "xcodebuild"):
         if shutil.which(tool) is None:
             raise AppGenError(f"{tool} not found on PATH (install Xcode and `brew install xcodegen`)")
+    version = subprocess.run(["xcodebuild", "-version"], capture_output=True, text=True)
+    if (problem := xcode_problem(version.stdout + version.stderr)) is not None:
+        raise AppGenError(problem)
     _, scheme = read_project(project)
     team = team or os.environ.get(TEAM_ENV)
     out = Path(output).resolve() if output else project / "build"

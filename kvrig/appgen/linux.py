@@ -38,6 +38,12 @@ XCODE_LANGUAGE_MODE = "5"  # project.yml's SWIFT_VERSION
 LANGUAGE_MODES = ("5", "6")
 PRODUCT = "kvrig-engine"
 REQUIRED_DEPS = tuple(PINS)
+TRANSITIVE_DEPS = (
+    "swift-numerics (mlx-swift)",
+    "swift-syntax (mlx-swift-lm's macros)",
+    "swift-jinja, swift-huggingface, swift-xet, swift-collections, swift-crypto, yyjson (swift-transformers)",
+)
+"""What the pinned releases' own manifests require (read from their Package.swift at the pinned tags)."""
 STATUS_FILE = "status.json"
 # Cloning mlx-swift with its submodules takes minutes on a slow link; a host that drops packets instead of
 # refusing them must not hold `make test` for ever.
@@ -82,8 +88,8 @@ def swift_executable() -> str:
     swift = shutil.which("swift")
     if swift is None:
         raise SwiftDepsNotFoundError(
-            "MLX Swift packages not resolvable: no `swift` on PATH (the engine build needs a Swift 6 toolchain, "
-            "https://www.swift.org/install)"
+            "MLX Swift packages not resolvable: no `swift` on PATH (the engine build needs a Swift 6.1 or later "
+            "toolchain, https://www.swift.org/install)"
         )
     return swift
 
@@ -98,6 +104,8 @@ def how_to_provide() -> str:
         "  - SwiftPM mirrors to local git repositories carrying the pinned tags, e.g. "
         f"`swift package --package-path {build_root() / 'swift-engine-app'} config set-mirror --original "
         f"{PINS['mlx-swift']['url']} --mirror /path/to/mlx-swift` (or ~/.swiftpm/configuration/mirrors.json).",
+        "Their own manifests name more packages, which SwiftPM resolves the same ways (by URL, or a mirror each, or "
+        f"dropped from a local checkout's manifest): {', '.join(TRANSITIVE_DEPS)}.",
     ]
     if platform.system() == "Linux":
         lines.append(

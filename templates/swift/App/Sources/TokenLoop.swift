@@ -56,8 +56,9 @@ struct TokenLoop {
             // Sampling evaluates on the GPU too: the gate comes before it.
             if caches.isStopRequested || !admitted(.decode) { break }
             let began = Date()
-            let token = sampler.sample(logits: logits)
-            let id = token.item(Int.self)
+            // Inside withError as every evaluation here: an MLX error (an allocation refused) is the soak's end, not
+            // MLX's default handler's fatalError.
+            let id = try withError { sampler.sample(logits: logits).item(Int.self) }
             if stop.contains(id) || id == unknown || !onToken(id) { break }
             logits = try forward([id])
             timing.tokens += 1
