@@ -1,6 +1,8 @@
-"""Texts the quality measurements read, by kind. Nothing downloads: every text is a file a Debian package ships
-(`make setup` installs them; their licences allow verbatim copies, kvrig only reads them), except the gate's short
-prose, which is kvrig's own.
+"""Texts the quality measurements read, by kind. Nothing downloads: every text is a file a Debian package ships,
+except the gate's short prose, which is kvrig's own. What `kvrig package` reads (the calibration and gate kinds)
+ships inside kvrig (kvrig/_texts, copied by scripts/vendor-texts.py; their licences allow verbatim copies), so
+that every system calibrates on the same bytes; the evaluation kinds only the quality benches read are read from
+the Debian packages themselves (`make setup` installs them).
 
 Calibration (what AWQ, GPTQ and kvrig's importance-weighted recipes learn from) reads technical writing and code
 (Python's tutorial, Python and C source); the quality bench judges recipes on kinds it never reads (licences,
@@ -20,6 +22,8 @@ from typing import Literal
 from kvrig.exceptions import QualityInputError
 
 LICENSES = Path("/usr/share/common-licenses")
+TEXTS_DIR = Path(__file__).resolve().parent / "_texts"
+"""kvrig's copies of the shipped kinds' files, gzipped (SOURCES.json: each one's package, version and SHA-256)."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,15 @@ class TextKind:
     `kvrig package` checks a bundle beside kvrig's own prose."""
     start: str | None = None
     """The text starts at the first occurrence of this (a manual's table of contents is not prose)."""
+    shipped: bool = False
+    """Read from kvrig's copies of `files` (`vendored`), not from the Debian package."""
+
+    @property
+    def vendored(self) -> tuple[str, ...]:
+        """The copies' names under TEXTS_DIR, one per file: `<kind>/<file name>.gz`."""
+        if not self.shipped:
+            return ()
+        return tuple(f"{self.name}/{Path(p).name.removesuffix('.gz')}.gz" for p in self.files)
 
 
 _PY_MODULES = ("textwrap", "difflib", "fractions", "shlex", "calendar", "heapq", "statistics", "argparse")
@@ -50,6 +63,7 @@ KINDS: tuple[TextKind, ...] = (
         "python3-doc",
         tuple(f"/usr/share/doc/python3.*/html/_sources/tutorial/{name}.rst.txt" for name in _TUTORIAL),
         "calibration",
+        shipped=True,
     ),
     TextKind(
         "python",
@@ -57,6 +71,7 @@ KINDS: tuple[TextKind, ...] = (
         "libpython3-stdlib",
         tuple(f"/usr/lib/python3.*/{name}.py" for name in _PY_MODULES),
         "calibration",
+        shipped=True,
     ),
     TextKind(
         "c",
@@ -64,6 +79,7 @@ KINDS: tuple[TextKind, ...] = (
         "libc6-dev",
         tuple(f"/usr/include/{name}.h" for name in ("stdio", "stdlib", "string", "unistd", "pthread", "signal")),
         "calibration",
+        shipped=True,
     ),
     TextKind(
         "legal",
@@ -88,6 +104,7 @@ KINDS: tuple[TextKind, ...] = (
         "libpython3-stdlib",
         tuple(f"/usr/lib/python3.*/{name}.py" for name in _PY_HELD_OUT),
         "gate",
+        shipped=True,
     ),
     TextKind(
         "manual",
@@ -96,6 +113,7 @@ KINDS: tuple[TextKind, ...] = (
         ("/usr/share/debian-reference/debian-reference.en.txt.gz",),
         "gate",
         start="This Debian Reference (version",
+        shipped=True,
     ),
 )
 CALIBRATION_KINDS = tuple(k.name for k in KINDS if k.role == "calibration")
@@ -131,21 +149,30 @@ def kind(name: str) -> TextKind:
     )
 
 
+def debian_path(pattern: str) -> Path:
+    """The file a pattern of `TextKind.files` names: of several Pythons installed, the newest's."""
+    matches = sorted(glob.glob(pattern)) if "*" in pattern else [pattern]
+    return Path(matches[-1]) if matches else Path(pattern)
+
+
 def read_kind(text_kind: TextKind | str) -> tuple[str, list[str]]:
     """The kind's files joined by blank lines, and the paths read."""
     text_kind = kind(text_kind) if isinstance(text_kind, str) else text_kind
     parts, used = [], []
-    for pattern in text_kind.files:
-        matches = sorted(glob.glob(pattern)) if "*" in pattern else [pattern]
-        path = Path(matches[-1]) if matches else Path(pattern)  # the newest Python where several are installed
+    if text_kind.shipped:
+        paths = [TEXTS_DIR / name for name in text_kind.vendored]
+        expected = "kvrig's copy of it (kvrig/_texts: reinstall kvrig)"
+    else:
+        paths = [debian_path(pattern) for pattern in text_kind.files]
+        expected = f"Debian's {text_kind.package} package (`make setup` installs it)"
+    for path in paths:
         try:
             raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
             parts.append(raw.decode("utf-8", errors="replace").replace("\n%\n", "\n\n"))
-        except OSError as exc:
+        except (OSError, EOFError, gzip.BadGzipFile) as exc:
+            problem = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
             raise QualityInputError(
-                f"cannot read the {text_kind.name} text: {exc.strerror or exc}",
-                file=path,
-                expected=f"Debian's {text_kind.package} package (`make setup` installs it)",
+                f"cannot read the {text_kind.name} text: {problem}", file=path, expected=expected
             ) from None
         used.append(str(path))
     text = "\n\n".join(parts)

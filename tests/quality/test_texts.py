@@ -1,7 +1,15 @@
-"""The texts quality is measured on: every kind readable from the Debian package that ships it, calibration and
-evaluation never sharing a kind, and the calibration rows drawn from every calibration kind in turn."""
+"""The texts quality is measured on: every kind readable (kvrig's own copies for what `kvrig package` reads, the
+Debian packages for the benches' evaluation kinds), the copies faithful to their packages, calibration and evaluation
+never sharing a kind, and the calibration rows drawn from every calibration kind in turn."""
 
 from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 from mlx_lm.utils import load_tokenizer
@@ -13,10 +21,14 @@ from kvrig.texts import (
     EVALUATION_KINDS,
     GATE_KINDS,
     KINDS,
+    TEXTS_DIR,
     TextKind,
+    debian_path,
     kind_tokens,
     read_kind,
 )
+
+SOURCES = json.loads((TEXTS_DIR / "SOURCES.json").read_text())
 
 
 @pytest.mark.parametrize("kind", [k.name for k in KINDS])
@@ -77,3 +89,53 @@ def test_gate_passages_are_spread_over_the_kind(source_tokenizer: object, kind: 
     assert all(w >= 0 for w in where), where
     quarter = len(text) // GATE_SEGMENTS
     assert [w // quarter for w in where] == list(range(GATE_SEGMENTS))
+
+
+def test_what_package_reads_ships_with_kvrig() -> None:
+    """Calibration and the gate read only kvrig's copies (macOS has none of the Debian packages), each one the
+    bytes SOURCES.json recorded when it was copied; nothing else is in the folder unrecorded."""
+    shipped = [k for k in KINDS if k.role in ("calibration", "gate")]
+    assert shipped and all(k.shipped for k in shipped)
+    for text_kind in shipped:
+        _, used = read_kind(text_kind)
+        assert all(Path(u).is_relative_to(TEXTS_DIR) for u in used), used
+        for name in text_kind.vendored:
+            text = gzip.decompress((TEXTS_DIR / name).read_bytes())
+            assert hashlib.sha256(text).hexdigest() == SOURCES[name]["sha256"], name
+    copies = {p.relative_to(TEXTS_DIR).as_posix() for p in TEXTS_DIR.rglob("*.gz")}
+    assert copies == set(SOURCES) == {n for k in shipped for n in k.vendored}
+
+
+def _installed(package: str) -> str | None:
+    if shutil.which("dpkg-query") is None:
+        return None
+    done = subprocess.run(["dpkg-query", "-W", "-f=${Version}", package], capture_output=True, text=True)
+    return done.stdout if done.returncode == 0 else None
+
+
+@pytest.mark.parametrize("name", sorted(SOURCES))
+def test_each_copy_is_its_debian_file(name: str) -> None:
+    """The copy against the file of the installed package it was copied from, where that version is installed
+    (an update of the package may change the file; scripts/vendor-texts.py copies it again)."""
+    source = SOURCES[name]
+    installed = _installed(source["package"])
+    if installed != source["version"]:
+        pytest.skip(f"{source['package']} {source['version']} is not installed here (found: {installed})")
+    text_kind = next(k for k in KINDS if name in k.vendored)
+    origin = debian_path(text_kind.files[text_kind.vendored.index(name)])
+    assert str(origin) == source["path"]
+    raw = origin.read_bytes()
+    assert gzip.decompress((TEXTS_DIR / name).read_bytes()) == (gzip.decompress(raw) if origin.suffix == ".gz" else raw)
+
+
+def test_a_damaged_copy_names_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import kvrig.texts
+
+    shutil.copytree(TEXTS_DIR, tmp_path / "_texts")
+    damaged = tmp_path / "_texts" / next(k for k in KINDS if k.name == "docs").vendored[0]
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    monkeypatch.setattr(kvrig.texts, "TEXTS_DIR", tmp_path / "_texts")
+    with pytest.raises(QualityInputError, match="cannot read the docs text") as raised:
+        read_kind("docs")
+    assert raised.value.exit_code == 46 and raised.value.file == str(damaged)
+    assert "reinstall kvrig" in str(raised.value)
