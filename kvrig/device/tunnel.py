@@ -128,7 +128,15 @@ def over_usb(tunnels: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [t for t in tunnels if not NETWORK_TUNNEL.fullmatch(str(t.get("interface", "")))]
 
 
-def _network_only(tunnels: list[dict[str, Any]]) -> str:
+def unusable(listed: tuple[str, list[dict[str, Any]]] | None) -> str | None:
+    """Why a tunneld (its `tunneld_tunnels`) cannot serve the phone over USB; None when it can."""
+    if listed is None:
+        return "is not reachable"
+    tunnels = listed[1]
+    if over_usb(tunnels):
+        return None
+    if not tunnels:
+        return "holds no tunnel to this phone"
     names = ", ".join(str(t.get("interface")) for t in tunnels)
     return f"holds tunnels to this phone over the network only ({names}), and kvrig soaks over USB"
 
@@ -144,15 +152,11 @@ async def plan_tunnel(udid: str, os_version: str | None, mode: TunnelMode | str 
         why = f"iOS {os_version} needs a tunnel for process control and --tunnel none was given"
         return TunnelPlan(None, why, "none")
     if mode.mode in ("auto", "tunneld"):
-        listed = await tunneld_tunnels(udid, mode.tunneld)
-        if listed is not None and over_usb(listed[1]):
+        refused = unusable(await tunneld_tunnels(udid, mode.tunneld))
+        if refused is None:
             return TunnelPlan("tunneld", f"tunneld at {where} serves this phone over USB", str(mode), where)
         if mode.mode == "tunneld":
-            if listed is None:
-                why = "is not reachable"
-            else:
-                why = _network_only(listed[1]) if listed[1] else "holds no tunnel to this phone"
-            return TunnelPlan(None, f"tunneld at {where} {why}; {TUNNELD_HINT}", str(mode))
+            return TunnelPlan(None, f"tunneld at {where} {refused}; {TUNNELD_HINT}", str(mode))
     if version >= CORE_DEVICE_PROXY_FROM:
         return TunnelPlan("userspace", "no-root userspace tunnel over CoreDeviceProxy (iOS 17.4+)", str(mode))
     return TunnelPlan(None, OLD_17_HINT.format(version=os_version), str(mode))
@@ -261,12 +265,10 @@ class Tunnel:
             host, _, port = (self.plan.tunneld or "").rpartition(":")
             address = (host.strip("[]"), int(port))
             listed = await tunneld_tunnels(self.udid, address)
-            if listed is None:
-                raise NoTunnelError(f"tunneld at {self.plan.tunneld} is not reachable; {TUNNELD_HINT}")
+            why = unusable(listed)
+            if why is not None or listed is None:
+                raise NoTunnelError(f"{self.udid}: tunneld at {self.plan.tunneld} {why}; {TUNNELD_HINT}")
             key, tunnels = listed
-            if not over_usb(tunnels):
-                why = _network_only(tunnels) if tunnels else f"holds no tunnel to {self.udid}"
-                raise NoTunnelError(f"tunneld at {self.plan.tunneld} {why}; {TUNNELD_HINT}")
             try:
                 rsd = await connect_listed(key, over_usb(tunnels), address)
             except OSError:  # a dead tunnel interface (EHOSTUNREACH), which pymobiledevice3 does not skip
