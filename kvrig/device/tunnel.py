@@ -287,11 +287,27 @@ class Tunnel:
             )
         from pymobiledevice3.remote.userspace_tunnel import UserspaceRsdTunnel  # its network stack is slow to import
 
+        # pymobiledevice3 opens it over whichever connection usbmuxd lists, Wi-Fi when the cable is out: kvrig
+        # opens it only while the phone is on the cable, and keeps it only if the phone still is.
+        await self._on_cable()
         handle = UserspaceRsdTunnel(serial=self.udid, autopair=False, remotepairing_fallback=False)
         self._userspace = handle
         _userspace_holder = self.udid
         with _usbmux_env(self.usbmux_address):
-            return await handle.aopen()
+            rsd = await handle.aopen()
+        await self._on_cable()
+        return rsd
+
+    async def _on_cable(self) -> None:
+        """NoTunnelError unless usbmuxd lists the phone on USB."""
+        from pymobiledevice3 import usbmux
+
+        listed = await usbmux.list_devices(usbmux_address=resolve(self.usbmux_address))
+        if not any(same_udid(d.serial, self.udid) and d.connection_type == "USB" for d in listed):
+            raise NoTunnelError(
+                f"{self.udid}: not on the cable (usbmuxd lists it over Wi-Fi only, or not at all); kvrig opens "
+                "tunnels to phones over USB only: connect it with a cable"
+            )
 
     async def close(self) -> None:
         global _userspace_holder

@@ -169,3 +169,20 @@ def test_waiting_for_a_restart_is_bounded_and_reconnects(emulator: Emulator) -> 
         return old is not device.lockdown and (await device.lockdown.get_value(key="UniqueDeviceID")) == device.udid
 
     assert run(on_device(emulator.udid, restarts))
+
+
+def test_a_userspace_tunnel_opens_only_to_a_phone_on_the_cable(emulator: Emulator) -> None:
+    """pymobiledevice3's userspace tunnel takes whichever connection usbmuxd lists: over Wi-Fi when the cable is
+    out (as mid-reconnect after an unplug). kvrig refuses with the error its reconnect loop retries on."""
+    from kvrig.device.tunnel import Tunnel, TunnelPlan
+    from kvrig.exceptions import NoTunnelError
+
+    phone = emulator.ios17
+    plan = TunnelPlan("userspace", "no-root userspace tunnel over CoreDeviceProxy (iOS 17.4+)", "auto")
+    phone.connection = "Network"
+    try:
+        with pytest.raises(NoTunnelError, match="not on the cable") as refused:
+            run(Tunnel(phone.identity.udid, plan, os_version="17.4").open())
+        assert refused.value.exit_code == 25
+    finally:
+        phone.connection = "USB"
