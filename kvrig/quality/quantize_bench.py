@@ -329,6 +329,12 @@ def scaling_check(progress: Callable[[str], None] = lambda _: None) -> list[Scal
 # --- the child process -------------------------------------------------------------------------------------
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set: getrusage's ru_maxrss, in KiB on Linux and in bytes on macOS."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
 def _measure(job: dict[str, Any]) -> RecipeRun:
     """Quantizes the source with the job's recipe within its timeout and measures perplexity on its tokens."""
     import mlx.core as mx
@@ -375,7 +381,7 @@ def _measure(job: dict[str, Any]) -> RecipeRun:
     host = prepare_for_host(model)
     spec = load_model_spec(src / "config.json")
     run.ppl = passages_ppl(host, spec, job["ids"])
-    run.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    run.peak_rss_bytes = peak_rss_bytes()
     return run
 
 

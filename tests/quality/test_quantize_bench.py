@@ -187,3 +187,14 @@ def test_a_recipe_the_grammar_refuses_is_refused_before_anything_is_measured(rec
     result = CliRunner().invoke(cli, ["bench", "quantize", "--recipes", f"q4,{recipe}", "--json"])
     assert isinstance(result.exception, QuantizationError) and result.exception.exit_code == 5, result.output
     assert why in str(result.exception) and "--recipes" in str(result.exception)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads Linux's /proc")
+def test_peak_rss_is_in_bytes() -> None:
+    """getrusage's unit differs by system (KiB on Linux, bytes on macOS); the kernel's own VmHWM is the check."""
+    from kvrig.quality.quantize_bench import peak_rss_bytes
+
+    measured = peak_rss_bytes()
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmHWM:"))
+    kernel = int(line.split()[1]) * 1024
+    assert abs(measured - kernel) <= 4 * 2**20, (measured, kernel)  # a KiB count read as bytes is 1/1024 of it
