@@ -163,6 +163,11 @@ class SwiftDepsNotFoundError(AppGenError):
     exit_code = 30
 
 
+class EngineNotForThisHostError(SwiftDepsNotFoundError):
+    """The headless engine is the app's Linux (CPU) build; on macOS Xcode builds the app itself (`kvrig build`).
+    Skipped as an unresolvable build is (`kvrig engine --skip-unresolvable`, the demo's `auto` runtime)."""
+
+
 class SwiftBuildError(AppGenError):
     """`swift build` of the engine failed: the compiler's errors are in the message."""
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Literal
 
 from kvrig.appgen.render import PINS, AppOptions, render_project
-from kvrig.exceptions import SwiftBuildError, SwiftDepsNotFoundError
+from kvrig.exceptions import EngineNotForThisHostError, SwiftBuildError, SwiftDepsNotFoundError
 from kvrig.schemas.kvcache import KVCacheConfig, LayerCache, host_kvcache
 
 DEPS_ENV = "KVRIG_SWIFT_DEPS"
@@ -84,6 +84,10 @@ def local_deps() -> Path | None:
     return folder.resolve()
 
 
+MIN_SWIFT = (6, 1)
+"""mlx-swift-lm's manifest at the pinned version says swift-tools-version 6.1."""
+
+
 def swift_executable() -> str:
     swift = shutil.which("swift")
     if swift is None:
@@ -91,7 +95,24 @@ def swift_executable() -> str:
             "MLX Swift packages not resolvable: no `swift` on PATH (the engine build needs a Swift 6.1 or later "
             "toolchain, https://www.swift.org/install)"
         )
+    with own_tmpdir(dict(os.environ)) as env:
+        shown = subprocess.run([swift, "--version"], env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if (problem := swift_version_problem(shown.stdout + shown.stderr)) is not None:
+        raise SwiftDepsNotFoundError(f"MLX Swift packages not resolvable: {problem}")
     return swift
+
+
+def swift_version_problem(version_output: str) -> str | None:
+    """Why the toolchain `swift --version` describes cannot build the engine (None: it can)."""
+    found = re.search(r"Swift version (\d+)\.(\d+)", version_output)
+    if found is None:
+        return f"`swift --version` printed no Swift version: {version_output.strip()[:200]!r}"
+    if (int(found[1]), int(found[2])) < MIN_SWIFT:
+        return (
+            f"{found[0]} is too old: the pinned MLX Swift packages need Swift {MIN_SWIFT[0]}.{MIN_SWIFT[1]} or later "
+            "(https://www.swift.org/install)"
+        )
+    return None
 
 
 def how_to_provide() -> str:
@@ -194,6 +215,12 @@ def build_engine(
     fails."""
     if language_mode not in LANGUAGE_MODES:
         raise ValueError(f"language mode {language_mode!r}: expected one of {LANGUAGE_MODES}")
+    if platform.system() != "Linux":
+        # On macOS the Darwin branches (os_proc_available_memory, iOS only) and Metal's library are Xcode's work.
+        raise EngineNotForThisHostError(
+            f"MLX Swift engine not built on {platform.system()}: kvrig engine is the app's Linux (CPU) build; "
+            "on macOS Xcode builds the app (kvrig build), and the virtual iPhone runs kvrig's Python runtime"
+        )
     scratch = scratch or scratch_root()
     began = time.monotonic()
     deps, swift = local_deps(), swift_executable()

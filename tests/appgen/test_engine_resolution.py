@@ -176,3 +176,39 @@ def test_resolved_but_not_building_is_a_failure_not_a_skip(
         resolved = json.loads((build_root / "swift-engine-app" / "Package.resolved").read_text())
         pins = {pin["identity"]: (pin["location"], pin["state"]["version"]) for pin in resolved["pins"]}
         assert pins == {name: (pin["url"], pin["version"]) for name, pin in PINS.items()}
+
+
+def test_the_engine_is_not_built_on_macos(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On macOS the app's Darwin branches and Metal's library are Xcode's: `kvrig engine` says so as an
+    unresolvable build (make test's --skip-unresolvable skips, the demo's auto runtime takes Python) instead of
+    compiling MLX for minutes and failing."""
+    import platform
+
+    from kvrig.appgen.linux import build_engine
+    from kvrig.exceptions import EngineNotForThisHostError
+    from kvrig.virtual.swiftapp import resolve_runtime
+
+    monkeypatch.setattr(platform, "system", lambda: "Darwin")
+    with pytest.raises(EngineNotForThisHostError, match="Linux") as refused:
+        build_engine()
+    assert isinstance(refused.value, SwiftDepsNotFoundError) and refused.value.exit_code == 30
+    choice = resolve_runtime("auto")
+    assert choice.runtime == "python" and "Darwin" in choice.why
+
+
+@pytest.mark.parametrize(
+    ("printed", "refused"),
+    [
+        ("Swift version 6.3.1 (swift-6.3.1-RELEASE)\nTarget: x86_64-unknown-linux-gnu\n", False),
+        ("Swift version 6.0.3 (swift-6.0.3-RELEASE)\nTarget: aarch64-unknown-linux-gnu\n", True),
+        ("swift-driver version: 1.120.5 Apple Swift version 6.1 (swiftlang-6.1.0.110.21 clang-1700.0.13.3)\n", False),
+        ("Apple Swift version 5.10 (swiftlang-5.10.0.13 clang-1500.3.9.4)\n", True),
+        ("", True),
+    ],
+)
+def test_a_toolchain_too_old_for_the_pins_is_unresolvable(printed: str, refused: bool) -> None:
+    """`swift --version` as Swift.org's and Apple's toolchains print it: one before 6.1 cannot read mlx-swift-lm's
+    manifest, which is a missing toolchain (a named skip), not a failed build of kvrig's sources."""
+    from kvrig.appgen.linux import swift_version_problem
+
+    assert (swift_version_problem(printed) is not None) == refused
