@@ -43,6 +43,8 @@ class TextKind:
     """The text starts at the first occurrence of this (a manual's table of contents is not prose)."""
     shipped: bool = False
     """Read from kvrig's copies of `files` (`vendored`), not from the Debian package."""
+    elsewhere: tuple[str, ...] = ()
+    """Folders that hold the same files on systems without the Debian package, tried in order when it is missing."""
 
     @property
     def vendored(self) -> tuple[str, ...]:
@@ -87,6 +89,7 @@ KINDS: tuple[TextKind, ...] = (
         "base-files",
         tuple(str(LICENSES / name) for name in ("GPL-3", "Apache-2.0", "GFDL-1.3", "MPL-2.0")),
         "evaluation",
+        shipped=True,  # each licence allows verbatim copies: the benches read the same text on a Mac
     ),
     TextKind(
         "quotes",
@@ -97,6 +100,8 @@ KINDS: tuple[TextKind, ...] = (
             for name in ("literature", "wisdom", "people", "startrek", "men-women", "humorists", "work", "science")
         ),
         "evaluation",
+        # fortune-mod's files where Homebrew puts them (`brew install fortune`): not Debian's release of them
+        elsewhere=("/opt/homebrew/share/games/fortunes", "/usr/local/share/games/fortunes"),
     ),
     TextKind(
         "python-held-out",
@@ -155,6 +160,13 @@ def debian_path(pattern: str) -> Path:
     return Path(matches[-1]) if matches else Path(pattern)
 
 
+def _found(text_kind: TextKind, path: Path) -> Path:
+    """`path`, or the first of the kind's other folders holding its file when it is missing (else `path`)."""
+    if path.exists():
+        return path
+    return next((Path(f) / path.name for f in text_kind.elsewhere if (Path(f) / path.name).exists()), path)
+
+
 def read_kind(text_kind: TextKind | str) -> tuple[str, list[str]]:
     """The kind's files joined by blank lines, and the paths read."""
     text_kind = kind(text_kind) if isinstance(text_kind, str) else text_kind
@@ -163,8 +175,10 @@ def read_kind(text_kind: TextKind | str) -> tuple[str, list[str]]:
         paths = [TEXTS_DIR / name for name in text_kind.vendored]
         expected = "kvrig's copy of it (kvrig/_texts: reinstall kvrig)"
     else:
-        paths = [debian_path(pattern) for pattern in text_kind.files]
+        paths = [_found(text_kind, debian_path(pattern)) for pattern in text_kind.files]
         expected = f"Debian's {text_kind.package} package (`make setup` installs it)"
+        if text_kind.elsewhere:
+            expected += f", or the same files in {' or '.join(text_kind.elsewhere)}"
     for path in paths:
         try:
             raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()

@@ -318,6 +318,10 @@ def _save_checkpoint(documents: Path, run_id: str, context: int, reason: str) ->
 
 
 def main(argv: list[str] | None = None) -> int:
+    import mlx.core as mx
+
+    # The plans the virtual iPhone is held to are the CPU's (demo.py: backend="cpu"); on a Mac MLX would take Metal.
+    mx.set_default_device(mx.cpu)
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     container = Path(os.environ.get("KVRIG_CONTAINER", "."))

@@ -103,7 +103,7 @@ def test_what_package_reads_ships_with_kvrig() -> None:
             text = gzip.decompress((TEXTS_DIR / name).read_bytes())
             assert hashlib.sha256(text).hexdigest() == SOURCES[name]["sha256"], name
     copies = {p.relative_to(TEXTS_DIR).as_posix() for p in TEXTS_DIR.rglob("*.gz")}
-    assert copies == set(SOURCES) == {n for k in shipped for n in k.vendored}
+    assert copies == set(SOURCES) == {n for k in KINDS for n in k.vendored}
 
 
 def _installed(package: str) -> str | None:
@@ -139,3 +139,25 @@ def test_a_damaged_copy_names_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
         read_kind("docs")
     assert raised.value.exit_code == 46 and raised.value.file == str(damaged)
     assert "reinstall kvrig" in str(raised.value)
+
+
+def test_a_kind_missing_from_debian_is_read_where_other_systems_put_it(tmp_path: Path) -> None:
+    """fortune-mod's files where Homebrew puts them, for a Mac without Debian's package; missing everywhere, the
+    message names both places."""
+    elsewhere = tmp_path / "share" / "games" / "fortunes"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "wisdom").write_text("A fortune.\n%\nAnother.\n")
+    quotes = TextKind(
+        "q",
+        "quotes",
+        "fortunes",
+        ("/nonexistent/fortunes/wisdom",),
+        "evaluation",
+        elsewhere=(str(tmp_path / "nowhere"), str(elsewhere)),
+    )
+    text, used = read_kind(quotes)
+    assert used == [str(elsewhere / "wisdom")] and text == "A fortune.\n\nAnother.\n"
+    (elsewhere / "wisdom").unlink()
+    with pytest.raises(QualityInputError, match="fortunes") as raised:
+        read_kind(quotes)
+    assert str(elsewhere) in str(raised.value) and raised.value.file == "/nonexistent/fortunes/wisdom"
