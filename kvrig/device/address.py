@@ -5,6 +5,7 @@ all three, so one exported variable serves both clients, and hands pymobiledevic
 from __future__ import annotations
 
 import os
+import sys
 from typing import Final
 
 from kvrig.exceptions import UsbmuxAddressError
@@ -27,9 +28,9 @@ def usbmux_address(text: str, *, field: str = ENV) -> str:
         value = value[len(UNIX_PREFIX) :]
         if not value:
             raise UsbmuxAddressError(f"{text!r}: UNIX: names no socket path", field=field, expected=EXPECTED)
-        return value
+        return _socket_path(value, field)
     if value.startswith(("/", ".")):
-        return value
+        return _socket_path(value, field)
     host, sep, port = value.rpartition(":")
     if not sep or not host:
         raise UsbmuxAddressError(f"{text!r} is neither a socket path nor HOST:PORT", field=field, expected=EXPECTED)
@@ -42,6 +43,21 @@ def usbmux_address(text: str, *, field: str = ENV) -> str:
     if not port.isdigit() or not 0 < int(port) < 65536:
         raise UsbmuxAddressError(f"{text!r}: {port!r} is not a TCP port", field=field, expected=EXPECTED)
     return value
+
+
+# sockaddr_un's sun_path, its closing NUL included: 104 bytes on macOS (and the BSDs), 108 on Linux.
+MAX_SOCKET_PATH = 104 if sys.platform != "linux" else 108
+
+
+def _socket_path(path: str, field: str) -> str:
+    size = len(os.fsencode(path))
+    if size >= MAX_SOCKET_PATH:
+        raise UsbmuxAddressError(
+            f"{path!r}: a socket path of {size} bytes; this system's hold at most {MAX_SOCKET_PATH - 1}",
+            field=field,
+            expected="a shorter socket path, e.g. /tmp/kvrig-usbmuxd.sock",
+        )
+    return path
 
 
 def resolve(address: str | None) -> str | None:

@@ -77,3 +77,25 @@ def test_the_printed_address_serves_libimobiledevice_and_kvrig(tmp_path: Path) -
         assert kvrig("virtual", "status", "--socket", f"UNIX:{socket_path}").returncode == 0
     finally:
         kvrig("virtual", "stop", "--socket", socket_path)
+
+
+def test_a_socket_path_too_long_for_the_system_is_refused_before_anything_binds(tmp_path: Path) -> None:
+    """The kernel's own limit is the check: one byte under it binds, the refused length does not. On macOS it is
+    104 bytes, and a path under $TMPDIR (/var/folders/...) easily passes it: the server died with only a log line."""
+    import socket
+
+    from kvrig.device.address import MAX_SOCKET_PATH
+
+    base = f"{tmp_path}/"
+    if len(base) >= MAX_SOCKET_PATH - 8:
+        pytest.skip(f"the temporary folder's path ({len(base)} bytes) leaves no room to build one under it")
+    longest = base + "a" * (MAX_SOCKET_PATH - 1 - len(base))
+    assert usbmux_address(longest) == longest
+    with socket.socket(socket.AF_UNIX) as ok:
+        ok.bind(longest)
+    too_long = longest + "a"
+    with socket.socket(socket.AF_UNIX) as refused, pytest.raises(OSError):
+        refused.bind(too_long)
+    with pytest.raises(UsbmuxAddressError, match=f"at most {MAX_SOCKET_PATH - 1}") as info:
+        usbmux_address(f"UNIX:{too_long}", field="--socket")
+    assert info.value.field == "--socket" and info.value.exit_code == 51
