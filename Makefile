@@ -19,9 +19,13 @@ DEBIAN_PACKAGES := libopenblas0-pthread libimobiledevice-utils ideviceinstaller 
 
 setup: $(STAMP)
 
+# kvrig needs Python 3.11+; a Mac's /usr/bin/python3 is 3.9: refuse it by name, and never keep a venv made from it.
+PY_OK := import sys; sys.exit(sys.version_info < (3, 11))
+
 $(STAMP): pyproject.toml Makefile scripts/install-python-packages.sh
+	@$(PY) -c '$(PY_OK)' || { echo "kvrig needs Python 3.11 or later; $(PY) is $$($(PY) -V 2>&1): make PY=python3.11 (or newer)" >&2; exit 1; }
 	bash scripts/install-debian-packages.sh $(DEBIAN_PACKAGES)
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	{ test -x $(BIN)/python && $(BIN)/python -c '$(PY_OK)'; } || { rm -rf $(VENV) && $(PY) -m venv $(VENV); }
 	bash scripts/install-python-packages.sh $(VENV) mlx,device,dev,coreml
 	touch $(STAMP)
 

@@ -213,3 +213,24 @@ def test_setup_on_a_mac_asks_for_no_debian_package(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "macOS" in done.stderr and "brew install libimobiledevice" in done.stderr
     assert not calls.exists()
+
+
+def test_make_setup_refuses_a_python_before_3_11(tmp_path: Path) -> None:
+    """A Mac's /usr/bin/python3 is 3.9: `make setup` says so by name before it makes anything (a venv made from it
+    was kept and failed every later run)."""
+    import os
+    import subprocess
+
+    old = tmp_path / "python3"
+    old.write_text('#!/bin/sh\n[ "$1" = -V ] && { echo "Python 3.9.6"; exit 0; }\nexit 1\n')
+    old.chmod(0o755)
+    done = subprocess.run(
+        ["make", "-B", "-C", str(ROOT), f"PY={old}", "setup"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "MAKEFLAGS": ""},
+        timeout=120,
+    )
+    assert done.returncode != 0
+    assert "kvrig needs Python 3.11 or later" in done.stderr and "Python 3.9.6" in done.stderr
+    assert "install-debian-packages" not in done.stdout  # stopped before the first step

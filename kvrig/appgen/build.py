@@ -29,8 +29,17 @@ class BuildResult:
 def _run(cmd: list[str], cwd: Path) -> None:
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
     if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-20:])
-        raise AppGenError(f"{cmd[0]} failed (exit {proc.returncode}):\n{tail}")
+        raise AppGenError(failure_message(cmd[0], proc.returncode, proc.stdout + proc.stderr))
+
+
+def failure_message(tool: str, code: int, output: str) -> str:
+    """What a failed xcodegen or xcodebuild said: its last lines, and first what to do where the cause is known."""
+    tail = "\n".join(output.strip().splitlines()[-20:])
+    hint = ""
+    if "missing Metal Toolchain" in output:
+        # Xcode 26 installs it apart; MLX's Metal kernels need it, and Xcode's own line may be far up the log.
+        hint = "Xcode has no Metal Toolchain (Xcode 26 ships it apart): xcodebuild -downloadComponent MetalToolchain\n"
+    return f"{tool} failed (exit {code}):\n{hint}{tail}"
 
 
 def xcode_problem(version_output: str) -> str | None:

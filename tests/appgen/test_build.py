@@ -39,3 +39,19 @@ def test_the_xcode_the_app_needs(printed: str, refused: bool) -> None:
     assert (problem is not None) == refused, problem
     if refused:
         assert "Xcode" in problem  # type: ignore[operator]
+
+
+def test_a_missing_metal_toolchain_is_named_first() -> None:
+    """Xcode 26 installs its Metal Toolchain apart; without it MLX's kernels fail to compile, and Xcode's line
+    saying so may be far above the 20 lines a failure shows."""
+    from kvrig.appgen.build import failure_message
+
+    log = (
+        "error: cannot execute tool 'metal' due to missing Metal Toolchain; use: xcodebuild -downloadComponent "
+        "MetalToolchain\n" + "\n".join(f"note: step {i}" for i in range(40)) + "\n** ARCHIVE FAILED **\n"
+    )
+    message = failure_message("xcodebuild", 65, log)
+    assert message.splitlines()[1].startswith("Xcode has no Metal Toolchain")
+    assert "xcodebuild -downloadComponent MetalToolchain" in message.splitlines()[1]
+    assert message.endswith("** ARCHIVE FAILED **")
+    assert "Metal" not in failure_message("xcodebuild", 65, "error: no signing certificate\n")
