@@ -165,8 +165,8 @@ class MatrixEntry(StrictModel):
     @model_validator(mode="after")
     def _unique_schemes(self) -> MatrixEntry:
         names = [s.name for s in self.schemes]
-        if len(set(names)) != len(names):
-            raise ValueError(f"scheme names repeat: {names}")
+        if len({folder_key(n) for n in names}) != len(names):
+            raise ValueError(f"scheme names repeat (as folder names, where case and punctuation do not count): {names}")
         if self.residencies is not None and len(set(self.residencies)) != len(self.residencies):
             raise ValueError(f"residencies repeat: {self.residencies}")
         if self.residencies is not None and self.backend == "coreml":
@@ -225,8 +225,11 @@ class Lab(StrictModel):
     @model_validator(mode="after")
     def _unique(self) -> Lab:
         labels = [e.label for e in self.matrix]
-        if len(set(labels)) != len(labels):
-            raise ValueError(f"matrix entries need distinct names (set `name`): {labels}")
+        if len({folder_key(label) for label in labels}) != len(labels):
+            raise ValueError(
+                f"matrix entries need distinct names (set `name`; as folder names, case and punctuation do not "
+                f"count): {labels}"
+            )
         udids = [d.udid for d in self.devices if d.udid != ANY_DEVICE]
         if len(set(udids)) != len(udids):
             raise ValueError(f"a UDID is listed twice: {udids}")
@@ -289,6 +292,12 @@ def slug(text: str) -> str:
     """A file-name-safe form of a name from the lab file or a device (never a path, never hidden)."""
     cleaned = _SLUG.sub("-", text).strip(".-") or "x"
     return cleaned[:80]
+
+
+def folder_key(name: str) -> str:
+    """What two names must not share to get folders of their own: their `slug`, without case (macOS's file systems
+    ignore it)."""
+    return slug(name).casefold()
 
 
 def load_lab(path: str | Path) -> Lab:

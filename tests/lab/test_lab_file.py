@@ -70,6 +70,15 @@ def test_example_lab_loads_with_paths_from_its_folder() -> None:
         ("schema: 1\nmatrix: []\n", "matrix", "at least 1"),
         (MINIMAL + "threshold: {confirm_runs: 1, max_attempts: 0}\n", "threshold.max_attempts", "greater than"),
         (MINIMAL.replace("[fp16]", "[fp16, fp16]"), "matrix.0", "scheme names repeat"),
+        # one folder on macOS's file systems, which ignore case; one slug whatever the case
+        (MINIMAL.replace("[fp16]", "[Base, base]"), "matrix.0", "scheme names repeat"),
+        (MINIMAL.replace("[fp16]", "[k8 v4, k8-v4]"), "matrix.0", "scheme names repeat"),
+        (
+            "schema: 1\nmatrix:\n  - {name: Qwen, app_id: a.b, schemes: [fp16]}\n"
+            "  - {name: qwen, app_id: a.b, schemes: [fp16]}\n",
+            None,
+            "matrix entries need distinct names",
+        ),
         (MINIMAL + "    residencies: [loaded, loaded]\n", "matrix.0", "residencies repeat"),
         (MINIMAL + "    residencies: [wired]\n", "matrix.0.residencies.0", "'loaded' or 'mapped'"),
         (MINIMAL + "    residencies: []\n", "matrix.0.residencies", "at least 1"),
@@ -78,7 +87,7 @@ def test_example_lab_loads_with_paths_from_its_folder() -> None:
         (MINIMAL + "on_critical: keep_going\n", "on_critical", "'stop_and_save' or 'continue'"),
     ],
 )
-def test_bad_lab_file_names_file_and_field(tmp_path: Path, text: str, field: str, words: str) -> None:
+def test_bad_lab_file_names_file_and_field(tmp_path: Path, text: str, field: str | None, words: str) -> None:
     path = tmp_path / "lab.yaml"
     path.write_text(text)
     with pytest.raises(SchemaError) as info:
