@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import math
 import os
+import re
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -154,9 +156,24 @@ class FootprintAccount:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User+system CPU time of a live process (Linux /proc); 0 where that is not available."""
+    """User+system CPU time of a live process: Linux's /proc, else ps (macOS has no /proc); 0 where neither
+    says."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
+        pass
+    try:
+        shown = subprocess.run(["ps", "-o", "time=", "-p", str(pid)], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
         return 0.0
+    return ps_time_seconds(shown.stdout) if shown.returncode == 0 else 0.0
+
+
+def ps_time_seconds(text: str) -> float:
+    """ps's `time` column ([[DD-]HH:]MM:SS[.ss]: procps prints HH:MM:SS, macOS M:SS.ss) in seconds; 0 if not one."""
+    found = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+(?:\.\d+)?)", text.strip())
+    if found is None:
+        return 0.0
+    days, hours, minutes, seconds = found.groups()
+    return ((int(days or 0) * 24 + int(hours or 0)) * 60 + int(minutes)) * 60 + float(seconds)

@@ -73,3 +73,43 @@ def test_temperature_rises_under_load_and_not_at_idle(emulator: Emulator, ipa: P
         emulator.host.run(emulator.device.apps.kill_bundle(BUNDLE_ID))
     assert loaded["Temperature"] > idle_2 + 20  # warmer by more than 0.2 °C
     assert loaded["InstantAmperage"] < 600  # the load draws against the charger
+
+
+@pytest.mark.parametrize(
+    ("shown", "seconds"),
+    [("00:00:01\n", 1.0), ("01:02:03", 3723.0), ("2-00:00:05", 172805.0), ("0:07.25", 7.25), ("12:34.50", 754.5)],
+)
+def test_ps_time_as_procps_and_macos_print_it(shown: str, seconds: float) -> None:
+    """Where there is no /proc (macOS) the virtual phone's CPU time comes from ps: procps prints [DD-]HH:MM:SS,
+    macOS M:SS.ss. The virtual battery warms and the JetsamEvent report's cpuTime come from it."""
+    from kvrig.virtual.footprint import ps_time_seconds
+
+    assert ps_time_seconds(shown) == seconds
+    assert ps_time_seconds("-") == 0.0
+
+
+def test_ps_agrees_with_proc_about_a_busy_process() -> None:
+    """The two ways of reading a process's CPU time against each other, on a child that spins for a while."""
+    import subprocess
+    import sys
+
+    from kvrig.virtual.footprint import ps_time_seconds
+
+    busy = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\nend = time.process_time() + 3\nwhile time.process_time() < end: pass\nsys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while cpu_seconds(busy.pid) < 2.5 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        proc = cpu_seconds(busy.pid)
+        shown = subprocess.run(["ps", "-o", "time=", "-p", str(busy.pid)], capture_output=True, text=True).stdout
+        assert proc >= 2.5 and abs(ps_time_seconds(shown) - proc) <= 1.0, (shown, proc)  # procps shows whole seconds
+    finally:
+        busy.kill()
+        busy.wait()
