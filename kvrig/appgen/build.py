@@ -5,19 +5,17 @@ from __future__ import annotations
 import os
 import platform
 import plistlib
-import re
 import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvrig.appgen.toolchain import xcode_problem
 from kvrig.exceptions import AppGenError, InputError, PlatformNotSupportedError
 from kvrig.fileio import read_data
 
 TEAM_ENV = "KVRIG_TEAM_ID"
-MIN_XCODE = (16, 3)
-"""The first Xcode with Swift 6.1: mlx-swift-lm's manifest at the pinned version says swift-tools-version 6.1."""
 
 
 @dataclass(frozen=True)
@@ -40,19 +38,6 @@ def failure_message(tool: str, code: int, output: str) -> str:
         # Xcode 26 installs it apart; MLX's Metal kernels need it, and Xcode's own line may be far up the log.
         hint = "Xcode has no Metal Toolchain (Xcode 26 ships it apart): xcodebuild -downloadComponent MetalToolchain\n"
     return f"{tool} failed (exit {code}):\n{hint}{tail}"
-
-
-def xcode_problem(version_output: str) -> str | None:
-    """Why the Xcode that `xcodebuild -version` printed cannot build the app (None: it can)."""
-    found = re.search(r"^Xcode (\d+)\.(\d+)", version_output, re.MULTILINE)
-    if found is None:
-        return f"`xcodebuild -version` printed no Xcode version: {version_output.strip()[:200]!r}"
-    if (int(found[1]), int(found[2])) < MIN_XCODE:
-        return (
-            f"{found[0]} is too old: the app's MLX Swift packages need Xcode {MIN_XCODE[0]}.{MIN_XCODE[1]} or later "
-            "(Swift 6.1); install a newer Xcode, or select one with xcode-select"
-        )
-    return None
 
 
 def read_project(project: Path) -> tuple[dict[str, Any], str]:

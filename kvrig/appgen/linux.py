@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Literal
 
 from kvrig.appgen.render import PINS, AppOptions, render_project
+from kvrig.appgen.toolchain import swift_version_problem
 from kvrig.exceptions import EngineNotForThisHostError, SwiftBuildError, SwiftDepsNotFoundError
 from kvrig.schemas.kvcache import KVCacheConfig, LayerCache, host_kvcache
 
@@ -84,10 +85,6 @@ def local_deps() -> Path | None:
     return folder.resolve()
 
 
-MIN_SWIFT = (6, 1)
-"""mlx-swift-lm's manifest at the pinned version says swift-tools-version 6.1."""
-
-
 def swift_executable() -> str:
     swift = shutil.which("swift")
     if swift is None:
@@ -100,19 +97,6 @@ def swift_executable() -> str:
     if (problem := swift_version_problem(shown.stdout + shown.stderr)) is not None:
         raise SwiftDepsNotFoundError(f"MLX Swift packages not resolvable: {problem}")
     return swift
-
-
-def swift_version_problem(version_output: str) -> str | None:
-    """Why the toolchain `swift --version` describes cannot build the engine (None: it can)."""
-    found = re.search(r"Swift version (\d+)\.(\d+)", version_output)
-    if found is None:
-        return f"`swift --version` printed no Swift version: {version_output.strip()[:200]!r}"
-    if (int(found[1]), int(found[2])) < MIN_SWIFT:
-        return (
-            f"{found[0]} is too old: the pinned MLX Swift packages need Swift {MIN_SWIFT[0]}.{MIN_SWIFT[1]} or later "
-            "(https://www.swift.org/install)"
-        )
-    return None
 
 
 def how_to_provide() -> str:

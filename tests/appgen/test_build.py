@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrig.appgen.build import xcode_problem
+from kvrig.appgen.toolchain import xcode_problem
 from kvrig.exceptions import PlatformNotSupportedError
 
 

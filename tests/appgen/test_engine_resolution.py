@@ -209,6 +209,6 @@ def test_the_engine_is_not_built_on_macos(monkeypatch: pytest.MonkeyPatch) -> No
 def test_a_toolchain_too_old_for_the_pins_is_unresolvable(printed: str, refused: bool) -> None:
     """`swift --version` as Swift.org's and Apple's toolchains print it: one before 6.1 cannot read mlx-swift-lm's
     manifest, which is a missing toolchain (a named skip), not a failed build of kvrig's sources."""
-    from kvrig.appgen.linux import swift_version_problem
+    from kvrig.appgen.toolchain import swift_version_problem
 
     assert (swift_version_problem(printed) is not None) == refused
