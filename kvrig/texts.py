@@ -1,8 +1,8 @@
 """Texts the quality measurements read, by kind. Nothing downloads: every text is a file a Debian package ships,
 except the gate's short prose, which is kvrig's own. What `kvrig package` reads (the calibration and gate kinds)
-ships inside kvrig (kvrig/_texts, copied by scripts/vendor-texts.py; their licences allow verbatim copies), so
-that every system calibrates on the same bytes; the evaluation kinds only the quality benches read are read from
-the Debian packages themselves (`make setup` installs them).
+and the licence texts ship inside kvrig (kvrig/_texts, copied by scripts/vendor-texts.py; their licences allow
+verbatim copies), so that every system reads the same bytes; the quotations are read from Debian's fortunes
+package (`make setup` installs it), or where Homebrew puts fortune-mod's files.
 
 Calibration (what AWQ, GPTQ and kvrig's importance-weighted recipes learn from) reads technical writing and code
 (Python's tutorial, Python and C source); the quality bench judges recipes on kinds it never reads (licences,
