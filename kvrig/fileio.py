@@ -219,21 +219,31 @@ def sweep_scratch(parent: Path, prefix: str) -> list[Path]:
 
 
 def exchange(a: Path, b: Path) -> bool:
-    """Swaps two paths atomically (Linux renameat2 with RENAME_EXCHANGE); False where that is unavailable."""
+    """Swaps two paths atomically (Linux renameat2 with RENAME_EXCHANGE, macOS renamex_np with RENAME_SWAP); False
+    where that is unavailable."""
     import ctypes
     import ctypes.util
 
-    if not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux") and sys.platform != "darwin":
         return False
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    renameat2 = getattr(libc, "renameat2", None)
-    if renameat2 is None:
+    if sys.platform == "darwin":
+        renamex_np = getattr(libc, "renamex_np", None)
+        rename_swap = 2  # <stdio.h>
+        done = None if renamex_np is None else renamex_np(os.fsencode(a), os.fsencode(b), rename_swap)
+        unsupported: tuple[int, ...] = (errno.ENOTSUP, errno.EINVAL)  # a file system without RENAME_SWAP
+    else:
+        renameat2 = getattr(libc, "renameat2", None)
+        at_fdcwd, rename_exchange = -100, 2
+        paths = (at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b))
+        done = None if renameat2 is None else renameat2(*paths, rename_exchange)
+        unsupported = (errno.ENOSYS, errno.EINVAL)  # kernel or filesystem without RENAME_EXCHANGE
+    if done is None:
         return False
-    at_fdcwd, rename_exchange = -100, 2
-    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+    if done == 0:
         return True
     code = ctypes.get_errno()
-    if code in (errno.ENOSYS, errno.EINVAL):  # kernel or filesystem without RENAME_EXCHANGE
+    if code in unsupported:
         return False
     raise OSError(code, os.strerror(code), str(b))
 

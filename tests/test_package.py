@@ -473,3 +473,23 @@ def test_a_family_the_app_keeps_unquantized_takes_no_quantized_kv() -> None:
         check_app_kv("gemma3n", parse_kv("k8v4"))
     check_app_kv("gemma3n", parse_kv("fp16"))
     check_app_kv("llama", parse_kv("k8v4"))
+
+
+@pytest.mark.skipif(sys.platform not in ("linux", "darwin"), reason="an atomic exchange is Linux's and macOS's")
+def test_an_existing_bundle_is_swapped_for_the_new_one_in_one_rename(tmp_path: Path) -> None:
+    """`--replace` puts the new bundle in place with one atomic exchange (renameat2 on Linux, renamex_np on macOS):
+    no moment with no bundle at the path, and the old one removed after."""
+    from kvrig.fileio import exchange, swap_in
+
+    old, new = tmp_path / "bundle", tmp_path / ".bundle.partial"
+    old.mkdir()
+    (old / "manifest.json").write_text("old")
+    new.mkdir()
+    (new / "manifest.json").write_text("new")
+    if not exchange(new, old):
+        pytest.skip(f"the file system of {tmp_path} has no atomic exchange (swap_in renames twice there)")
+    assert (old / "manifest.json").read_text() == "new" and (new / "manifest.json").read_text() == "old"
+    assert exchange(new, old) is True  # and back
+    swap_in(new, old)
+    assert (old / "manifest.json").read_text() == "new" and not new.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle"]
