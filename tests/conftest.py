@@ -12,6 +12,7 @@ instead of one worker finishing a long file alone."""
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -21,6 +22,11 @@ from kvrig.runtime.blas import load_openblas
 from tests.hostile_suite import Table
 
 load_openblas()
+
+if sys.platform == "darwin":
+    # macOS's $TMPDIR (/private/var/folders/…) leaves the sockets tests make under tmp_path past the 104 bytes a
+    # unix socket path holds there; pytest roots its temporary folders here instead (read when first used).
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", "/tmp")
 
 
 @pytest.fixture(scope="session", autouse=True)

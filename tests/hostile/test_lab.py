@@ -29,6 +29,7 @@ from tests.hostile_suite import hostile
 from tests.lab.conftest import BUNDLE_ID, FAST, Phones, phones, short_entry
 
 __all__ = ["phones"]
+LINUX_PROC = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads processes from Linux's /proc")
 STOPPED_WITHIN_S = 25  # the workers' STOP_S (15 s) and a loaded machine's margin
 
 
@@ -175,6 +176,7 @@ def _mid_soak(phones: Phones, tmp_path: Path, **popen: Any) -> tuple[subprocess.
     return proc, workers, out
 
 
+@LINUX_PROC
 @hostile(5, "kvrig lab run SIGKILLed mid-soak", f"workers gone and apps stopped within {STOPPED_WITHIN_S} s")
 def test_workers_die_with_their_parent_and_stop_their_apps(hung: Phones, tmp_path: Path) -> None:
     proc, workers, out = _mid_soak(hung, tmp_path)
@@ -188,6 +190,7 @@ def test_workers_die_with_their_parent_and_stop_their_apps(hung: Phones, tmp_pat
     assert {p: p.stat().st_mtime_ns for p in (out / RUNS_DIR).rglob("*") if p.is_file()} == written
 
 
+@LINUX_PROC
 @hostile(
     5, "Ctrl-C in the terminal mid-soak (SIGINT to the group)", f"exit 130, apps stopped within {STOPPED_WITHIN_S} s"
 )
@@ -205,6 +208,7 @@ def test_ctrl_c_stops_every_app_and_saves_what_it_learned(hung: Phones, tmp_path
     assert len(runs) == 2 and all(r.error and "interrupted" in r.error for r in runs), [r.error for r in runs]
 
 
+@LINUX_PROC
 @hostile(5, "SIGINT to the lab's parent process alone", f"exit 130 within {STOPPED_WITHIN_S} s, apps stopped")
 def test_sigint_to_the_parent_alone_stops_the_lab_quickly(hung: Phones, tmp_path: Path) -> None:
     proc, workers, _ = _mid_soak(hung, tmp_path)

@@ -6,6 +6,7 @@ The expected numbers are MLX's own counters (mx.get_active_memory() + mx.get_cac
 
 from __future__ import annotations
 
+import gzip
 import random
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,6 +19,7 @@ from kvrig.planner import plan
 from kvrig.planner.allocator import Allocator, AllocatorPolicy, Generation, chat_run, trace_run
 from kvrig.recipes import parse_kv
 from kvrig.runtime.generate import uncapped_cache
+from kvrig.texts import TEXTS_DIR
 from tests.bundle_fixtures import converted_source
 from tests.cli_run import run as run_kvrig
 
@@ -62,7 +64,7 @@ def _measure(loaded: tuple[Any, Any], run: Sequence[tuple[int, int]]) -> list[di
     model, tokenizer = loaded
     params: list[tuple[str, Any]] = tree_flatten(model.parameters())  # type: ignore[assignment]
     weights = sum(v.nbytes for _, v in params)
-    text = list(tokenizer.encode(Path("/usr/share/common-licenses/GPL-3").read_text()))
+    text = list(tokenizer.encode(gzip.decompress((TEXTS_DIR / "legal" / "GPL-3.gz").read_bytes()).decode()))
     mx.synchronize()
     mx.clear_cache()  # every buffer of the run starts outside the cache
     other = mx.get_active_memory() - weights

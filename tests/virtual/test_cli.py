@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -314,6 +315,8 @@ def test_kvrig_virtual_start_ios_27_driven_by_both_clients(tmp_path: Path) -> No
         )
         assert processes.returncode == 0, processes.stderr
         assert "launchd" in processes.stdout
+        if shutil.which("ideviceinfo") is None and not sys.platform.startswith("linux"):
+            pytest.skip("libimobiledevice's ideviceinfo missing (brew install libimobiledevice)")
         idevice = subprocess.run(
             ["ideviceinfo", "-u", phone["udid"], "-k", "BuildVersion"],
             env=dict(os.environ, USBMUXD_SOCKET_ADDRESS=f"UNIX:{address}"),

@@ -76,6 +76,7 @@ def test_crash_at_tokens(clean_faults: Emulator, ipa: Path) -> None:
     report.unlink()
 
 
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process state from Linux's /proc")
 def test_hang_at_tokens_leaves_a_stopped_process(clean_faults: Emulator, ipa: Path) -> None:
     emulator = clean_faults
     install(emulator.udid, ipa)
