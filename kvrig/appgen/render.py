@@ -315,7 +315,11 @@ def check_mlpackage(path: Path) -> None:
         problem = "rootModelIdentifier names no entry of itemInfoEntries with a path"
         raise InputError(problem, file=manifest, expected=MLPACKAGE_EXPECTED)
     model = path / "Data" / entry["path"]
-    if not model.resolve().is_relative_to(path.resolve()) or not model.is_file():
+    try:
+        there = model.resolve().is_relative_to(path.resolve()) and model.is_file()
+    except (OSError, ValueError):  # a path the system cannot take (a NUL byte, too long)
+        there = False
+    if not there:
         problem = f"the root model Data/{entry['path']} is not there"
         raise InputError(problem, file=manifest, expected=MLPACKAGE_EXPECTED)
 

@@ -17,9 +17,14 @@ TESTED = ">=11.45,<12"
 async def connect_listed(
     udid: str, tunnels: list[dict[str, Any]], address: tuple[str, int]
 ) -> RemoteServiceDiscoveryService | None:
-    """The first of `tunnels` (entries of tunneld's listing for `udid`) that answers, connected; the others that
-    answered are closed. None when none answers (a stale listing)."""
-    rsds = await _create_rsds_from_tunnels({udid: tunnels}, address)
-    for extra in rsds[1:]:
-        await extra.close()
-    return rsds[0] if rsds else None
+    """The first of `tunnels` (entries of tunneld's listing for `udid`) that answers, connected, one at a time: the
+    connector skips a tunnel that times out or refuses but raises on other OSErrors (EHOSTUNREACH from a dead
+    interface), which here only skip that one. None when none answers (a stale listing)."""
+    for tunnel in tunnels:
+        try:
+            rsds = await _create_rsds_from_tunnels({udid: [tunnel]}, address)
+        except OSError:
+            continue
+        if rsds:
+            return rsds[0]
+    return None

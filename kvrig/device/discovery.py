@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from pymobiledevice3 import usbmux
-from pymobiledevice3.exceptions import ConnectionFailedToUsbmuxdError
+from pymobiledevice3.exceptions import ConnectionFailedToUsbmuxdError, MuxException
 from pymobiledevice3.lockdown import LockdownClient, create_using_usbmux
 from pymobiledevice3.lockdown_service_provider import LockdownServiceProvider
 
@@ -230,13 +230,16 @@ class Device:
         gone = False
         while time.monotonic() < deadline:
             try:
-                listed = await usbmux.list_devices(usbmux_address=self.usbmux_address)
-            except ConnectionFailedToUsbmuxdError:
+                listed = await asyncio.wait_for(usbmux.list_devices(usbmux_address=self.usbmux_address), poll_s + 5)
+            except (TimeoutError, MuxException, OSError):
                 listed = []  # usbmuxd restarting with the phone (macOS does): the phone is not back yet
             here = any(same_udid(d.serial, self.udid) and d.connection_type == "USB" for d in listed)
             if gone and here:
-                await self.reconnect()
-                return
+                try:
+                    await self.reconnect()
+                    return
+                except (DeviceLostError, DeviceNotFoundError):
+                    pass  # listed as soon as USB enumerates, before lockdownd answers: asked again
             gone = gone or not here
             await asyncio.sleep(poll_s)
         state = "did not come back" if gone else "did not restart"

@@ -5,8 +5,8 @@ RemoteServiceDiscovery (RSD) inside a tunnel; lockdown keeps serving everything 
 - userspace: pymobiledevice3's no-root in-process tunnel over lockdown's CoreDeviceProxy service (iOS 17.4+).
   Its network stack is process-wide, so one process holds one userspace tunnel: a lab runs one worker
   process per iOS 17+ phone.
-- tunneld: an RSD served by a running `pymobiledevice3 remote tunneld` (root; any iOS 17), through one of its
-  tunnels to the phone over USB (never one it runs over Wi-Fi).
+- tunneld: an RSD served by a running `pymobiledevice3 remote tunneld` (root; any iOS 17), through a tunnel to
+  the phone that tunneld does not name as one over the network (`NETWORK_TUNNEL`).
 - auto: tunneld when it is reachable and serves this phone over USB, else userspace (17.4+), else a refusal that says
   what to do. Phones before iOS 17 need no tunnel ("lockdown").
 pymobiledevice3's Wi-Fi fallback (RemotePairing found by bonjour browsing) is never used: it sends
@@ -45,8 +45,9 @@ HANDSHAKE_TIMEOUT_S = 20.0
 TUNNELD_COMMAND = f"sudo {sys.executable} -m pymobiledevice3 remote tunneld --no-wifi --no-mobdev2"
 TUNNELD_HINT = f"start `{TUNNELD_COMMAND}` on this computer and pass --tunnel tunneld"
 NETWORK_TUNNEL = re.compile(r"usbmux-.+-Network|mobdev2-.+")
-"""The `interface` of a tunnel tunneld runs over the network: a Wi-Fi usbmux connection or a mobdev2 one (its
-Wi-Fi RemotePairing tunnels, named by host, are off with --no-wifi)."""
+"""The `interface` of a tunnel tunneld names as running over the network: a Wi-Fi usbmux connection or a mobdev2
+one. Its Wi-Fi RemotePairing tunnels are named by the phone's address, as its USB (NCM) ones are: nothing in the
+listing tells them apart, so kvrig's tunneld command turns them off (--no-wifi)."""
 OLD_17_HINT = (
     "iOS {version} has no CoreDeviceProxy service (it came with iOS 17.4), so kvrig cannot open a tunnel "
     "without root: " + TUNNELD_HINT + ", or update the phone to iOS 17.4 or later"
@@ -269,10 +270,7 @@ class Tunnel:
             if why is not None or listed is None:
                 raise NoTunnelError(f"{self.udid}: tunneld at {self.plan.tunneld} {why}; {TUNNELD_HINT}")
             key, tunnels = listed
-            try:
-                rsd = await connect_listed(key, over_usb(tunnels), address)
-            except OSError:  # a dead tunnel interface (EHOSTUNREACH), which pymobiledevice3 does not skip
-                rsd = None
+            rsd = await connect_listed(key, over_usb(tunnels), address)
             if rsd is None:
                 raise NoTunnelError(
                     f"tunneld at {self.plan.tunneld} lists a tunnel to {self.udid} that does not answer (a stale one, "

@@ -82,8 +82,9 @@ def test_flag_needs_a_core_ml_package(tiny_exports: dict[str, ExportResult], tmp
             lambda m: m.write_text(m.read_text().replace("com.apple.CoreML/model.mlmodel", "../../../etc/hostname")),
             "is not there",
         ),
+        (lambda m: m.write_text(m.read_text().replace("com.apple.CoreML/model.mlmodel", "a\\u0000b")), "is not there"),
     ],
-    ids=["cut short", "a list", "no root entry", "no root model", "root outside the package"],
+    ids=["cut short", "a list", "no root entry", "no root model", "root outside the package", "a NUL in the path"],
 )
 def test_a_damaged_package_is_refused_before_it_is_shipped(
     tiny_exports: dict[str, ExportResult], tmp_path: Path, damage, says: str

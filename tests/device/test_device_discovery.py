@@ -162,10 +162,19 @@ def test_waiting_for_a_restart_is_bounded_and_reconnects(emulator: Emulator) -> 
         run(on_device(emulator.udid, stays))
 
     async def restarts(device):  # type: ignore[no-untyped-def]
-        old = device.lockdown
+        old, reconnect, refusals = device.lockdown, device.reconnect, []
+
+        async def not_yet() -> None:  # usbmuxd lists a booting phone before its lockdownd answers
+            if not refusals:
+                refusals.append("lockdownd not up")
+                raise DeviceLostError("connection refused")
+            await reconnect()
+
+        device.reconnect = not_yet
         emulator.host.run(emulator.device.unplug())
         threading.Timer(1.0, lambda: emulator.host.run(emulator.device.replug())).start()
         await device.restarted(timeout_s=60, poll_s=0.1)
+        assert refusals == ["lockdownd not up"]  # refused once, then asked again
         return old is not device.lockdown and (await device.lockdown.get_value(key="UniqueDeviceID")) == device.udid
 
     assert run(on_device(emulator.udid, restarts))

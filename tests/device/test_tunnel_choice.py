@@ -165,8 +165,8 @@ def test_tunnels_tunneld_runs_over_the_network_are_never_used() -> None:
 
 
 def test_only_the_usb_tunnels_are_connected_to(monkeypatch: pytest.MonkeyPatch, closed_port: tuple[str, int]) -> None:
-    """With USB and network tunnels listed, kvrig hands pymobiledevice3's connector the USB ones alone; a dead
-    tunnel interface (OSError, which the connector does not skip) is the stale tunnel's NoTunnelError."""
+    """With USB and network tunnels listed, kvrig hands pymobiledevice3's connector the USB ones alone (kvrig's
+    adapter recording them here); none answering is the stale tunnel's NoTunnelError."""
     import kvrig.device.tunnel as tunnel
 
     usb = {"tunnel-address": closed_port[0], "tunnel-port": closed_port[1], "interface": "fe80::1%en7"}
@@ -174,7 +174,6 @@ def test_only_the_usb_tunnels_are_connected_to(monkeypatch: pytest.MonkeyPatch, 
 
     async def connect(key: str, tunnels: list[dict[str, object]], address: tuple[str, int]) -> None:
         handed.append(tunnels)
-        raise OSError(113, "No route to host")
 
     monkeypatch.setattr(tunnel, "connect_listed", connect)
     with serving({UDID: [*NETWORK_TUNNELS, usb]}) as address:
@@ -183,6 +182,16 @@ def test_only_the_usb_tunnels_are_connected_to(monkeypatch: pytest.MonkeyPatch, 
         with pytest.raises(NoTunnelError, match="does not answer"):
             asyncio.run(Tunnel(UDID, chosen, os_version="18.6").open())
     assert handed == [[usb]]
+
+
+def test_a_dead_tunnel_interface_only_skips_that_tunnel(closed_port: tuple[str, int]) -> None:
+    """pymobiledevice3's connector skips a tunnel that refuses or times out, but raises on a host it cannot route
+    to (the interface of a replugged phone, gone): kvrig's adapter skips that one tunnel and tries the next."""
+    from kvrig.compat.pymobiledevice3_tunneld import connect_listed
+
+    unroutable = {"tunnel-address": "fd00::1", "tunnel-port": 5555, "interface": "fe80::1%en7"}
+    refused = {"tunnel-address": closed_port[0], "tunnel-port": closed_port[1], "interface": "fe80::2%en8"}
+    assert asyncio.run(connect_listed(UDID, [unroutable, refused], ("127.0.0.1", 1))) is None
 
 
 def test_the_tunneld_command_kvrig_gives_is_one_pymobiledevice3_takes() -> None:
