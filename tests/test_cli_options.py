@@ -128,7 +128,8 @@ def test_an_unknown_device_is_refused_before_the_model_is_read(command: list[str
 
 
 def test_soak_refuses_schedule_options_a_plan_file_would_override(tmp_path: Path) -> None:
-    """With --plan, --max-tokens/--step/--decode-tokens were dropped without a word (the file's schedule ran)."""
+    """With --plan, --max-tokens/--step-tokens/--decode-tokens were dropped without a word (the file's schedule
+    ran). `--step` is --step-tokens' older name: still accepted, and named as the option is now."""
     from kvrig.soaking.plan import make_plan
 
     plan = tmp_path / "plan.json"
@@ -147,7 +148,7 @@ def test_soak_refuses_schedule_options_a_plan_file_would_override(tmp_path: Path
         "out",
         cwd=tmp_path,
     )
-    assert seen["code"] == 2 and "--max-tokens, --step with --plan" in seen["err"], seen
+    assert seen["code"] == 2 and "--max-tokens, --step-tokens with --plan" in seen["err"], seen
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
 
 

@@ -51,9 +51,10 @@ def retired_force_option(instead: str) -> Decorator:
     return click.option("--force", is_flag=True, hidden=True, expose_value=False, callback=refuse, help=instead)
 
 
-def tokens_option(name: str, default: int, help: str, *, minimum: int = 1) -> Decorator:
-    """A count of tokens (a context, a step), at least `minimum`."""
-    return click.option(name, type=click.IntRange(min=minimum), default=default, show_default=True, help=help)
+def tokens_option(name: str, default: int, help: str, *, minimum: int = 1, alias: str | None = None) -> Decorator:
+    """A count of tokens (a context, a step), at least `minimum`; `alias`: an older name still accepted."""
+    decls = (name, alias) if alias else (name,)
+    return click.option(*decls, type=click.IntRange(min=minimum), default=default, show_default=True, help=help)
 
 
 def seconds_option(

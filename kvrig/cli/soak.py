@@ -24,7 +24,7 @@ from kvrig.device.loop import run_async
     "--plan", "plan_file", type=InputPath(exists=True, dir_okay=False, path_type=Path), help="A soak plan file."
 )
 @tokens_option("--max-tokens", 131072, "Stop growing here.")
-@tokens_option("--step", 256, "Tokens added per step.")
+@tokens_option("--step-tokens", 256, "Tokens added per step (the soak plan's step_tokens).", alias="--step")
 @tokens_option("--decode-tokens", 16, "Tokens timed per step.")
 @backend_option(
     None,
@@ -111,7 +111,7 @@ def soak(
     udid: str | None,
     plan_file: Path | None,
     max_tokens: int,
-    step: int,
+    step_tokens: int,
     decode_tokens: int,
     backend: str | None,
     weights_residency: str | None,
@@ -148,7 +148,9 @@ def soak(
 
     if plan_file is not None:
         context = click.get_current_context()
-        given = [f"--{n.replace('_', '-')}" for n in ("max_tokens", "step", "decode_tokens") if _given(context, n)]
+        given = [
+            f"--{n.replace('_', '-')}" for n in ("max_tokens", "step_tokens", "decode_tokens") if _given(context, n)
+        ]
         if given:  # the file's schedule would win without a word
             raise click.UsageError(
                 f"{', '.join(given)} with --plan: the plan file sets the growth schedule; edit {plan_file} or leave "
@@ -156,7 +158,7 @@ def soak(
             )
         plan = load_model_file(SoakPlan, plan_file)
     else:
-        plan = make_plan(max_tokens=max_tokens, step_tokens=step, decode_tokens=decode_tokens)
+        plan = make_plan(max_tokens=max_tokens, step_tokens=step_tokens, decode_tokens=decode_tokens)
     plan = with_overrides(
         plan,
         scheme=scheme,

@@ -410,7 +410,7 @@ def test_tunnel_that_does_not_come_back_is_tunnel_lost(clean: Phones, tmp_path: 
     cable = after_steps(phone, 2, lambda: setattr(phone, "faults", FaultPlan(tunnel_drop_after_bytes=1)))
     lost = cli(
         clean,
-        *("soak", "--app-id", BUNDLE_ID, "--udid", udid(phone), "--step", "64", "--decode-tokens", "1"),
+        *("soak", "--app-id", BUNDLE_ID, "--udid", udid(phone), "--step-tokens", "64", "--decode-tokens", "1"),
         *("--reconnect", "3", "--battery-interval", "1", "-o", str(tmp_path)),
     )
     cable.join()

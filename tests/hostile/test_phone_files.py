@@ -28,7 +28,7 @@ from tests.raw_telemetry import raw_steps
 
 __all__ = ["lying"]
 TELEMETRY_CAP = 16 * 1024 * 1024  # the soak's cap on a telemetry file, as docs/hostile.md gives it
-SOAK = ["soak", "--app-id", BUNDLE_ID, "--step", "256", "--decode-tokens", "1", "--battery-interval", "60"]
+SOAK = ["soak", "--app-id", BUNDLE_ID, "--step-tokens", "256", "--decode-tokens", "1", "--battery-interval", "60"]
 
 
 def _soak(emulator: Emulator, out: Path, *args: str) -> tuple[int, str, float, ResultsFile]:

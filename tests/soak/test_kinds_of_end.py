@@ -199,7 +199,7 @@ def test_each_kind_of_end_is_told_apart(faults_cleared: Emulator, tmp_path: Path
     fault, exit_code, evidence = KINDS[kind]
     emulator.device.faults = fault
     env = dict(os.environ, USBMUXD_SOCKET_ADDRESS=emulator.address)
-    args = ["soak", "--app-id", BUNDLE_ID, "--udid", emulator.udid, "--step", "256", "--decode-tokens", "1"]
+    args = ["soak", "--app-id", BUNDLE_ID, "--udid", emulator.udid, "--step-tokens", "256", "--decode-tokens", "1"]
     args += ["--max-tokens", "1000000", "--battery-interval", "60", "--report-wait", "2", "-o", str(tmp_path), "--json"]
     done = subprocess.run(
         [sys.executable, "-m", "kvrig", *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120

@@ -114,7 +114,17 @@ def test_real_bundle_soaks_into_jetsam(phones: Phones, tmp_path: Path) -> None:
     """`kvrig soak --on-critical continue` as a user runs it: the app grows past critical pressure (where its
     bundle's policy would stop it: test_critical_pressure_stops_and_saves) into the kernel's limit."""
     env = dict(os.environ, USBMUXD_SOCKET_ADDRESS=phones.host.address)
-    args = ["soak", "--app-id", APP_ID, "--udid", phones.small.identity.udid, "--max-tokens", "4096", "--step", "256"]
+    args = [
+        "soak",
+        "--app-id",
+        APP_ID,
+        "--udid",
+        phones.small.identity.udid,
+        "--max-tokens",
+        "4096",
+        "--step-tokens",
+        "256",
+    ]
     args += ["--decode-tokens", "2", "--on-critical", "continue", "-o", str(tmp_path)]
     proc = subprocess.run([sys.executable, "-m", "kvrig", *args], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr

@@ -196,7 +196,7 @@ def _cli(emulator: Emulator, *args: str) -> subprocess.CompletedProcess[str]:
 
 def test_cli_soak_json_and_crash_exit_code(faults_cleared: Emulator, tmp_path: Path) -> None:
     emulator = faults_cleared
-    common = ["soak", "--app-id", BUNDLE_ID, "--udid", emulator.udid, "--step", "256", "--decode-tokens", "1"]
+    common = ["soak", "--app-id", BUNDLE_ID, "--udid", emulator.udid, "--step-tokens", "256", "--decode-tokens", "1"]
     ok = _cli(emulator, *common, "--max-tokens", "512", "-o", str(tmp_path / "ok"), "--json")
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["outcome"] == "completed"
