@@ -161,13 +161,15 @@ def run_demo(options: DemoOptions, on_event: Event | None = None) -> DemoResult:
     finally:
         tally.close()
     bundle, kv = packaged.path, packaged.kvcache
+    # The KV spec in full: its sinks and recent window add float copies the plan counts, and the soak records it.
+    scheme = kv.spec
 
     spec = load_model_spec(bundle)
     runtime = resolve_runtime(options.app_runtime, on_event)
     # The buffer cache the app's MLX really keeps on this host (measured; the bundle's cap is what Metal keeps).
     held_cache = buffer_cache_held(runtime.runtime, kv.buffer_cache_limit_bytes)
     common = PlanRequest(
-        schemes=(kv.scheme,),
+        schemes=(scheme,),
         weights=packaged.manifest.recipe.weights,  # what `auto` chose
         # The largest chunk the app prefills: the bundle's prefill step, or a whole soak step when that is
         # smaller (each step feeds at most step_tokens new tokens).
@@ -181,21 +183,21 @@ def run_demo(options: DemoOptions, on_event: Event | None = None) -> DemoResult:
     sizing = plan_memory(
         spec, profile, common.model_copy(update={"margin": 0.0, "max_context_cap": options.room_tokens})
     )
-    limit = sizing.budget_at_max_context[kv.scheme].total_bytes
+    limit = sizing.budget_at_max_context[scheme].total_bytes
     # The planner on the phone the soak runs on: the same profile with the small limit.
     given = SourcedInt(value=limit, basis="reported", source="kvrig demo: the virtual iPhone's limit")
     small = profile.model_copy(update={"app_memory_limit": AppMemoryLimit(default_bytes=given)})
     exact = plan_memory(spec, small, common.model_copy(update={"margin": 0.0, "limit": "default"}))
     margined = plan_memory(spec, small, common.model_copy(update={"margin": DEFAULT_MARGIN, "limit": "default"}))
     predicted = Prediction(
-        max_context=exact.max_context[kv.scheme],
+        max_context=exact.max_context[scheme],
         limit_bytes=limit,
-        footprint_at_max_context_bytes=exact.budget_at_max_context[kv.scheme].total_bytes,
+        footprint_at_max_context_bytes=exact.budget_at_max_context[scheme].total_bytes,
     )
     _say(
         on_event,
         f"plan: limit {limit / 2**20:.1f} MiB on a virtual {profile.marketing_name}: "
-        f"max context {predicted.max_context} ({margined.max_context[kv.scheme]} with the {DEFAULT_MARGIN:.0%} margin)",
+        f"max context {predicted.max_context} ({margined.max_context[scheme]} with the {DEFAULT_MARGIN:.0%} margin)",
     )
 
     _say(on_event, "rendering the app and building the .ipa for the virtual iPhone ...")
@@ -203,17 +205,17 @@ def run_demo(options: DemoOptions, on_event: Event | None = None) -> DemoResult:
     ipa = build_virtual_ipa(project, out, APP_RUNTIMES[runtime.runtime])
     _say(on_event, f"the virtual iPhone runs {runtime.why}")
 
-    soak_result = _soak_on_virtual_iphone(options, bundle, ipa, limit, predicted, kv.scheme, on_event)
+    soak_result = _soak_on_virtual_iphone(options, bundle, ipa, limit, predicted, scheme, on_event)
     return DemoResult(
         bundle=bundle,
         project=project,
         ipa=ipa,
         device=profile.marketing_name,
         limit_bytes=limit,
-        predicted_max_context=exact.max_context[kv.scheme],
-        predicted_max_context_with_margin=margined.max_context[kv.scheme],
+        predicted_max_context=exact.max_context[scheme],
+        predicted_max_context_with_margin=margined.max_context[scheme],
         margin=DEFAULT_MARGIN,
-        predicted_footprint_bytes=exact.budget_at_max_context[kv.scheme].total_bytes,
+        predicted_footprint_bytes=exact.budget_at_max_context[scheme].total_bytes,
         soak=soak_result,
         soak_dir=out / "soak",
         kv=packaged.manifest.recipe.kv,

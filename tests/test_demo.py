@@ -20,6 +20,10 @@ def test_demo_soaks_into_jetsam(tmp_path: Path) -> None:
     assert soak.predicted is not None and soak.predicted.limit_bytes == result.limit_bytes
     saved = json.loads((result.soak_dir / "results.json").read_text())
     assert saved["runs"][0]["outcome"] == "jetsam"
+    # The run records the KV spec the app ran in full, as the packager named it in the manifest.
+    from kvrig.bundle.manifest import load_manifest
+
+    assert soak.scheme == load_manifest(result.bundle).recipe.kv
 
 
 def _no_swift_here(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -116,7 +116,13 @@ def _csv(text: str) -> tuple[str, ...]:
     callback=int_list,
     help="Contexts for bytes and decode.",
 )
-@click.option("--decode-steps", default=8, show_default=True, type=int)
+@click.option(
+    "--decode-steps",
+    default=8,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Decode steps timed per scheme at each context (fp16 and k8v4 interleaved for the goal's ratio).",
+)
 @click.option(
     "--kv-reads",
     type=click.Choice(["decoded", "chunked"]),

@@ -32,7 +32,14 @@ def _socket_option(func):  # type: ignore[no-untyped-def]
 
 
 @virtual.command()
-@click.option("--profile", default="iPhone16,1", show_default=True, help="ProductType or device profile.")
+@click.option(
+    "--device",
+    "--profile",
+    "profile",
+    default="iPhone16,1",
+    show_default=True,
+    help="ProductType or device profile, as plan, package and demo take it (--profile: its older name).",
+)
 @_socket_option
 @click.option(
     "--state",

@@ -48,7 +48,10 @@ class _Event(StrictModel):
 class StartEvent(_Event):
     event: Literal["start"] = "start"
     model: str
-    scheme: str
+    scheme: str = Field(
+        description="the KV spec the app runs, in full as kvrig's --kv writes it (k8v4+rot+s4+w64): kvcache.json's "
+        "scheme with its rotation, sink and recent-window extras"
+    )
     product_type: str
     os_version: str
     limit_bytes: int | None = Field(default=None, description="app memory limit the app believes in")

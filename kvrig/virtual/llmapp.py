@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         bundle = find_bundle(documents, args.bundle)
         kv = load_model_file(KVCacheConfig, bundle / "kvcache.json")
         residency = phone_residency(bundle, kv, plan.weights_residency if plan is not None else None)
-        channel.send({"log": f"loading {bundle.name} (KV {kv.scheme}, weights {residency.residency})"})
+        channel.send({"log": f"loading {bundle.name} (KV {kv.spec}, weights {residency.residency})"})
         if residency.note:
             channel.send({"log": f"weights loaded, not mapped: {residency.note}"})
         elif residency.residency == "mapped":
@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         telemetry.write(
             StartEvent,
             model=bundle.name,
-            scheme=kv.scheme,
+            scheme=kv.spec,
             product_type=os.environ.get("KVRIG_PRODUCT_TYPE", "host"),
             os_version=os.environ.get("KVRIG_OS_VERSION", "host"),
             limit_bytes=int(first["footprint"]) + int(first["available"]),
@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         channel.send(
             {
-                "log": f"ready: {engine.model_type}, KV {kv.scheme}, OpenBLAS {'on' if openblas_loaded() else 'off'}; "
+                "log": f"ready: {engine.model_type}, KV {kv.spec}, OpenBLAS {'on' if openblas_loaded() else 'off'}; "
                 f"host computes in float32, footprint counts {kv.dtype} for the same shapes"
             }
         )

@@ -75,6 +75,18 @@ def test_every_python_field_reaches_swift(swift_run: dict[str, Path], reference_
     assert again["layers"][1] == {**sliding, "source_layer": None, "key_bits": None, "value_bits": None}
 
 
+def test_the_app_names_the_kv_spec_as_kvrig_does(swift_run: dict[str, Path], reference_kvcache) -> None:  # type: ignore[no-untyped-def]
+    """The app's telemetry names the KV spec it runs in full: kvcache.json's scheme alone read `k8v4` for a
+    k8v4+rot+s4+w128 bundle, so two soaks of different specs recorded the same one."""
+    specs = json.loads((swift_run["out"] / "specs.json").read_text())
+    expected = {
+        r: reference_kvcache.model_copy(update={"rotation": r}).spec for r in ("none", "hadamard_keys", "hadamard")
+    }
+    expected["plain"] = reference_kvcache.model_copy(update={"sink_tokens": 0, "recent_tokens": 0}).spec
+    assert specs == expected
+    assert specs["hadamard"] == "k8v4+rot+s4+w128" != specs["plain"]
+
+
 def test_python_reads_core_telemetry(swift_run: dict[str, Path]) -> None:
     path = swift_run["out"] / "telemetry-from-swift.jsonl"
     lines = path.read_text().splitlines()

@@ -128,12 +128,12 @@ final class Engine {
             }
             try telemetry?.record(
                 .start(
-                    model: bundleURL.lastPathComponent, scheme: config.scheme,
+                    model: bundleURL.lastPathComponent, scheme: config.spec,
                     productType: DeviceMemory.productType(), osVersion: DeviceMemory.osVersion(), limitBytes: limit,
                     converted: converted, weightsResidency: weights.residency, mappedWeightBytes: weights.mappedBytes,
                     residencyNote: weights.note))
             isReady = true
-            status = "Ready: \(AppConfig.modelType), KV \(config.scheme)"
+            status = "Ready: \(AppConfig.modelType), KV \(config.spec)"
             startMetricsTimer()
             if let plan {
                 await runSoak(plan)

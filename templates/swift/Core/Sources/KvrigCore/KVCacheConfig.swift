@@ -27,6 +27,14 @@ public enum Rotation: String, Codable, Sendable {
 
     public var rotatesKeys: Bool { self != .none }
     public var rotatesValues: Bool { self == .hadamard }
+    /// How a KV spec writes it (`k8v4+rot`), as kvrig's `--kv` takes it.
+    public var specPart: String {
+        switch self {
+        case .none: ""
+        case .hadamardKeys: "+rotk"
+        case .hadamard: "+rot"
+        }
+    }
 }
 
 /// How the app holds the weights (schema 3): `loaded` into memory MLX allocates, or `mapped` from the bundle's file,
@@ -175,6 +183,13 @@ public struct KVCacheConfig: Codable, Equatable, Sendable {
     public var weightsLayout: WeightsLayout
     public var weightsAlignmentBytes: Int?
     public var layers: [LayerCache]
+
+    /// The KV spec in full (`k8v4+rot+s4+w64`), as `kvrig package --kv` takes it and the manifest records it:
+    /// `scheme` names the widths only, and two runs that differ in their extras must not read alike.
+    public var spec: String {
+        scheme + rotation.specPart + (sinkTokens > 0 ? "+s\(sinkTokens)" : "")
+            + (recentTokens > 0 ? "+w\(recentTokens)" : "")
+    }
 
     enum CodingKeys: String, CodingKey, CaseIterable {
         case schema, scheme, dtype

@@ -1,8 +1,9 @@
 import Foundation
 
-/// Soak plan, schema 3: mirrors kvrig/schemas/soakplan.py. Handed to the app with a launch argument.
+/// Soak plan, schema 4: mirrors kvrig/schemas/soakplan.py. Handed to the app with a launch argument.
 /// Schema 2 added `backend`: which runtime the soak runs on (MLX, or the shipped Core ML program); schema 3
-/// `weights_residency`: how this run holds the weights (nil: as kvcache.json says). Schema-2 plans still read.
+/// `weights_residency`: how this run holds the weights (nil: as kvcache.json says); schema 4 `buffer_cache`.
+/// Schema-2 and -3 plans still read.
 
 public struct GrowthSchedule: Codable, Equatable, Sendable {
     public var startTokens: Int

@@ -55,6 +55,23 @@ final class ContractTests: XCTestCase {
         try data.write(to: outDir.appendingPathComponent("quantization.json"))
     }
 
+    /// The full KV spec each rotation gives the reference file, for the Python side to hold to its own.
+    func testSpecForPython() throws {
+        guard let outDir else { return }
+        var config = try ContractJSON.decoder().decode(
+            KVCacheConfig.self, from: Data(contentsOf: fixture("kvcache.json")))
+        var specs: [String: String] = [:]
+        for rotation in [Rotation.none, .hadamardKeys, .hadamard] {
+            config.rotation = rotation
+            specs[rotation.rawValue] = config.spec
+        }
+        config.sinkTokens = 0
+        config.recentTokens = 0
+        specs["plain"] = config.spec
+        let data = try JSONSerialization.data(withJSONObject: specs, options: [.sortedKeys])
+        try data.write(to: outDir.appendingPathComponent("specs.json"))
+    }
+
     func testKVCacheJSONFromPython() throws {
         let config = try assertRoundTrip(KVCacheConfig.self, file: "kvcache.json")
         XCTAssertEqual(config.schema, 3)
