@@ -175,7 +175,7 @@ def plan(
     limit and the max context each scheme holds, with a recommendation.
 
     MODEL is a model directory, a config.json or a GGUF file; omitted, the embedded SmolLM2-135M."""
-    from kvrig.planner import PlanRequest, bundle_residency
+    from kvrig.planner import PlanRequest, bundle_kv, bundle_residency
     from kvrig.planner import plan as make_plan
     from kvrig.planner.kv import ALL_NAMED_SCHEMES
     from kvrig.planner.memory import DEFAULT_CONTEXTS, MAX_CONTEXT
@@ -204,8 +204,11 @@ def plan(
                 f"expected 'trained', 'none' or a number of tokens from 1 to {MAX_CONTEXT}, got '{cap}'",
                 param_hint="--cap",
             )
+    own_kv = bundle_kv(model)
+    # A bundle's own KV spec is planned beside the named ones: it is the one its app will run.
+    default_schemes = ALL_NAMED_SCHEMES + ((own_kv,) if own_kv and own_kv not in ALL_NAMED_SCHEMES else ())
     request = PlanRequest(
-        schemes=tuple(schemes or ALL_NAMED_SCHEMES),
+        schemes=tuple(schemes or default_schemes),
         weights=weights,
         recipes=tuple(recipes or DEFAULT_RECIPES),
         group_size=group_size,
@@ -244,7 +247,7 @@ def plan(
     if as_json:
         echo_json(result)
         return
-    render_plan(result)
+    render_plan(result, own_kv)
 
 
 # What `--backend coreml` plans: the exported program's weights and fp16 state at each context, against the limit.
@@ -284,7 +287,8 @@ def _measured_limit(request, device: str, limits_file: Path, os_build: str | Non
     )
 
 
-def render_plan(p) -> None:  # type: ignore[no-untyped-def]
+def render_plan(p, own_kv: str | None = None) -> None:  # type: ignore[no-untyped-def]
+    """The plan as tables; `own_kv`: the KV spec of the bundle planned (its row is marked)."""
     from rich.table import Table
 
     from kvrig.profiles import INCREASED_MEMORY_LIMIT
@@ -377,7 +381,7 @@ def render_plan(p) -> None:  # type: ignore[no-untyped-def]
     for name, per_token in p.kv_bytes_per_token.items():
         bound = p.limited_by[name]
         kv.add_row(
-            name,
+            name + (" ◀ bundle" if name == own_kv else ""),
             f"{per_token:,}",
             *[human_bytes(p.kv_bytes[name][c]) for c in contexts],
             f"{p.max_context[name]:,} ({bound})",

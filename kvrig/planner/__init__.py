@@ -33,20 +33,27 @@ def plan(
     return plan_memory(load_model_spec(model), load_profile(device), request)
 
 
-def bundle_recipe(model: str | Path | None) -> str | None:
-    """The weight recipe a bundle was packaged with (its manifest), None for anything else."""
+def _bundle_manifest(model: str | Path | None) -> Manifest | None:
     manifest = Path(model) / MANIFEST_NAME if model is not None else None
     if manifest is None or not manifest.is_file():
         return None
-    return load_model_file(Manifest, manifest).recipe.weights
+    return load_model_file(Manifest, manifest)
+
+
+def bundle_recipe(model: str | Path | None) -> str | None:
+    """The weight recipe a bundle was packaged with (its manifest), None for anything else."""
+    manifest = _bundle_manifest(model)
+    return manifest.recipe.weights if manifest is not None else None
+
+
+def bundle_kv(model: str | Path | None) -> str | None:
+    """The KV spec a bundle was packaged with, in full (its manifest), None for anything else."""
+    manifest = _bundle_manifest(model)
+    return manifest.recipe.kv if manifest is not None else None
 
 
 def bundle_residency(model: str | Path | None) -> str:
     """`mapped` when `model` is a bundle written with `--weights-layout mapped` (its manifest says so), else
     `loaded`: what the app will do with it."""
-    if model is None:
-        return "loaded"
-    manifest = Path(model) / MANIFEST_NAME
-    if not manifest.is_file():
-        return "loaded"
-    return load_model_file(Manifest, manifest).recipe.weights_layout
+    manifest = _bundle_manifest(model)
+    return manifest.recipe.weights_layout if manifest is not None else "loaded"

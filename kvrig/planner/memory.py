@@ -42,8 +42,32 @@ PLAN_SCHEMA_VERSION: Final = 1
 DEFAULT_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)
 DEFAULT_MARGIN = 0.10
 SMALL_MODEL_PARAMS = 4_000_000_000  # below this, 4-bit keys hurt quality badly
-# Quality order, best first. K4V8 is never preferred: keys are the sensitive half, so K8V4 beats it at equal size.
-QUALITY_ORDER = ("fp16", "bf16", "k8v8", "k8v4", "k4v4")
+WEAK_KEY_BITS = 4  # keys at this width or fewer count as 4-bit keys on a small model
+
+
+def quality_rank(scheme: KVSpec) -> tuple[float, ...]:
+    """Sorts KV specs best expected quality first, before anything is measured (`kvrig plan --quality` reads
+    measurements): key bits, then value bits (keys are the sensitive half, so k8v4 beats k4v8 at equal size), a
+    finer group, keys promoted in some layers, then the extras that only add quality (rotation, a recent window,
+    sink tokens); float16 before bfloat16."""
+    unquantized = 32 if scheme.dtype == "float32" else 16
+    keys = max([scheme.key_bits or unquantized, *(b for _, b in scheme.layer_key_bits)])
+    promoted = len(scheme.layer_key_bits) + (scheme.promote_keys[1] if scheme.promote_keys else 0)
+    return (
+        -(scheme.key_bits or unquantized),
+        -(scheme.value_bits or unquantized),
+        scheme.group_size,
+        -keys,
+        -promoted,
+        scheme.rotation == "none",
+        -scheme.recent_tokens,
+        -scheme.sink_tokens,
+        scheme.dtype != "float16",
+    )
+
+
+def _weak_keys(scheme: KVSpec) -> bool:
+    return scheme.key_bits is not None and scheme.key_bits <= WEAK_KEY_BITS
 
 
 class ModelSummary(StrictModel):
@@ -364,22 +388,25 @@ def recommend(
     spec: ModelSpec,
 ) -> Recommendation:
     small = parameters < SMALL_MODEL_PARAMS
-    candidates = [name for name in QUALITY_ORDER if name in schemes and max_context.get(name, 0) > 0]
+    fitting = [name for name in schemes if max_context.get(name, 0) > 0]
+    candidates = sorted(fitting, key=lambda n: quality_rank(schemes[n]))
     reasons: list[str] = []
     if small:
         reasons.append(
-            f"{parameters / 1e9:.2f}B parameters is under 4B: 4-bit keys degrade small models badly, so k4v4 is "
-            "only considered last (Hadamard-rotating keys recovers much of the loss)."
+            f"{parameters / 1e9:.2f}B parameters is under 4B: 4-bit keys degrade small models badly, so schemes with "
+            "them are only considered last (Hadamard-rotating keys recovers much of the loss)."
         )
-    reasons.append("k4v8 is never preferred: keys are more sensitive than values, so k8v4 is better at the same size.")
+    reasons.append("Keys are more sensitive than values: k8v4 ranks above k4v8 at the same size.")
     if not candidates:
         return Recommendation(
             scheme="none",
             max_context=0,
             reasons=[*reasons, "No scheme fits: the weights and baseline alone exceed the budget."],
         )
-    if small and len(candidates) > 1 and "k4v4" in candidates:
-        candidates = [c for c in candidates if c != "k4v4"] + ["k4v4"]
+    if small and len(candidates) > 1:
+        candidates = [c for c in candidates if not _weak_keys(schemes[c])] + [
+            c for c in candidates if _weak_keys(schemes[c])
+        ]
     if target_context is not None:
         for name in candidates:
             if max_context[name] >= target_context:
@@ -403,8 +430,8 @@ def recommend(
                 f"({max_context[chosen]} tokens) within the budget."
             )
         else:
-            pool = [c for c in candidates if not (small and c == "k4v4")] or candidates
-            chosen = max(pool, key=lambda n: (max_context[n], -QUALITY_ORDER.index(n)))
+            pool = [c for c in candidates if not (small and _weak_keys(schemes[c]))] or candidates
+            chosen = max(pool, key=lambda n: (max_context[n], -candidates.index(n)))
             reasons.append(
                 f"Memory bounds every scheme; {chosen} gives the longest context ({max_context[chosen]} tokens) "
                 "among schemes that keep quality."

@@ -144,6 +144,30 @@ def test_recommendation_rules() -> None:
     assert none.scheme == "none"
 
 
+@pytest.mark.parametrize("given", ["k6v4g32", "k8v4+rot", "k8v5", "k4v4+rot+s4+w64"])
+def test_any_kv_spec_given_alone_is_recommended(given: str) -> None:
+    """A spec outside the five plain names read "No scheme fits: the weights and baseline alone exceed the
+    budget" beside its own max context: only those names were candidates."""
+    p = plan(None, "iPhone16,1", schemes=[given])
+    assert p.max_context[given] > 0
+    assert (p.recommendation.scheme, p.recommendation.max_context) == (given, p.max_context[given])
+
+
+def test_extras_rank_above_their_plain_scheme_at_the_same_bytes() -> None:
+    """Rotation, sinks and a recent window only add quality (docs/quality.md's KV rows); at equal max context the
+    spec with them is chosen, and 4-bit keys on a small model stay last whatever extras they carry."""
+    spec = spec_from_config(TINY_CONFIGS["llama"])
+    names = ("k8v4", "k8v4+rot", "k4v4+rot+s4+w64", "k4v8")
+    schemes = {n: parse_kv(n) for n in names}
+    memory = dict.fromkeys(names, "memory")
+    mc = {"k8v4": 2500, "k8v4+rot": 2500, "k4v4+rot+s4+w64": 3400, "k4v8": 2500}
+    assert recommend(schemes, mc, memory, 135_000_000, None, spec).scheme == "k8v4+rot"
+    assert recommend(schemes, mc, memory, 135_000_000, 3000, spec).scheme == "k4v4+rot+s4+w64"  # only it reaches
+    assert recommend(schemes, mc, memory, 8_000_000_000, None, spec).scheme == "k4v4+rot+s4+w64"
+    # k4v8 has k8v4's bytes and the sensitive half at 4 bits: never chosen over it.
+    assert recommend({n: schemes[n] for n in ("k4v8", "k8v4")}, mc, memory, 8_000_000_000, None, spec).scheme == "k8v4"
+
+
 def test_head_dim_not_divisible_by_group_is_refused() -> None:
     config = {**TINY_CONFIGS["llama"], "head_dim": 96}
     spec = spec_from_config(config)
@@ -311,3 +335,18 @@ def test_the_default_kv_of_a_family_the_app_keeps_unquantized_is_fp16(tmp_path: 
     for name, expected in (("gemma3n", "fp16"), ("llama", "k8v4+rot")):
         (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIGS[name]))
         assert package_default_kv(tmp_path) == expected, name
+
+
+def test_a_bundle_plans_its_own_kv_spec(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """`kvrig plan BUNDLE` plans the KV spec the bundle's app runs beside the named ones, marked, and recommends
+    among them all: before, a k8v4+rot bundle's own spec had no row."""
+    from kvrig.packaging import PackageOptions
+    from tests.bundle_fixtures import packaged
+
+    bundle = packaged(tmp_path_factory, "smollm2-q4-k8v4rot", PackageOptions(weights="q4", kv="k8v4+rot"))
+    run = [sys.executable, "-m", "kvrig", "plan", str(bundle), "--device", "iPhone16,1", "--contexts", "1024"]
+    shown = subprocess.run(run, capture_output=True, text=True, check=True).stdout
+    assert "k8v4+rot ◀ bundle" in shown
+    planned = json.loads(subprocess.run([*run, "--json"], capture_output=True, text=True, check=True).stdout)
+    assert planned["kv_bytes_per_token"]["k8v4+rot"] == planned["kv_bytes_per_token"]["k8v4"]  # rotation is free
+    assert planned["max_context"]["k8v4+rot"] == planned["max_context"]["k8v4"] > 0
