@@ -605,12 +605,25 @@ async def _pull_new_reports(
 
 def claim_soak_output(out: Path) -> None:
     """Checks, before the phone is reached, that `out` can take a soak: a folder that can be made and holds no
-    soak's results (a second run never overwrites the first)."""
-    if (out / RESULTS_FILE).exists() or (out / SOAKPLAN_FILE).exists():
+    soak's results (a second run never overwrites the first). A soak that stopped before its first step (the app
+    not installed, a backend it cannot run) measured nothing: its record is replaced, so the same command can be
+    run again once the cause is fixed."""
+    if ((out / RESULTS_FILE).exists() or (out / SOAKPLAN_FILE).exists()) and not _never_started(out):
         raise SoakOutputExistsError(
             f"{out}: holds a soak's results already ({RESULTS_FILE}); give another -o folder, or move them first"
         )
     make_folder(out)
+
+
+def _never_started(out: Path) -> bool:
+    """True when `out` holds only the soak plan and a results.json whose one run stopped before its first step."""
+    if {p.name for p in out.iterdir()} - {RESULTS_FILE, SOAKPLAN_FILE}:
+        return False
+    try:
+        runs = ResultsFile.model_validate_json((out / RESULTS_FILE).read_bytes()).runs
+    except (OSError, ValueError):  # unreadable or not ours: not a record to replace
+        return False
+    return len(runs) == 1 and runs[0].outcome is None and not runs[0].steps_done
 
 
 async def soak(

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvrig.device.processes import pid_for
-from kvrig.exceptions import AppError
+from kvrig.exceptions import AppError, SoakOutputExistsError
 from kvrig.schemas import load_model_file
 from kvrig.schemas.results import ResultsFile
 from kvrig.soaking.driver import SoakOptions, run_soak
@@ -185,6 +185,28 @@ def test_missing_app_leaves_partial_results(installed: Emulator, tmp_path: Path)
     assert saved.outcome is None and saved.error.startswith("find app: ")
     assert saved.device.udid == installed.udid and saved.steps_done == []
     assert saved.device.virtual is True  # the results say so: calibrate keeps its limit out of the registry
+
+
+def test_a_soak_that_never_started_does_not_block_its_retry(installed: Emulator, tmp_path: Path) -> None:
+    """A misspelt --app-id left results.json behind, and the same command with the right id was refused (53):
+    the record of a soak that stopped before its first step is replaced; one with a step done never is."""
+    out = tmp_path / "soak"
+    common = ["--udid", installed.udid, "--max-tokens", "512", "--decode-tokens", "1", "-o", str(out)]
+    for _ in range(2):  # the second run reaches the phone again: the first one's record did not stop it
+        proc = _cli(installed, "soak", "--app-id", "com.example.absent", *common)
+        assert proc.returncode == AppError.exit_code, proc.stderr
+    saved = load_model_file(ResultsFile, out / "results.json").runs[0]
+    assert saved.error is not None and saved.error.startswith("find app: ") and saved.steps_done == []
+    # A run with a step done is a measurement: never replaced.
+    started = saved.model_copy(update={"steps_done": ["find app"]})
+    (out / "results.json").write_text(ResultsFile(tool_version="x", runs=[started]).model_dump_json(by_alias=True))
+    proc = _cli(installed, "soak", "--app-id", "com.example.absent", *common)
+    assert proc.returncode == SoakOutputExistsError.exit_code, proc.stderr
+    # Nor is a folder holding anything else beside them.
+    (out / "results.json").write_text(ResultsFile(tool_version="x", runs=[saved]).model_dump_json(by_alias=True))
+    (out / "notes.txt").write_text("mine\n")
+    proc = _cli(installed, "soak", "--app-id", "com.example.absent", *common)
+    assert proc.returncode == SoakOutputExistsError.exit_code, proc.stderr
 
 
 def _cli(emulator: Emulator, *args: str) -> subprocess.CompletedProcess[str]:
