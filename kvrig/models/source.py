@@ -5,6 +5,7 @@ is removed by the next conversion beside it, see `fileio.scratch_dir`)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -60,9 +61,29 @@ def read_tokenizer(folder: Path, *, eos_token_ids: Any = None) -> Any:
     try:
         return load_tokenizer(folder, eos_token_ids=eos_token_ids)
     except Exception as exc:  # the tokenizers library raises bare Exception for a file it cannot parse
-        file = folder / "tokenizer.json" if (folder / "tokenizer.json").exists() else folder
+        file, why = _tokenizer_fault(folder, exc)
+        bundle = " (a bundle: `kvrig verify` names every file that differs from its manifest)"
         raise ModelConfigError(
-            f"mlx-lm cannot load the tokenizer ({type(exc).__name__}: {exc})",
+            f"mlx-lm cannot load the tokenizer ({why}){bundle if (folder / 'manifest.json').is_file() else ''}",
             file=file,
             expected="the model's tokenizer files as Hugging Face writes them",
         ) from None
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
+"""The JSON files mlx-lm's tokenizer loading reads from a Hugging Face folder, where present."""
+
+
+def _tokenizer_fault(folder: Path, exc: Exception) -> tuple[Path, str]:
+    """(the file at fault, why) for a tokenizer mlx-lm could not load: the first of its JSON files that does not
+    parse (a JSON error says only where, not in which file), else tokenizer.json with mlx-lm's own reason."""
+    for name in TOKENIZER_FILES:
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            json.loads(path.read_bytes())
+        except (OSError, ValueError) as bad:
+            return path, f"{type(bad).__name__}: {bad}"
+    file = folder / "tokenizer.json" if (folder / "tokenizer.json").exists() else folder
+    return file, f"{type(exc).__name__}: {exc}"

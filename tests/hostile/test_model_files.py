@@ -202,6 +202,22 @@ def test_a_tokenizer_that_does_not_load_is_refused_naming_it(
     assert "Traceback" not in ran.stderr
 
 
+def test_a_broken_tokenizer_config_is_named_not_tokenizer_json(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """A line added to tokenizer_config.json was reported as tokenizer.json's fault (the JSON error says only
+    where, not in which file); a bundle's message points at `kvrig verify`."""
+    bundle = _bundle_copy(tmp_path_factory, tmp_path)
+    config = bundle / "tokenizer_config.json"
+    text = config.read_text()
+    config.unlink()
+    config.write_text(text + '{"extra": 1}\n')
+    ran = kvrig("run", str(bundle), "--prompt", "hi", "--max-tokens", "1")
+    assert ran.code == 3, ran.stderr
+    assert f"{config}: mlx-lm cannot load the tokenizer (JSONDecodeError: Extra data" in ran.stderr
+    assert "kvrig verify" in ran.stderr and "Traceback" not in ran.stderr
+
+
 @pytest.mark.parametrize(
     ("field", "value", "code", "words"),
     [
