@@ -7,6 +7,8 @@ for files the app reads.
 from __future__ import annotations
 
 import difflib
+import types
+import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -37,7 +39,10 @@ def describe_validation_error(exc: ValidationError, model: type[BaseModel] | Non
     if kind == "extra_forbidden":
         missing = [str(e["loc"][-1]) for e in errors if e.get("type") == "missing" and tuple(e["loc"][:-1]) == loc[:-1]]
         meant = difflib.get_close_matches(str(loc[-1]), missing, n=1) if loc else []
-        keys = _keys(model) if model is not None and len(loc) == 1 else []
+        # The object the key sits in, at any depth: its keys are named, and an optional one it most likely meant.
+        inner = _model_at(model, loc[:-1]) if model is not None and loc else None
+        keys = _keys(inner) if inner is not None else []
+        meant = meant or difflib.get_close_matches(str(loc[-1]), keys, n=1)
         expected = f"one of {', '.join(keys)}" if keys else "one of the documented keys"
         return field, "unknown key" + (f"; did you mean '{meant[0]}'?" if meant else ""), expected
     if kind in ("model_type", "model_attributes_type", "dict_type"):  # not pydantic's class names: what it is
@@ -51,6 +56,26 @@ def describe_validation_error(exc: ValidationError, model: type[BaseModel] | Non
 
 def _keys(model: type[BaseModel]) -> list[str]:
     return [info.alias or name for name, info in model.model_fields.items()]
+
+
+def _model_at(annotation: Any, loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The model of the object at `loc` (a validation error's path) inside a value of type `annotation`: through
+    fields, list items, mapping values and optional values; None where the path leaves models (a union of
+    several kinds)."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        kinds = [a for a in args if a is not type(None)]
+        return _model_at(kinds[0], loc) if len(kinds) == 1 else None
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        if not loc:
+            return annotation
+        field = next((f for n, f in annotation.model_fields.items() if loc[0] in (n, f.alias)), None)
+        return _model_at(field.annotation, loc[1:]) if field is not None else None
+    if loc and origin in (list, tuple, set, frozenset) and args:
+        return _model_at(args[0], loc[1:])
+    if loc and origin is dict and len(args) == 2:
+        return _model_at(args[1], loc[1:])
+    return None
 
 
 def load_model_file(model: type[M], path: str | Path, *, error: type[SchemaError] = SchemaError) -> M:

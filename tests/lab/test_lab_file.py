@@ -65,6 +65,13 @@ def test_example_lab_loads_with_paths_from_its_folder() -> None:
     [
         (MINIMAL + "    bogus: 1\n", "matrix.0.bogus", "unknown key"),
         (MINIMAL.replace("matrix:", "matrixx:"), "matrixx", "unknown key; did you mean 'matrix'?"),
+        # An optional key misspelt at any depth: the object's own keys, and the one most likely meant.
+        (
+            MINIMAL + "gates: {min_max_safe_contxt: 512}\n",
+            "gates.min_max_safe_contxt",
+            "unknown key; did you mean 'min_max_safe_context'? (expected one of min_max_safe_context,",
+        ),
+        (MINIMAL + "    plan: {margn: 0.1}\n", "matrix.0.plan.margn", "did you mean 'margin'?"),
         (MINIMAL + "gates: {min_max_safe_context: -5}\n", "gates.min_max_safe_context", "greater than or equal"),
         (MINIMAL.replace("schema: 1", "schema: 2"), "schema", "Input should be 1"),
         ("schema: 1\nmatrix: []\n", "matrix", "at least 1"),
