@@ -58,7 +58,8 @@ def build_app(project: str | Path, *, team: str | None = None, output: str | Pat
     if platform.system() != "Darwin":
         raise PlatformNotSupportedError(
             f"kvrig build needs macOS with Xcode and XcodeGen (this is {platform.system()}); "
-            "copy the project to a Mac and run `kvrig build` there, or `xcodegen generate` and Xcode"
+            "copy the project to a Mac and run `kvrig build` there, or `xcodegen generate` and Xcode; here, "
+            f"`kvrig build --virtual {project}` makes the .ipa the virtual iPhone installs"
         )
     project = Path(project).resolve()
     if not (project / "project.yml").is_file():

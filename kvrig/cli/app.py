@@ -64,6 +64,7 @@ def app(
         return
     click.echo(f"wrote {len(result.files)} files to {result.project}")
     click.echo(f"on a Mac: cd {result.project} && xcodegen generate   (or: kvrig build {result.project})")
+    click.echo(f"for the virtual iPhone, anywhere: kvrig build --virtual {result.project}")
     click.echo(f"push the bundle into the app's Documents/{bundle.resolve().name}/ (file sharing is on)")
 
 

@@ -20,6 +20,8 @@ def test_build_refuses_clearly_where_there_is_no_xcode(reference_project: Path) 
     )
     assert done.returncode == PlatformNotSupportedError.exit_code == 9, done.stderr
     assert "needs macOS" in done.stderr and "Traceback" not in done.stderr
+    # What can be built here is named: the .ipa the virtual iPhone installs.
+    assert f"kvrig build --virtual {reference_project}" in " ".join(done.stderr.split())
 
 
 @pytest.mark.parametrize(
