@@ -213,16 +213,19 @@ class SchemeKVCache(_QuantizedStore):
             self._band = self._band_before(keys, values)
         prev = self._store(keys, values)
         assert self.keys is not None and self.values is not None
+        # The rows written into the sink and the ring are copied out of the update first: written as slices of
+        # it, each layer's whole chunk of keys and values stayed allocated until the forward pass ended (MLX's
+        # peak over a 512-token SmolLM2 prefill rose by 30 layers' chunks, far past the copies' own bytes).
         if self.sink is not None and prev < self.sink_tokens:
             m = min(self.sink_tokens, self.offset) - prev
-            self.sink[0][..., prev : prev + m, :] = keys[..., :m, :]
-            self.sink[1][..., prev : prev + m, :] = values[..., :m, :]
+            self.sink[0][..., prev : prev + m, :] = mx.contiguous(keys[..., :m, :])
+            self.sink[1][..., prev : prev + m, :] = mx.contiguous(values[..., :m, :])
         if self.recent is not None:
             w = self.recent_tokens
             first = max(prev, self.offset - w)  # only the last w of this update survive in the ring
             slots = mx.array([p % w for p in range(first, self.offset)])
-            self.recent[0][..., slots, :] = keys[..., first - prev :, :]
-            self.recent[1][..., slots, :] = values[..., first - prev :, :]
+            self.recent[0][..., slots, :] = mx.contiguous(keys[..., first - prev :, :])
+            self.recent[1][..., slots, :] = mx.contiguous(values[..., first - prev :, :])
         return self.keys, self.values
 
     def _band_before(self, keys: mx.array, values: mx.array) -> tuple[int, mx.array, mx.array]:
@@ -310,7 +313,14 @@ class SchemeKVCache(_QuantizedStore):
         # Many query rows (prefill): MLX's CPU quantized matmul is a plain loop, so dequantize the segment and
         # let BLAS multiply (one layer's float copy, transient); decode keeps the quantized matmul.
         if reps * L >= DEQUANTIZED_ROWS:
-            segments = [("float", kv if kind == "float" else self._dequantized(kv)) for kind, kv in segments]
+            floats = [kv if kind == "float" else self._dequantized(kv) for kind, kv in segments]
+            # One key and one value array, as the app hands MLX's attention its float rows among the dequantized
+            # ones: the scores are made once, not per segment and then again concatenated (a second score-sized
+            # array the app never holds, which ended a virtual iPhone's soak a step before its plan).
+            if len(floats) > 1:
+                keys = mx.concatenate([k for k, _ in floats], axis=-2)
+                floats = [(keys, mx.concatenate([v for _, v in floats], axis=-2))]
+            segments = [("float", floats[0])]
         scores = []
         for kind, (k, _) in segments:
             if kind == "float":

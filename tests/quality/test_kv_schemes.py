@@ -319,3 +319,29 @@ def test_the_gate_reads_passages_side_by_side_as_it_reads_them_alone(name: str |
     # A batch's matrix products round differently (OpenBLAS picks kernels by shape), and a 4-bit key near a level
     # boundary then lands on the other level: 1e-4 here. A batch that mixed its rows would be off by far more.
     assert kind_perplexity(model, passages, caches) == pytest.approx(expected, rel=1e-5 if kv is None else 1e-3)
+
+
+def test_sinks_and_window_hold_their_own_bytes_through_a_prefill_not_each_layers_chunk() -> None:
+    """Written as slices of the update, the sink and ring rows kept every layer's whole chunk of keys and values
+    allocated until the forward pass ended: a virtual iPhone soaking k4v4+rot+s4+w64 was killed a step before
+    its plan. The extras may add their own buffers (MLX's nbytes) and one layer's concatenated keys and values."""
+    layers, chunk = 12, 512
+    model, spec = tiny(num_hidden_layers=layers)
+    prompt = mx.array([[(7 * i) % 97 for i in range(chunk)]])
+
+    def prefill_peak(name: str) -> tuple[int, int]:
+        caches = make_kv_caches(model, spec, parse_kv(name))
+        mx.synchronize()
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        before = mx.get_active_memory()
+        logits = model(prompt, cache=caches)
+        mx.eval(logits, [c.state for c in caches])
+        extras = sum(a.nbytes for c in caches for a in (*(c.sink or ()), *(c.recent or ())))
+        return mx.get_peak_memory() - before, extras
+
+    plain, _ = prefill_peak("k4v4+rot")
+    with_extras, extras = prefill_peak("k4v4+rot+s4+w64")
+    one_layer_chunk = 2 * CONFIG["num_key_value_heads"] * chunk * CONFIG["head_dim"] * 4  # keys and values, float32
+    assert extras > 0
+    assert with_extras - plain <= extras + 2 * one_layer_chunk, (with_extras - plain, extras, one_layer_chunk)
