@@ -85,8 +85,10 @@ final class MixedBitsKVCache: KVCache, @unchecked Sendable {
             if sink.isEmpty { sink = [keys, values].map { Self.buffer(like: $0, tokens: sinks) } }
             if previous < sinks {
                 let m = min(sinks, offset) - previous
-                sink[0][.ellipsis, previous ..< (previous + m), 0...] = keys[.ellipsis, ..<m, 0...]
-                sink[1][.ellipsis, previous ..< (previous + m), 0...] = values[.ellipsis, ..<m, 0...]
+                // Copied out first: written as slices of the update, each layer's whole chunk stayed allocated
+                // until the forward pass was evaluated (kvrig's host cache measured it; MLX's graph is the same).
+                sink[0][.ellipsis, previous ..< (previous + m), 0...] = keys[.ellipsis, ..<m, 0...].contiguous()
+                sink[1][.ellipsis, previous ..< (previous + m), 0...] = values[.ellipsis, ..<m, 0...].contiguous()
             }
         }
         let w = extras.recentTokens
@@ -95,8 +97,8 @@ final class MixedBitsKVCache: KVCache, @unchecked Sendable {
             // Only the last w tokens of this update survive in the ring; write them in at most two runs.
             for (slots, rows) in Self.ringRuns(from: max(previous, offset - w), to: offset, window: w) {
                 let source = (rows.lowerBound - previous) ..< (rows.upperBound - previous)
-                recent[0][.ellipsis, slots, 0...] = keys[.ellipsis, source, 0...]
-                recent[1][.ellipsis, slots, 0...] = values[.ellipsis, source, 0...]
+                recent[0][.ellipsis, slots, 0...] = keys[.ellipsis, source, 0...].contiguous()
+                recent[1][.ellipsis, slots, 0...] = values[.ellipsis, source, 0...].contiguous()
             }
         }
     }
@@ -205,8 +207,8 @@ final class MixedBitsKVCache: KVCache, @unchecked Sendable {
         let (k, v) = dequantized(keyDType: (sink.first ?? recent[0]).dtype, valueDType: (sink.last ?? recent[1]).dtype)
         let sinkEnd = min(extras.sinkTokens, offset)
         if !sink.isEmpty, keep < sinkEnd {
-            sink[0][.ellipsis, keep ..< sinkEnd, 0...] = k[.ellipsis, keep ..< sinkEnd, 0...]
-            sink[1][.ellipsis, keep ..< sinkEnd, 0...] = v[.ellipsis, keep ..< sinkEnd, 0...]
+            sink[0][.ellipsis, keep ..< sinkEnd, 0...] = k[.ellipsis, keep ..< sinkEnd, 0...].contiguous()
+            sink[1][.ellipsis, keep ..< sinkEnd, 0...] = v[.ellipsis, keep ..< sinkEnd, 0...].contiguous()
         }
         let w = extras.recentTokens
         if !recent.isEmpty {
@@ -216,8 +218,8 @@ final class MixedBitsKVCache: KVCache, @unchecked Sendable {
             }
             // Positions below `keep` in the window did not move.
             for (slots, rows) in Self.ringRuns(from: max(sinkEnd, offset - w), to: min(keep, offset), window: w) {
-                recent[0][.ellipsis, slots, 0...] = k[.ellipsis, rows, 0...]
-                recent[1][.ellipsis, slots, 0...] = v[.ellipsis, rows, 0...]
+                recent[0][.ellipsis, slots, 0...] = k[.ellipsis, rows, 0...].contiguous()
+                recent[1][.ellipsis, slots, 0...] = v[.ellipsis, rows, 0...].contiguous()
             }
         }
         return n
