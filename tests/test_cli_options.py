@@ -38,7 +38,7 @@ def probe(*args: str, cwd: Path) -> dict:
 @pytest.mark.parametrize(
     ("args", "code", "option", "needle"),
     [
-        (["plan", "-d", "iPhone16,1", "--schemes", "k8v4,k9v9"], QuantizationError.exit_code, "--schemes", "k9v9"),
+        (["plan", "-d", "iPhone16,1", "--kv", "k8v4,k9v9"], QuantizationError.exit_code, "--kv", "k9v9"),
         (["plan", "-d", "iPhone16,1", "--weights", "q3", "--group-size", "100"], 2, "--group-size", "100"),
         (["plan", "-d", "iPhone16,1", "--recipes", "q4,gpx-q7"], QuantizationError.exit_code, "--recipes", "gpx"),
         (["plan", "-d", "iPhone16,1", "--kv-group-size", "48"], 2, "--kv-group-size", "48"),
@@ -79,7 +79,7 @@ def test_a_bad_recipe_or_group_is_refused_at_the_command_line(
         (["plan", "-d", "iPhone16,1", "--prefill-step", "99999999999"], 3, "field 'prefill_step'"),
         (["plan", "-d", "iPhone16,1", "--target-context", "99999999999"], 3, "field 'target_context'"),
         (["bench", "quality", "--contexts", "abc"], 2, "'--contexts'"),
-        (["plan", "-d", "iPhone16,1", "--schemes", " , "], 2, "'--schemes'"),
+        (["plan", "-d", "iPhone16,1", "--schemes", " , "], 2, "'--kv' / '--schemes'"),  # the older name
         (["plan", "-d", "iPhone16,1", "--recipes", ","], 2, "'--recipes'"),
         (["virtual", "start", "--state", "never", "--baseline-mb", "nan"], 2, "'--baseline-mb'"),
         (["virtual", "start", "--state", "never", "--limit-mb", "-1"], 2, "'--limit-mb'"),

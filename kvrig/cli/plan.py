@@ -30,9 +30,12 @@ def _buffer_cache(ctx: click.Context, param: click.Parameter, value: str) -> flo
 @click.option("--device", "-d", required=True, help="ProductType (iPhone16,1), profile name or profile file.")
 @ram_option()
 @click.option(
+    "--kv",
     "--schemes",
+    "schemes",
     callback=checked_specs("kv", auto=False, several=True),
-    help="KV schemes, e.g. fp16,k8v4,k6v4g32 (default: all named).",
+    help="KV specs as package, demo and bench take them, e.g. fp16,k8v4,k6v4g32,k8v4+rot (default: all named, and a "
+    "bundle's own); --schemes: its older name.",
 )
 @click.option("--contexts", callback=int_list, help="Contexts to list, e.g. 2048,8192.")
 @click.option(

@@ -164,10 +164,10 @@ def test_plan_backend_coreml_takes_the_limit_asked_for_and_refuses_what_it_canno
         assert json.loads(stdout)["limit_kind"] == limit and json.loads(stdout)["limit_bytes"] == expected
     # MLX-plan options (files that do not exist among them) are refused by name, not dropped
     missing = str(tmp_path / "nonexistent.json")
-    args = ["--calibration", missing, "--margin", "0.2", "--schemes", "k8v4", "--cap", "none"]
+    args = ["--calibration", missing, "--margin", "0.2", "--kv", "k8v4", "--cap", "none"]
     code, stdout, err = _run(["plan", "-d", "iPhone16,1", "--backend", "coreml", *args], capsys)
     assert code == 2 and stdout == ""
-    assert all(option in err for option in ("--calibration", "--margin", "--schemes", "--cap"))
+    assert all(option in err for option in ("--calibration", "--margin", "--kv", "--cap"))
 
 
 def test_a_weight_the_program_would_drop_is_refused(
