@@ -96,7 +96,10 @@ class KVCacheConfig(StrictModel):
     step: int = Field(default=256, ge=1, description="cache growth step in tokens (MLX: 256)")
     page_tokens: int = Field(ge=1, description="eviction granularity in tokens")
     max_context: int = Field(ge=1, description="from the plan, with its safety margin")
-    keep_tokens: int = Field(ge=0, description="tokens kept at the start when evicting (attention sink)")
+    keep_tokens: int = Field(
+        ge=0,
+        description="tokens eviction never drops from the start (stored as the rest are; sink_tokens: float copies)",
+    )
     prefill_step_size: int = Field(ge=1)
     buffer_cache_limit_bytes: int = Field(ge=0, description="MLX Memory.cacheLimit")
     memory_limit_bytes: int = Field(ge=0, description="MLX Memory.memoryLimit, below the jetsam limit")

@@ -25,7 +25,7 @@ public enum Paging {
         return (context + step - 1) / step * step
     }
 
-    /// Tokens to evict for `pages` pages, never touching the first `keep` tokens (the attention sink).
+    /// Tokens to evict for `pages` pages, never touching the first `keep` tokens (kvcache.json keep_tokens).
     public static func tokensToEvict(context: Int, keep: Int, pageTokens: Int, pages: Int) -> Int {
         let evictable = max(0, context - keep)
         let wanted = max(0, pages) * pageTokens
