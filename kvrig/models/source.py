@@ -70,7 +70,13 @@ def read_tokenizer(folder: Path, *, eos_token_ids: Any = None) -> Any:
         ) from None
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.json",
+)
 """The JSON files mlx-lm's tokenizer loading reads from a Hugging Face folder, where present."""
 
 
@@ -82,7 +88,7 @@ def _tokenizer_fault(folder: Path, exc: Exception) -> tuple[Path, str]:
         if not path.is_file():
             continue
         try:
-            json.loads(path.read_bytes())
+            json.loads(path.read_text(encoding="utf-8"))  # as transformers reads them: a byte-order mark is an error
         except (OSError, ValueError) as bad:
             return path, f"{type(bad).__name__}: {bad}"
     file = folder / "tokenizer.json" if (folder / "tokenizer.json").exists() else folder

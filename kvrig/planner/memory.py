@@ -48,16 +48,22 @@ WEAK_KEY_BITS = 4  # keys at this width or fewer count as 4-bit keys on a small 
 def quality_rank(scheme: KVSpec) -> tuple[float, ...]:
     """Sorts KV specs best expected quality first, before anything is measured (`kvrig plan --quality` reads
     measurements): key bits, then value bits (keys are the sensitive half, so k8v4 beats k4v8 at equal size), a
-    finer group, keys promoted in some layers, then the extras that only add quality (rotation, a recent window,
-    sink tokens); float16 before bfloat16."""
+    finer group, no layer's keys narrower than the rest, some layers' keys wider, then the extras that only add
+    quality (rotation, a recent window, sink tokens); float16 before bfloat16."""
     unquantized = 32 if scheme.dtype == "float32" else 16
-    keys = max([scheme.key_bits or unquantized, *(b for _, b in scheme.layer_key_bits)])
-    promoted = len(scheme.layer_key_bits) + (scheme.promote_keys[1] if scheme.promote_keys else 0)
+    base = scheme.key_bits or unquantized
+    widths = [b for _, b in scheme.layer_key_bits]
+    if scheme.promote_keys:  # `+kN@topM` before the model resolves it: M layers at N bits
+        widths += [scheme.promote_keys[0]] * scheme.promote_keys[1]
+    # Layers whose keys are wider than the rest only add quality; narrower ones (`k8v4+k4@0.1`) only take it away.
+    promoted = sum(b > base for b in widths)
+    demoted = sum(b < base for b in widths)
     return (
-        -(scheme.key_bits or unquantized),
+        -base,
         -(scheme.value_bits or unquantized),
         scheme.group_size,
-        -keys,
+        demoted,
+        -max([base, *widths]),
         -promoted,
         scheme.rotation == "none",
         -scheme.recent_tokens,
@@ -67,7 +73,10 @@ def quality_rank(scheme: KVSpec) -> tuple[float, ...]:
 
 
 def _weak_keys(scheme: KVSpec) -> bool:
-    return scheme.key_bits is not None and scheme.key_bits <= WEAK_KEY_BITS
+    """Some layer's keys at 4 bits or fewer (`k4v4`, or `k8v4+k4@0.1`)."""
+    if scheme.key_bits is None:
+        return False
+    return min([scheme.key_bits, *(b for _, b in scheme.layer_key_bits)]) <= WEAK_KEY_BITS
 
 
 class ModelSummary(StrictModel):

@@ -46,7 +46,8 @@ def apply_quality(
     """A copy of `plan` whose recommendation only takes schemes measured within `kv_limit_pct` (schemes the
     report did not measure are left out when any measured one fits)."""
     data = read_quality(path)
-    measured = {k: r.ppl_delta_pct for k, r in _worst(data.kv, lambda r: r.kv).items() if "+" not in k}
+    # Every spec measured, extras and all: the plan ranks `k8v4+rot` as it ranks `k8v4` (a bundle's own spec too).
+    measured = {k: r.ppl_delta_pct for k, r in _worst(data.kv, lambda r: r.kv).items()}
     rec = plan.recommendation
     reasons = list(rec.reasons)
     ok = [s for s, ctx in plan.max_context.items() if ctx > 0 and s in measured and measured[s] <= kv_limit_pct]

@@ -616,12 +616,13 @@ def claim_soak_output(out: Path) -> None:
 
 
 def _never_started(out: Path) -> bool:
-    """True when `out` holds only the soak plan and a results.json whose one run stopped before its first step."""
-    if {p.name for p in out.iterdir()} - {RESULTS_FILE, SOAKPLAN_FILE}:
-        return False
+    """True when `out` holds only the soak plan and a results.json whose one run stopped before its first step
+    (and the Finder's .DS_Store, which a Mac drops into any folder it shows)."""
     try:
+        if {p.name for p in out.iterdir()} - {RESULTS_FILE, SOAKPLAN_FILE, ".DS_Store"}:
+            return False
         runs = ResultsFile.model_validate_json((out / RESULTS_FILE).read_bytes()).runs
-    except (OSError, ValueError):  # unreadable or not ours: not a record to replace
+    except (OSError, ValueError):  # unlistable, unreadable or not ours: not a record to replace
         return False
     return len(runs) == 1 and runs[0].outcome is None and not runs[0].steps_done
 

@@ -164,6 +164,16 @@ def test_extras_rank_above_their_plain_scheme_at_the_same_bytes() -> None:
     assert recommend(schemes, mc, memory, 135_000_000, None, spec).scheme == "k8v4+rot"
     assert recommend(schemes, mc, memory, 135_000_000, 3000, spec).scheme == "k4v4+rot+s4+w64"  # only it reaches
     assert recommend(schemes, mc, memory, 8_000_000_000, None, spec).scheme == "k4v4+rot+s4+w64"
+    # Narrower keys in some layers take quality away: never ranked above the plain spec, and 4-bit keys in any
+    # layer count as 4-bit keys on a small model.
+    lowered = {n: parse_kv(n) for n in ("k8v4", "k8v4+k4@0.1.2+rot")}
+    same = dict.fromkeys(lowered, 2500)
+    assert recommend(lowered, same, memory, 8_000_000_000, None, spec).scheme == "k8v4"
+    widened = {n: parse_kv(n) for n in ("k4v4+rot", "k4v4+k8@0.1")}
+    assert recommend(widened, dict.fromkeys(widened, 2500), memory, 8_000_000_000, None, spec).scheme == "k4v4+k8@0.1"
+    small = {n: parse_kv(n) for n in ("k8v4+k4@0.1", "k8v8")}
+    reach = {"k8v4+k4@0.1": 3000, "k8v8": 2000}
+    assert recommend(small, reach, memory, 135_000_000, None, spec).scheme == "k8v8"
     # k4v8 has k8v4's bytes and the sensitive half at 4 bits: never chosen over it.
     assert recommend({n: schemes[n] for n in ("k4v8", "k8v4")}, mc, memory, 8_000_000_000, None, spec).scheme == "k8v4"
 

@@ -90,3 +90,18 @@ def test_a_choice_is_judged_on_its_worst_kind_of_text(tmp_path: Path) -> None:
     added = out.recommendation.reasons[len(p.recommendation.reasons) :]
     assert any("k8v4 is +3.00 %" in r for r in added), added
     assert any("q4: +20.1 %" in r and "the smallest that passes: q6" in r for r in added), added
+
+
+def test_a_spec_with_extras_measured_within_the_limit_is_kept(tmp_path: Path) -> None:
+    """The plan now ranks specs with extras (a bundle's own k8v4+rot above k8v4 at the same bytes); the hook read
+    only plain names, so a k8v4+rot measured well within the limit was "not measured" and replaced."""
+    from kvrig.planner import plan
+
+    schemes = ("fp16", "k8v4", "k8v4+rot", "k4v4")
+    fp16 = plan(None, "iPhone16,1", schemes=schemes, weights="q4", max_context_cap=1 << 22).max_context["fp16"]
+    # A target past fp16's reach: the best-ranked spec that holds it is the rotated k8v4.
+    p = plan(None, "iPhone16,1", schemes=schemes, weights="q4", max_context_cap=1 << 22, target_context=fp16 + 1)
+    assert p.recommendation.scheme == "k8v4+rot", p.recommendation
+    out = apply_quality(p, report(tmp_path, {"k8v4": 3.0, "k8v4+rot": 0.5, "k4v4": 1.0}))
+    assert out.recommendation.scheme == "k8v4+rot"
+    assert any("k8v4+rot +0.50 % perplexity" in r for r in out.recommendation.reasons)
