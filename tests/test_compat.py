@@ -111,6 +111,19 @@ def test_install_bars_are_drawn_through_the_name_the_adapter_rebinds() -> None:
         assert bar._progress is not None
 
 
+def test_a_finished_install_bar_ends_full_and_a_failed_one_where_it_stopped() -> None:
+    """installd's last PercentComplete is 90 before its Complete status: a finished install was drawn at 90 %."""
+    from pymobiledevice3.services import installation_proxy
+
+    with installation_proxy.ProgressBar(total=100) as bar:
+        bar.n = 90
+    assert bar.n == 100
+    with pytest.raises(RuntimeError), installation_proxy.ProgressBar(total=100) as failed:
+        failed.n = 40
+        raise RuntimeError("installd refused")
+    assert failed.n == 40
+
+
 def test_crash_report_header_and_body_are_the_files_two_json_parts() -> None:
     from pycrashreport.crash_report import get_crash_report_from_buf
 
