@@ -284,6 +284,9 @@ def _resolve(swift: str, project: Path, scratch: Path, env: dict[str, str]) -> N
         # SwiftPM's error often names only its cache folder; the URLs it was fetching say what is missing.
         fetching = sorted(set(re.findall(r"Fetching (\S+)", output)))
         tried = f"SwiftPM could not fetch {', '.join(fetching)}; " if fetching else ""
+        if any(url.startswith("https://") for url in fetching) and "org.swift.swiftpm/repositories" in output:
+            # The clone left nothing in SwiftPM's cache: what it names is the folder, not the cause.
+            tried += "its clones never reached its cache (usually no network access to those hosts); "
         raise SwiftDepsNotFoundError(
             f"MLX Swift packages not resolvable: {tried}it said: {_errors(proc, limit=4).strip()}\n" + how_to_provide()
         )
