@@ -62,15 +62,18 @@ def _buffer_cache(ctx: click.Context, param: click.Parameter, value: str) -> flo
     type=click.Choice(["kvrig", "uncapped"]),
     default="kvrig",
     show_default=True,
-    help="The app's MLX buffer cache: kvrig (capped at --buffer-cache-mb, as kvrig's app does) or uncapped (an app "
+    help="The app's MLX buffer cache: kvrig (capped at --buffer-cache-mib, as kvrig's app does) or uncapped (an app "
     "that never sets Memory.cacheLimit: MLX's allocator replayed over the run).",
 )
 @click.option(
+    "--buffer-cache-mib",
     "--buffer-cache-mb",
+    "buffer_cache_mb",
     default="20",
     show_default=True,
     callback=_buffer_cache,
-    help="The app's MLX buffer-cache cap in MiB, or 'uncapped' (the same as --app uncapped).",
+    help="The app's MLX buffer-cache cap in MiB, or 'uncapped' (the same as --app uncapped); --buffer-cache-mb: its "
+    "older name.",
 )
 @click.option(
     "--generations",

@@ -49,14 +49,18 @@ def _socket_option(func):  # type: ignore[no-untyped-def]
     help="State folder (apps, containers, crash reports); kept across restarts.",
 )
 @click.option(
+    "--limit-mib",
     "--limit-mb",
+    "limit_mb",
     type=click.IntRange(min=1),
     default=None,
     help="App memory limit in MiB, every app's (default: the profile's, as iOS gives it: the entitled limit to an "
     "app with the increased-memory-limit entitlement where the profile knows one, the default limit to others).",
 )
 @click.option(
+    "--baseline-mib",
     "--baseline-mb",
+    "baseline_mb",
     type=click.FloatRange(min=0, max=1 << 30),  # MiB: no phone's footprint; the bound also refuses inf
     callback=not_nan("a number of MiB"),
     default=None,

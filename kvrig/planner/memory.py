@@ -944,7 +944,7 @@ _UNCAPPED_NOTE = (
     "MLX Swift's released generation loop (mlx-swift-lm 3.31) never empties the cache (its main branch does "
     "every 256 decoded tokens); mlx-lm's Python loop after every prefill chunk and every 256 tokens. "
     "mlx-swift-examples' apps cap it at 20 MB "
-    "(LLMEval, MLXChatExample): plan such an app with --app kvrig --buffer-cache-mb 20."
+    "(LLMEval, MLXChatExample): plan such an app with --app kvrig --buffer-cache-mib 20."
 )
 
 
