@@ -52,3 +52,24 @@ def test_values_no_run_or_phone_can_have_are_refused() -> None:
         GateCheck(gate="min_max_safe_context", status="passed", threshold=float("nan"), message="")
     with pytest.raises(ValidationError, match="value"):
         SourcedInt(value=10**29, basis="measured", source="a typo")
+
+
+def test_an_unknown_key_inside_a_fixed_tuple_names_that_positions_keys() -> None:
+    """A `tuple[A, B]` field: an unknown key at position 1 is B's, not A's."""
+    from pydantic import ValidationError
+
+    from kvrig.schemas import StrictModel, describe_validation_error
+
+    class First(StrictModel):
+        alpha: int = 0
+
+    class Second(StrictModel):
+        beta: int = 0
+
+    class Pair(StrictModel):
+        pair: tuple[First, Second]
+
+    with pytest.raises(ValidationError) as err:
+        Pair.model_validate({"pair": [{}, {"betta": 1}]})
+    field, message, expected = describe_validation_error(err.value, Pair)
+    assert (field, message, expected) == ("pair.1.betta", "unknown key; did you mean 'beta'?", "one of beta")

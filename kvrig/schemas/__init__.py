@@ -71,6 +71,9 @@ def _model_at(annotation: Any, loc: tuple[Any, ...]) -> type[BaseModel] | None:
             return annotation
         field = next((f for n, f in annotation.model_fields.items() if loc[0] in (n, f.alias)), None)
         return _model_at(field.annotation, loc[1:]) if field is not None else None
+    if loc and origin is tuple and args and args[-1] is not Ellipsis:  # tuple[A, B]: position i is its own type
+        index = loc[0]
+        return _model_at(args[index], loc[1:]) if isinstance(index, int) and 0 <= index < len(args) else None
     if loc and origin in (list, tuple, set, frozenset) and args:
         return _model_at(args[0], loc[1:])
     if loc and origin is dict and len(args) == 2:
