@@ -31,13 +31,20 @@ def input_hessians(model: Any, calibration: Any, batch_size: int = BATCH_ROWS) -
 
 
 def fit_feedback(
-    w: Any, hessian: Any, group_size: int, bits: int, dtype: Any = None, damping: float = DAMPING
+    w: Any,
+    hessian: Any,
+    group_size: int,
+    bits: int,
+    dtype: Any = None,
+    damping: float = DAMPING,
+    factors: dict[tuple[int, float], Any] | None = None,
 ) -> tuple[Any, Any, Any]:
     """(packed weight, scales, biases) for `w` (out, in) in MLX's affine layout, columns quantized in order
     with GPTQ's error feedback: the error e of column i, divided by U[i, i] (U the upper Cholesky factor of
     H⁻¹), is subtracted times U[i, j] from every later column j, which minimises the growth of
     tr((W - Ŵ) H (W - Ŵ)ᵀ). Each group's grid is fitted (weighted by H's diagonal) when its first column is
-    reached. Rows sharing H (a layer's q/k/v projections) may come stacked in one `w`."""
+    reached. Rows sharing H (a layer's q/k/v projections) may come stacked in one `w`. `factors`, when given,
+    keeps each H's inverse factor for the next weight that reads the same H at another grid."""
     import mlx.core as mx
 
     if bits not in PACKED_BITS:
@@ -46,7 +53,11 @@ def fit_feedback(
     if n % group_size:
         raise QuantizationError(f"a {n}-column weight does not split into groups of {group_size}")
     dtype = dtype or mx.float16
-    u, weights = inverse_factor(hessian, damping)
+    factors = {} if factors is None else factors
+    if (key := (id(hessian), damping)) not in factors:
+        # The Hessian is kept beside its factor, so that its id is not reused while the entry lives.
+        factors[key] = (hessian, *inverse_factor(hessian, damping))
+    _, u, weights = factors[key]
     q, scales, biases = feedback(np.array(w.astype(mx.float32)), u, weights, group_size, bits, dtype_name(dtype))
     return pack(mx.array(q), bits), mx.array(scales).astype(dtype), mx.array(biases).astype(dtype)
 

@@ -32,18 +32,16 @@ DTYPES = {"float16": 0, "bfloat16": 1, "float32": 2}
 _MATH = {"reassoc", "nsz", "contract"}
 
 
+# A scalar's view, not a one-element array's: an array is a heap allocation per call, and `rounded` runs twice per
+# candidate grid (most of the grid search's time, with arrays).
 @njit(inline="always")
-def _to_bits(v: Any) -> int:
-    a = np.empty(1, np.float32)
-    a[0] = v
-    return a.view(np.uint32)[0]
+def _to_bits(v: Any) -> Any:
+    return np.float32(v).view(np.uint32)
 
 
 @njit(inline="always")
 def _from_bits(bits: Any) -> Any:
-    a = np.empty(1, np.uint32)
-    a[0] = bits
-    return a.view(np.float32)[0]
+    return np.uint32(bits).view(np.float32)
 
 
 @njit(inline="always")
@@ -184,16 +182,22 @@ def feed_columns(
     o1, on their group's grid s, b (out,): each column's levels and its error divided by U[i, i] into `levels`
     and `errors` (in, out), the error moved onto the group's later columns times U[i, j] (U: gpx.inverse_factor)."""
     top = np.float32(2**bits - 1)
-    inv = np.empty(o1 - o0, np.float32)  # each grid's 1 / scale, once: the columns multiply by it
-    for o in range(o0, o1):
-        inv[o - o0] = np.float32(1.0) / (s[o] if s[o] != 0 else np.float32(1.0))
+    width = o1 - o0
+    inv = np.empty(width, np.float32)  # each grid's 1 / scale, once: the columns multiply by it
+    for o in range(width):
+        inv[o] = np.float32(1.0) / (s[o0 + o] if s[o0 + o] != 0 else np.float32(1.0))
+    # Row slices, indexed from 0: LLVM vectorizes their loops, not those indexing the 2-D arrays (a third of the
+    # time, the same arithmetic in the same order).
+    grid_s, grid_b = s[o0:o1], b[o0:o1]
     for i in range(g0, g1):
         pivot = u[i, i]
-        for o in range(o0, o1):
-            level = min(max(np.rint((cur[i, o] - b[o]) * inv[o - o0]), np.float32(0.0)), top)
-            levels[i, o] = level
-            errors[i, o] = (cur[i, o] - (s[o] * level + b[o])) / pivot
+        column, level, error = cur[i, o0:o1], levels[i, o0:o1], errors[i, o0:o1]
+        for o in range(width):
+            v = min(max(np.rint((column[o] - grid_b[o]) * inv[o]), np.float32(0.0)), top)
+            level[o] = v
+            error[o] = (column[o] - (grid_s[o] * v + grid_b[o])) / pivot
         for j in range(i + 1, g1):
             factor = u[i, j]
-            for o in range(o0, o1):
-                cur[j, o] -= factor * errors[i, o]
+            later = cur[j, o0:o1]
+            for o in range(width):
+                later[o] -= factor * error[o]

@@ -67,6 +67,9 @@ class CalibrationStatistics:
     """gpx's XᵀX / tokens (`gpx.input_hessians`)."""
     importance: dict[str, Any] | None = None
     """imx's mean x² per channel (`imx.activation_importance`)."""
+    factors: dict[tuple[int, float], Any] = field(default_factory=dict)
+    """gpx's inverse factor of each Hessian (`gpx.fit_feedback`): the stacks reading one input at different grids
+    (gpx-4.6's q and k/v projections) share it."""
     fits: dict[tuple[Any, ...], tuple[Any, Any, Any]] = field(default_factory=dict)
     """Each layer stack's packed weight, scales and biases by (paths, group size, bits, feedback, dtype): a stack
     is fitted from its float weights and these statistics alone, so gpx-4.6 reuses every gpx-q4 stack it keeps
@@ -350,7 +353,9 @@ def quantize_weighted(
             w = mx.concatenate([floats[p] for p in paths]) if len(paths) > 1 else floats[paths[0]]
             if feedback and hessians.get(paths[0]) is not None:
                 damping = EMBEDDING_DAMPING if isinstance(first, nn.QuantizedEmbedding) else DAMPING
-                q = fit_feedback(w, hessians[paths[0]], first.group_size, first.bits, dtype, damping)
+                q = fit_feedback(
+                    w, hessians[paths[0]], first.group_size, first.bits, dtype, damping, statistics.factors
+                )
             else:
                 q = fit_affine(w, first.group_size, first.bits, importance.get(paths[0]), dtype)
             statistics.fits[fit] = q

@@ -226,6 +226,21 @@ def test_statistics_kept_for_the_next_recipe_are_measured_once(monkeypatch: pyte
         assert mx.array_equal(a, b), path
 
 
+def test_each_hessian_is_inverted_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpx-4.6 fits a layer's q projection and its k/v projections at different grids from one Hessian: its
+    inverse factor is computed once per Hessian and damping, however many stacks read it."""
+    inverted: list[int] = []
+    real = gpx.inverse_factor
+    monkeypatch.setattr(gpx, "inverse_factor", lambda h, d: inverted.append(id(h)) or real(h, d))
+    fitted: list[int] = []
+    real_fit = recipes.fit_feedback
+    monkeypatch.setattr(recipes, "fit_feedback", lambda w, h, *a: fitted.append(id(h)) or real_fit(w, h, *a))
+    kept = CalibrationStatistics()
+    apply_recipe(tiny(), dict(CONFIG), parse_weights("gpx-4.6"), mx.random.randint(0, 256, (4, 16)), statistics=kept)
+    assert len(fitted) > len(set(fitted))  # some Hessian fed stacks at two grids
+    assert sorted(inverted) == sorted(set(fitted))
+
+
 @pytest.mark.parametrize("recipe", ["gpx-q4", "imx-4.6"])
 def test_calibration_ids_past_the_vocabulary_are_refused(recipe: str) -> None:
     """A tokenizer that is not the model's gave ids past the embedding: gpx wrote NaN scales without a word."""
