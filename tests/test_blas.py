@@ -53,3 +53,24 @@ def test_a_timeout_the_user_set_is_kept(monkeypatch: pytest.MonkeyPatch) -> None
     assert preload_env()[name] == default
     monkeypatch.setenv(name, "12")
     assert preload_env()[name] == "12"
+
+
+def test_single_threaded_blas_gives_the_threads_back() -> None:
+    """The calibration statistics run OpenBLAS on one thread per call (quantize/imx.py), then restore the count,
+    also when the work inside fails."""
+    import ctypes
+
+    from kvrig.compat.openblas_threads import single_threaded_blas
+
+    process = ctypes.CDLL(None)  # the conftest loaded OpenBLAS into this process, as the CLI does
+    before = process.openblas_get_num_threads()
+    process.openblas_set_num_threads(3)
+    try:
+        with single_threaded_blas():
+            assert process.openblas_get_num_threads() == 1
+        assert process.openblas_get_num_threads() == 3
+        with pytest.raises(KeyError), single_threaded_blas():
+            raise KeyError("inside")
+        assert process.openblas_get_num_threads() == 3
+    finally:
+        process.openblas_set_num_threads(before)

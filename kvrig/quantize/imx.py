@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from kvrig.compat.openblas_threads import single_threaded_blas
 from kvrig.exceptions import QuantizationError
 from kvrig.recipes import PACKED_BITS
 
@@ -145,6 +146,9 @@ BATCH_ROWS = 4
 """Calibration rows per forward pass of the statistics. All of kvrig package's 8 in one pass was faster but moved
 gpx-4.6's held-out perplexity (the same sums in another float order): gpx is that sensitive to rounding, and the
 documented figures are measured with this setting."""
+STREAMS = 2
+"""Calibration batches in flight at once, each on a stream of its own (`input_statistics`). With OpenBLAS on one
+thread per call it changes the sums' rounding as BATCH_ROWS does; the documented figures are measured with it."""
 
 
 def activation_importance(model: Any, calibration: Any, batch_size: int = BATCH_ROWS) -> dict[str, Any]:
@@ -165,21 +169,18 @@ def input_statistics(
     from mlx.utils import tree_unflatten
 
     sums: dict[str, Any] = {}
-    # Per batch, each distinct input array by id (kept alive, so ids stay unique) with its reduction and the
-    # first path that read it; across batches, that first path for every path.
-    batch: dict[int, tuple[Any, Any, str]] = {}
+    # The latest input array (a layer's q/k/v projections read theirs one after another), with its reduction and
+    # the first path that read it; across batches, that first path for every path. Only the latest is held: each
+    # input held until the batch is evaluated kept every layer's activations in memory.
+    latest: list[tuple[Any, Any, str]] = []
     owners: dict[str, set[str]] = {}
-    # The reductions run on a stream of their own: on a CPU, the forward's element-wise ops take one core while
-    # the XᵀX products take the BLAS threads. The same ops on the same arrays: the same sums, bit for bit.
-    reductions = mx.new_stream(mx.cpu)
 
     def add(path: str, x: Any) -> None:
-        with mx.stream(reductions):
-            if id(x) not in batch:
-                batch[id(x)] = (x, reduce(x.astype(mx.float32).reshape(-1, x.shape[-1])), path)
-            _, v, owner = batch[id(x)]
-            owners.setdefault(path, set()).add(owner)
-            sums[path] = v if path not in sums else sums[path] + v
+        if not latest or latest[0][0] is not x:
+            latest[:] = [(x, reduce(x.astype(mx.float32).reshape(-1, x.shape[-1])), path)]
+        _, v, owner = latest[0]
+        owners.setdefault(path, set()).add(owner)
+        sums[path] = v if path not in sums else sums[path] + v
 
     class Linear(nn.Module):
         def __init__(self, inner: Any, path: str) -> None:
@@ -202,12 +203,19 @@ def input_statistics(
     model.update_modules(
         tree_unflatten([(p, (Embedding if isinstance(m, nn.Embedding) else Linear)(m, p)) for p, m in originals])
     )
+    # Batches run in pairs, each on a stream of its own: on a CPU the element-wise ops (exp, in softmax and SiLU)
+    # take one core each, and with single-threaded BLAS neither waits for the other's matrix products (about a
+    # third of the statistics' time on 2 cores, at the memory of a second batch's activations).
+    streams = [mx.new_stream(mx.default_device()) for _ in range(STREAMS)]
+    starts = list(range(0, calibration.shape[0], batch_size))
     try:
-        for start in range(0, calibration.shape[0], batch_size):
-            model(calibration[start : start + batch_size])
-            # Only the statistics are evaluated: MLX then never computes what they do not need (the logits).
-            mx.eval(list(sums.values()))
-            batch.clear()
+        with single_threaded_blas():
+            for pair in range(0, len(starts), STREAMS):
+                for stream, start in zip(streams, starts[pair : pair + STREAMS], strict=False):
+                    with mx.stream(stream):
+                        model(calibration[start : start + batch_size])
+                # Only the statistics are evaluated: MLX then never computes what they do not need (the logits).
+                mx.eval(list(sums.values()))
     finally:
         model.update_modules(tree_unflatten(originals))
     rows = calibration.size

@@ -135,8 +135,15 @@ def search_groups(
                 s, b = span / top, lo
             else:
                 stretch = np.float32(2**bits - 2.0 + 2.0 * (c - 1) / SCALE_STEPS) / span
+                changed = c == 1
                 for j in range(k):
-                    q[j] = min(np.rint((xs[j] - lo) * stretch), top)  # x - lo >= 0: only the top needs clipping
+                    level = min(np.rint((xs[j] - lo) * stretch), top)  # x - lo >= 0: only the top needs clipping
+                    changed |= level != q[j]
+                    q[j] = level
+                if not changed:
+                    # The previous stretch's levels again, so its grid and error again: never strictly better.
+                    # (On a source already on a 4-bit grid, half the stretches of a 32-value group.)
+                    continue
                 s, b = _refit(q, w, wx, sw, sx)
             s, b = rounded(s, dtype), rounded(b, dtype)
             if s > 0:
@@ -150,8 +157,9 @@ def search_groups(
             s, b = _refit(q, w, wx, sw, sx)
             s, b = rounded(s, dtype), rounded(b, dtype)
             e = _error(xs, w, s, b, top)
-            if e < best_e and s > 0:
-                best_s, best_b, best_e = s, b, e
+            if not (e < best_e and s > 0):
+                break  # the best grid is unchanged, so each further step would repeat this one
+            best_s, best_b, best_e = s, b, e
         out_s[g], out_b[g] = best_s, best_b
 
 
