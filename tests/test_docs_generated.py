@@ -132,6 +132,14 @@ def test_the_measured_line_names_the_commit_beside_kvrigs_version() -> None:
     assert data["commit"] and line in (ROOT / "docs" / "quality.md").read_text()
 
 
+def test_no_page_names_the_measuring_checkouts_folder() -> None:
+    """The texts kvrig ships are read from the checkout that measured; the pages name them by their place in the
+    package, so no page carries a path of the machine that measured."""
+    for page, text in render_docs(ROOT).items():
+        assert "/kvrig/_texts/" not in text, page
+    assert "kvrig/_texts/legal/GPL-3.gz" in (ROOT / "docs/quality.md").read_text()
+
+
 def test_a_hand_edited_figure_is_stale(checkout: Path) -> None:
     page = _generated_page(checkout)
     text = page.read_text()

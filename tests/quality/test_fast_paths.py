@@ -53,6 +53,24 @@ def test_grid_search_is_the_reference_search(bits: int, group: int, dtype: Any) 
     assert mx.array_equal(s.astype(dtype).astype(mx.float32), s)
 
 
+@pytest.mark.parametrize("group", [32, 64])
+def test_grid_search_on_a_4_bit_source_is_the_reference_search(group: int) -> None:
+    """Weights already on 4-bit grids of 32 (as a Q4_1 GGUF's): most stretched candidates repeat the levels of the
+    one before, which the fast search skips; it ends on the reference's grids, which tries every candidate."""
+    mx.random.seed(group)
+    levels = mx.random.randint(0, 16, (64, 256)).astype(mx.float32)
+    scales, mins = mx.random.uniform(0.001, 0.02, (64, 8, 1)), mx.random.uniform(-0.2, 0.0, (64, 8, 1))
+    w = (levels.reshape(64, 8, 32) * scales + mins).reshape(64, -1)
+    imp = mx.random.uniform(0.1, 1.0, (256,)) ** 4
+    x = w.reshape(64, -1, group)
+    wt = mx.broadcast_to(imp.reshape(-1, group), x.shape)
+    s, b = fit_grid(x, wt, 4, mx.float16)
+    rs, rb = ref.fit_grid(x, wt, 4, mx.float16)
+    assert mx.mean((s == rs) & (b == rb)).item() >= 0.97
+    e, re = ref.error(x, wt, s, b, 15), ref.error(x, wt, rs, rb, 15)
+    assert abs(e.sum().item() - re.sum().item()) <= 1e-4 * re.sum().item()
+
+
 @pytest.mark.parametrize(("out", "n", "group", "bits"), [(48, 256, 64, 4), (40, 192, 32, 3), (24, 256, 128, 2)])
 def test_blocked_feedback_is_the_column_by_column_update(out: int, n: int, group: int, bits: int) -> None:
     """Correlated inputs (so every column's error moves the later ones): the blocked update picks the reference's
