@@ -60,7 +60,7 @@ def test_single_threaded_blas_gives_the_threads_back() -> None:
     also when the work inside fails."""
     import ctypes
 
-    from kvrig.compat.openblas_threads import single_threaded_blas
+    from kvrig.quantize.blas_threads import single_threaded_blas
 
     process = ctypes.CDLL(None)  # the conftest loaded OpenBLAS into this process, as the CLI does
     before = process.openblas_get_num_threads()

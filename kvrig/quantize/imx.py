@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from kvrig.compat.openblas_threads import single_threaded_blas
 from kvrig.exceptions import QuantizationError
+from kvrig.quantize.blas_threads import single_threaded_blas
 from kvrig.recipes import PACKED_BITS
 
 

@@ -1,6 +1,6 @@
-"""OpenBLAS's thread count, for a stretch of code (pinned to OpenBLAS's C API, `openblas_get_num_threads` and
-`openblas_set_num_threads`, unchanged since 0.2). On Linux kvrig loads Debian's OpenBLAS under MLX
-(runtime/blas.py); elsewhere (Accelerate on a Mac, or no OpenBLAS) this does nothing."""
+"""OpenBLAS's thread count, for a stretch of code, through OpenBLAS's public C API (`openblas_get_num_threads`,
+`openblas_set_num_threads`). On Linux kvrig loads Debian's OpenBLAS under MLX (runtime/blas.py); elsewhere
+(Accelerate on a Mac, or no OpenBLAS) this does nothing."""
 
 from __future__ import annotations
 
