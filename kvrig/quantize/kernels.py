@@ -142,7 +142,7 @@ def search_groups(
                     q[j] = level
                 if not changed:
                     # The previous stretch's levels again, so its grid and error again: never strictly better.
-                    # (On a source already on a 4-bit grid, half the stretches of a 32-value group.)
+                    # (Common on a source already on a 4-bit grid, as a Q4_1 GGUF is.)
                     continue
                 s, b = _refit(q, w, wx, sw, sx)
             s, b = rounded(s, dtype), rounded(b, dtype)
@@ -194,8 +194,8 @@ def feed_columns(
     inv = np.empty(width, np.float32)  # each grid's 1 / scale, once: the columns multiply by it
     for o in range(width):
         inv[o] = np.float32(1.0) / (s[o0 + o] if s[o0 + o] != 0 else np.float32(1.0))
-    # Row slices, indexed from 0: LLVM vectorizes their loops, not those indexing the 2-D arrays (a third of the
-    # time, the same arithmetic in the same order).
+    # Row slices, indexed from 0: LLVM vectorizes their loops, not those indexing the 2-D arrays (the same
+    # arithmetic in the same order).
     grid_s, grid_b = s[o0:o1], b[o0:o1]
     for i in range(g0, g1):
         pivot = u[i, i]
