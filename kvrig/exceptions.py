@@ -311,7 +311,7 @@ class OutputWriteError(KvrigError):
     exit_code = 38
 
 
-# --- reports and telemetry (exit 20-21) --------------------------------------------------------------------
+# --- reports and telemetry (exit 20-22, 55) -----------------------------------------------------------------
 
 
 class ReportError(InputError):
@@ -324,6 +324,13 @@ class NotAJetsamReportError(ReportError):
     """The file is a crash report of another kind, or not a crash report at all."""
 
     exit_code = 21
+
+
+class ProcessNotInReportsError(KvrigError):
+    """`kvrig jetsam --process NAME`: NAME is in none of the reports read (misspelt, a bundle id, or not running
+    at any of the events), so no report gives a verdict on it; each report's is still printed."""
+
+    exit_code = 55
 
 
 class CalibrationError(InputError):

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvrig.exceptions import NotAJetsamReportError, ReportError
+from kvrig.exceptions import NotAJetsamReportError, ProcessNotInReportsError, ReportError
 from kvrig.reports.jetsam import MAX_REPORT_BYTES, read_report, verdict
 
 DATA = Path(__file__).parent / "data" / "jetsam"
@@ -453,5 +453,17 @@ def test_a_bundle_id_is_answered_with_the_processes_that_could_be_the_app() -> N
         text=True,
         timeout=60,
     )
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == ProcessNotInReportsError.exit_code, proc.stderr
     assert json.loads(proc.stdout)[0]["verdict"]["candidates"] == ["fileproviderd"]
+
+
+def test_a_process_in_no_report_is_no_clean_exit() -> None:
+    """A name in none of the reports gets its own exit after every report is printed; one report that has it is
+    enough for 0, killed or not."""
+    absent = run_kvrig("jetsam", str(IOS11), str(IOS18), "--process", "SmolLM2Demo")
+    assert absent.returncode == ProcessNotInReportsError.exit_code, absent.stderr
+    assert "SmolLM2Demo" in absent.stderr and "Traceback" not in absent.stderr
+    assert str(IOS11) in absent.stdout and str(IOS18) in absent.stdout
+    killed_in_one = run_kvrig("jetsam", str(IOS11), str(IOS18), "--process", "MemoryTest", "--json")
+    assert killed_in_one.returncode == 0, killed_in_one.stderr
+    assert [e["verdict"]["present"] for e in json.loads(killed_in_one.stdout)] == [True, False]

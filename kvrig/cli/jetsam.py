@@ -9,7 +9,7 @@ import click
 
 from kvrig.cli.output import console
 from kvrig.cli.render import echo_json, human_bytes, json_option, read_each
-from kvrig.exceptions import NotAJetsamReportError, ReportError
+from kvrig.exceptions import NotAJetsamReportError, ProcessNotInReportsError, ReportError
 
 if TYPE_CHECKING:
     from kvrig.reports.jetsam import JetsamProcess, JetsamReport, Verdict
@@ -33,19 +33,27 @@ def jetsam(reports: tuple[Path, ...], process: str | None, as_json: bool) -> Non
 
     results: list[dict[str, Any]] = []
     errors: list[ReportError] = []
+    present = False
     for _, report in read_each(reports, read_report, as_json=as_json, results=results, errors=errors):
         entry = report.model_dump(mode="json", exclude={"processes"})
         entry["killed"] = [_process_json(p) for p in report.killed]
-        if process:
-            entry["verdict"] = verdict(report, process).model_dump(mode="json")
+        v = verdict(report, process) if process else None
+        if v is not None:
+            entry["verdict"] = v.model_dump(mode="json")
+            present = present or v.present
         results.append(entry)
         if not as_json:
-            _render(report, verdict(report, process) if process else None)
+            _render(report, v)
     if as_json:
         echo_json(results)
     if errors:
         kind = ReportError if any(type(e) is not NotAJetsamReportError for e in errors) else NotAJetsamReportError
         raise kind(f"{len(errors)} of {len(reports)} files could not be read as JetsamEvent reports")
+    if process and not present:
+        # A verdict on nothing must not exit as a clean "not killed": a script would read it as one.
+        raise ProcessNotInReportsError(
+            f"{process} is in none of the {len(reports)} reports: no verdict (each report's is printed)"
+        )
 
 
 def _process_json(p: JetsamProcess) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from pymobiledevice3.services.crash_reports import CrashReportsManager
 from kvrig.device.discovery import Device
 from kvrig.device.files import Bounds, pull_to_file
 from kvrig.device.paths import flat_name, safe_join, taken_names, unique
-from kvrig.exceptions import DeviceFileError
+from kvrig.exceptions import DeviceAnswerError, DeviceFileError
 from kvrig.reports.jetsam import MAX_REPORT_BYTES
 
 JETSAM_PATTERN = re.compile(r"^JetsamEvent-.*\.ips(\.synced)?$")
@@ -38,10 +38,22 @@ class ReportPull:
     skipped: list[str] = field(default_factory=list)  # "<device path>: why", for each report not pulled
 
 
+MOVER_DONE = b"ping\0"
+"""What com.apple.crashreportmover sends once it has filed the pending reports."""
+
+
 async def flush(device: Device) -> None:
     """Moves reports the phone has written but not yet filed into the store (so a fresh kill shows up)."""
-    async with device.errors("flushing crash reports"), CrashReportsManager(device.lockdown) as crashes:
-        await crashes.flush()
+    # Not `crashes.flush()`: pymobiledevice3 leaves the mover's connection to the garbage collector, and a lab
+    # flushes once per run. The service name is the manager's (lockdown's or RSD's shim).
+    async with (
+        device.errors("flushing crash reports"),
+        CrashReportsManager(device.lockdown) as crashes,
+        await device.lockdown.start_lockdown_service(crashes.crash_mover_service_name) as mover,
+    ):
+        answer = await mover.recvall(len(MOVER_DONE))
+    if answer != MOVER_DONE:
+        raise DeviceAnswerError(f"the crash report mover answered {answer!r}, not {MOVER_DONE!r}")
 
 
 async def list_reports(device: Device, pattern: str | re.Pattern[str] | None = None) -> list[str]:

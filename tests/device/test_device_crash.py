@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import warnings
 from pathlib import Path
 
 import pytest
@@ -126,3 +128,17 @@ def test_a_report_a_computer_synced_is_listed_and_is_not_new(emulator: Emulator)
     before = {"/JetsamEvent-1.ips", "/App-1.ips"}
     listed = ["/JetsamEvent-1.ips.synced", "/App-1.ips", "/JetsamEvent-2.ips", "/JetsamEvent-3.ips.synced"]
     assert crash.filed_since(listed, before) == ["/JetsamEvent-2.ips", "/JetsamEvent-3.ips.synced"]
+
+
+def test_flush_closes_the_movers_connection(emulator: Emulator) -> None:
+    # A lab flushes once per run: each connection left to the garbage collector is a socket held open meanwhile
+    # (for good, where a reference cycle keeps it), and Python says so with a ResourceWarning.
+    async def job(device):  # type: ignore[no-untyped-def]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ResourceWarning)
+            for _ in range(3):
+                await crash.flush(device)
+            gc.collect()
+        return [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+
+    assert run(on_device(emulator.udid, job)) == []
