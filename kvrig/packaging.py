@@ -31,6 +31,7 @@ from kvrig.exceptions import (
     ModelConfigError,
     OutputWriteError,
     QualityGateError,
+    QualityInputError,
     QuantizationError,
 )
 from kvrig.fileio import scratch_dir, swap_in, sweep_scratch
@@ -70,6 +71,7 @@ from kvrig.schemas.bundle import (
     SourceModel,
 )
 from kvrig.schemas.kvcache import KVCACHE_NAME, KVCacheConfig
+from kvrig.texts import read_kind, user_kind
 from kvrig.version import __version__
 
 TOKENIZER_FILES = (
@@ -213,7 +215,7 @@ class _Job:
         return values
 
     def _gate_ids(self) -> dict[str, list[list[int]]]:
-        return gate_tokens(self.tokenizer)
+        return gate_tokens(self.tokenizer, self.options.gate_texts)
 
     def texts(self) -> GateTexts:
         if self._texts is None:
@@ -286,6 +288,10 @@ def _check_options(options: PackageOptions) -> None:
         parse_weights(options.weights, options.group_size)
     if options.kv.strip().lower() != AUTO:
         parse_kv(options.kv)
+    for path in options.gate_texts:
+        if not Path(path).is_file():
+            raise QualityInputError(f"no file {path!r}", field="--gate-text", expected="a text file of your own")
+        read_kind(user_kind(path))  # unreadable or not text: refused before minutes of quantizing
     if options.fit is not None:
         if options.device is None:
             raise InputError("--fit needs a device to plan for", field="--fit", expected="--device D as well")

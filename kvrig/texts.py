@@ -35,10 +35,10 @@ class TextKind:
     package: str
     files: tuple[str, ...]
     """Paths (a glob where the Python version varies), read in this order."""
-    role: Literal["calibration", "evaluation", "gate"]
+    role: Literal["calibration", "evaluation", "gate", "user"]
     """calibration: what calibrated recipes learn from; evaluation: kinds of text calibration never reads, where
     the quality bench judges recipes; gate: files calibration never reads (one of a calibration kind), where
-    `kvrig package` checks a bundle beside kvrig's own prose."""
+    `kvrig package` checks a bundle beside kvrig's own prose; user: a file of the user's own (`user_kind`)."""
     start: str | None = None
     """The text starts at the first occurrence of this (a manual's table of contents is not prose)."""
     shipped: bool = False
@@ -145,13 +145,42 @@ returned late, stamping each one with the date before putting it back on its she
 """
 
 
-def kind(name: str) -> TextKind:
+def kind(name: str, field: str = "kind") -> TextKind:
+    """A kind of text by name, or a file of the user's own by its path (`user_kind`); `field` names where it
+    was asked for."""
     for k in KINDS:
         if k.name == name:
             return k
+    if Path(name).is_file():
+        return user_kind(name)
     raise QualityInputError(
-        f"no text kind {name!r}", field="kind", expected=f"one of {', '.join(k.name for k in KINDS)}"
+        f"no text kind {name!r} and no file of that name",
+        field=field,
+        expected=f"one of {', '.join(k.name for k in KINDS)}, or the path of a text file",
     )
+
+
+def user_kind(path: str | Path) -> TextKind:
+    """A text file of the user's own (UTF-8; `.gz` is read as gzip) as a kind of its own, named by the path as
+    given: what an app will read is the text its quality is best measured on."""
+    name = str(path)
+    if any(k.name == name for k in KINDS):  # a file named like a kind is the file, in the records too
+        name = f"./{name}"
+    return TextKind(name, f"your text: {path}", "", (str(path),), "user")
+
+
+def evaluation_kind(name: str, option: str) -> TextKind:
+    """A kind a measurement may judge a recipe on: any but the calibration's, which would read better than it
+    is (`option` names where it was asked for)."""
+    found = kind(name, option)
+    if found.role == "calibration":
+        raise QualityInputError(
+            f"{name!r} is calibration text: calibrated recipes learn from it, so it cannot judge them",
+            field=option,
+            expected=f"a kind calibration never reads ({', '.join(k.name for k in KINDS if k.role != 'calibration')})"
+            " or a text file of your own",
+        )
+    return found
 
 
 def debian_path(pattern: str) -> Path:
@@ -174,16 +203,23 @@ def read_kind(text_kind: TextKind | str) -> tuple[str, list[str]]:
     if text_kind.shipped:
         paths = [TEXTS_DIR / name for name in text_kind.vendored]
         expected = "kvrig's copy of it (kvrig/_texts: reinstall kvrig)"
+    elif text_kind.role == "user":
+        paths = [Path(p) for p in text_kind.files]
+        expected = "a readable text file (UTF-8; .gz read as gzip)"
     else:
         paths = [_found(text_kind, debian_path(pattern)) for pattern in text_kind.files]
         expected = f"Debian's {text_kind.package} package (`make setup` installs it)"
         if text_kind.elsewhere:
             expected += f", or the same files in {' or '.join(text_kind.elsewhere)}"
+    user = text_kind.role == "user"
     for path in paths:
         try:
             raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-            parts.append(raw.decode("utf-8", errors="replace").replace("\n%\n", "\n\n"))
-        except (OSError, EOFError, gzip.BadGzipFile) as exc:
+            # A user's file is read as it is, strictly: a binary file measured as replacement characters would
+            # judge recipes on noise. Fortune files separate their entries by "%" lines.
+            text = raw.decode("utf-8", errors="strict" if user else "replace")
+            parts.append(text if user else text.replace("\n%\n", "\n\n"))
+        except (OSError, EOFError, gzip.BadGzipFile, UnicodeDecodeError) as exc:
             problem = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
             raise QualityInputError(
                 f"cannot read the {text_kind.name} text: {problem}", file=path, expected=expected
@@ -217,11 +253,12 @@ def kind_tokens(tokenizer: object, name: str, n: int) -> list[int]:
     return tokens_of(tokenizer, text, n, what=f"the {name} text", source=", ".join(used))
 
 
-def kind_segments(tokenizer: object, name: str, segments: int, n: int) -> list[list[int]]:
+def kind_segments(tokenizer: object, name: TextKind | str, segments: int, n: int) -> list[list[int]]:
     """`segments` runs of `n` tokens spread over one kind of text: the last `n` tokens of each of `segments`
     equal parts: one short passage is a noisy sample of a kind. The package gate and both quality benches read
     these."""
     text, used = read_kind(name)
+    label = name if isinstance(name, str) else name.name
     source = ", ".join(used)
     size = len(text) // segments
     # a part too short names the way out: fewer passages draw on longer parts
@@ -232,7 +269,7 @@ def kind_segments(tokenizer: object, name: str, segments: int, n: int) -> list[l
             tokenizer,
             text[: (i + 1) * size],
             n,
-            what=f"part {i + 1} of {segments} of the {name} text (passage {i + 1})",
+            what=f"part {i + 1} of {segments} of the {label} text (passage {i + 1})",
             source=source,
             expected=expected,
         )

@@ -52,6 +52,9 @@ class PackageOptions:
     """Measure the bundle's perplexity against the source and refuse it over `max_ppl_increase_pct` (`ignore_gate`
     packages anyway and records the failed check). `auto` and `fit` choose by it."""
     max_ppl_increase_pct: float = 10.0
+    gate_texts: tuple[str, ...] = ()
+    """Text files of the user's own the gate reads too, each a kind of its own (texts.user_kind): the text the app
+    will read. `auto` weights and KV, and `fit`, choose on them as on the gate's own kinds."""
     weights_layout: WeightsLayout = "loaded"
     """`mapped`: every tensor starts on a 16 KiB page (bundle/mapped.py), so the app can map the weights from the
     file and iOS counts them outside its footprint; `loaded`: plain safetensors, loaded into MLX's memory."""

@@ -97,7 +97,8 @@ def _csv(text: str) -> tuple[str, ...]:
     default="legal,quotes",
     show_default=True,
     help="Kinds of text to evaluate on (texts.py): legal and quotes are kinds calibration never reads; "
-    "python-held-out and manual are files it never reads.",
+    "python-held-out and manual are files it never reads; a path is a text file of your own (UTF-8 or .gz), "
+    "a kind of its own.",
 )
 @_count_option("--weights-tokens", 512, "Tokens per passage for the weight rows.")
 @_count_option(

@@ -67,6 +67,15 @@ from kvrig.recipes import DEFAULT_GROUP_SIZE, WEIGHT_CANDIDATES
     "it over --max-ppl-increase on any of them unless --ignore-gate.",
 )
 @click.option(
+    "--gate-text",
+    "gate_texts",
+    multiple=True,
+    metavar="FILE",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="A text file of your own (UTF-8 or .gz; repeatable) the gate reads too, as a kind of its own: the kind of "
+    "text your app will read. --weights auto, --kv auto and --fit choose on it as well.",
+)
+@click.option(
     "--cache/--no-cache",
     default=True,
     show_default=True,
@@ -117,6 +126,7 @@ def package(
     kv: str,
     quantized_kv_start: int,
     quality_gate: bool,
+    gate_texts: tuple[Path, ...],
     cache: bool,
     max_ppl_increase: float,
     page_tokens: int,
@@ -155,6 +165,7 @@ def package(
         ignore_gate=ignore_gate,
         quantized_kv_start=quantized_kv_start,
         quality_gate=quality_gate,
+        gate_texts=tuple(map(str, gate_texts)),
         cache=cache,
         max_ppl_increase_pct=max_ppl_increase,
         page_tokens=page_tokens,

@@ -36,7 +36,7 @@ from kvrig.runtime.generate import encode_prompt, generate_tokens
 from kvrig.runtime.host import load_bundle_model, prepare_for_host
 from kvrig.schemas.bundle import MANIFEST_NAME
 from kvrig.schemas.quality import FactualCheck, QualityReport, Row
-from kvrig.texts import EVALUATION_KINDS, kind_segments, read_kind
+from kvrig.texts import EVALUATION_KINDS, evaluation_kind, kind_segments, read_kind
 
 # awq-q4 is left out: mlx-lm's AWQ takes longer per layer here than the rest together (ask for it with --recipes).
 DEFAULT_RECIPES = ("q4", "q4g32", "q8", "mixed_4_6", "gptq-q4", "dq-4.6", "imx-4.6", "gpx-q4", "gpx-4.6")
@@ -242,6 +242,8 @@ def run_quality_bench(
 
     variants = unquantized_first([parse_kv(v) for v in kv_variants])
     weights_recipes = [parse_weights(r) for r in recipes]
+    for k in kinds:
+        evaluation_kind(k, "--kinds")  # before minutes of loading: a misspelt kind, or calibration text
     with bench_source(model) as (src, name, bundle):
         tokenizer = read_tokenizer(src)
         spec = load_model_spec(src / "config.json")

@@ -18,7 +18,8 @@ from kvrig.quality.perplexity import rows_nll
 from kvrig.schemas.bundle import KindCheck, QualityCheck
 from kvrig.schemas.kvcache import KVCacheConfig
 from kvrig.texts import GATE_KINDS as FILE_KINDS
-from kvrig.texts import GATE_TEXT, kind_segments
+from kvrig.texts import GATE_TEXT, TextKind, kind_segments, user_kind
+from kvrig.texts import kind as text_kind
 
 DEFAULT_MAX_INCREASE_PCT = 10.0
 """Refuse bundles whose perplexity is more than this much above the source's on any gate kind."""
@@ -42,11 +43,13 @@ class GateTexts:
     source_ppl: dict[str, float]
 
 
-def gate_tokens(tokenizer: Any) -> dict[str, list[list[int]]]:
-    """`prose`: kvrig's own text; the gate's file kinds (texts.py): passages spread over their files."""
+def gate_tokens(tokenizer: Any, user_texts: Iterable[str] = ()) -> dict[str, list[list[int]]]:
+    """`prose`: kvrig's own text; the gate's file kinds (texts.py) and the user's text files (`user_texts`, each
+    a kind named by its path): passages spread over their files."""
     ids = {"prose": [list(tokenizer.encode(GATE_TEXT))[:GATE_TOKENS]]}
-    for kind in FILE_KINDS:
-        ids[kind] = kind_segments(tokenizer, kind, GATE_SEGMENTS, SEGMENT_TOKENS)
+    kinds: list[TextKind] = [*map(text_kind, FILE_KINDS), *map(user_kind, user_texts)]
+    for kind in kinds:
+        ids[kind.name] = kind_segments(tokenizer, kind, GATE_SEGMENTS, SEGMENT_TOKENS)
     return ids
 
 

@@ -69,3 +69,61 @@ def test_gate_refuses_a_broken_bundle(source: Path, tmp_path: Path) -> None:
     forced = package(source, out, PackageOptions(weights="q2", kv="k8v4", quality_gate=True, ignore_gate=True))
     q = forced.manifest.quality
     assert q is not None and not q.passed and q.forced and q.ppl_delta_pct > 10
+
+
+def test_the_gate_reads_the_users_text_as_a_kind_of_its_own(source: Path, tmp_path: Path) -> None:
+    """`--gate-text FILE`: the file is one more gate kind, named by its path, its source perplexity the one
+    mlx-lm's own model gives on its passages (NLL summed by hand here)."""
+    import email.message
+    import inspect
+    import json
+    import math
+
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    from kvrig.quality.gate import GATE_KINDS, GATE_SEGMENTS, SEGMENT_TOKENS
+    from kvrig.texts import kind_segments
+
+    mine = tmp_path / "mine.py"
+    mine.write_text(inspect.getsource(email.message))  # no kind kvrig reads
+    out = tmp_path / "bundle"
+    args = ["package", str(source), "--weights", "q8", "--kv", "fp16", "--gate-text", str(mine), "--no-cache"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvrig", *args, "-o", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    quality = json.loads((out / "manifest.json").read_text())["quality"]
+    assert [k["kind"] for k in quality["kinds"]] == [*GATE_KINDS, str(mine)]
+    assert str(mine) in quality["text"]
+    (check,) = [k for k in quality["kinds"] if k["kind"] == str(mine)]
+
+    reference, _ = load_model(source)
+    reference.set_dtype(mx.float32)
+    nll = n = 0.0
+    for ids in kind_segments(load_tokenizer(source), str(mine), GATE_SEGMENTS, SEGMENT_TOKENS):
+        x = mx.array([ids])
+        logits = reference(x[:, :-1]).astype(mx.float32)  # type: ignore[operator]
+        picked = mx.take_along_axis(logits, x[:, 1:, None], axis=-1)[..., 0]
+        nll += (mx.logsumexp(logits, axis=-1) - picked).sum().item()
+        n += x.shape[1] - 1
+    assert check["tokens"] == n
+    assert check["source_ppl"] == pytest.approx(math.exp(nll / n), rel=2e-3)
+    assert check["ppl_delta_pct"] == pytest.approx(100 * (check["bundle_ppl"] / check["source_ppl"] - 1), abs=1e-2)
+
+
+def test_a_gate_text_that_is_no_text_is_refused_before_quantizing(tmp_path: Path) -> None:
+    from kvrig.exceptions import QualityInputError
+
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(bytes(range(256)) * 8)
+    out = tmp_path / "bundle"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvrig", "package", "--weights", "q8", "--gate-text", str(binary), "-o", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == QualityInputError.exit_code, proc.stderr
+    assert str(binary) in proc.stderr and "UTF-8" in proc.stderr and "Traceback" not in proc.stderr
+    assert not out.exists() and "quantiz" not in proc.stderr.lower()

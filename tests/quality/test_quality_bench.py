@@ -181,3 +181,50 @@ def test_a_goal_with_a_row_that_is_not_a_number_is_missed() -> None:
     judged = {g["goal"].split(" ")[2]: g for g in goals(report)}
     assert not judged["4.6"]["met"] and "nan" in judged["4.6"]["best"]
     assert not next(g for g in goals(report) if g["goal"].startswith("rotated k8v4"))["met"]
+
+
+def test_a_text_file_of_ones_own_is_a_kind_of_its_own(source: Path, tmp_path: Path) -> None:
+    """`--kinds legal,PATH`: the file is measured beside the licences, its source perplexity mlx-lm's own."""
+    import email.message
+    import inspect
+
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    from kvrig.quality.bench import run_quality_bench
+    from kvrig.texts import kind_segments
+
+    mine = tmp_path / "mine.py"
+    mine.write_text(inspect.getsource(email.message))
+    report = run_quality_bench(
+        source,
+        recipes=("q8",),
+        kv_variants=(),
+        kinds=("legal", str(mine)),
+        weights_tokens=TOKENS,
+        weights_passages=PASSAGES,
+        factual_recipe=None,
+    )
+    assert list(report.text) == ["legal", str(mine)] and report.text[str(mine)] == [str(mine)]
+    assert {row.kind for row in report.weights} == {"legal", str(mine)}
+    reference, _ = load_model(source)
+    reference.set_dtype(mx.float32)
+    passages = kind_segments(load_tokenizer(source), str(mine), PASSAGES, TOKENS + 1)
+    expected = mlx_lm_ppl(reference, passages)
+    assert report.source_ppl[f"{mine}/{PASSAGES}x{TOKENS}"] == pytest.approx(expected, rel=2e-3)
+
+
+@pytest.mark.parametrize("kinds", ["legal,docs", "legal,no-such-kind"])
+def test_calibration_text_or_a_misspelt_kind_is_refused_before_anything_loads(kinds: str, tmp_path: Path) -> None:
+    """Calibration text would judge calibrated recipes on what they learnt from: the input error (exit 46)
+    naming --kinds, as for a kind that is neither a kind nor a file."""
+    import subprocess
+    import sys
+
+    from kvrig.exceptions import QualityInputError
+
+    out = tmp_path / "out"
+    args = ["bench", "quality", "--kinds", kinds, "--recipes", "q8", "--kv", "", "-o", str(out)]
+    proc = subprocess.run([sys.executable, "-m", "kvrig", *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == QualityInputError.exit_code, proc.stderr
+    assert kinds.split(",")[1] in proc.stderr and "Traceback" not in proc.stderr
+    assert "field '--kinds'" in proc.stderr and not out.exists()

@@ -161,3 +161,24 @@ def test_a_kind_missing_from_debian_is_read_where_other_systems_put_it(tmp_path:
     with pytest.raises(QualityInputError, match="fortunes") as raised:
         read_kind(quotes)
     assert str(elsewhere) in str(raised.value) and raised.value.file == "/nonexistent/fortunes/wisdom"
+
+
+def test_a_users_file_is_read_as_it_is_and_never_as_a_kind_of_the_same_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvrig.exceptions import QualityInputError
+    from kvrig.texts import kind, read_kind, user_kind
+
+    mine = tmp_path / "notes.txt"
+    mine.write_text("one\n%\ntwo\n", encoding="utf-8")
+    assert kind(str(mine)).role == "user" and kind(str(mine)).name == str(mine)
+    assert read_kind(str(mine)) == ("one\n%\ntwo\n", [str(mine)])  # no fortune-file separators dropped
+    monkeypatch.chdir(tmp_path)
+    Path("legal").write_text("mine")
+    assert kind("legal").role == "evaluation"  # the name is the kind's
+    assert user_kind("legal").name == "./legal" and read_kind(user_kind("legal"))[0] == "mine"
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("café".encode("latin-1"))
+    with pytest.raises(QualityInputError) as caught:
+        read_kind(str(latin1))
+    assert caught.value.file == str(latin1) and "UTF-8" in str(caught.value)
