@@ -16,6 +16,16 @@ from kvrig.cli.render import echo_json, human_bytes, json_option
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+_kinds_option = click.option(
+    "--kinds",
+    default="legal,quotes",
+    show_default=True,
+    help="Kinds of text to evaluate on (texts.py): legal and quotes are kinds calibration never reads; "
+    "python-held-out and manual are files it never reads; a path is a text file of your own (UTF-8 or .gz), "
+    "a kind of its own.",
+)
+
+
 def _count_option(flag: str, default: int, help: str) -> Callable[[F], F]:
     """A passage count or length: at least 1 (0 is click's usage error naming the option, not a traceback)."""
     return click.option(flag, default=default, show_default=True, type=click.IntRange(min=1), help=help)
@@ -92,14 +102,7 @@ def _csv(text: str) -> tuple[str, ...]:
     help="KV variants, e.g. k8v4,k8v4+rot,k4v4+rot+s4+w64 "
     "(rot: Hadamard on K and V, rotk: keys only, sN: sink tokens, wN: recent window).",
 )
-@click.option(
-    "--kinds",
-    default="legal,quotes",
-    show_default=True,
-    help="Kinds of text to evaluate on (texts.py): legal and quotes are kinds calibration never reads; "
-    "python-held-out and manual are files it never reads; a path is a text file of your own (UTF-8 or .gz), "
-    "a kind of its own.",
-)
+@_kinds_option
 @_count_option("--weights-tokens", 512, "Tokens per passage for the weight rows.")
 @_count_option(
     "--weights-passages",
@@ -282,11 +285,19 @@ def _print_quality(report: object, paths: list[Path]) -> None:
 @_count_option(
     "--passages", 4, "Evaluation passages per kind, spread over its files (as bench quality's --weights-passages)."
 )
+@_kinds_option
 @seconds_option("--timeout", 600.0, "Seconds a recipe may take; longer: stopped and skipped.", minimum=0.01)
 @click.option("--scaling/--no-scaling", default=True, show_default=True, help="Time kvrig's on two tiny models.")
 @json_option
 def quantize(
-    model: Path | None, recipes: list[str], tokens: int, passages: int, timeout: float, scaling: bool, as_json: bool
+    model: Path | None,
+    recipes: list[str],
+    tokens: int,
+    passages: int,
+    kinds: str,
+    timeout: float,
+    scaling: bool,
+    as_json: bool,
 ) -> None:
     """Wall time, bits per weight and perplexity of each recipe on MODEL (default: the embedded SmolLM2),
     kvrig's beside mlx-lm's GPTQ, AWQ and DWQ, each in its own process; calibrated as kvrig package calibrates,
@@ -301,6 +312,7 @@ def quantize(
         recipes=tuple(recipes),  # already read by the option's callback
         tokens=tokens,
         passages=passages,
+        kinds=_csv(kinds),
         timeout=timeout,
         scaling=scaling,
         progress=lambda line: click.echo(line, err=True),

@@ -36,7 +36,7 @@ from kvrig.quality.bench import bench_source, load_weights, passages_ppl
 from kvrig.quantize.recipes import calibration_files
 from kvrig.recipes import parse_weights
 from kvrig.runtime.blas import preload_env
-from kvrig.texts import EVALUATION_KINDS, kind_segments, read_kind
+from kvrig.texts import EVALUATION_KINDS, evaluation_kind, kind_segments, read_kind
 
 DEFAULT_RECIPES = ("imx-q4", "imx-4.6", "gpx-q4", "gpx-4.6", "gptq-q4", "awq-q4", "dwq-q4")
 DEFAULT_TIMEOUT = 600.0
@@ -197,20 +197,23 @@ def run_quantize_bench(
     recipes: tuple[str, ...] = DEFAULT_RECIPES,
     tokens: int = 512,
     passages: int = 4,
+    kinds: tuple[str, ...] = EVALUATION_KINDS,
     timeout: float = DEFAULT_TIMEOUT,
     scaling: bool = True,
     progress: Callable[[str], None] = lambda _: None,
 ) -> QuantizeReport:
     """Quantizes MODEL (a model folder, GGUF or bundle; None: the embedded SmolLM2) with each recipe in its
-    own process and measures it against the unquantized source on the evaluation text; then, with `scaling`,
-    times kvrig's quantizers on two tiny models."""
+    own process and measures it against the unquantized source on `kinds` (texts.py kinds calibration never
+    reads, or text files); then, with `scaling`, times kvrig's quantizers on two tiny models."""
+    for k in kinds:
+        evaluation_kind(k, "--kinds")  # before minutes of loading: a misspelt kind, or calibration text
 
     load = [os.getloadavg()[0]]
     embedded = model is None or _is_embedded(Path(model))
     with bench_source(model) as (src, name, _):
         tokenizer = read_tokenizer(src)
-        ids = {k: kind_segments(tokenizer, k, passages, tokens + 1) for k in EVALUATION_KINDS}
-        progress(f"source: perplexity on {passages} x {tokens} tokens of each of {', '.join(EVALUATION_KINDS)}")
+        ids = {k: kind_segments(tokenizer, k, passages, tokens + 1) for k in kinds}
+        progress(f"source: perplexity on {passages} x {tokens} tokens of each of {', '.join(kinds)}")
         source, _ = load_weights(src, "source", None)
         spec = load_model_spec(src / "config.json")
         base = passages_ppl(source, spec, ids)
@@ -231,7 +234,7 @@ def run_quantize_bench(
     return QuantizeReport(
         name,
         calibration_files(),
-        {k: read_kind(k)[1] for k in EVALUATION_KINDS},
+        {k: read_kind(k)[1] for k in kinds},
         tokens,
         base,
         timeout,

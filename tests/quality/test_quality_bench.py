@@ -213,17 +213,21 @@ def test_a_text_file_of_ones_own_is_a_kind_of_its_own(source: Path, tmp_path: Pa
     assert report.source_ppl[f"{mine}/{PASSAGES}x{TOKENS}"] == pytest.approx(expected, rel=2e-3)
 
 
+@pytest.mark.parametrize("command", ["quality", "quantize"])
 @pytest.mark.parametrize("kinds", ["legal,docs", "legal,no-such-kind"])
-def test_calibration_text_or_a_misspelt_kind_is_refused_before_anything_loads(kinds: str, tmp_path: Path) -> None:
+def test_calibration_text_or_a_misspelt_kind_is_refused_before_anything_loads(
+    command: str, kinds: str, tmp_path: Path
+) -> None:
     """Calibration text would judge calibrated recipes on what they learnt from: the input error (exit 46)
-    naming --kinds, as for a kind that is neither a kind nor a file."""
+    naming --kinds, as for a kind that is neither a kind nor a file; in both benches."""
     import subprocess
     import sys
 
     from kvrig.exceptions import QualityInputError
 
     out = tmp_path / "out"
-    args = ["bench", "quality", "--kinds", kinds, "--recipes", "q8", "--kv", "", "-o", str(out)]
+    more = ["--kv", "", "-o", str(out)] if command == "quality" else ["--no-scaling"]
+    args = ["bench", command, "--kinds", kinds, "--recipes", "q8", *more]
     proc = subprocess.run([sys.executable, "-m", "kvrig", *args], capture_output=True, text=True, timeout=120)
     assert proc.returncode == QualityInputError.exit_code, proc.stderr
     assert kinds.split(",")[1] in proc.stderr and "Traceback" not in proc.stderr

@@ -198,3 +198,15 @@ def test_peak_rss_is_in_bytes() -> None:
     line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmHWM:"))
     kernel = int(line.split()[1]) * 1024
     assert abs(measured - kernel) <= 4 * 2**20, (measured, kernel)  # a KiB count read as bytes is 1/1024 of it
+
+
+def test_a_text_file_of_ones_own_is_measured_as_a_kind_of_its_own(tiny: Path, tmp_path: Path) -> None:
+    import email.message
+    import inspect
+
+    mine = tmp_path / "mine.py"
+    mine.write_text(inspect.getsource(email.message))
+    report = bench(str(tiny), "--recipes", "q8", "--kinds", f"legal,{mine}", "--tokens", "16", "--no-scaling")
+    assert list(report["evaluation"]) == ["legal", str(mine)] and report["evaluation"][str(mine)] == [str(mine)]
+    (run,) = report["runs"]
+    assert set(run["ppl"]) == set(report["source_ppl"]) == {"legal", str(mine)}
