@@ -312,6 +312,7 @@ def collect_limits(
             if stated is None or stated.limit_bytes is None:
                 continue
             where = f"{path}#{run.run_id}"
+            virtual = run.device.virtual or data.schema_version < 5
             if run.device.virtual and not include_virtual:  # the limit `kvrig virtual start` was given
                 skipped.append(f"{where}: a virtual iPhone's limit, not a phone's (--include-virtual keeps it)")
                 continue
@@ -352,10 +353,13 @@ def collect_limits(
                     runs=1,
                     last_seen=run.started,
                     sources=[where],
+                    virtual_sources=[where] if virtual else [],
                 )
                 continue
             entry.runs += 1
             entry.sources.append(where)
+            if virtual:
+                entry.virtual_sources.append(where)
             entry.seen_bytes = sorted({*entry.seen_bytes, stated.limit_bytes})
             if latest:
                 entry.limit_bytes, entry.last_seen = stated.limit_bytes, run.started

@@ -90,6 +90,32 @@ def test_a_virtual_iphones_limit_is_no_phones_fact(tmp_path: Path) -> None:
     assert got.skipped == [f"{path}#r1: a virtual iPhone's limit, not a phone's (--include-virtual keeps it)"]
     kept = collect_limits([path], include_virtual=True)  # trying the registry out on virtual phones
     assert kept.added == 2 and kept.skipped == []
+    (entry,) = kept.registry.limits
+    assert entry.sources == [f"{path}#r1", f"{path}#r2"] and entry.virtual_sources == [f"{path}#r1"]
+
+
+def test_a_plan_against_a_virtual_iphones_limit_says_so(tmp_path: Path) -> None:
+    """Kept with --include-virtual, the entry carries where it came from into the plan's line and the devices table;
+    a registry of phones only is written without the field, as older kvrig wrote (and reads) it."""
+    virtual = _run("r1", 1.0, 160)
+    virtual["device"]["virtual"] = True
+    results = _results(tmp_path / "a.json", virtual)
+    runner = CliRunner()
+    phones_only = tmp_path / "phones.json"
+    args = ["calibrate", str(_results(tmp_path / "b.json", _run("r2", 2.0, 3072))), "--limits-only"]
+    assert runner.invoke(cli, [*args, "--limits", str(phones_only)]).exit_code == 0
+    assert "virtual_sources" not in phones_only.read_text()
+    out = tmp_path / "limits.json"
+    args = ["calibrate", str(results), "--limits", str(out), "--limits-only", "--include-virtual"]
+    assert runner.invoke(cli, args).exit_code == 0
+    assert json.loads(out.read_text())["limits"][0]["virtual_sources"] == [f"{results}#r1"]
+    plan = ["plan", "-d", "iPhone16,1", "--limits", str(out), "--kv", "fp16", "--json"]
+    planned = runner.invoke(cli, plan)
+    assert planned.exit_code == 0, planned.output
+    said = json.loads(planned.output)["limit_measured_from"]
+    assert "1 of 1 from a virtual iPhone" in said
+    phones = runner.invoke(cli, [*plan[:-1], "--limits", str(phones_only), "--json"])
+    assert "from a virtual iPhone" not in json.loads(phones.output)["limit_measured_from"]
 
 
 def test_a_file_that_cannot_say_whether_the_phone_was_virtual_is_kept_out(tmp_path: Path) -> None:

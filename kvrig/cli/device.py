@@ -6,6 +6,7 @@ The device layer is async; each command bridges it once (`kvrig.device.loop.run_
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -13,6 +14,9 @@ from kvrig.cli.options import InputPath
 from kvrig.cli.output import OUTPUT, console
 from kvrig.cli.render import echo_json, human_bytes, json_option, usbmuxd_option
 from kvrig.device.loop import run_async
+
+if TYPE_CHECKING:
+    from kvrig.schemas.limits import MeasuredLimit
 
 
 def _udid_option(func):  # type: ignore[no-untyped-def]
@@ -94,7 +98,7 @@ def devices(tunnel: str, usbmuxd: tuple[str, ...], limits_file: Path | None, as_
         tunnel_text = "?" if p.tunnel is None else (p.tunnel.kind or "[red]none possible[/red]")
         extra = []
         if measured is not None:
-            shown = [human_bytes(e.limit_bytes) if e else "-" for e in measured[i].values()]
+            shown = [_measured(e) for e in measured[i].values()]
             extra = [f"{' / '.join(shown)} (build {d.build_version or '?'})"]
         table.add_row(
             d.udid,
@@ -234,3 +238,10 @@ def phone_address(udid: str | None, usbmuxd: tuple[str, ...]) -> str | None:
     from kvrig.device.hosts import address_of, parse_hosts
 
     return run_async(address_of(udid, parse_hosts(usbmuxd))) if usbmuxd else None
+
+
+def _measured(entry: MeasuredLimit | None) -> str:
+    if entry is None:
+        return "-"
+    # kept by calibrate --include-virtual: the limit a virtual iPhone was started with, no phone's
+    return human_bytes(entry.limit_bytes) + (" (virtual)" if entry.virtual_sources else "")

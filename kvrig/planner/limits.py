@@ -27,7 +27,14 @@ def describe(entry: MeasuredLimit, file: str | Path) -> str:
     runs = f"{entry.runs} run{'s' if entry.runs != 1 else ''}"
     agree = "" if len(entry.seen_bytes) == 1 else f", runs disagree: {', '.join(map(str, entry.seen_bytes))} B"
     version = f" (iOS {entry.os_version})" if entry.os_version else ""
-    return f"{file}: {entry.product_type} build {entry.build_version}{version}, {entitled}, {runs}{agree}"
+    virtual = ""
+    if entry.virtual_sources:  # kept by --include-virtual: what the virtual phone was started with, no phone's
+        n = len(entry.virtual_sources)
+        virtual = (
+            f"; {n} of {entry.runs} from a virtual iPhone or from results that cannot say (a virtual iPhone's limit "
+            "is the one it was started with)"
+        )
+    return f"{file}: {entry.product_type} build {entry.build_version}{version}, {entitled}, {runs}{agree}{virtual}"
 
 
 def lookup(registry: LimitsRegistry, types: list[str], build: str | None, limit: str) -> MeasuredLimit | None:

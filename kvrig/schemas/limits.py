@@ -8,9 +8,9 @@ Limits move between point releases without a release note (an 8 GB iPad went fro
 
 from __future__ import annotations
 
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from kvrig.schemas import StrictModel
 
@@ -32,6 +32,20 @@ class MeasuredLimit(StrictModel):
         default=None, allow_inf_nan=False, description="the latest run's start, seconds since the Unix epoch"
     )
     sources: list[str] = Field(description="RESULTS.json#run_id of each run", min_length=1)
+    virtual_sources: list[str] = Field(
+        default_factory=list,
+        description="the sources from kvrig's virtual iPhone, or from results too old to say (before results schema "
+        "5), kept by `kvrig calibrate --include-virtual`: their limit is the one the virtual iPhone was started with; "
+        "left out of the file when there are none",
+    )
+
+    @model_serializer(mode="wrap")
+    def _no_empty_virtual_sources(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # A registry of phones only is written as before the field came: a team's older kvrig still reads it.
+        data: dict[str, Any] = handler(self)
+        if not data.get("virtual_sources"):
+            data.pop("virtual_sources", None)
+        return data
 
     @property
     def key(self) -> tuple[str, str, bool]:

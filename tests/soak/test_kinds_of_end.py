@@ -138,6 +138,7 @@ def test_a_soak_records_the_limit_the_phone_stated(entitled: Emulator, tmp_path:
     assert measured["limit_bytes"] == LIMIT_BYTES and measured["limit_kind"] == "entitled"
     said = measured["limit_measured_from"]
     assert str(registry) in said and values["BuildVersion"] in said and "entitled" in said
+    assert "1 of 1 from a virtual iPhone" in said  # kept by --include-virtual: no phone's limit, and it says so
     # An app without the entitlement has no measured limit here: the plan falls back to the profile's, and says so.
     default = json.loads(_ok(cli.invoke(main_cli, [*plan_args, "--limits", str(registry), "--limit", "default"])))
     assert default["limit_bytes"] == profile.limit_default and default["limit_measured_from"] is None
@@ -157,6 +158,16 @@ def test_a_soak_records_the_limit_the_phone_stated(entitled: Emulator, tmp_path:
     phones = {d["udid"]: d for d in json.loads(listed.stdout)}
     here = phones[emulator.udid]["measured_limits"]
     assert here["entitled"]["limit_bytes"] == LIMIT_BYTES and here["default"] is None
+    assert len(here["entitled"]["virtual_sources"]) == 1
+    table = subprocess.run(
+        [sys.executable, "-m", "kvrig", "devices", "--limits", str(registry)],
+        capture_output=True,
+        text=True,
+        env={**env, "COLUMNS": "250"},
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert table.returncode == 0 and "(virtual)" in table.stdout, table.stdout + table.stderr
     other = phones[emulator.ios17.identity.udid]
     assert other["build_version"] != values["BuildVersion"]
     assert other["measured_limits"] == {"entitled": None, "default": None}
