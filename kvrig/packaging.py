@@ -487,12 +487,14 @@ def _package_auto_weights(job: _Job, kv: KVSpec, choice: Choice | None) -> Packa
         staged = _stage(job, recipe, kv, plan)
         check = _gate(job, staged, recipe, kv, enforce_it=False)
         assert check is not None
+        written, bits = _weights_written(staged.path)
         entry = Candidate(
             weights=name,
             kv=kv.name,
-            weights_bytes=plan.weights_bytes if plan else None,
+            # the plan's bytes are these (MLX's nbytes); without a device there is no plan, the bundle still counts
+            weights_bytes=plan.weights_bytes if plan else written,
             max_context=plan.max_context if plan else None,
-            bits_per_weight=_bits_per_weight(staged.path),
+            bits_per_weight=bits,
             ppl_delta_pct=check.ppl_delta_pct,
             verdict="passed" if check.passed else "failed gate",
             reason=_unmeasured_reason(check, job.texts()),
@@ -677,12 +679,16 @@ def _measure_weights(job: _Job, names: tuple[str, ...]) -> dict[str, float]:
     return out
 
 
-def _bits_per_weight(bundle: Path) -> float:
-    """Bits per weight of the written bundle as mlx-lm counts them (compute_bits_per_weight: every array's bytes
-    over the parameters), on the model mlx-lm loads from it lazily (nothing is read but the headers)."""
+def _weights_written(bundle: Path) -> tuple[int, float]:
+    """MLX's nbytes of the written bundle's arrays, and its bits per weight as mlx-lm counts them
+    (compute_bits_per_weight: those bytes over the parameters), on the model mlx-lm loads from it lazily (nothing
+    is read but the headers)."""
+    from mlx.utils import tree_flatten
     from mlx_lm.utils import compute_bits_per_weight, load_model
 
-    return round(compute_bits_per_weight(load_model(bundle, lazy=True)[0]), 3)
+    model = load_model(bundle, lazy=True)[0]
+    arrays: list[tuple[str, Any]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+    return sum(a.nbytes for _, a in arrays), round(compute_bits_per_weight(model), 3)
 
 
 def _check_output(out: Path, *, replace: bool) -> None:

@@ -31,6 +31,7 @@ def default_bundle(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 
 def test_defaults_choose_the_smallest_recipe_that_passes_the_gate(default_bundle: Path) -> None:
+    from mlx.utils import tree_flatten
     from mlx_lm.utils import compute_bits_per_weight, load_model
 
     from kvrig.bundle.manifest import load_manifest
@@ -58,8 +59,12 @@ def test_defaults_choose_the_smallest_recipe_that_passes_the_gate(default_bundle
         assert (c.ppl_delta_pct or 0.0) > limit and (c.reason == "" or c.reason.endswith("not measured")), c
     # <= 4.6 bits per weight, by mlx-lm's own count of the bundle as mlx-lm loads it (the host runtime widens
     # some arrays for the CPU, which is not what the phone holds)
-    bpw = compute_bits_per_weight(load_model(default_bundle)[0])
+    loaded = load_model(default_bundle)[0]
+    bpw = compute_bits_per_weight(loaded)
     assert bpw <= 4.6 and manifest.choice.weights[chosen].bits_per_weight == round(bpw, 3)
+    # every candidate measured has its bytes, with no device to plan for too: MLX's nbytes of what was written
+    assert manifest.choice.weights[chosen].weights_bytes == sum(a.nbytes for _, a in tree_flatten(loaded.parameters()))
+    assert all(c.weights_bytes for c in choice.weights[: chosen + 1])
     # The KV spec: both k8v4 spellings measured; the one chosen rose least.
     measured = {c.kv: c for c in choice.kv if c.kv in KV_AUTO}
     assert set(measured) == set(KV_AUTO) and all(c.ppl_delta_pct is not None for c in measured.values())
