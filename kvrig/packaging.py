@@ -288,6 +288,12 @@ def _check_options(options: PackageOptions) -> None:
         parse_weights(options.weights, options.group_size)
     if options.kv.strip().lower() != AUTO:
         parse_kv(options.kv)
+    if options.gate_texts and not options.quality_gate:
+        raise InputError(
+            "--gate-text is read by the quality gate, which is off",
+            field="--gate-text",
+            expected="the gate on (no --no-quality-gate), or no --gate-text",
+        )
     for path in options.gate_texts:
         if not Path(path).is_file():
             raise QualityInputError(f"no file {path!r}", field="--gate-text", expected="a text file of your own")

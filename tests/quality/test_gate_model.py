@@ -127,3 +127,15 @@ def test_a_gate_text_that_is_no_text_is_refused_before_quantizing(tmp_path: Path
     assert proc.returncode == QualityInputError.exit_code, proc.stderr
     assert str(binary) in proc.stderr and "UTF-8" in proc.stderr and "Traceback" not in proc.stderr
     assert not out.exists() and "quantiz" not in proc.stderr.lower()
+
+
+def test_a_gate_text_without_the_gate_is_refused(tmp_path: Path) -> None:
+    """The file would be read by nothing: refused naming the option (exit 3), not silently dropped."""
+    from kvrig.exceptions import InputError
+
+    mine = tmp_path / "mine.txt"
+    mine.write_text("text\n")
+    with pytest.raises(InputError) as refused:
+        package(None, tmp_path / "b", PackageOptions(weights="q8", quality_gate=False, gate_texts=(str(mine),)))
+    assert type(refused.value) is InputError and refused.value.field == "--gate-text"
+    assert not (tmp_path / "b").exists()
