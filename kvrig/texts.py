@@ -169,6 +169,13 @@ def user_kind(path: str | Path) -> TextKind:
     return TextKind(name, f"your text: {path}", "", (str(path),), "user")
 
 
+def column_label(name: str) -> str:
+    """A kind's name for a table's column: a file of the user's own by its file name (the full path is listed
+    beside the table)."""
+    short = Path(name).name
+    return short if short and short not in {k.name for k in KINDS} else name
+
+
 def evaluation_kind(name: str, option: str) -> TextKind:
     """A kind a measurement may judge a recipe on: any but the calibration's, which would read better than it
     is (`option` names where it was asked for)."""

@@ -211,8 +211,14 @@ def _spread(row: Any) -> str:
     return f"{row.passages} passages of {row.tokens} tokens spread over each kind"
 
 
+def _kind_cells(change: dict[str, float], width: dict[str, int]) -> str:
+    """One row's PPL change per kind, in the columns `width` gives (in its order); '-' where none was measured."""
+    return "".join(f"{change[k]:+{w - 1}.2f}%" if k in change else f"{'-':>{w}}" for k, w in width.items())
+
+
 def _print_quality(report: object, paths: list[Path]) -> None:
     from kvrig.quality.bench import QualityReport, worst_by_name
+    from kvrig.texts import column_label
 
     assert isinstance(report, QualityReport)
     kinds = list(report.text)
@@ -228,13 +234,14 @@ def _print_quality(report: object, paths: list[Path]) -> None:
     if report.weights:
         spread = _spread(report.weights[0])
         click.echo(f"\nweight recipes ({spread}, fp KV): PPL change")
-        kind_heads = "".join(f"{k:>11}" for k in kinds)
+        width = {k: max(11, len(column_label(k)) + 2) for k in kinds}
+        kind_heads = "".join(f"{column_label(k):>{width[k]}}" for k in kinds)
         click.echo(f"{'recipe':16}{'bits/weight':>12}{kind_heads}{'worst':>9}{'seconds':>9}")
         worst = worst_by_name(report.weights, lambda r: r.recipe)
         for name, w in worst.items():
             by_kind = {r.kind: r for r in report.weights if r.recipe == name}
             bpw = f"{w.bits_per_weight:.3f}" if w.bits_per_weight is not None else "-"
-            cells = "".join(f"{by_kind[k].ppl_delta_pct:+10.2f}%" if k in by_kind else f"{'-':>11}" for k in kinds)
+            cells = _kind_cells({k: r.ppl_delta_pct for k, r in by_kind.items()}, width)
             click.echo(f"{name:16}{bpw:>12}{cells}{w.ppl_delta_pct:+8.2f}%{w.seconds:9.0f}")
     if report.kv:
         ctx = sorted(report.kv[0].decode_tps)
@@ -247,12 +254,14 @@ def _print_quality(report: object, paths: list[Path]) -> None:
         click.echo(f"\nKV specs (source weights, {spread}, {reads}): PPL change")
         worst = worst_by_name(report.kv, lambda r: r.kv)
         fp = worst.get("fp16")
-        head = f"{'kv':20}" + "".join(f"{k:>10}" for k in kinds) + f"{'worst':>9}{'phone plan':>12}{'of fp16':>8}"
+        width = {k: max(10, len(column_label(k)) + 2) for k in kinds}
+        head = f"{'kv':20}" + "".join(f"{column_label(k):>{width[k]}}" for k in kinds)
+        head += f"{'worst':>9}{'phone plan':>12}{'of fp16':>8}"
         click.echo(head + "".join(f"{'tok/s@' + str(c):>12}" for c in ctx))
         for name, w in worst.items():
             by_kind = {r.kind: r for r in report.kv if r.kv == name}
             frac = w.phone_kv_bytes[last] / fp.phone_kv_bytes[last] if fp else 0.0
-            cells = "".join(f"{by_kind[k].ppl_delta_pct:+9.2f}%" if k in by_kind else f"{'-':>10}" for k in kinds)
+            cells = _kind_cells({k: r.ppl_delta_pct for k, r in by_kind.items()}, width)
             click.echo(
                 f"{name:20}{cells}{w.ppl_delta_pct:+8.2f}%{human_bytes(w.phone_kv_bytes[last]):>12}{frac:8.1%}"
                 + "".join(f"{w.decode_tps[c]:12.2f}" for c in ctx)

@@ -36,7 +36,7 @@ from kvrig.quality.bench import bench_source, load_weights, passages_ppl
 from kvrig.quantize.recipes import calibration_files
 from kvrig.recipes import parse_weights
 from kvrig.runtime.blas import preload_env
-from kvrig.texts import EVALUATION_KINDS, evaluation_kind, kind_segments, read_kind
+from kvrig.texts import EVALUATION_KINDS, column_label, evaluation_kind, kind_segments, read_kind
 
 DEFAULT_RECIPES = ("imx-q4", "imx-4.6", "gpx-q4", "gpx-4.6", "gptq-q4", "awq-q4", "dwq-q4")
 DEFAULT_TIMEOUT = 600.0
@@ -149,6 +149,7 @@ class QuantizeReport:
         """The report as text: one row per recipe (perplexity and its change per evaluation kind), then the
         scaling check."""
         kinds = list(self.source_ppl)
+        width = {k: max(14, len("PPL " + column_label(k)) + 2) for k in kinds}
         out = [
             f"model {self.model}; {self.cpus} CPUs, load average {' -> '.join(f'{v:.1f}' for v in self.load_average)}",
             *(f"calibration {k}: {', '.join(files)}" for k, files in self.calibration.items()),
@@ -159,7 +160,7 @@ class QuantizeReport:
             "source perplexity " + ", ".join(f"{k} {v:.3f}" for k, v in self.source_ppl.items()),
             "",
             f"{'recipe':12}{'by':8}{'seconds':>9}{'cpu s':>8}{'bits/w':>8}"
-            + "".join(f"{'PPL ' + k:>14}{'change':>9}" for k in kinds)
+            + "".join(f"{'PPL ' + column_label(k):>{width[k]}}{'change':>9}" for k in kinds)
             + f"{'peak RSS':>10}",
         ]
         for r in self.runs:
@@ -169,7 +170,7 @@ class QuantizeReport:
             delta = r.ppl_delta_pct or {}
             out.append(
                 f"{r.recipe:12}{r.by:8}{r.seconds or 0:9.1f}{r.cpu_seconds or 0:8.1f}{r.bits_per_weight or 0:8.3f}"
-                + "".join(f"{r.ppl.get(k, 0):14.3f}{delta.get(k, 0):+8.2f}%" for k in kinds)
+                + "".join(f"{r.ppl.get(k, 0):{width[k]}.3f}{delta.get(k, 0):+8.2f}%" for k in kinds)
                 + f"{(r.peak_rss_bytes or 0) / 2**30:9.2f}G"
                 + (f"  ({r.note})" if r.note else "")
             )

@@ -183,8 +183,11 @@ def test_a_goal_with_a_row_that_is_not_a_number_is_missed() -> None:
     assert not next(g for g in goals(report) if g["goal"].startswith("rotated k8v4"))["met"]
 
 
-def test_a_text_file_of_ones_own_is_a_kind_of_its_own(source: Path, tmp_path: Path) -> None:
-    """`--kinds legal,PATH`: the file is measured beside the licences, its source perplexity mlx-lm's own."""
+def test_a_text_file_of_ones_own_is_a_kind_of_its_own(
+    source: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--kinds legal,PATH`: the file is measured beside the licences, its source perplexity mlx-lm's own; the
+    table names its column by the file's name, in line with the rows."""
     import email.message
     import inspect
 
@@ -211,6 +214,16 @@ def test_a_text_file_of_ones_own_is_a_kind_of_its_own(source: Path, tmp_path: Pa
     passages = kind_segments(load_tokenizer(source), str(mine), PASSAGES, TOKENS + 1)
     expected = mlx_lm_ppl(reference, passages)
     assert report.source_ppl[f"{mine}/{PASSAGES}x{TOKENS}"] == pytest.approx(expected, rel=2e-3)
+
+    from kvrig.cli.bench import _print_quality
+
+    capsys.readouterr()
+    _print_quality(report, [])
+    lines = capsys.readouterr().out.splitlines()
+    (head,) = [line for line in lines if line.startswith("recipe")]
+    (row,) = [line for line in lines if line.startswith("q8 ")]
+    assert head.split()[2:4] == ["legal", "mine.py"] and len(head) == len(row)
+    assert head.index("mine.py") + len("mine.py") == row.index("%", head.index("legal") + len("legal")) + 1
 
 
 @pytest.mark.parametrize("command", ["quality", "quantize"])
