@@ -459,7 +459,8 @@ def goals(report: QualityReport) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     kinds = ", ".join(report.text)
     recipes = worst_by_name(report.weights, lambda r: r.recipe)
-    for bpw_limit, delta in GOAL_RECIPES:
+    # A run judges the goals of what it measured: weight goals with weight rows, KV goals with KV rows.
+    for bpw_limit, delta in GOAL_RECIPES if report.weights else ():
         small = [r for r in recipes.values() if r.bits_per_weight is not None and r.bits_per_weight <= bpw_limit]
         best = min(small, key=lambda r: worst_first(r.ppl_delta_pct), default=None)
         out.append(
@@ -473,13 +474,14 @@ def goals(report: QualityReport) -> list[dict[str, Any]]:
         )
     kv = worst_by_name(report.kv, lambda r: r.kv)
     rot = kv.get("k8v4+rot")
-    out.append(
-        {
-            "goal": f"rotated k8v4 within +{GOAL_ROT_K8V4_DELTA} % of fp16 KV on every kind",
-            "met": rot is not None and rot.ppl_delta_pct <= GOAL_ROT_K8V4_DELTA,
-            "best": None if rot is None else f"k8v4+rot: worst {rot.ppl_delta_pct:+.2f} % ({rot.kind})",
-        }
-    )
+    if report.kv:
+        out.append(
+            {
+                "goal": f"rotated k8v4 within +{GOAL_ROT_K8V4_DELTA} % of fp16 KV on every kind",
+                "met": rot is not None and rot.ppl_delta_pct <= GOAL_ROT_K8V4_DELTA,
+                "best": None if rot is None else f"k8v4+rot: worst {rot.ppl_delta_pct:+.2f} % ({rot.kind})",
+            }
+        )
     fp = kv.get("fp16")
     if fp is not None and GOAL_CONTEXT in fp.phone_kv_bytes:
         full = fp.phone_kv_bytes[GOAL_CONTEXT]

@@ -183,6 +183,21 @@ def test_a_goal_with_a_row_that_is_not_a_number_is_missed() -> None:
     assert not next(g for g in goals(report) if g["goal"].startswith("rotated k8v4"))["met"]
 
 
+def test_a_run_judges_the_goals_of_what_it_measured() -> None:
+    """A weights-only run (`--kv ''`) listed the KV goal as missed, and a KV-only run the weight goals: a goal
+    nothing was measured for is not judged; one whose rows were measured and none qualifies is missed."""
+    from kvrig.quality.bench import goals
+    from kvrig.schemas.quality import QualityReport, Row
+
+    weights = [Row(recipe="q8", kv="fp16", kind="legal", ppl=30.0, ppl_delta_pct=0.1, tokens=512, bits_per_weight=8.5)]
+    kv = [Row(recipe="source", kv="k8v4", kind="legal", ppl=30.0, ppl_delta_pct=0.4, tokens=1024)]
+    text = {"legal": []}
+    only_weights = [g["goal"] for g in goals(QualityReport(model="m", text=text, calibration={}, weights=weights))]
+    assert len(only_weights) == 2 and all(g.startswith("a <=") for g in only_weights)
+    judged = goals(QualityReport(model="m", text=text, calibration={}, kv=kv))
+    assert [g["goal"].split(" ")[0] for g in judged] == ["rotated"] and not judged[0]["met"]  # k8v4+rot not among them
+
+
 def test_a_text_file_of_ones_own_is_a_kind_of_its_own(
     source: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
