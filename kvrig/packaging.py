@@ -170,6 +170,7 @@ class _Job:
         self._tokenizer: Any = None
         self._source: Any = None
         self._texts: GateTexts | None = None
+        self._ids: dict[str, list[list[int]]] | None = None
         # What calibrated recipes measure on the source, measured once for every recipe this call tries.
         self.statistics = CalibrationStatistics()
         self.say = options.progress
@@ -214,12 +215,15 @@ class _Job:
             self.say(f"{what} on the gate's texts: measured before ({self.measurements().root})")
         return values
 
-    def _gate_ids(self) -> dict[str, list[list[int]]]:
-        return gate_tokens(self.tokenizer, self.options.gate_texts)
+    def gate_ids(self) -> dict[str, list[list[int]]]:
+        """The gate's passages, tokenized once (a user's text too short for them is refused here)."""
+        if self._ids is None:
+            self._ids = gate_tokens(self.tokenizer, self.options.gate_texts)
+        return self._ids
 
     def texts(self) -> GateTexts:
         if self._texts is None:
-            ids = self._gate_ids()
+            ids = self.gate_ids()
             ppl = self.measured(
                 "the unquantized model", {}, ids, lambda: kind_perplexities(self.source(), None, "", ids)
             )
@@ -262,6 +266,8 @@ def package(model: str | Path | None, out: str | Path, options: PackageOptions) 
         with _disk_errors(out.parent / f".{out.name}.partial-"):
             work = stack.enter_context(scratch_dir(out.parent, f".{out.name}.partial-"))
         job = _Job(src_dir, source_info, out, options, work)
+        if options.gate_texts and options.quality_gate:
+            job.gate_ids()  # a user's text too short for the gate's passages: refused before minutes of quantizing
         if options.fit is not None:
             return _package_fit(job, options.fit)
         kv, choice = _choose_kv(job)

@@ -113,6 +113,19 @@ def test_the_gate_reads_the_users_text_as_a_kind_of_its_own(source: Path, tmp_pa
     assert check["ppl_delta_pct"] == pytest.approx(100 * (check["bundle_ppl"] / check["source_ppl"] - 1), abs=1e-2)
 
 
+def test_a_gate_text_too_short_for_its_passages_is_refused_before_quantizing(source: Path, tmp_path: Path) -> None:
+    from kvrig.exceptions import QualityInputError
+
+    short = tmp_path / "short.txt"
+    short.write_text("A few words of my own.\n" * 40)
+    out = tmp_path / "bundle"
+    args = ["package", str(source), "--weights", "q8", "--kv", "fp16", "--gate-text", str(short), "-o", str(out)]
+    proc = subprocess.run([sys.executable, "-m", "kvrig", *args], capture_output=True, text=True)
+    assert proc.returncode == QualityInputError.exit_code, proc.stderr
+    assert str(short) in proc.stderr and "fewer than the 256 asked for" in proc.stderr
+    assert "quantizing" not in proc.stderr and not out.exists()
+
+
 def test_a_gate_text_that_is_no_text_is_refused_before_quantizing(tmp_path: Path) -> None:
     from kvrig.exceptions import QualityInputError
 
