@@ -24,6 +24,7 @@ from kvrig.exceptions import DocsStaleError, InputError, KvrigError
 from kvrig.fileio import atomic_write, read_data
 from kvrig.schemas import load_model_file, validate_data
 from kvrig.schemas.measurement import Benchmark, Benchmarks, Host, Measurement
+from kvrig.texts import column_label
 from kvrig.version import dependency_versions
 
 __all__ = ["DocsStaleError", "GeneratedSection", "measure", "render_docs", "sections", "stale_pages", "write_docs"]
@@ -232,6 +233,7 @@ def _environment(root: Path) -> jinja2.Environment:
         fixed=lambda n, digits=2: f"{n:,.{digits}f}",
         signed_pct=lambda ratio, digits=2: f"{ratio * 100:+.{digits}f} %".replace("-", "−"),
         text_file=_text_file,
+        column_label=column_label,
     )
     env.globals["measured"] = _measured_line
     return env
