@@ -31,7 +31,6 @@ from kvrig.exceptions import (
     ModelConfigError,
     OutputWriteError,
     QualityGateError,
-    QualityInputError,
     QuantizationError,
 )
 from kvrig.fileio import scratch_dir, swap_in, sweep_scratch
@@ -301,9 +300,7 @@ def _check_options(options: PackageOptions) -> None:
             expected="the gate on (no --no-quality-gate), or no --gate-text",
         )
     for path in options.gate_texts:
-        if not Path(path).is_file():
-            raise QualityInputError(f"no file {path!r}", field="--gate-text", expected="a text file of your own")
-        read_kind(user_kind(path))  # unreadable or not text: refused before minutes of quantizing
+        read_kind(user_kind(path))  # missing, unreadable or not text: refused before minutes of quantizing
     if options.fit is not None:
         if options.device is None:
             raise InputError("--fit needs a device to plan for", field="--fit", expected="--device D as well")

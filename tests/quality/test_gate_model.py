@@ -152,3 +152,14 @@ def test_a_gate_text_without_the_gate_is_refused(tmp_path: Path) -> None:
         package(None, tmp_path / "b", PackageOptions(weights="q8", quality_gate=False, gate_texts=(str(mine),)))
     assert type(refused.value) is InputError and refused.value.field == "--gate-text"
     assert not (tmp_path / "b").exists()
+
+
+def test_a_missing_gate_text_is_refused_naming_it(tmp_path: Path) -> None:
+    """The library call (the CLI's click.Path refuses first): the input error naming the file, nothing written."""
+    from kvrig.exceptions import QualityInputError
+
+    missing = tmp_path / "gone.txt"
+    with pytest.raises(QualityInputError) as refused:
+        package(None, tmp_path / "b", PackageOptions(weights="q8", gate_texts=(str(missing),)))
+    assert refused.value.file == str(missing) and "No such file" in str(refused.value)
+    assert not (tmp_path / "b").exists()
