@@ -155,15 +155,20 @@ def activation_importance(model: Any, calibration: Any, batch_size: int = BATCH_
     """Mean squared input per channel of every quantizable layer over the calibration rows, by path. A tied
     embedding is weighted by the hidden states it projects to logits; an untied one gets None (its rows are
     looked up, not multiplied). Layers fed the same input get the same array."""
-    return input_statistics(model, calibration, lambda x: (x * x).sum(0), batch_size)
+    return input_statistics(model, calibration, lambda x: [(x * x).sum(0)], batch_size)
 
 
 def input_statistics(
-    model: Any, calibration: Any, reduce: Callable[[Any], Any], batch_size: int = BATCH_ROWS
+    model: Any,
+    calibration: Any,
+    reduce: Callable[[Any], list[Any]],
+    batch_size: int = BATCH_ROWS,
+    finish: Callable[[list[Any]], Any] = lambda parts: parts[0],
 ) -> dict[str, Any]:
-    """Sum of `reduce(inputs)` over the calibration rows, divided by the token count, for every quantizable
-    layer by path (inputs as float32 (tokens, in_features); None for an untied embedding, which only looks
-    rows up). Layers fed the same input (a layer's q/k/v projections) get one array, reduced once per batch."""
+    """`finish` of the sums of `reduce(inputs)` (a list of arrays, summed part by part) over the calibration
+    rows, divided by the token count, for every quantizable layer by path (inputs as float32 (tokens,
+    in_features); None for an untied embedding, which only looks rows up). Layers fed the same input (a layer's
+    q/k/v projections) get one array, reduced once per batch."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_unflatten
@@ -180,7 +185,7 @@ def input_statistics(
             latest[:] = [(x, reduce(x.astype(mx.float32).reshape(-1, x.shape[-1])), path)]
         _, v, owner = latest[0]
         owners.setdefault(path, set()).add(owner)
-        sums[path] = v if path not in sums else sums[path] + v
+        sums[path] = v if path not in sums else [a + b for a, b in zip(sums[path], v, strict=True)]
 
     class Linear(nn.Module):
         def __init__(self, inner: Any, path: str) -> None:
@@ -219,7 +224,7 @@ def input_statistics(
     finally:
         model.update_modules(tree_unflatten(originals))
     rows = calibration.size
-    out = {p: sums[p] / rows if p in sums else None for p, _ in originals}
+    out = {p: finish([part / rows for part in sums[p]]) if p in sums else None for p, _ in originals}
     for path, first in owners.items():
         if len(first) == 1 and (owner := next(iter(first))) != path:
             out[path] = out[owner]  # the same sums, added in the same order: one array for both

@@ -13,7 +13,7 @@ from mlx.utils import tree_flatten
 
 from kvrig.models import spec_from_config
 from kvrig.planner.weights import account_weights
-from kvrig.quantize.gpx import fit_feedback, input_hessians
+from kvrig.quantize.gpx import fit_feedback, gram_matrix, gram_strips, input_hessians
 from kvrig.quantize.imx import fit_affine
 from kvrig.quantize.recipes import apply_recipe
 from kvrig.recipes import parse_weights
@@ -69,3 +69,16 @@ def test_gpx_bytes_equal_the_planners_and_imx() -> None:
     assert gpx_config["quantization"] == imx_config["quantization"]
     shapes = {k: (v.shape, v.dtype) for k, v in tree_flatten(gpx.parameters())}
     assert shapes == {k: (v.shape, v.dtype) for k, v in tree_flatten(imx.parameters())}
+
+
+@pytest.mark.parametrize("width", [64, 130, 200, 576, 1000])
+def test_the_hessians_strips_put_back_are_the_gram_matrix(width: int) -> None:
+    """XᵀX from its upper triangle's strips, in fewer products' entries than XᵀX has, whatever width the last
+    strip is left with: every entry where x.T @ x has it."""
+    mx.random.seed(width)
+    x = mx.random.normal((300, width))
+    strips = gram_strips(x)
+    assert sum(s.size for s in strips) < width * width or len(strips) == 1
+    h = gram_matrix(strips)
+    assert h.shape == (width, width)
+    assert mx.allclose(h, x.T @ x, rtol=1e-5, atol=1e-4)
