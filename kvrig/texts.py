@@ -13,8 +13,10 @@ calibration never reads (other Python modules, the Debian Reference).
 
 from __future__ import annotations
 
+import functools
 import glob
 import gzip
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -178,8 +180,10 @@ def column_label(name: str) -> str:
 
 def evaluation_kind(name: str, option: str) -> TextKind:
     """A kind a measurement may judge a recipe on: any but the calibration's, which would read better than it
-    is (`option` names where it was asked for)."""
+    is, nor a file holding a passage of it (`option` names where it was asked for)."""
     found = kind(name, option)
+    if found.role == "user":
+        read_kind(found)  # before anything loads: a file that is no text, or holds calibration text
     if found.role == "calibration":
         raise QualityInputError(
             f"{name!r} is calibration text: calibrated recipes learn from it, so it cannot judge them",
@@ -231,11 +235,56 @@ def read_kind(text_kind: TextKind | str) -> tuple[str, list[str]]:
             raise QualityInputError(
                 f"cannot read the {text_kind.name} text: {problem}", file=path, expected=expected
             ) from None
+        if user and (copied := calibration_passage(text)) is not None:
+            raise QualityInputError(
+                f"this file holds a passage of calibration text ({copied}): calibrated recipes learn from it, so it "
+                "cannot judge them",
+                file=path,
+                expected="text calibration never reads",
+            )
         used.append(str(path))
     text = "\n\n".join(parts)
     if text_kind.start is not None and text_kind.start in text:
         text = text[text.index(text_kind.start) :]
     return text, used
+
+
+COPIED_LINES = 12
+"""Consecutive lines of a user's file (of MIN_LINE characters or more, shorter ones skipped) that, following one
+another in a calibration file too, make the file a copy of calibration text: far fewer than a 256-token passage
+holds, far more than two texts of one language share by chance."""
+MIN_LINE = 24
+"""Characters a line needs to count: shorter ones (`}`, `return result`) are in any code."""
+
+
+def calibration_passage(text: str) -> str | None:
+    """The calibration file a passage of `text` was copied from (COPIED_LINES lines in a row, compared without
+    their indentation), or None."""
+    lines = _long_lines(text)
+    run = 0
+    for pair in itertools.pairwise(lines):
+        run = run + 1 if pair in _calibration_pairs() else 0
+        if run + 1 >= COPIED_LINES:
+            return _calibration_pairs()[pair]
+    return None
+
+
+def _long_lines(text: str) -> list[str]:
+    return [line for line in map(str.strip, text.splitlines()) if len(line) >= MIN_LINE]
+
+
+@functools.cache
+def _calibration_pairs() -> dict[tuple[str, str], str]:
+    """Every two long lines that follow one another in one calibration file and in no other, with that file's
+    name."""
+    files: dict[tuple[str, str], set[str]] = {}
+    for name in CALIBRATION_KINDS:
+        for vendored in kind(name).vendored:
+            lines = _long_lines(gzip.decompress((TEXTS_DIR / vendored).read_bytes()).decode("utf-8", "replace"))
+            for pair in itertools.pairwise(lines):
+                files.setdefault(pair, set()).add(vendored)
+    # What two calibration files share (glibc's licence header, in every header) is boilerplate, not their text.
+    return {pair: next(iter(names)) for pair, names in files.items() if len(names) == 1}
 
 
 def tokens_of(tokenizer: object, text: str, n: int, *, what: str, source: str) -> list[int]:

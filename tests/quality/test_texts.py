@@ -182,3 +182,43 @@ def test_a_users_file_is_read_as_it_is_and_never_as_a_kind_of_the_same_name(
     with pytest.raises(QualityInputError) as caught:
         read_kind(str(latin1))
     assert caught.value.file == str(latin1) and "UTF-8" in str(caught.value)
+
+
+def _lines_of(vendored: str) -> list[str]:
+    return gzip.decompress((TEXTS_DIR / vendored).read_bytes()).decode().splitlines()
+
+
+@pytest.mark.parametrize("kind_name", CALIBRATION_KINDS)
+def test_a_users_file_holding_calibration_text_is_refused(kind_name: str, tmp_path: Path) -> None:
+    """A passage copied out of the middle of any calibration file, re-indented, amid text of one's own: the file
+    cannot judge calibrated recipes, at the bench's --kinds as where it is read."""
+    from kvrig.texts import evaluation_kind, kind
+
+    for vendored in kind(kind_name).vendored:
+        lines = _lines_of(vendored)
+        middle = len(lines) // 2
+        passage = ["\t" + line.strip() for line in lines[middle : middle + 120]]
+        mine = tmp_path / f"{Path(vendored).stem}.txt"
+        mine.write_text("My own notes on this.\n" * 3 + "\n".join(passage) + "\nThe end of my notes.\n")
+        with pytest.raises(QualityInputError) as caught:
+            evaluation_kind(str(mine), "--kinds")
+        assert caught.value.file == str(mine) and vendored in str(caught.value)
+
+
+def test_text_calibration_never_reads_is_not_taken_for_it(tmp_path: Path) -> None:
+    """What the gate and the evaluation read (shipped copies of Debian files calibration never reads), and what
+    two calibration files share (glibc's licence header) beside text of one's own, are files one may judge by."""
+    from kvrig.texts import evaluation_kind, kind
+
+    shipped = [v for k in KINDS if k.role != "calibration" and k.shipped for v in k.vendored]
+    assert shipped
+    for vendored in shipped:
+        mine = tmp_path / Path(vendored).name.removesuffix(".gz")
+        mine.write_text("\n".join(_lines_of(vendored)))
+        assert evaluation_kind(str(mine), "--kinds").role == "user"
+    c_files = kind("c").vendored
+    shared = [line for line in _lines_of(c_files[0]) if line in set(_lines_of(c_files[1])) and len(line.strip()) > 30]
+    assert len(shared) >= 12  # the licence header every glibc header carries
+    mine = tmp_path / "mine.h"
+    mine.write_text("\n".join(shared) + "\nint my_own_function(int argument, const char *name);\n")
+    assert evaluation_kind(str(mine), "--kinds").role == "user"
