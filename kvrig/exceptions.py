@@ -448,7 +448,8 @@ class QualityGateError(KvrigError):
 
 
 class QualityInputError(InputError):
-    """A quality measurement cannot run: the evaluation or calibration text is missing or too short."""
+    """A quality measurement cannot run: the evaluation or calibration text is missing, too short or no UTF-8
+    text, or a text asked to judge recipes is (or holds) calibration text."""
 
     exit_code = 46
 
